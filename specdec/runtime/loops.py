@@ -1,0 +1,225 @@
+"""Decoding loops: ``ar`` (baseline), ``vanilla`` (padded speculative baseline), ``ems`` (EMS-SD).
+
+Each loop reads top to bottom: admit → draft → one target ragged step → verify → commit
+KV and outputs → retire finished sequences. The bookkeeping they share (admission, the
+target call and its metrics, acceptance, stop checks, streaming callbacks) lives in
+``DecodeContext`` so each loop shows only what makes it different.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.runtime.backends.base import Backend
+from specdec.runtime.drafters import Draft, Drafter
+from specdec.runtime.kv import KVCacheManager
+from specdec.runtime.metrics import RunMetrics, StepRecord
+from specdec.runtime.packed import SeqWork, pack
+from specdec.runtime.request import SeqState, StopChecker
+from specdec.runtime.sampling import next_token, verify_greedy, verify_sampling, warp
+from specdec.runtime.scheduler import Scheduler
+
+TokenCallback = Callable[[SeqState, list[int]], None]
+
+
+@dataclass
+class DecodeContext:
+    """Everything a loop needs besides its own control flow."""
+
+    target: Backend
+    kv: KVCacheManager
+    scheduler: Scheduler
+    stopper: StopChecker
+    drafter: Drafter | None = None
+    num_draft_tokens: int = 4
+    on_tokens: TokenCallback | None = None  # called with each sequence's newly appended tokens
+    on_finish: Callable[[SeqState], None] | None = None
+    keep_running: Callable[[], bool] | None = None  # serving: wait for work instead of returning
+    run: RunMetrics = field(default_factory=lambda: RunMetrics("?"))
+
+    def has_work(self, live: Sequence[SeqState]) -> bool:
+        if live or self.scheduler.pending():
+            return True
+        while self.keep_running is not None and self.keep_running():
+            if self.scheduler.wait_for_work(timeout=0.1):
+                return True
+        return False
+
+    def admit(self, live: Sequence[SeqState]) -> list[SeqState]:
+        return self.scheduler.admit(self.kv, len(live))
+
+    def draft_lengths(self, seqs: Sequence[SeqState]) -> list[int]:
+        """k_i per sequence: its requested k, capped so it never drafts past max_tokens or the context."""
+        ks = []
+        for seq in seqs:
+            k = self.num_draft_tokens if seq.request.num_draft_tokens is None else seq.request.num_draft_tokens
+            budget = seq.request.max_tokens - seq.num_generated - 1  # one token always comes from the target
+            room = self.kv.room(seq.slot) - 1  # rows written: last token + k drafts
+            ks.append(max(0, min(k, budget, room)))
+        return ks
+
+    def propose(self, seqs: Sequence[SeqState], ks: Sequence[int] | None = None) -> tuple[list[Draft], float]:
+        if self.drafter is None or not seqs:
+            return [Draft([]) for _ in seqs], 0.0
+        start = time.perf_counter()
+        drafts = self.drafter.propose(seqs, self.draft_lengths(seqs) if ks is None else ks)
+        return drafts, time.perf_counter() - start
+
+    def target_step(self, work: Sequence[SeqWork], real_rows: int, prefill_rows: int, draft_tokens: int,
+                    draft_seconds: float = 0.0, cache_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Run one packed target call; returns each work item's logits rows."""
+        batch = pack(work, cache_mask)
+        rows_before = self.target.rows_processed
+        start = time.perf_counter()
+        logits = self.target.step(batch, self.kv.storage)
+        self.run.steps.append(StepRecord(
+            batch_size=batch.num_seqs, rows=self.target.rows_processed - rows_before, real_rows=real_rows,
+            prefill_rows=prefill_rows, draft_tokens=draft_tokens, accepted_draft_tokens=0,
+            seconds=time.perf_counter() - start, draft_seconds=draft_seconds,
+        ))
+        return list(torch.split(logits, [len(w.logit_offsets()) for w in work]))
+
+    def prefill_work(self, seq: SeqState) -> SeqWork:
+        return SeqWork(seq.slot, 0, seq.request.prompt_ids, logits="last")
+
+    def start(self, seq: SeqState, logits: torch.Tensor) -> None:
+        """After the prompt's prefill: commit it and emit the first token."""
+        self.kv.commit(seq.slot, seq.num_prompt)
+        seq.metrics.target_calls += 1
+        self.emit(seq, [next_token(logits[-1], seq.request.sampling, seq.generator)])
+
+    def verify(self, seq: SeqState, draft: Draft, logits: torch.Tensor) -> list[int]:
+        """Accepted drafts + one target token, from logits after [last, *drafts]."""
+        params = seq.request.sampling
+        if params.greedy:
+            tokens = verify_greedy(draft.tokens, torch.argmax(logits, dim=-1).tolist())
+        else:
+            tokens = verify_sampling(draft.tokens, draft.probs, warp(logits, params), seq.generator)
+        accepted = len(tokens) - 1
+        seq.metrics.target_calls += 1
+        seq.metrics.draft_tokens += len(draft.tokens)
+        seq.metrics.accepted_draft_tokens += accepted
+        self.run.steps[-1].accepted_draft_tokens += accepted
+        return tokens
+
+    def emit(self, seq: SeqState, tokens: Sequence[int]) -> None:
+        appended = self.stopper.append(seq, tokens)
+        self.run.generated_tokens += len(appended)
+        if self.on_tokens is not None and appended:
+            self.on_tokens(seq, appended)
+
+    def retire(self, seqs: Sequence[SeqState]) -> list[SeqState]:
+        """Free the slots of finished sequences; return the live ones."""
+        live = []
+        for seq in seqs:
+            if not seq.finished:
+                live.append(seq)
+                continue
+            self.kv.free(seq.slot)
+            if self.drafter is not None:
+                self.drafter.release(seq)
+            if self.on_finish is not None:
+                self.on_finish(seq)
+        return live
+
+
+def ar(ctx: DecodeContext) -> RunMetrics:
+    """Batched autoregressive decoding with in-flight admission: one new token per sequence per step."""
+    ctx.run.method = "ar"
+    live: list[SeqState] = []
+    while ctx.has_work(live):
+        new = ctx.admit(live)
+        work = [SeqWork(s.slot, ctx.kv.length(s.slot), [s.tokens[-1]]) for s in live]
+        work += [ctx.prefill_work(s) for s in new]
+        prompt_rows = sum(s.num_prompt for s in new)
+        rows = ctx.target_step(work, real_rows=len(live) + prompt_rows, prefill_rows=prompt_rows, draft_tokens=0)
+        for seq, logits in zip(live, rows):
+            ctx.kv.commit(seq.slot, 1)
+            seq.metrics.target_calls += 1
+            ctx.emit(seq, [next_token(logits[0], seq.request.sampling, seq.generator)])
+        for seq, logits in zip(new, rows[len(live) :]):
+            ctx.start(seq, logits)
+        live = ctx.retire(live + new)
+    return ctx.run
+
+
+def ems(ctx: DecodeContext) -> RunMetrics:
+    """EMS-SD: ragged drafts, ragged acceptance, no padding anywhere, in-flight admission.
+
+    Each live sequence feeds its last token plus its own k_i drafts at its own past length;
+    newly admitted prompts are prefilled in the same packed call. After verification each
+    sequence commits exactly 1 + a_i cache positions (a chain needs no compaction); the
+    rejected drafts' K/V beyond that are never read and are overwritten next step.
+    """
+    ctx.run.method = "ems"
+    live: list[SeqState] = []
+    while ctx.has_work(live):
+        new = ctx.admit(live)
+        drafts, draft_seconds = ctx.propose(live)
+        work = [SeqWork(s.slot, ctx.kv.length(s.slot), [s.tokens[-1], *d.tokens]) for s, d in zip(live, drafts)]
+        work += [ctx.prefill_work(s) for s in new]
+        num_drafts = sum(len(d.tokens) for d in drafts)
+        prompt_rows = sum(s.num_prompt for s in new)
+        rows = ctx.target_step(work, real_rows=len(live) + num_drafts + prompt_rows, prefill_rows=prompt_rows,
+                               draft_tokens=num_drafts, draft_seconds=draft_seconds)
+        for seq, draft, logits in zip(live, drafts, rows):
+            tokens = ctx.verify(seq, draft, logits)
+            ctx.kv.commit(seq.slot, len(tokens))  # last token + accepted drafts
+            ctx.emit(seq, tokens)
+        for seq, logits in zip(new, rows[len(live) :]):
+            ctx.start(seq, logits)
+        live = ctx.retire(live + new)
+    return ctx.run
+
+
+def vanilla(ctx: DecodeContext) -> RunMetrics:
+    """The papers' padded multi-sample baseline, kept to measure what EMS-SD saves.
+
+    Static batches: a batch is admitted, prefilled, and decoded until all of it finishes.
+    Every sequence feeds 1 + max_i k_i rows (drafts padded to the batch max), and every
+    write position advances by the batch's largest accepted length, leaving masked holes
+    in the caches of the sequences that accepted less. Holes are still read by attention.
+    """
+    ctx.run.method = "vanilla"
+    while ctx.has_work([]):
+        batch = ctx.admit([])
+        prompt_rows = sum(s.num_prompt for s in batch)
+        rows = ctx.target_step([ctx.prefill_work(s) for s in batch], real_rows=prompt_rows,
+                               prefill_rows=prompt_rows, draft_tokens=0)
+        for seq, logits in zip(batch, rows):
+            ctx.start(seq, logits)
+        live = ctx.retire(batch)
+        while live:
+            min_room = min(ctx.kv.room(s.slot) for s in live)  # padded rows must fit every slot
+            ks = [min(k, min_room - 1) for k in ctx.draft_lengths(live)]
+            drafts, draft_seconds = ctx.propose(live, ks)
+            width = 1 + max(len(d.tokens) for d in drafts)
+            work = [
+                SeqWork(s.slot, ctx.kv.length(s.slot), _padded([s.tokens[-1], *d.tokens], width),
+                        position_offset=ctx.kv.num_tokens(s.slot))
+                for s, d in zip(live, drafts)
+            ]
+            num_drafts = sum(len(d.tokens) for d in drafts)
+            rows = ctx.target_step(work, real_rows=len(live) + num_drafts, prefill_rows=0, draft_tokens=num_drafts,
+                                   draft_seconds=draft_seconds, cache_mask=ctx.kv.cache_mask([s.slot for s in live]))
+            verified = [ctx.verify(s, d, logits[: 1 + len(d.tokens)]) for s, d, logits in zip(live, drafts, rows)]
+            advance = max(len(tokens) for tokens in verified)
+            for seq, tokens in zip(live, verified):
+                ctx.kv.commit_padded(seq.slot, len(tokens), advance)
+                ctx.emit(seq, tokens)
+                if not seq.finished and ctx.kv.room(seq.slot) == 0:
+                    seq.finish_reason = "length"  # holes used up the cache: the baseline's worst-case cost
+            live = ctx.retire(live)
+    return ctx.run
+
+
+def _padded(tokens: list[int], width: int) -> list[int]:
+    """Pad with copies of the last token; padded rows are computed and discarded."""
+    return tokens + [tokens[-1]] * (width - len(tokens))
+
+
+LOOPS: dict[str, Callable[[DecodeContext], RunMetrics]] = {"ar": ar, "vanilla": vanilla, "ems": ems}

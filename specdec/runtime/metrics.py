@@ -1,0 +1,70 @@
+"""Per-step and per-run counters of a decoding loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepRecord:
+    """One target call. ``rows`` is read from the backend's own counter, not re-derived."""
+
+    batch_size: int  # sequences in the pack
+    rows: int  # token rows the target processed
+    real_rows: int  # rows that are real tokens (prompt, last token, drafts)
+    prefill_rows: int  # prompt rows among them
+    draft_tokens: int
+    accepted_draft_tokens: int
+    seconds: float
+    draft_seconds: float = 0.0
+
+    @property
+    def padded_rows(self) -> int:
+        return self.rows - self.real_rows
+
+
+@dataclass
+class RunMetrics:
+    """Totals for one run of a decoding loop."""
+
+    method: str
+    steps: list[StepRecord] = field(default_factory=list)
+    wall_seconds: float = 0.0
+    generated_tokens: int = 0
+    requests: int = 0
+
+    @property
+    def target_calls(self) -> int:
+        return len(self.steps)
+
+    @property
+    def decode_seconds(self) -> float:
+        """Time of steps without prompt rows (plus their drafting): the decoding phase."""
+        return sum(s.seconds + s.draft_seconds for s in self.steps if s.prefill_rows == 0)
+
+    def summary(self) -> dict[str, float]:
+        rows = sum(s.rows for s in self.steps)
+        real = sum(s.real_rows for s in self.steps)
+        drafts = sum(s.draft_tokens for s in self.steps)
+        accepted = sum(s.accepted_draft_tokens for s in self.steps)
+        decode_steps = [s for s in self.steps if s.prefill_rows == 0]
+        seq_steps = sum(s.batch_size for s in decode_steps)
+        return {
+            "method": self.method,
+            "requests": self.requests,
+            "generated_tokens": self.generated_tokens,
+            "wall_seconds": round(self.wall_seconds, 4),
+            "tokens_per_second": round(self.generated_tokens / self.wall_seconds, 3) if self.wall_seconds else 0.0,
+            "target_calls": self.target_calls,
+            "target_rows": rows,
+            "target_rows_real": real,
+            "target_rows_padded": rows - real,
+            "padded_fraction": round((rows - real) / rows, 4) if rows else 0.0,
+            "draft_tokens": drafts,
+            "accepted_draft_tokens": accepted,
+            "acceptance_rate": round(accepted / drafts, 4) if drafts else 0.0,
+            "mean_accepted_length": round(1 + accepted / seq_steps, 4) if seq_steps else 0.0,
+            "mean_batch_size": round(sum(s.batch_size for s in self.steps) / len(self.steps), 3)
+            if self.steps else 0.0,
+            "draft_seconds": round(sum(s.draft_seconds for s in self.steps), 4),
+        }

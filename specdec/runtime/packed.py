@@ -1,0 +1,134 @@
+"""The packed ragged batch: the one input format of every model call.
+
+Prefill, autoregressive steps, chain verification (EMS-SD), forest verification (DSBD)
+and draft steps are all the same call on a ``PackedBatch``. ``pack()`` is the only place
+that builds one from per-sequence work items.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+ROOT = -1  # parent index of a token attached directly to the committed prefix
+
+
+@dataclass(frozen=True)
+class SeqWork:
+    """One sequence's new tokens in a ragged step.
+
+    ``parents[j]`` is the index (among this sequence's new tokens) of token j's parent, or
+    ``ROOT``; ``None`` means a chain (parent of j is j-1). Parents must precede children.
+    ``position_offset`` is the logical position of depth 0; it equals ``past_len`` unless
+    the slot's cache has holes (only the padded baseline makes holes).
+    ``logits`` selects the rows that need logits: "all", "last", "none" or explicit offsets.
+    """
+
+    slot_id: int
+    past_len: int
+    token_ids: Sequence[int]
+    parents: Sequence[int] | None = None
+    position_offset: int | None = None
+    logits: str | Sequence[int] = "all"
+
+    def logit_offsets(self) -> list[int]:
+        n = len(self.token_ids)
+        if self.logits == "all":
+            return list(range(n))
+        if self.logits == "last":
+            return [n - 1] if n else []
+        if self.logits == "none":
+            return []
+        return list(self.logits)
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """All new tokens of all sequences, concatenated with no padding (see design.md)."""
+
+    input_ids: torch.Tensor  # [T] int64
+    position_ids: torch.Tensor  # [T] int64, logical position = past + depth
+    cu_seqlens: torch.Tensor  # [B + 1] int32, prefix sums of new tokens per sequence
+    past_lens: torch.Tensor  # [B] int32, where each sequence's new K/V are written
+    slot_ids: torch.Tensor  # [B] int32, KV-cache slot of each sequence
+    tree_mask: torch.Tensor  # [T, S_max] bool, row t may see new token j of its own sequence
+    logits_indices: torch.Tensor  # [R] int32, rows that need logits, in sequence order
+    cache_mask: torch.Tensor | None = None  # [B, max(past_lens)] bool, visible cached positions
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.slot_ids.shape[0])
+
+
+def pack(work: Sequence[SeqWork], cache_mask: torch.Tensor | None = None) -> PackedBatch:
+    """Build the packed batch for ``work`` (sequences with no new tokens are dropped).
+
+    Worked example — three sequences: a prefill of 3 tokens in slot 4, a chain of 2 in
+    slot 0 with 7 cached tokens, and a forest (two roots a, b; c child of a) in slot 2:
+
+        token_ids       [p0 p1 p2 | x0 x1 | a  b  c ]
+        position_ids    [0  1  2  | 7  8  | 5  5  6 ]     (slot 2 has past_len 5)
+        cu_seqlens      [0, 3, 5, 8]      past_lens [0, 7, 5]   slot_ids [4, 0, 2]
+        tree_mask rows  p2 -> 111, x1 -> 11., c -> 1.1  (S_max = 3, "." = False)
+
+    ``cache_mask`` (only for the padded baseline) is [B, >= max(past_lens)] in the order of
+    the non-empty work items; it is cut to the longest past.
+    """
+    items = [w for w in work if len(w.token_ids) > 0]
+    keep = [i for i, w in enumerate(work) if len(w.token_ids) > 0]
+    seq_lens = [len(w.token_ids) for w in items]
+    total = sum(seq_lens)
+    s_max = max(seq_lens, default=0)
+    input_ids = torch.empty(total, dtype=torch.int64)
+    position_ids = torch.empty(total, dtype=torch.int64)
+    tree_mask = torch.zeros(total, max(s_max, 1), dtype=torch.bool)
+    logits_rows: list[int] = []
+    start = 0
+    for w in items:
+        n = len(w.token_ids)
+        input_ids[start : start + n] = torch.as_tensor(list(w.token_ids), dtype=torch.int64)
+        base = w.past_len if w.position_offset is None else w.position_offset
+        if w.parents is None:
+            position_ids[start : start + n] = torch.arange(base, base + n)
+            tree_mask[start : start + n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+        else:
+            _fill_tree(w.parents, base, position_ids[start : start + n], tree_mask[start : start + n])
+        logits_rows.extend(start + off for off in w.logit_offsets())
+        start += n
+    cu = torch.zeros(len(items) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.as_tensor(seq_lens, dtype=torch.int32), 0)
+    past = torch.as_tensor([w.past_len for w in items], dtype=torch.int32)
+    if cache_mask is not None:
+        width = int(past.max()) if len(items) else 0
+        cache_mask = cache_mask[keep, :width]
+    return PackedBatch(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        cu_seqlens=cu,
+        past_lens=past,
+        slot_ids=torch.as_tensor([w.slot_id for w in items], dtype=torch.int32),
+        tree_mask=tree_mask,
+        logits_indices=torch.as_tensor(logits_rows, dtype=torch.int32),
+        cache_mask=cache_mask,
+    )
+
+
+def _fill_tree(parents: Sequence[int], base: int, positions: torch.Tensor, mask: torch.Tensor) -> None:
+    """Rows of one sequence's tree: ancestors + self visible, position = base + depth."""
+    depth = [0] * len(parents)
+    for j, parent in enumerate(parents):
+        if parent == ROOT:
+            depth[j] = 0
+        elif 0 <= parent < j:
+            depth[j] = depth[parent] + 1
+            mask[j] = mask[parent]
+        else:
+            raise ValueError(f"tree node {j} has parent {parent}: parents must precede their children")
+        mask[j, j] = True
+    positions.copy_(torch.as_tensor(depth, dtype=torch.int64) + base)

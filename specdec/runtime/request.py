@@ -1,0 +1,169 @@
+"""Requests, their live decoding state, stop conditions and metrics."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.runtime.sampling import InvalidRequestError, SamplingParams
+
+_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prompt to continue. Validated on construction; context checks happen at submit."""
+
+    prompt_ids: tuple[int, ...]
+    max_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    num_draft_tokens: int | None = None  # None = the engine's default
+    stop: tuple[str, ...] = ()
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if not self.prompt_ids:
+            raise InvalidRequestError("prompt is empty: a request needs at least one prompt token")
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.num_draft_tokens is not None and (
+            not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 0
+        ):
+            raise InvalidRequestError(f"num_draft_tokens must be an integer >= 0, got {self.num_draft_tokens!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError(f"stop strings must be non-empty strings, got {self.stop!r}")
+
+    def check_fits(self, max_len: int, vocab_size: int) -> None:
+        """Refuse prompts the cache cannot hold and token ids the model does not have."""
+        if len(self.prompt_ids) >= max_len:
+            raise InvalidRequestError(
+                f"prompt has {len(self.prompt_ids)} tokens but the context holds {max_len} "
+                "(prompt plus at least one new token)"
+            )
+        bad = [t for t in self.prompt_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+
+
+@dataclass
+class RequestMetrics:
+    """What speculation did for one request (names follow TensorRT-LLM's Triton outputs)."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    target_calls: int = 0  # target steps this request took part in, prefill included
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens produced per decoding step (prefill excluded): 1 + accepted drafts on average."""
+        steps = self.target_calls - 1
+        return (self.generated_tokens - 1) / steps if steps > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "draft_tokens": self.draft_tokens,
+            "accepted_draft_tokens": self.accepted_draft_tokens,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "target_calls": self.target_calls,
+        }
+
+
+@dataclass
+class RequestOutput:
+    """The answer to one request (or the error that refused it)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None  # "stop" (EOS or stop string), "length", or None on error
+    metrics: RequestMetrics
+    error: str | None = None
+
+
+class StopChecker:
+    """Appends tokens to a sequence one at a time and decides when it ends.
+
+    Tokens accepted together in one speculative step pass through here in order, so the
+    output is cut exactly where plain autoregressive decoding would have stopped.
+    """
+
+    def __init__(self, eos_ids: Sequence[int], max_len: int,
+                 decode: Callable[[Sequence[int]], str] | None = None) -> None:
+        self.eos_ids = frozenset(eos_ids)
+        self.max_len = max_len
+        self.decode = decode
+
+    def append(self, seq: SeqState, tokens: Sequence[int]) -> list[int]:
+        """Add ``tokens`` until a stop condition; returns the tokens actually appended."""
+        taken: list[int] = []
+        for tok in tokens:
+            seq.tokens.append(int(tok))
+            taken.append(int(tok))
+            reason = self._reason(seq, int(tok))
+            if reason:
+                seq.finish_reason = reason
+                break
+        seq.metrics.generated_tokens = seq.num_generated
+        return taken
+
+    def _reason(self, seq: SeqState, tok: int) -> str | None:
+        if tok in self.eos_ids:
+            return "stop"
+        if seq.request.stop and self.decode is not None:
+            text = self.decode(seq.output_ids)
+            if any(s in text for s in seq.request.stop):
+                return "stop"
+        if seq.num_generated >= seq.request.max_tokens or len(seq.tokens) >= self.max_len:
+            return "length"
+        return None
+
+
+@dataclass(eq=False)
+class SeqState:
+    """A live request inside a decoding loop. ``tokens`` = prompt + output so far.
+
+    Invariant between steps: the target cache of ``slot`` holds ``tokens[:-1]``.
+    """
+
+    request: Request
+    slot: int
+    tokens: list[int]
+    generator: torch.Generator
+    metrics: RequestMetrics
+    finish_reason: str | None = None
+
+    @classmethod
+    def start(cls, request: Request, slot: int) -> SeqState:
+        return cls(request, slot, list(request.prompt_ids), request.sampling.make_generator(),
+                   RequestMetrics(prompt_tokens=len(request.prompt_ids)))
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt :]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
