@@ -334,6 +334,29 @@ def _parse_tiny(spec: str) -> LoadedModel:
         raise ModelResolutionError(f"bad tiny-random options in {spec!r}: {exc}") from exc
 
 
+def _load_export_dir(path: Path, part: str, dtype: torch.dtype) -> LoadedModel:
+    """A model written by ``specdec-export`` (checksums verified, so corruption is caught at load)."""
+    from specdec.export.cli import ExportDirError, read_manifest
+
+    try:
+        manifest = read_manifest(path)
+    except ExportDirError as exc:
+        raise ModelResolutionError(str(exc)) from exc
+    if part not in manifest:
+        raise ModelResolutionError(f"{path} has no {part} model (drafter: {manifest.get('drafter')})")
+    model = _load_hf_dir(path / part, manifest[part]["name"], dtype)
+    model.extra["export_dir"] = str(path)
+    return model
+
+
+def export_draft(path: str | os.PathLike) -> LoadedModel | None:
+    """The draft model of an export directory, or None when it was exported for the n-gram drafter."""
+    root = Path(path)
+    if not (root / "manifest.json").is_file():
+        return None
+    return _load_export_dir(root, "draft", torch.float32) if (root / "draft").is_dir() else None
+
+
 def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Resolve ``spec`` (preset, HF directory, .gguf file or tiny-random) into weights + tokenizer."""
     text = str(spec)
@@ -345,6 +368,8 @@ def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32) -> L
             return _load_gguf(_find_wheel_gguf(preset), text, dtype)
         return _load_hf_dir(_find_hub_snapshot(preset), text, dtype)
     path = Path(text).expanduser()
+    if (path / "manifest.json").is_file() and (path / "target").is_dir():
+        return _load_export_dir(path, "target", dtype)
     if path.is_file() and path.suffix == ".gguf":
         return _load_gguf(path, path.stem, dtype)
     if path.is_dir():

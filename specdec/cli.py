@@ -1,0 +1,169 @@
+"""The ``specdec`` command: ``generate`` (local decoding) and ``bench`` (benchmarks)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from specdec.export.models import DEFAULT_TARGET, ModelResolutionError, export_draft, load_model
+from specdec.runtime.engine import METHODS, DraftMismatchError, Engine, GenerationResult
+from specdec.runtime.sampling import InvalidRequestError
+
+DEFAULT_PROMPTS = (
+    "What is the capital of France? Answer in one sentence.",
+    "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the river bank.",
+    "List the first five prime numbers.",
+    "Summarise in one sentence: Speculative decoding lets a small draft model propose tokens that a "
+    "large target model verifies in one pass, so several tokens can be accepted per step.",
+)
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """Prompts from --prompt and --prompts-file (a JSON list of strings or one prompt per line)."""
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        path = Path(args.prompts_file)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise SystemExit(f"error: cannot read --prompts-file {path}: {exc.strerror}") from exc
+        stripped = text.lstrip()
+        if stripped.startswith("["):
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise SystemExit(f"error: --prompts-file {path} is not valid JSON: {exc}") from exc
+            if not isinstance(data, list) or not all(isinstance(p, str) for p in data):
+                raise SystemExit(f"error: --prompts-file {path} must be a JSON list of strings")
+            prompts.extend(data)
+        else:
+            prompts.extend(line for line in text.splitlines() if line.strip())
+    return prompts or list(DEFAULT_PROMPTS)
+
+
+def build_engine(args: argparse.Namespace) -> Engine:
+    target = load_model(args.target)
+    if args.draft and args.drafter not in (None, "model"):
+        raise SystemExit("error: pass either --draft PATH or --drafter ngram|none, not both")
+    exported = None if args.draft or args.drafter else export_draft(args.target)
+    draft = load_model(args.draft) if args.draft else (exported or args.drafter or "ngram")
+    if args.method == "ar":
+        draft = None
+    return Engine.from_models(target, draft, max_batch=args.max_batch, max_len=args.max_len,
+                              num_draft_tokens=args.num_draft_tokens)
+
+
+def _requests(engine: Engine, prompts: Sequence[str], args: argparse.Namespace) -> list:
+    items = []
+    for i, prompt in enumerate(prompts):
+        try:
+            items.append(engine.request(
+                prompt, chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature,
+                top_k=args.top_k, top_p=args.top_p, seed=None if args.seed is None else args.seed + i,
+                stop=args.stop or (), request_id=f"prompt-{i}",
+            ))
+        except InvalidRequestError as exc:
+            items.append(InvalidRequestError(f"prompt {i}: {exc}"))
+    return items
+
+
+def _print_human(prompts: Sequence[str], result: GenerationResult, baseline: GenerationResult | None) -> None:
+    for i, (prompt, out) in enumerate(zip(prompts, result.outputs)):
+        print(f"\n[{i}] {prompt}")
+        if out.error:
+            print(f"    ERROR: {out.error}")
+            continue
+        m = out.metrics
+        print(f"--> {out.text!r}")
+        print(f"    tokens={m.generated_tokens} finish={out.finish_reason} acceptance={m.acceptance_rate:.2f} "
+              f"accepted/draft={m.accepted_draft_tokens}/{m.draft_tokens} target_calls={m.target_calls}")
+    s = result.run.summary()
+    print(f"\n{s['method']}: {s['generated_tokens']} tokens in {s['wall_seconds']:.2f} s = "
+          f"{s['tokens_per_second']:.1f} tok/s, acceptance {s['acceptance_rate']:.2f}, "
+          f"mean accepted length {s['mean_accepted_length']:.2f}, target calls {s['target_calls']}, "
+          f"mean batch {s['mean_batch_size']:.2f}")
+    if baseline is not None:
+        b = baseline.run.summary()
+        same = all(a.token_ids == r.token_ids for a, r in zip(baseline.outputs, result.outputs) if not r.error)
+        print(f"ar:  {b['generated_tokens']} tokens in {b['wall_seconds']:.2f} s = {b['tokens_per_second']:.1f} tok/s")
+        print(f"speed-up of {s['method']} over ar: {s['tokens_per_second'] / max(b['tokens_per_second'], 1e-9):.2f}x"
+              + ("  (outputs identical)" if same else "  (outputs differ: sampling)"))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    try:
+        engine = build_engine(args)
+    except (ModelResolutionError, DraftMismatchError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    prompts = read_prompts(args)
+    items = _requests(engine, prompts, args)
+    result = engine.generate(items, args.method, progress=not args.json)
+    baseline = None
+    if args.compare_ar and args.method != "ar":
+        baseline = engine.generate(_requests(engine, prompts, args), "ar", progress=not args.json)
+    if args.json:
+        doc = {
+            "outputs": [
+                {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
+                 "metrics": o.metrics.as_dict(), **({"error": o.error} if o.error else {})}
+                for o in result.outputs
+            ],
+            "metrics": result.run.summary(),
+        }
+        if baseline is not None:
+            doc["baseline"] = baseline.run.summary()
+            doc["speedup_over_ar"] = round(
+                result.run.summary()["tokens_per_second"] / max(baseline.run.summary()["tokens_per_second"], 1e-9), 4)
+        print(json.dumps(doc))
+    else:
+        _print_human(prompts, result, baseline)
+    return 1 if any(o.error for o in result.outputs) else 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from specdec.bench import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
+def add_generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=DEFAULT_TARGET, help="preset, Hugging Face directory or .gguf file")
+    p.add_argument("--draft", help="draft model (preset, directory or .gguf); default: the n-gram drafter")
+    p.add_argument("--drafter", choices=["ngram", "none"], help="drafter when no --draft is given")
+    p.add_argument("--method", choices=METHODS, default="ems")
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    p.add_argument("--prompts-file", help="JSON list of strings, or one prompt per line")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, help="seed of the first prompt; prompt i uses seed + i")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--compare-ar", action="store_true", help="also run ar and print the speed-up")
+    p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
+    p.add_argument("--max-len", type=int, default=1024, help="KV-cache length per sequence")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="decode prompts locally with ar, vanilla or ems")
+    add_generate_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    bench = sub.add_parser("bench", help="run the EMS-SD vs vanilla benchmark (see benchmarks/)",
+                           add_help=False)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=cmd_bench)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

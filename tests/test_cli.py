@@ -1,0 +1,121 @@
+"""The command-line interface: ``specdec generate`` and ``specdec-export``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specdec.cli import main
+from specdec.export.cli import main as export_main
+from specdec.export.models import LoadedModel, load_model, save_model, tiny_random
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A tiny random LLaMA with SmolLM2's real tokenizer (fast, but text in and text out)."""
+    tokenizer = load_model("smollm2-135m").tokenizer
+    tiny = tiny_random(seed=5, vocab_size=len(tokenizer), num_layers=1, hidden_size=16, num_heads=2,
+                       num_kv_heads=1, intermediate_size=32, tie_word_embeddings=True)
+    tiny.config.eos_token_id = tokenizer.eos_token_id
+    path = tmp_path_factory.mktemp("models") / "tiny-smol"
+    save_model(LoadedModel("tiny-smol", tiny.config, tiny.state_dict, tokenizer, "test"), path)
+    return path
+
+
+def run_json(capsys, *args: str) -> dict:
+    code = main(["generate", *args, "--json"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    return json.loads(out)
+
+
+def test_generate_json_in_prompt_order_and_identical_to_ar(tiny_dir, capsys) -> None:
+    common = ["--target", str(tiny_dir), "--prompt", "one two three one two three", "--prompt", "Hello",
+              "--prompt", "a b c d a b c d a b", "--max-tokens", "12"]
+    ems = run_json(capsys, *common, "--method", "ems")
+    ar = run_json(capsys, *common, "--method", "ar")
+    vanilla = run_json(capsys, *common, "--method", "vanilla")
+    assert len(ems["outputs"]) == 3
+    assert [o["token_ids"] for o in ems["outputs"]] == [o["token_ids"] for o in ar["outputs"]]
+    assert [o["token_ids"] for o in vanilla["outputs"]] == [o["token_ids"] for o in ar["outputs"]]
+    for key in ("acceptance_rate", "target_calls", "draft_tokens", "accepted_draft_tokens", "tokens_per_second",
+                "mean_accepted_length", "target_rows_padded"):
+        assert key in ems["metrics"]
+    assert all(isinstance(o["text"], str) for o in ems["outputs"])
+
+
+def test_prompts_file_formats_and_compare_ar(tiny_dir, tmp_path, capsys) -> None:
+    listing = tmp_path / "prompts.json"
+    listing.write_text(json.dumps(["first prompt", "second prompt"]))
+    lines = tmp_path / "prompts.txt"
+    lines.write_text("first prompt\n\nsecond prompt\n")
+    a = run_json(capsys, "--target", str(tiny_dir), "--prompts-file", str(listing), "--max-tokens", "5")
+    b = run_json(capsys, "--target", str(tiny_dir), "--prompts-file", str(lines), "--max-tokens", "5")
+    assert [o["token_ids"] for o in a["outputs"]] == [o["token_ids"] for o in b["outputs"]]
+    doc = run_json(capsys, "--target", str(tiny_dir), "--prompt", "x y x y", "--max-tokens", "5", "--compare-ar")
+    assert "speedup_over_ar" in doc and doc["baseline"]["method"] == "ar"
+    assert main(["generate", "--target", str(tiny_dir), "--prompt", "x", "--max-tokens", "3", "--compare-ar"]) == 0
+    assert "speed-up of ems over ar" in capsys.readouterr().out
+
+
+def test_sampling_flags_and_seed_reproducibility(tiny_dir, capsys) -> None:
+    args = ["--target", str(tiny_dir), "--prompt", "tell me", "--max-tokens", "10", "--temperature", "0.9",
+            "--top-k", "50", "--top-p", "0.95", "--seed", "3"]
+    assert run_json(capsys, *args)["outputs"] == run_json(capsys, *args)["outputs"]
+
+
+def test_bad_inputs_exit_nonzero_with_clear_messages(tiny_dir, tmp_path, capsys) -> None:
+    assert main(["generate", "--target", "no-such-model"]) == 2
+    assert "unknown model 'no-such-model'" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    with pytest.raises(SystemExit, match="JSON list of strings"):
+        main(["generate", "--target", str(tiny_dir), "--prompts-file", str(bad)])
+    with pytest.raises(SystemExit, match="cannot read --prompts-file"):
+        main(["generate", "--target", str(tiny_dir), "--prompts-file", str(tmp_path / "missing.txt")])
+    # one bad prompt (empty) is reported; the good one still gets its answer
+    code = main(["generate", "--target", str(tiny_dir), "--prompt", "fine", "--prompt", "", "--json",
+                 "--max-tokens", "4"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 1
+    assert doc["outputs"][0]["token_ids"] and "prompt is empty" in doc["outputs"][1]["error"]
+    assert main(["generate", "--target", str(tiny_dir), "--prompt", "x", "--temperature", "-1", "--json"]) == 1
+    assert "temperature must be >= 0" in capsys.readouterr().out
+
+
+def test_export_directory_roundtrip_force_and_corruption(tiny_dir, tmp_path, capsys) -> None:
+    out = tmp_path / "deploy"
+    assert export_main(["--target", str(tiny_dir), "--draft", str(tiny_dir), "--out", str(out)]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["drafter"] == "model" and manifest["target"]["vocab_size"] == manifest["draft"]["vocab_size"]
+    assert export_main(["--target", str(tiny_dir), "--out", str(out)]) == 2
+    assert "--force" in capsys.readouterr().err
+    doc = run_json(capsys, "--target", str(out), "--prompt", "hello there", "--max-tokens", "6")
+    assert doc["metrics"]["draft_tokens"] > 0  # the exported draft model was used
+    assert export_main(["--target", str(tiny_dir), "--out", str(out), "--force"]) == 0
+    assert not (out / "draft").exists()
+    weights = out / "target" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8] + b"corrupt!")
+    assert main(["generate", "--target", str(out), "--prompt", "x"]) == 2
+    assert "does not match its checksum" in capsys.readouterr().err
+    assert not any(p.name.startswith(".deploy.partial") for p in tmp_path.iterdir())
+
+
+def test_export_failure_leaves_nothing(tmp_path, capsys) -> None:
+    out = tmp_path / "never"
+    assert export_main(["--target", "llama-7b", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "meta-llama/Llama-2-7b-hf" in err and "--target /path/to" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_console_scripts_are_installed() -> None:
+    for script in ("specdec", "specdec-export"):
+        exe = shutil.which(script) or str(Path(sys.executable).parent / script)
+        result = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0 and "usage" in result.stdout

@@ -1,0 +1,458 @@
+"""Unit tests of ``specdec.runtime.sampling``: parameters, warping and the acceptance rules.
+
+The statistical tests compare empirical laws with exact ones by a chi-square
+goodness-of-fit test. Every draw comes from a fixed-seed generator, so each test is
+deterministic; the threshold ``ALPHA = 1e-3`` means a *correct* sampler would fail a given
+check for at most 0.1 % of seed choices (the false-alarm rate we accept if a change to the
+code re-rolls the random streams), while each test's negative control shows that the same
+check, on the same number of draws, rejects a wrong sampler by many orders of magnitude.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+from functools import cache
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from scipy.stats import chisquare
+
+from specdec.runtime.sampling import (
+    InvalidRequestError,
+    SamplingParams,
+    next_token,
+    sample,
+    verify_greedy,
+    verify_sampling,
+    warp,
+)
+
+ALPHA = 1e-3  # a correct sampler fails one check with probability 0.001 (see module docstring)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These tests run thousands of tiny ops; a second intra-op thread only adds hand-off cost
+    (measured: ~300x slower per op on a loaded 2-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def chi_square_pvalue(counts: Counter, probs: dict[tuple[int, ...], float] | np.ndarray) -> float:
+    """Goodness of fit of ``counts`` to ``probs``, cells with expected count < 5 pooled.
+
+    Cells of probability 0 are left out of the test but must be empty: a single draw there
+    is an outright failure, so it is asserted, not tested.
+    """
+    if isinstance(probs, np.ndarray):
+        probs = {(i,): float(v) for i, v in enumerate(probs)}
+        counts = Counter({(k if isinstance(k, tuple) else (k,)): v for k, v in counts.items()})
+    n = sum(counts.values())
+    impossible = {k: v for k, v in counts.items() if probs.get(k, 0.0) == 0.0}
+    assert not impossible, f"outcomes of probability 0 were drawn: {impossible}"
+    keys = [k for k, v in probs.items() if v > 0]
+    p = np.array([probs[k] for k in keys], dtype=np.float64)
+    p /= p.sum()
+    observed = np.array([counts.get(k, 0) for k in keys], dtype=np.float64)
+    expected = p * n
+    big = expected >= 5
+    f_obs, f_exp = list(observed[big]), list(expected[big])
+    if (~big).any():
+        f_obs.append(observed[~big].sum())
+        f_exp.append(expected[~big].sum())
+    return float(chisquare(f_obs, f_exp).pvalue)
+
+
+# -- SamplingParams -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": 1.0, "top_p": 0.0}, "top_p"),
+        ({"temperature": 1.0, "top_p": 1.5}, "top_p"),
+        ({"temperature": 1.0, "top_p": -0.2}, "top_p"),
+        ({"temperature": 1.0, "top_p": float("nan")}, "top_p"),
+        ({"temperature": 1.0, "top_k": -1}, "top_k"),
+        ({"temperature": 1.0, "top_k": 2.5}, "top_k"),
+        ({"temperature": 1.0, "seed": -3}, "seed"),
+        ({"temperature": 1.0, "seed": 1.5}, "seed"),
+    ],
+)
+def test_sampling_params_rejects_invalid_values_naming_the_parameter(kwargs: dict, name: str) -> None:
+    with pytest.raises(InvalidRequestError, match=name):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_accepts_the_edges_of_the_valid_range() -> None:
+    greedy = SamplingParams(temperature=0.0, top_k=0, top_p=1.0, seed=0)
+    assert greedy.greedy
+    assert not SamplingParams(temperature=1e-3, top_k=1, top_p=1e-9, seed=2**62).greedy
+    assert issubclass(InvalidRequestError, ValueError)
+
+
+def test_seeded_generators_repeat_and_unseeded_ones_differ() -> None:
+    a, b = SamplingParams(1.0, seed=7).make_generator(), SamplingParams(1.0, seed=7).make_generator()
+    assert torch.equal(torch.rand(16, generator=a), torch.rand(16, generator=b))
+    c, d = SamplingParams(1.0).make_generator(), SamplingParams(1.0).make_generator()
+    assert not torch.equal(torch.rand(16, generator=c), torch.rand(16, generator=d))
+
+
+# -- warp vs an independent reference ------------------------------------------------------
+
+
+def reference_warp(logits: Sequence[float], temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """Hugging Face's warper chain in float64 numpy: temperature → top-k → top-p.
+
+    Top-k keeps every token tied with the k-th score (``scores < kth`` is removed, as in
+    ``TopKLogitsWarper``). Top-p removes, in ascending order of probability, the tokens
+    whose cumulative mass stays <= 1 - top_p, always keeping the most likely token (as in
+    ``TopPLogitsWarper`` with ``min_tokens_to_keep=1``).
+    """
+    scores = np.asarray(logits, dtype=np.float64) / temperature
+    if 0 < top_k < scores.size:
+        kth = np.sort(scores)[-top_k]
+        scores = np.where(scores < kth, -np.inf, scores)
+    probs = _softmax(scores)
+    if top_p < 1.0:
+        order = np.argsort(probs, kind="stable")
+        cumulative = np.cumsum(probs[order])
+        remove_sorted = cumulative <= 1.0 - top_p
+        remove_sorted[-1] = False
+        remove = np.zeros(scores.size, dtype=bool)
+        remove[order] = remove_sorted
+        probs = _softmax(np.where(remove, -np.inf, scores))
+    return probs
+
+
+def _softmax(scores: np.ndarray) -> np.ndarray:
+    e = np.exp(scores - scores.max())
+    return e / e.sum()
+
+
+def _top_p_boundary_gap(logits: Sequence[float], temperature: float, top_k: int, top_p: float) -> float:
+    """How far the top-p threshold is from any cumulative mass (float32 vs float64 safety margin)."""
+    if top_p >= 1.0:
+        return math.inf
+    probs = reference_warp(logits, temperature, top_k, 1.0)
+    cumulative = np.cumsum(np.sort(probs))
+    return float(np.min(np.abs(cumulative - (1.0 - top_p))))
+
+
+def test_warp_matches_reference_on_hand_cases() -> None:
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    # top-k first, then top-p on the renormalised survivors: [4/7, 3/7] then 4/7 >= 0.5 ends it
+    assert torch.allclose(warp(logits, SamplingParams(1.0, top_k=2, top_p=0.5)), torch.tensor([1.0, 0, 0, 0]))
+    # top-p alone keeps 0.4 and 0.3 (mass before 0.3 is 0.4 < 0.5)
+    assert torch.allclose(warp(logits, SamplingParams(1.0, top_p=0.5)), torch.tensor([4 / 7, 3 / 7, 0, 0]))
+    # temperature 0.5 squares the probabilities before renormalising
+    squared = torch.tensor([0.16, 0.09, 0.04, 0.01]) / 0.30
+    assert torch.allclose(warp(logits, SamplingParams(0.5)), squared, atol=1e-6)
+    # top_k >= V and top_p == 1 are no-ops
+    plain = warp(logits, SamplingParams(1.0))
+    assert torch.allclose(warp(logits, SamplingParams(1.0, top_k=4)), plain)
+    assert torch.allclose(warp(logits, SamplingParams(1.0, top_k=40)), plain)
+    assert torch.allclose(plain, torch.tensor([0.4, 0.3, 0.2, 0.1]), atol=1e-6)
+
+
+def test_warp_top_k_keeps_every_token_tied_with_the_kth() -> None:
+    logits = torch.tensor([3.0, 2.0, 2.0, 1.0, 2.0, -1.0])
+    probs = warp(logits, SamplingParams(1.0, top_k=2))
+    assert (probs > 0).tolist() == [True, True, True, False, True, False]
+    expected = reference_warp(logits.tolist(), 1.0, 2, 1.0)
+    np.testing.assert_allclose(probs.numpy(), expected, atol=1e-6)
+
+
+def test_warp_top_p_with_ties_across_the_threshold_keeps_the_right_count() -> None:
+    # four equal tokens, top_p = 0.5: exactly two survive (which two is unspecified, as in HF)
+    probs = warp(torch.zeros(4), SamplingParams(1.0, top_p=0.5))
+    assert sorted(probs.tolist()) == [0.0, 0.0, 0.5, 0.5]
+    # four tied tokens after one of mass 0.5: top_p = 0.55 keeps the top one and one of the ties
+    logits = torch.log(torch.tensor([0.5, 0.125, 0.125, 0.125, 0.125]))
+    kept = warp(logits, SamplingParams(1.0, top_p=0.55))
+    assert kept[0] == pytest.approx(0.8) and sorted(kept[1:].tolist()) == pytest.approx([0, 0, 0, 0.2])
+
+
+@pytest.mark.parametrize("top_p", [1e-9, 0.01, 0.3])
+def test_warp_top_p_always_keeps_the_most_likely_token(top_p: float) -> None:
+    logits = torch.tensor([0.0, 4.0, 1.0, -2.0])
+    probs = warp(logits, SamplingParams(1.0, top_p=top_p))
+    assert probs.tolist() == [0.0, 1.0, 0.0, 0.0]
+    # ... also with -inf logits (masked vocabulary) present
+    masked = warp(torch.tensor([-math.inf, 1.0, -math.inf]), SamplingParams(0.7, top_k=2, top_p=top_p))
+    assert masked.tolist() == [0.0, 1.0, 0.0]
+
+
+def test_warp_is_batched_over_leading_dimensions() -> None:
+    logits = torch.randn(3, 2, 7, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(0.9, top_k=4, top_p=0.8)
+    batched = warp(logits, params)
+    for i in range(3):
+        for j in range(2):
+            assert torch.allclose(batched[i, j], warp(logits[i, j], params))
+
+
+def test_warp_refuses_greedy_params() -> None:
+    with pytest.raises(ValueError, match="greedy"):
+        warp(torch.zeros(3), SamplingParams(0.0))
+
+
+# Logits on a grid of quarters: ties are exact in float32 and float64 alike, and distinct
+# scores stay far apart, so top-k cannot disagree by rounding; top-p cases whose threshold
+# lies within 1e-5 of a cumulative mass are skipped (float32 vs float64 rounding).
+@settings(max_examples=300, deadline=None)
+@given(
+    logits=st.lists(st.integers(-24, 24).map(lambda x: x / 4), min_size=1, max_size=14),
+    temperature=st.sampled_from([0.3, 0.7, 1.0, 1.3, 2.5]),
+    top_k=st.integers(0, 16),
+    top_p=st.one_of(st.just(1.0), st.floats(0.01, 0.999)),
+)
+def test_warp_matches_hf_style_reference(logits: list[float], temperature: float, top_k: int,
+                                         top_p: float) -> None:
+    assume(_top_p_boundary_gap(logits, temperature, top_k, top_p) > 1e-5)
+    params = SamplingParams(temperature, top_k, top_p)
+    got = warp(torch.tensor(logits), params).double().numpy()
+    want = reference_warp(logits, temperature, top_k, top_p)
+    assert got.sum() == pytest.approx(1.0, abs=1e-5)
+    # which of several tied tokens straddling the top-p threshold survive is unspecified
+    # (HF and this code both leave it to the sort); the kept masses must agree regardless
+    np.testing.assert_allclose(np.sort(got), np.sort(want), atol=1e-5)
+    before_top_p = reference_warp(logits, temperature, top_k, 1.0)
+    kept, dropped = before_top_p[want > 0], before_top_p[(want == 0) & (before_top_p > 0)]
+    if not np.intersect1d(kept, dropped).size:
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+# -- greedy verification -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("drafts", "argmax", "expected"),
+    [
+        ([1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 4]),  # perfect match: every draft + the bonus token
+        ([1, 2, 3], [1, 5, 3, 4], [1, 5]),  # mismatch at position 1: the target's token replaces it
+        ([7, 2], [0, 2, 9], [0]),  # mismatch at once: only the target's token
+        ([], [4], [4]),  # no draft: plain decoding, one token
+        ([3, 3], [3, 3, 3], [3, 3, 3]),  # repeated tokens are fine
+    ],
+)
+def test_verify_greedy(drafts: list[int], argmax: list[int], expected: list[int]) -> None:
+    assert verify_greedy(drafts, argmax) == expected
+
+
+def test_next_token_greedy_is_argmax_and_consumes_no_randomness() -> None:
+    g = torch.Generator().manual_seed(0)
+    state = g.get_state()
+    assert next_token(torch.tensor([0.1, 2.0, -1.0]), SamplingParams(0.0), g) == 1
+    assert torch.equal(g.get_state(), state)
+
+
+# -- sampling verification: hand cases -----------------------------------------------------
+
+
+def test_verify_sampling_accepts_everything_when_draft_equals_target() -> None:
+    g = torch.Generator().manual_seed(1)
+    q = torch.tensor([[0.2, 0.3, 0.5], [0.6, 0.2, 0.2]])
+    p = torch.cat([q, torch.tensor([[0.0, 0.0, 1.0]])])
+    for _ in range(200):
+        assert verify_sampling([2, 0], q, p, g) == [2, 0, 2]
+
+
+def test_verify_sampling_always_rejects_a_token_the_target_rules_out() -> None:
+    g = torch.Generator().manual_seed(2)
+    q = torch.tensor([[0.5, 0.5, 0.0]])
+    p = torch.tensor([[0.0, 0.3, 0.7], [1.0, 0.0, 0.0]])
+    outs = {tuple(verify_sampling([0], q, p, g)) for _ in range(300)}
+    # residual norm(max(0, p - q)) = [0, 0, 1]: token 2, never the rejected draft
+    assert outs == {(2,)}
+    # a point-mass draft of an impossible token is replaced by a draw from p itself
+    outs = Counter(tuple(verify_sampling([0], None, p, g)) for _ in range(300))
+    assert set(outs) == {(1,), (2,)}
+
+
+def test_verify_sampling_empty_draft_samples_from_the_last_row() -> None:
+    g = torch.Generator().manual_seed(3)
+    p = torch.tensor([[0.0, 0.0, 1.0, 0.0]])
+    assert verify_sampling([], torch.zeros(0, 4), p, g) == [2]
+    assert verify_sampling([], None, p, g) == [2]
+
+
+def test_verify_sampling_output_is_an_accepted_prefix_plus_one() -> None:
+    g = torch.Generator().manual_seed(4)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(300):
+        q = torch.softmax(torch.randn(3, 6, generator=gen) * 2, -1)
+        p = torch.softmax(torch.randn(4, 6, generator=gen) * 2, -1)
+        drafts = [int(torch.multinomial(q[j], 1, generator=gen)) for j in range(3)]
+        out = verify_sampling(drafts, q, p, g)
+        assert 1 <= len(out) <= 4
+        assert out[:-1] == drafts[: len(out) - 1]
+        if len(out) <= 3:  # the last token replaced a rejected draft: it had positive residual mass
+            j = len(out) - 1
+            assert float(p[j, out[-1]]) > float(q[j, out[-1]]) and out[-1] != drafts[j]
+
+
+# -- sampling verification: exactness -------------------------------------------------------
+
+P_ONE = np.array([0.35, 0.25, 0.2, 0.2, 0.0])  # target: token 4 impossible
+Q_ONE = np.array([0.1, 0.5, 0.0, 0.15, 0.25])  # draft: token 2 never proposed, token 4 proposed
+N_ONE = 20_000
+
+
+def _first_token_counts(n: int, seed: int, draw: Callable[[torch.Generator], int]) -> Counter:
+    g = torch.Generator().manual_seed(seed)
+    return Counter(draw(g) for _ in range(n))
+
+
+def _one_position_draw(p: torch.Tensor, q: torch.Tensor | None, fixed: int | None = None):
+    bonus = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0])  # never emitted if verification is right
+
+    def draw(g: torch.Generator) -> int:
+        x = fixed if fixed is not None else int(torch.multinomial(q, 1, generator=g))
+        out = verify_sampling([x], None if q is None else q[None], torch.stack([p, bonus]), g)
+        return out[0]
+
+    return draw
+
+
+def test_verify_sampling_first_token_has_the_target_law() -> None:
+    p, q = torch.tensor(P_ONE, dtype=torch.float32), torch.tensor(Q_ONE, dtype=torch.float32)
+    counts = _first_token_counts(N_ONE, 10, _one_position_draw(p, q))
+    assert chi_square_pvalue(counts, P_ONE) > ALPHA
+
+
+@pytest.mark.parametrize("fixed", [1, 3, 4])  # a likely token, a less likely one, an impossible one
+def test_verify_sampling_point_mass_draft_has_the_target_law(fixed: int) -> None:
+    p = torch.tensor(P_ONE, dtype=torch.float32)
+    counts = _first_token_counts(N_ONE, 20 + fixed, _one_position_draw(p, None, fixed))
+    assert chi_square_pvalue(counts, P_ONE) > ALPHA
+
+
+def test_one_position_check_rejects_wrong_samplers() -> None:
+    """Negative controls: the same check, on as many draws, fails two wrong samplers."""
+    p, q = torch.tensor(P_ONE, dtype=torch.float32), torch.tensor(Q_ONE, dtype=torch.float32)
+
+    def from_draft(g: torch.Generator) -> int:  # plain sampling from q (= accepting every draft)
+        return int(torch.multinomial(q, 1, generator=g))
+
+    def resample_from_p(g: torch.Generator) -> int:  # a classic bug: on rejection draw from p, not the residual
+        x = int(torch.multinomial(q, 1, generator=g))
+        if float(torch.rand((), generator=g)) * float(q[x]) < float(p[x]):
+            return x
+        return int(torch.multinomial(p, 1, generator=g))
+
+    # drawing from q emits token 4, which p rules out: the zero-probability assertion fires;
+    # the chi-square on the possible tokens alone rejects it as well
+    counts = _first_token_counts(N_ONE, 11, from_draft)
+    with pytest.raises(AssertionError, match="probability 0"):
+        chi_square_pvalue(counts, P_ONE)
+    assert chi_square_pvalue(Counter({t: c for t, c in counts.items() if P_ONE[t] > 0}), P_ONE) < 1e-12
+    assert chi_square_pvalue(_first_token_counts(N_ONE, 12, resample_from_p), P_ONE) < 1e-12
+
+
+# Multi-position: context-dependent target and draft laws over V = 4 tokens, decoded by a
+# miniature speculative loop (draft k tokens, verify, append, repeat) until 3 tokens exist.
+V_CHAIN = 4
+N_CHAIN = 20_000
+
+
+@cache
+def _chain_law(kind: str, prefix: tuple[int, ...]) -> torch.Tensor:
+    """A fixed pseudo-random law after ``prefix``; p rules one token out, q another."""
+    rng = np.random.default_rng([ord(kind), len(prefix), *prefix])
+    law = rng.dirichlet(np.full(V_CHAIN, 0.8))
+    law[(sum(prefix) + (0 if kind == "p" else 1)) % V_CHAIN] = 0.0
+    return torch.tensor(law / law.sum(), dtype=torch.float32)
+
+
+def _exact_chain_joint(n: int) -> dict[tuple[int, ...], float]:
+    joint = {(): 1.0}
+    for _ in range(n):
+        joint = {
+            (*prefix, t): mass * float(_chain_law("p", prefix)[t])
+            for prefix, mass in joint.items()
+            for t in range(V_CHAIN)
+        }
+    return joint
+
+
+Verifier = Callable[[list[int], "torch.Tensor | None", torch.Tensor, torch.Generator], list[int]]
+
+
+def _chain_decode(k: int, n: int, g: torch.Generator, point_mass: bool,
+                  verifier: Verifier = verify_sampling) -> tuple[int, ...]:
+    out: list[int] = []
+    while len(out) < n:
+        drafts: list[int] = []
+        qs = []
+        for _ in range(k):
+            ctx = (*out, *drafts)
+            if point_mass:  # deterministic proposal, like the n-gram drafter
+                drafts.append((3 * sum(ctx) + len(ctx)) % V_CHAIN)
+            else:
+                q = _chain_law("q", ctx)
+                qs.append(q)
+                drafts.append(int(torch.multinomial(q, 1, generator=g)))
+        p = torch.stack([_chain_law("p", (*out, *drafts[:j])) for j in range(k + 1)])
+        out += verifier(drafts, None if point_mass else torch.stack(qs), p, g)
+    return tuple(out[:n])
+
+
+@pytest.mark.parametrize(
+    ("k", "n", "point_mass"),
+    [
+        (3, 3, False),  # the first three tokens all come from one k = 3 chain when accepted
+        (2, 3, False),  # the third token is the bonus token when both drafts are accepted
+        (3, 3, True),  # deterministic drafts (draft_probs=None)
+    ],
+)
+def test_verify_sampling_chain_joint_law_equals_target(k: int, n: int, point_mass: bool) -> None:
+    g = torch.Generator().manual_seed(100 + 10 * k + point_mass)
+    counts = Counter(_chain_decode(k, n, g, point_mass) for _ in range(N_CHAIN))
+    assert chi_square_pvalue(counts, _exact_chain_joint(n)) > ALPHA
+
+
+def test_chain_check_rejects_accepting_every_draft() -> None:
+    """Negative control: a verifier that accepts every draft fails the same multi-position check."""
+
+    def accept_all(drafts, q, p, g):
+        return [*drafts, sample(p[len(drafts)], g)]
+
+    g = torch.Generator().manual_seed(7)
+    counts = Counter(_chain_decode(3, 3, g, False, accept_all) for _ in range(N_CHAIN))
+    exact = _exact_chain_joint(3)
+    assert any(exact[c] == 0.0 for c in counts)  # it even emits impossible sequences
+    possible = Counter({c: v for c, v in counts.items() if exact[c] > 0})
+    assert chi_square_pvalue(possible, exact) < 1e-12
+
+
+# -- determinism ---------------------------------------------------------------------------
+
+
+def _verify_many(seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    data = torch.Generator().manual_seed(99)  # the same inputs for every call of this helper
+    outs = []
+    for _ in range(200):
+        q = torch.softmax(torch.randn(3, 8, generator=data), -1)
+        p = torch.softmax(torch.randn(4, 8, generator=data), -1)
+        drafts = [int(torch.multinomial(q[j], 1, generator=data)) for j in range(3)]
+        outs.append(verify_sampling(drafts, q, p, g))
+        outs.append(verify_sampling(drafts, None, p, g))
+        outs.append([next_token(torch.log(p[0]), SamplingParams(0.8, top_k=5, top_p=0.9), g)])
+    return outs
+
+
+def test_same_generator_seed_gives_identical_outputs() -> None:
+    assert _verify_many(5) == _verify_many(5)
+    assert _verify_many(5) != _verify_many(6)
