@@ -63,7 +63,7 @@ def naive_attention(q, k, v, k_cache_before, v_cache_before, seqs, scale, cache_
 
 def _random_parents(n: int, kind: str, gen: torch.Generator) -> list[int]:
     if kind == "chain":
-        return [ROOT] + list(range(n - 1))
+        return [ROOT, *range(n - 1)]
     if kind == "forest":
         roots = int(torch.randint(2, max(3, n // 2 + 1), (1,), generator=gen))
         return [ROOT if j < roots else int(torch.randint(-1, j, (1,), generator=gen)) for j in range(n)]

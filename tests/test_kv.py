@@ -298,6 +298,7 @@ def test_commit_moves_tree_path_to_the_front() -> None:
     after = storage.read(slot, 10)
     for layer, ((k, v), (k0, v0)) in enumerate(zip(after, before)):
         assert torch.equal(k[:, :3], k0[:, :3])  # the committed prefix is untouched
+        assert torch.equal(v[:, :3], v0[:, :3])
         assert k[:, 3:6, 0].tolist() == [[100 * layer + p for p in (4, 6, 7)]] * k.shape[0]
         assert v[:, 3:6, 0].tolist() == [[-(100 * layer + p) for p in (4, 6, 7)]] * v.shape[0]
         assert (storage.k[layer][other] == 7.0).all()  # other slots untouched
@@ -314,6 +315,14 @@ def test_commit_chain_is_a_noop_move() -> None:
     kv.commit(slot, [])
     assert kv.length(slot) == 5
     assert torch.equal(storage.k[0], before)
+
+
+def test_commit_negative_count_is_refused() -> None:
+    kv = KVCacheManager(_storage())
+    slot = kv.alloc()
+    kv.commit(slot, 3)
+    with pytest.raises(ValueError):
+        kv.commit(slot, -2)
 
 
 def test_context_overflow() -> None:
@@ -457,6 +466,29 @@ def test_fork_copies_prefix_and_diverges_independently(backend: TorchBackend) ->
     _assert_same_kv(storage, new, ref, len(prompt) + 2)
     want_b = backend.step(pack([SeqWork(ref, 0, [*prompt, 70], logits="last")]), storage)
     assert torch.allclose(lb, want_b, atol=1e-5)
+
+
+def test_padded_holes_are_invisible(backend: TorchBackend) -> None:
+    """Padded baseline: rows committed as holes are masked, later tokens see only the real ones."""
+    storage = backend.allocate_cache(2, 32)
+    kv = KVCacheManager(storage)
+    slot = kv.alloc()
+    prompt = [7, 8, 9, 10]
+    backend.step(pack([SeqWork(slot, 0, prompt, logits="last")]), storage)
+    kv.commit(slot, len(prompt))
+    # three rows fed ([a, pad, pad]); one accepted, the write position advances by three
+    backend.step(pack([SeqWork(slot, kv.length(slot), [40, 41, 42], position_offset=kv.num_tokens(slot))]), storage)
+    kv.commit_padded(slot, 1, 3)
+    assert (kv.length(slot), kv.num_tokens(slot)) == (7, 5)
+    mask = kv.cache_mask([slot])
+    assert mask is not None and mask[0, :7].tolist() == [True] * 5 + [False] * 2
+    got = backend.step(
+        pack([SeqWork(slot, kv.length(slot), [50, 51], position_offset=kv.num_tokens(slot))], cache_mask=mask),
+        storage,
+    )
+    ref = kv.alloc()
+    want = backend.step(pack([SeqWork(ref, 0, [*prompt, 40, 50, 51])]), storage)
+    assert torch.allclose(got, want[-2:], atol=1e-5)
 
 
 def test_fork_keeps_holes() -> None:

@@ -52,7 +52,7 @@ def test_nonexistent_path(tmp_path: Path) -> None:
 def test_file_that_is_not_a_model(tmp_path: Path) -> None:
     path = tmp_path / "weights.bin"
     path.write_bytes(b"\x00" * 64)
-    with pytest.raises(ModelResolutionError, match="neither a .gguf file nor a Hugging Face model directory"):
+    with pytest.raises(ModelResolutionError, match=r"neither a \.gguf file nor a Hugging Face model directory"):
         load_model(path)
 
 

@@ -115,6 +115,8 @@ def test_position_offset_overrides_past_for_positions_only() -> None:
     _assert_batch(batch, position_ids=_i64([7, 8, 9]), past_lens=_i32([10]))
     tree = pack([SeqWork(3, past_len=10, token_ids=[1, 2, 3], parents=[ROOT, ROOT, 1], position_offset=7)])
     _assert_batch(tree, position_ids=_i64([7, 7, 8]), past_lens=_i32([10]))
+    zero = pack([SeqWork(3, past_len=10, token_ids=[1, 2], position_offset=0)])  # 0 is not "unset"
+    _assert_batch(zero, position_ids=_i64([0, 1]), past_lens=_i32([10]))
 
 
 # -- forests --------------------------------------------------------------------------------
@@ -198,11 +200,15 @@ def test_parent_must_precede_child(parents: list[int]) -> None:
         pack([SeqWork(0, 0, list(range(len(parents))), parents=parents)])
 
 
-@pytest.mark.xfail(strict=True, reason="pack() does not check len(parents) == len(token_ids): a single parent "
-                                       "is broadcast over all tokens, leaving rows that see no token at all")
 def test_parents_length_must_match_tokens() -> None:
     with pytest.raises(ValueError):
         pack([SeqWork(0, 0, [1, 2, 3], parents=[ROOT])])
+
+
+@pytest.mark.parametrize("offsets", [[2], [-1]])
+def test_explicit_logit_offsets_must_be_in_range(offsets: list[int]) -> None:
+    with pytest.raises((ValueError, IndexError)):
+        pack([SeqWork(0, 0, [1, 2, 3]), SeqWork(1, 0, [4, 5], logits=offsets), SeqWork(2, 0, [6, 7])])
 
 
 # -- empty sequences, slots ----------------------------------------------------------------

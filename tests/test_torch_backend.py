@@ -69,14 +69,9 @@ class Pair:
         return self.hf(torch.tensor([ids])).logits[0].float()
 
 
-_PAIRS: dict[str, Pair] = {}
-
-
-@pytest.fixture(params=list(VARIANTS))
+@pytest.fixture(scope="module", params=list(VARIANTS))
 def pair(request: pytest.FixtureRequest) -> Pair:
-    if request.param not in _PAIRS:
-        _PAIRS[request.param] = Pair(VARIANTS[request.param]())
-    return _PAIRS[request.param]
+    return Pair(VARIANTS[request.param]())
 
 
 def _randint(gen: torch.Generator, low: int, high: int) -> int:
@@ -150,7 +145,7 @@ def test_packed_sequences_equal_each_alone(pair: Pair) -> None:
     alone = [pair.ours.step(pack([w]), alone_store) for w in work]
     packed = pair.ours.step(pack(work), packed_store)
     assert _max_diff(packed, torch.cat(alone)) < SELF_ATOL
-    for s, p, t, rows in zip(slots, prompts, new, alone):
+    for p, t, rows in zip(prompts, new, alone):
         assert _max_diff(rows, pair.hf_logits(p + t)[len(p) :]) < HF_ATOL
     for s in range(6):
         if s not in slots:  # idle slots are never written
@@ -199,6 +194,15 @@ def test_forest_with_empty_past_and_explicit_positions(pair: Pair) -> None:
     for row, node in enumerate((2, 3, 4)):
         ids = [tokens[j] for j in _path(parents, node)]
         assert _max_diff(got[row], pair.hf_logits(ids)[-1]) < HF_ATOL
+
+
+def test_empty_step() -> None:
+    backend = TorchBackend(tiny_random(seed=1))
+    storage = backend.allocate_cache(2, 8)
+    before = storage.read(0, 8)
+    out = backend.step(pack([SeqWork(0, 3, []), SeqWork(1, 0, [])]), storage)
+    assert out.shape == (0, backend.vocab_size)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(before, storage.read(0, 8)))
 
 
 def test_counters() -> None:

@@ -82,6 +82,8 @@ class KVCacheManager:
     def commit(self, slot: int, offsets: Sequence[int] | int) -> None:
         """Commit accepted new tokens written at ``length + offsets`` (int n = a chain of n)."""
         base = self.length(slot)
+        if isinstance(offsets, int) and offsets < 0:
+            raise ValueError(f"cannot commit a negative number of tokens ({offsets})")
         offs = list(range(offsets)) if isinstance(offsets, int) else list(offsets)
         if any(o < 0 for o in offs) or len(set(offs)) != len(offs) or offs != sorted(offs):
             raise ValueError(f"accepted offsets must be distinct, increasing and >= 0, got {offs}")

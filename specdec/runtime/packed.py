@@ -33,6 +33,16 @@ class SeqWork:
     position_offset: int | None = None
     logits: str | Sequence[int] = "all"
 
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if self.parents is not None and len(self.parents) != n:
+            raise ValueError(f"slot {self.slot_id}: {len(self.parents)} parents for {n} tokens")
+        if isinstance(self.logits, str):
+            if self.logits not in ("all", "last", "none"):
+                raise ValueError(f"logits must be 'all', 'last', 'none' or offsets, got {self.logits!r}")
+        elif any(not 0 <= off < n for off in self.logits):
+            raise ValueError(f"slot {self.slot_id}: logit offsets {list(self.logits)} outside [0, {n})")
+
     def logit_offsets(self) -> list[int]:
         n = len(self.token_ids)
         if self.logits == "all":
@@ -77,8 +87,9 @@ def pack(work: Sequence[SeqWork], cache_mask: torch.Tensor | None = None) -> Pac
         cu_seqlens      [0, 3, 5, 8]      past_lens [0, 7, 5]   slot_ids [4, 0, 2]
         tree_mask rows  p2 -> 111, x1 -> 11., c -> 1.1  (S_max = 3, "." = False)
 
-    ``cache_mask`` (only for the padded baseline) is [B, >= max(past_lens)] in the order of
-    the non-empty work items; it is cut to the longest past.
+    ``cache_mask`` (only for the padded baseline) has one row per item of ``work`` (empty
+    items included, as ``KVCacheManager.cache_mask`` builds it); rows of empty items are
+    dropped and the columns are cut to the longest past.
     """
     items = [w for w in work if len(w.token_ids) > 0]
     keep = [i for i, w in enumerate(work) if len(w.token_ids) > 0]

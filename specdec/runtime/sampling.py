@@ -17,6 +17,9 @@ from dataclasses import dataclass
 import torch
 
 
+MIN_TEMPERATURE = 1e-5  # below this, logits / temperature overflows float32
+
+
 class InvalidRequestError(ValueError):
     """A request parameter is invalid; the message names the parameter and the value."""
 
@@ -35,6 +38,11 @@ class SamplingParams:
             raise InvalidRequestError(f"temperature must be a finite number, got {self.temperature!r}")
         if self.temperature < 0:
             raise InvalidRequestError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise InvalidRequestError(
+                f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {self.temperature}: "
+                "smaller values overflow the logit scaling"
+            )
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequestError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
@@ -55,7 +63,9 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities ``[..., V]`` after temperature, top-k and top-p (in that order)."""
     if params.greedy:
         raise ValueError("greedy requests are decided by argmax, not by a warped distribution")
-    scores = logits.float() / params.temperature
+    logits = logits.float()
+    # shift before dividing so a tiny temperature gives -inf gaps, never inf - inf = NaN
+    scores = (logits - logits.max(dim=-1, keepdim=True).values) / params.temperature
     if params.top_k and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))

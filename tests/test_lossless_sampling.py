@@ -1,0 +1,329 @@
+"""Acceptance test: speculative sampling through the real decoding loops is lossless.
+
+A 12-token target makes the law of the first tokens enumerable: the exact joint law of the
+first four generated tokens (12**4 cells) comes from the Hugging Face reference model
+(``LoadedModel.to_hf()``, independent of the runtime's torch backend) and the sampler's own
+warping. ``Engine.generate`` then decodes 20,000 seeded requests and the empirical law is
+compared with the exact one.
+
+Why four tokens with ``num_draft_tokens=2``: ``k_i`` is capped at ``max_tokens - generated - 1``
+and the first token always comes from the prefill, so with four tokens the second step
+verifies a full chain of two drafts (tokens 2-3, bonus token 4), and a rejection leads to a
+one-draft step and then a draft-free step. Every path of the verifier shows up in the law
+of tokens 1-3 or 2-4, the two marginals tested (1,728 cells each).
+
+Thresholds. Each chi-square test (cells with expected count < 5 pooled) passes when its
+p-value exceeds ``ALPHA = 1e-3``: the seeds are fixed so every run is deterministic, and a
+correct sampler fails one such check for at most 0.1 % of seed choices, the false-alarm
+rate we accept when a code change re-rolls the random streams. The total-variation check
+uses E[TV] <= 1/2 * sum_i sqrt(p_i (1 - p_i) / n) (Jensen) plus the McDiarmid slack
+sqrt(ln(1e4) / (2 n)) (one sample moves TV by at most 1/n), so a correct sampler exceeds
+it with probability below 1e-4. The negative controls show the same checks on the same
+samples reject the draft model's own law, and on fewer samples reject a subtly wrong
+verifier, by many orders of magnitude.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specdec.export.models import LoadedModel, tiny_random
+from specdec.runtime import loops
+from specdec.runtime.engine import Engine
+from specdec.runtime.request import Request
+from specdec.runtime.sampling import SamplingParams, sample, warp
+
+ALPHA = 1e-3
+VOCAB = 12
+NUM_TOKENS = 4
+NUM_SAMPLES = 20_000
+MAX_BATCH = 1000
+# every token of the vocabulary occurs in the prompt, so the n-gram drafter always proposes
+PROMPT = (3, 7, 1, 0, 9, 4, 11, 2, 8, 5, 10, 6, 3, 7)
+PLAIN = SamplingParams(temperature=1.0)
+# both cuts bind for this target: top-k removes tokens top-p alone would keep in about 3/4
+# of the enumerated contexts, and top-p cuts inside the top 6 in all of them
+WARPED = SamplingParams(temperature=1.3, top_k=6, top_p=0.9)
+_TINY = dict(vocab_size=VOCAB, num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64,
+             max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Tiny models, thousands of small ops per step: one intra-op thread is much faster
+    (measured 4,000 requests: 3.7 s with one thread, 93 s with two on a loaded 2-core CPU)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target() -> LoadedModel:
+    # init_std 0.4 makes the 12-way distributions peaky enough that 20,000 samples cover
+    # most of the joint law's mass in cells with expected count >= 5
+    return tiny_random(seed=11, init_std=0.4, name="lossless-target", **_TINY)
+
+
+@pytest.fixture(scope="module")
+def draft() -> LoadedModel:
+    """Same seed, smaller init: related to the target but clearly different.
+
+    Per-token TV(p, q) is about 0.1-0.2 and the 3-token TV about 0.3, so the verifier
+    accepts most drafts but rejects thousands: acceptance, residual resampling and bonus
+    tokens all occur often. (An unrelated seed is rejected almost always, which would leave
+    the acceptance path nearly untested.)
+    """
+    return tiny_random(seed=11, init_std=0.32, name="lossless-draft", **_TINY)
+
+
+# -- exact laws ----------------------------------------------------------------------------
+
+
+def exact_joint(model: LoadedModel, params: SamplingParams, n: int = NUM_TOKENS) -> np.ndarray:
+    """The exact law ``[V] * n`` of the first ``n`` sampled tokens after ``PROMPT``."""
+    conts = torch.tensor(list(itertools.product(range(VOCAB), repeat=n - 1)), dtype=torch.int64)
+    ids = torch.cat([torch.tensor(PROMPT).expand(len(conts), -1), conts], dim=1)
+    with torch.no_grad():
+        logits = model.to_hf()(ids).logits[:, len(PROMPT) - 1 :].float()  # [V^(n-1), n, V]
+    probs = warp(logits, params).double()
+    probs = (probs / probs.sum(-1, keepdim=True)).reshape(*[VOCAB] * (n - 1), n, VOCAB).numpy()
+    logits = logits.reshape(*[VOCAB] * (n - 1), n, VOCAB)
+    joint = np.ones([VOCAB] * n)
+    for j in range(n):
+        # law of token j given tokens < j: any continuation beyond j gives the same row
+        index = (*[slice(None)] * j, *[0] * (n - 1 - j), j)
+        reachable = np.ravel(joint.sum(axis=tuple(range(j, n))) > 0)  # contexts of positive probability
+        _assert_warp_well_conditioned(logits[index].reshape(-1, VOCAB)[torch.from_numpy(reachable)], params)
+        row = probs[index]  # [V] * (j + 1)
+        joint = joint * row.reshape(*row.shape, *[1] * (n - 1 - j))
+    return joint
+
+
+def _assert_warp_well_conditioned(logits: torch.Tensor, params: SamplingParams) -> None:
+    """No top-k or top-p decision within 1e-4 of its threshold in any reachable context.
+
+    The runtime's logits differ from the reference model's by rounding (~1e-6); this margin
+    makes sure that cannot change which tokens the warping keeps, so the enumerated law is
+    the one the runtime samples from.
+    """
+    scores = torch.sort(logits.double() / params.temperature, dim=-1, descending=True).values
+    if 0 < params.top_k < VOCAB:
+        assert float((scores[:, params.top_k - 1] - scores[:, params.top_k]).min()) > 1e-4
+        scores[:, params.top_k :] = -math.inf
+    if params.top_p < 1.0:
+        probs = torch.softmax(scores, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        assert float((mass_before - params.top_p).abs().min()) > 1e-4
+
+
+# -- running the engine --------------------------------------------------------------------
+
+
+def generate_samples(target: LoadedModel, draft: LoadedModel | str, method: str, params: SamplingParams,
+                     n: int, seed0: int, num_draft_tokens: int = 2) -> tuple[Counter, float, float]:
+    """(counts of the first NUM_TOKENS outputs, acceptance rate, seconds) over ``n`` seeded requests."""
+    engine = Engine.from_models(target, draft, max_batch=MAX_BATCH, max_len=32, num_draft_tokens=num_draft_tokens)
+    requests = [
+        Request(PROMPT, max_tokens=NUM_TOKENS,
+                sampling=SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed0 + i))
+        for i in range(n)
+    ]
+    start = time.perf_counter()
+    result = engine.generate(requests, method)
+    seconds = time.perf_counter() - start
+    assert all(o.error is None and len(o.token_ids) == NUM_TOKENS for o in result.outputs)
+    drafted = sum(o.metrics.draft_tokens for o in result.outputs)
+    accepted = sum(o.metrics.accepted_draft_tokens for o in result.outputs)
+    return Counter(tuple(o.token_ids) for o in result.outputs), accepted / max(drafted, 1), seconds
+
+
+def marginal_counts(counts: Counter, keep: slice) -> Counter:
+    out: Counter = Counter()
+    for tokens, c in counts.items():
+        out[tokens[keep]] += c
+    return out
+
+
+def chi_square_pvalue(counts: Counter, law: np.ndarray) -> float:
+    """Goodness of fit of ``counts`` (keyed by index tuples of ``law``), expected < 5 pooled."""
+    n = sum(counts.values())
+    impossible = {k: c for k, c in counts.items() if law[k] == 0.0}
+    assert not impossible, f"outcomes of probability 0 were drawn: {impossible}"
+    p = law.ravel() / law.sum()
+    observed = np.zeros(p.size)
+    for k, c in counts.items():
+        observed[np.ravel_multi_index(k, law.shape)] = c
+    expected = p * n
+    big, small = expected >= 5, (expected < 5) & (p > 0)
+    f_obs, f_exp = list(observed[big]), list(expected[big])
+    if small.any():
+        f_obs.append(observed[small].sum())
+        f_exp.append(expected[small].sum())
+    return float(chisquare(f_obs, f_exp).pvalue)
+
+
+def total_variation(counts: Counter, law: np.ndarray) -> tuple[float, float]:
+    """(TV between the empirical and exact laws, the bound a correct sampler stays under)."""
+    n = sum(counts.values())
+    p = law / law.sum()
+    empirical = np.zeros(law.shape)
+    for k, c in counts.items():
+        empirical[k] = c / n
+    tv = 0.5 * float(np.abs(empirical - p).sum())
+    bound = 0.5 * float(np.sqrt(p * (1 - p) / n).sum()) + math.sqrt(math.log(1e4) / (2 * n))
+    return tv, bound
+
+
+def assert_lossless(counts: Counter, law: np.ndarray, label: str) -> None:
+    """Tokens 1-3 and tokens 2-4 each fit the exact law (chi-square and TV)."""
+    for keep, axis in ((slice(0, 3), 3), (slice(1, 4), 0)):
+        marginal, exact = marginal_counts(counts, keep), law.sum(axis=axis)
+        pvalue = chi_square_pvalue(marginal, exact)
+        tv, bound = total_variation(marginal, exact)
+        print(f"{label} tokens {keep.start + 1}-{keep.stop}: chi-square p = {pvalue:.4g}, "
+              f"TV = {tv:.4f} (bound {bound:.4f})")
+        assert pvalue > ALPHA, f"{label}: tokens {keep.start + 1}-{keep.stop} do not follow the target's law"
+        assert tv < bound
+
+
+# -- the tests -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plain_law(target: LoadedModel) -> np.ndarray:
+    return exact_joint(target, PLAIN)
+
+
+@pytest.fixture(scope="module")
+def ems_plain_samples(target: LoadedModel, draft: LoadedModel) -> Counter:
+    counts, acceptance, seconds = generate_samples(target, draft, "ems", PLAIN, NUM_SAMPLES, seed0=0)
+    print(f"ems/draft plain: {NUM_SAMPLES} requests in {seconds:.1f} s, acceptance {acceptance:.3f}")
+    assert 0.5 < acceptance < 0.95  # both acceptance and rejection are exercised thousands of times
+    return counts
+
+
+def test_ems_draft_model_sampling_is_lossless(ems_plain_samples: Counter, plain_law: np.ndarray) -> None:
+    assert_lossless(ems_plain_samples, plain_law, "ems/draft T=1")
+
+
+def test_ems_draft_model_warped_sampling_is_lossless(target: LoadedModel, draft: LoadedModel) -> None:
+    law = exact_joint(target, WARPED)
+    counts, acceptance, seconds = generate_samples(target, draft, "ems", WARPED, NUM_SAMPLES, seed0=10**6)
+    print(f"ems/draft warped: {seconds:.1f} s, acceptance {acceptance:.3f}")
+    assert 0.3 < acceptance < 0.95
+    assert_lossless(counts, law, "ems/draft T=1.3 top_k=6 top_p=0.9")
+
+
+def test_ems_ngram_sampling_is_lossless(target: LoadedModel, plain_law: np.ndarray) -> None:
+    counts, acceptance, seconds = generate_samples(target, "ngram", "ems", PLAIN, NUM_SAMPLES, seed0=2 * 10**6)
+    print(f"ems/ngram plain: {seconds:.1f} s, acceptance {acceptance:.3f}")
+    assert 0.02 < acceptance < 0.95  # point-mass drafts are accepted sometimes, rejected mostly
+    assert_lossless(counts, plain_law, "ems/ngram T=1")
+
+
+def test_vanilla_draft_model_sampling_is_lossless(target: LoadedModel, draft: LoadedModel,
+                                                 plain_law: np.ndarray) -> None:
+    counts, acceptance, seconds = generate_samples(target, draft, "vanilla", PLAIN, NUM_SAMPLES, seed0=3 * 10**6)
+    print(f"vanilla/draft plain: {seconds:.1f} s, acceptance {acceptance:.3f}")
+    assert_lossless(counts, plain_law, "vanilla/draft T=1")
+
+
+def test_check_rejects_the_draft_models_own_law(ems_plain_samples: Counter, draft: LoadedModel,
+                                                plain_law: np.ndarray) -> None:
+    """Negative control: the same samples are far from the draft's law, and the check says so."""
+    draft_law = exact_joint(draft, PLAIN)
+    assert 0.5 * np.abs(draft_law - plain_law).sum() > 0.1
+    for keep, axis in ((slice(0, 3), 3), (slice(1, 4), 0)):
+        marginal = marginal_counts(ems_plain_samples, keep)
+        pvalue = chi_square_pvalue(marginal, draft_law.sum(axis=axis))
+        tv, bound = total_variation(marginal, draft_law.sum(axis=axis))
+        print(f"ems samples vs the draft's law, tokens {keep.start + 1}-{keep.stop}: p = {pvalue:.3g}, TV = {tv:.3f}")
+        assert pvalue < 1e-12
+        assert tv > 2 * bound
+
+
+def test_check_rejects_a_subtly_wrong_verifier(target: LoadedModel, draft: LoadedModel, plain_law: np.ndarray,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control through the real loop: resampling a rejected draft from p instead of
+    norm(max(0, p - q)) (a classic bug) is caught with a quarter of the samples."""
+
+    def resample_from_p(drafts, draft_probs, target_probs, generator):
+        out = []
+        for j, x in enumerate(drafts):
+            qx = 1.0 if draft_probs is None else float(draft_probs[j, x])
+            if float(torch.rand((), generator=generator)) * qx < float(target_probs[j, x]):
+                out.append(int(x))
+                continue
+            return [*out, sample(target_probs[j], generator)]
+        return [*out, sample(target_probs[len(drafts)], generator)]
+
+    monkeypatch.setattr(loops, "verify_sampling", resample_from_p)
+    counts, _, _ = generate_samples(target, draft, "ems", PLAIN, NUM_SAMPLES // 4, seed0=4 * 10**6)
+    pvalues = [chi_square_pvalue(marginal_counts(counts, keep), plain_law.sum(axis=axis))
+               for keep, axis in ((slice(0, 3), 3), (slice(1, 4), 0))]
+    print(f"resample-from-p bug, tokens 1-3 and 2-4: p = {pvalues[0]:.3g}, {pvalues[1]:.3g}")
+    assert min(pvalues) < 1e-6
+
+
+# -- per-request random streams ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def rng_engine() -> Engine:
+    """A 128-token pair with a draft model; small batch so late requests join a running pack."""
+    kw = dict(vocab_size=128, num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    target = tiny_random(seed=5, init_std=0.2, name="rng-target", **kw)
+    draft = tiny_random(seed=6, init_std=0.2, name="rng-draft", **kw)
+    return Engine.from_models(target, draft, max_batch=4, max_len=96, num_draft_tokens=3)
+
+
+NEEDLE_PROMPT = (5, 17, 99, 3, 42, 8)
+
+
+def _needle(seed: int = 1234) -> Request:
+    return Request(NEEDLE_PROMPT, max_tokens=20, sampling=SamplingParams(0.9, seed=seed))
+
+
+def _neighbours(count: int, offset: int) -> list[Request]:
+    gen = np.random.default_rng(offset)
+    out = []
+    for i in range(count):
+        prompt = tuple(int(t) for t in gen.integers(0, 128, size=int(gen.integers(1, 30))))
+        sampling = (SamplingParams(0.0) if i % 3 == 0
+                    else SamplingParams(0.5 + 0.2 * (i % 4), top_k=int(gen.integers(0, 50)), seed=offset + i))
+        out.append(Request(prompt, max_tokens=int(gen.integers(1, 30)), sampling=sampling,
+                           num_draft_tokens=None if i % 2 else int(gen.integers(0, 6))))
+    return out
+
+
+def test_seeded_request_output_does_not_depend_on_its_batch(rng_engine: Engine) -> None:
+    alone = rng_engine.generate([_needle()], "ems").outputs[0].token_ids
+    assert len(alone) == 20
+    first = rng_engine.generate([_needle(), *_neighbours(9, 100)], "ems").outputs[0].token_ids
+    middle_reqs = [*_neighbours(3, 200), _needle(), *_neighbours(3, 300)]
+    middle = rng_engine.generate(middle_reqs, "ems").outputs[3].token_ids
+    # admitted only after earlier requests finish: prefilled in the same pack as others' verification
+    late_reqs = [*_neighbours(10, 400), _needle()]
+    late = rng_engine.generate(late_reqs, "ems").outputs[-1].token_ids
+    assert first == alone
+    assert middle == alone
+    assert late == alone
+
+
+def test_same_seed_repeats_and_different_seeds_differ(rng_engine: Engine) -> None:
+    outs = rng_engine.generate([_needle(7), _needle(7), _needle(8), *_neighbours(3, 500), _needle(7)],
+                               "ems").outputs
+    assert outs[0].token_ids == outs[1].token_ids == outs[-1].token_ids
+    assert outs[0].token_ids != outs[2].token_ids
+    others = {tuple(o.token_ids) for o in rng_engine.generate([_needle(s) for s in range(10, 20)], "ems").outputs}
+    assert len(others) == 10
