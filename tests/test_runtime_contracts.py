@@ -156,9 +156,9 @@ def test_one_bad_request_does_not_lose_the_others(target) -> None:
 
 
 def test_unknown_preset_and_unreadable_paths(tmp_path) -> None:
-    with pytest.raises(ModelResolutionError, match="unknown model 'no-such-model'.*smollm2-135m"):
+    with pytest.raises(ModelResolutionError, match=r"unknown model 'no-such-model'.*smollm2-135m"):
         load_model("no-such-model")
-    with pytest.raises(ModelResolutionError, match="no config.json"):
+    with pytest.raises(ModelResolutionError, match=r"no config\.json"):
         load_model(tmp_path)
     broken = tmp_path / "broken"
     broken.mkdir()
@@ -173,7 +173,7 @@ def test_unknown_preset_and_unreadable_paths(tmp_path) -> None:
 
 def test_draft_with_other_vocabulary_is_refused(target) -> None:
     other = tiny_random(seed=3, vocab_size=65, num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1)
-    with pytest.raises(DraftMismatchError, match="vocabulary of 65 tokens.*64"):
+    with pytest.raises(DraftMismatchError, match=r"vocabulary of 65 tokens.*64"):
         Engine.from_models(target, other)
 
 

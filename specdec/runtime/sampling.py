@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 MIN_TEMPERATURE = 1e-5  # below this, logits / temperature overflows float32
 
 
