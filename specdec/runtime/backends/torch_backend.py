@@ -9,7 +9,7 @@ is cheaper than three.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from specdec.export.models import LoadedModel
 from specdec.plugins.reference import ragged_tree_attention
 from specdec.runtime.packed import PackedBatch
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class TorchKVStorage:
@@ -151,7 +153,7 @@ class TorchBackend:
         return weight * x32.to(x.dtype)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(self.device, torch.float32)[:, None] * self.inv_freq[None, :]
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)  # [T, D]
         return ((emb.cos() * self.rope_scaling).to(self.dtype)[:, None, :],
                 (emb.sin() * self.rope_scaling).to(self.dtype)[:, None, :])
@@ -162,6 +164,33 @@ class TorchBackend:
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
 
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_indices: torch.Tensor,
+                attend: Attend) -> torch.Tensor:
+        """The LLaMA computation of one ragged step, attention left to ``attend``.
+
+        Only attention needs to know which sequence a token belongs to; everything else
+        runs on the T packed rows. ``attend(layer, q, k, v)`` gets rotated q [T, Hq, D] and
+        k, v [T, Hkv, D] and returns [T, Hq, D]: the torch backend binds it to the
+        in-place reference, the ONNX exporter to the custom op.
+        """
+        cos, sin = self._rope(position_ids)
+        h = self.embed[input_ids]
+        tokens = h.shape[0]
+        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        for i, layer in enumerate(self.layers):
+            x = self._rms_norm(h, layer.attn_norm)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q = qkv[:, :q_dim].reshape(tokens, self.num_heads, self.head_dim)
+            k = qkv[:, q_dim : q_dim + kv_dim].reshape(tokens, self.num_kv_heads, self.head_dim)
+            v = qkv[:, q_dim + kv_dim :].reshape(tokens, self.num_kv_heads, self.head_dim)
+            attn = attend(i, self._rotate(q, cos, sin), self._rotate(k, cos, sin), v)
+            h = h + F.linear(attn.reshape(tokens, q_dim), layer.o, layer.o_bias)
+            x = self._rms_norm(h, layer.mlp_norm)
+            gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+        rows = h[logits_indices.long()]
+        return F.linear(self._rms_norm(rows, self.final_norm), self.lm_head).float()
+
     @torch.inference_mode()
     def step(self, batch: PackedBatch, cache: TorchKVStorage) -> torch.Tensor:
         self.calls += 1
@@ -169,22 +198,10 @@ class TorchBackend:
         cu, past, slots = batch.cu_seqlens.tolist(), batch.past_lens.tolist(), batch.slot_ids.tolist()
         tree = batch.tree_mask.to(self.device)
         cache_mask = None if batch.cache_mask is None else batch.cache_mask.to(self.device)
-        cos, sin = self._rope(batch.position_ids)
-        h = self.embed[batch.input_ids.to(self.device)]
-        tokens = h.shape[0]
-        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        for i, layer in enumerate(self.layers):
-            x = self._rms_norm(h, layer.attn_norm)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-            q = qkv[:, :q_dim].view(tokens, self.num_heads, self.head_dim)
-            k = qkv[:, q_dim : q_dim + kv_dim].view(tokens, self.num_kv_heads, self.head_dim)
-            v = qkv[:, q_dim + kv_dim :].view(tokens, self.num_kv_heads, self.head_dim)
-            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-            attn = ragged_tree_attention(q, k, v, cache.k[i], cache.v[i], cu, past, slots, tree, self.scale,
-                                         cache_mask)
-            h = h + F.linear(attn.reshape(tokens, q_dim), layer.o, layer.o_bias)
-            x = self._rms_norm(h, layer.mlp_norm)
-            gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
-        rows = h[batch.logits_indices.to(self.device).long()]
-        return F.linear(self._rms_norm(rows, self.final_norm), self.lm_head).float()
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return ragged_tree_attention(q, k, v, cache.k[layer], cache.v[layer], cu, past, slots, tree,
+                                         self.scale, cache_mask)
+
+        return self.forward(batch.input_ids.to(self.device), batch.position_ids.to(self.device),
+                            batch.logits_indices.to(self.device), attend)
