@@ -103,13 +103,26 @@ def test_sampling_params_accepts_the_edges_of_the_valid_range() -> None:
 
 @pytest.mark.parametrize("temperature", [1e-38, 1e-40, 1e-46])
 def test_tiny_positive_temperature_is_refused_or_sampled(temperature: float) -> None:
+    """Regression: such temperatures used to pass validation and make warp() return NaN, so
+    sampling raised inside the decoding loop and failed every request of the batch."""
     try:
         params = SamplingParams(temperature=temperature)
-    except InvalidRequestError:
-        return  # refusing it up front is one acceptable fix
+    except InvalidRequestError as exc:
+        assert "temperature" in str(exc)
+        return  # refused up front, naming the parameter
     probs = warp(torch.tensor([5.0, 1.0, -2.0]), params)
     assert torch.isfinite(probs).all() and float(probs.sum()) == pytest.approx(1.0)
     assert next_token(torch.tensor([5.0, 1.0, -2.0]), params, torch.Generator().manual_seed(0)) == 0
+
+
+@pytest.mark.parametrize("temperature", [1e-5, 1e-3])
+def test_smallest_accepted_temperatures_give_finite_probabilities(temperature: float) -> None:
+    logits = torch.tensor([[300.0, 299.0, -300.0, 0.0], [-1e4, -1e4, -2e4, -1e4 - 1e-2]])
+    probs = warp(logits, SamplingParams(temperature=temperature, top_k=3, top_p=0.9))
+    assert torch.isfinite(probs).all()
+    assert probs.sum(-1).tolist() == pytest.approx([1.0, 1.0])
+    assert probs[0].tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert probs[1].tolist() == [0.5, 0.5, 0.0, 0.0]  # an exact tie for the max shares the mass
 
 
 def test_seeded_generators_repeat_and_unseeded_ones_differ() -> None:
