@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from specdec.export.models import DEFAULT_TARGET, ModelResolutionError, export_draft, load_model
+from specdec.export.models import DEFAULT_TARGET, ModelResolutionError, load_model
 from specdec.runtime.engine import METHODS, DraftMismatchError, Engine, GenerationResult
 from specdec.runtime.sampling import InvalidRequestError
 
@@ -45,14 +45,22 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def build_engine(args: argparse.Namespace) -> Engine:
+    if (Path(args.target) / "manifest.json").is_file() and not args.draft:
+        from specdec.export.cli import ExportDirError
+
+        try:
+            return Engine.from_export(args.target, max_batch=args.max_batch, max_len=args.max_len,
+                                      num_draft_tokens=args.num_draft_tokens,
+                                      drafter="none" if args.method == "ar" else args.drafter)
+        except ExportDirError as exc:
+            raise ModelResolutionError(str(exc)) from exc
     target = load_model(args.target)
     if args.draft and args.drafter not in (None, "model"):
         raise SystemExit("error: pass either --draft PATH or --drafter ngram|none, not both")
-    exported = None if args.draft or args.drafter else export_draft(args.target)
-    draft = load_model(args.draft) if args.draft else (exported or args.drafter or "ngram")
+    draft = load_model(args.draft) if args.draft else (args.drafter or "ngram")
     if args.method == "ar":
         draft = None
-    return Engine.from_models(target, draft, max_batch=args.max_batch, max_len=args.max_len,
+    return Engine.from_models(target, draft, max_batch=args.max_batch or 16, max_len=args.max_len or 1024,
                               num_draft_tokens=args.num_draft_tokens)
 
 
@@ -147,8 +155,8 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--compare-ar", action="store_true", help="also run ar and print the speed-up")
-    p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
-    p.add_argument("--max-len", type=int, default=1024, help="KV-cache length per sequence")
+    p.add_argument("--max-batch", type=int, help="sequences decoded together (default 16, or the export's)")
+    p.add_argument("--max-len", type=int, help="KV-cache length per sequence (default 1024, or the export's)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,6 +6,10 @@ Layout of ``--out DIR``::
     DIR/target/            the target as a Hugging Face directory (config, safetensors, tokenizer)
     DIR/draft/             the draft model, when ``--draft`` names one (absent for the n-gram drafter)
 
+With ``--backend onnx`` (the default) each model directory holds ``model.onnx`` (+ ``.data``)
+and its config/tokenizer instead of safetensors; ``--backend tensorrt`` adds ``model.engine``.
+Every graph is validated against the torch reference before the export is declared done.
+
 The directory is assembled under a temporary name and renamed into place only when
 complete, so an interrupted export never leaves something that looks valid.
 """
@@ -43,7 +47,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _describe(model: LoadedModel, sub: str, root: Path) -> dict:
+def _describe(model: LoadedModel, sub: str, root: Path, dtype: str) -> dict:
     cfg = model.config
     return {
         "name": model.name,
@@ -54,24 +58,72 @@ def _describe(model: LoadedModel, sub: str, root: Path) -> dict:
         "hidden_size": int(cfg.hidden_size),
         "num_heads": int(cfg.num_attention_heads),
         "num_kv_heads": int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads),
-        "dtype": "float32",
+        "head_dim": int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads),
+        "dtype": dtype,
         "weights_checksum": model.checksum(),
-        "files": {str(p.relative_to(root)): _sha256(p) for p in sorted((root / sub).rglob("*")) if p.is_file()},
     }
 
 
-def export(target: str, draft: str | None, out: Path, force: bool = False) -> Path:
+BACKENDS = ("onnx", "tensorrt", "torch")
+VALIDATION_TOLERANCE = {"float32": 1e-3, "float16": 0.25}
+
+
+def _export_model(model: LoadedModel, sub: str, tmp: Path, backend: str, dtype: str,
+                  stages: tqdm) -> dict:
+    """Write one model under ``tmp/sub`` and check the graph against the torch reference."""
+    save_model(model, tmp / sub, weights=backend == "torch")
+    info: dict = {}
+    if backend in ("onnx", "tensorrt"):
+        from specdec.export.onnx import export_onnx, torch_dtype
+        from specdec.export.validate import max_logit_error
+        from specdec.runtime.backends.onnxruntime import OrtBackend
+        from specdec.runtime.backends.torch_backend import TorchBackend
+
+        stages.set_postfix_str(f"{sub}: ONNX export")
+        graph = export_onnx(model, tmp / sub / "model.onnx", torch_dtype(dtype))
+        stages.update()
+        stages.set_postfix_str(f"{sub}: validating on random ragged forests")
+        error = max_logit_error(TorchBackend(model), OrtBackend(graph))
+        if error > VALIDATION_TOLERANCE[dtype]:
+            raise ExportDirError(f"{sub}: exported graph differs from the torch reference by {error:.3g} "
+                                 f"(tolerance {VALIDATION_TOLERANCE[dtype]}): not writing a broken export")
+        info = {"graph": f"{sub}/model.onnx", "validation_max_abs_logit_error": error}
+        if backend == "tensorrt":
+            from specdec.export.tensorrt import build_engine
+
+            stages.set_postfix_str(f"{sub}: TensorRT engine")
+            info["engine"] = str(build_engine(graph, tmp / sub / "model.engine", dtype).relative_to(tmp))
+    stages.update()
+    return {**_describe(model, sub, tmp, dtype), **info}
+
+
+def export(target: str, draft: str | None, out: Path, force: bool = False, backend: str = "onnx",
+           dtype: str = "float32", max_batch: int = 16, max_len: int = 2048) -> Path:
     """Write ``out`` (see module docstring); refuses an existing directory unless ``force``."""
+    if backend not in BACKENDS:
+        raise ExportDirError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    if dtype not in VALIDATION_TOLERANCE:
+        raise ExportDirError(f"unsupported dtype {dtype!r}: choose float32 or float16")
     if out.exists() and not force:
         raise ExportDirError(f"{out} already exists: pass --force to overwrite it")
+    if backend == "tensorrt":
+        from specdec.export.tensorrt import require_tensorrt
+
+        require_tensorrt()
     from specdec import __version__
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial.", dir=out.parent))
     try:
-        stages = tqdm(total=3 if draft else 2, desc="export", unit="stage")
+        per_model = 1 if backend == "torch" else 2
+        stages = tqdm(total=1 + per_model * (2 if draft else 1), desc="export", unit="stage")
+        stages.set_postfix_str("loading models")
         target_model = load_model(target)
-        save_model(target_model, tmp / "target")
+        draft_model = load_model(draft) if draft else None
+        if draft_model is not None:
+            from specdec.runtime.engine import check_draft_compatible
+
+            check_draft_compatible(target_model, draft_model)
         stages.update()
         manifest = {
             "specdec_export": FORMAT_VERSION,
@@ -79,24 +131,20 @@ def export(target: str, draft: str | None, out: Path, force: bool = False) -> Pa
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "command": " ".join(["specdec-export", *sys.argv[1:]]),
             "python": platform.python_version(),
-            "target": _describe(target_model, "target", tmp),
-            "drafter": "ngram",
+            "backend": backend,
+            "dtype": dtype,
+            "max_batch": max_batch,
+            "max_len": max_len,
+            "drafter": "model" if draft_model is not None else "ngram",
+            "target": _export_model(target_model, "target", tmp, backend, dtype, stages),
         }
-        if draft:
-            from specdec.runtime.engine import check_draft_compatible
-
-            draft_model = load_model(draft)
-            check_draft_compatible(target_model, draft_model)
-            save_model(draft_model, tmp / "draft")
-            manifest["draft"] = _describe(draft_model, "draft", tmp)
-            manifest["drafter"] = "model"
-            stages.update()
-        import torch
-        import transformers
-
-        manifest["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__}
+        if draft_model is not None:
+            manifest["draft"] = _export_model(draft_model, "draft", tmp, backend, dtype, stages)
+        manifest["versions"] = _versions()
+        for part in ("target", "draft"):
+            if part in manifest:
+                manifest[part]["files"] = _checksums(tmp, part)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        stages.update()
         stages.close()
         if out.exists():
             shutil.rmtree(out)
@@ -105,6 +153,22 @@ def export(target: str, draft: str | None, out: Path, force: bool = False) -> Pa
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    found = {}
+    for pkg in ("torch", "transformers", "onnx", "onnxscript", "onnxruntime", "tensorrt"):
+        try:
+            found[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            continue
+    return found
+
+
+def _checksums(root: Path, sub: str) -> dict[str, str]:
+    return {str(p.relative_to(root)): _sha256(p) for p in sorted((root / sub).rglob("*")) if p.is_file()}
 
 
 def read_manifest(directory: Path, verify: bool = True) -> dict:
@@ -134,12 +198,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET, help="preset, Hugging Face directory or .gguf file")
     parser.add_argument("--draft", help="draft model (preset, directory, .gguf) or 'none' for the n-gram drafter")
+    parser.add_argument("--backend", choices=BACKENDS, default="onnx",
+                        help="onnx (ONNX Runtime, default), tensorrt (engine; NVIDIA GPU) or torch (weights only)")
+    parser.add_argument("--dtype", choices=sorted(VALIDATION_TOLERANCE), default="float32")
+    parser.add_argument("--max-batch", type=int, default=16, help="sequences decoded together (KV slots)")
+    parser.add_argument("--max-len", type=int, default=2048, help="KV-cache length per sequence")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
     args = parser.parse_args(argv)
     draft = None if args.draft in (None, "none", "ngram") else args.draft
     try:
-        out = export(args.target, draft, Path(args.out), args.force)
+        out = export(args.target, draft, Path(args.out), args.force, args.backend, args.dtype, args.max_batch,
+                     args.max_len)
     except (ModelResolutionError, ExportDirError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -178,8 +178,11 @@ def _file_digest(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def save_model(model: LoadedModel, out_dir: str | os.PathLike) -> Path:
-    """Write ``model`` as a Hugging Face directory (config, safetensors, tokenizer) atomically."""
+def save_model(model: LoadedModel, out_dir: str | os.PathLike, weights: bool = True) -> Path:
+    """Write ``model`` as a Hugging Face directory (config, safetensors, tokenizer) atomically.
+
+    ``weights=False`` writes only the config and tokenizer (an ONNX export carries the weights).
+    """
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -192,7 +195,8 @@ def save_model(model: LoadedModel, out_dir: str | os.PathLike) -> Path:
             for k, v in model.state_dict.items()
             if not (k == "lm_head.weight" and model.config.tie_word_embeddings)
         }
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if weights:
+            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if model.tokenizer is not None:
             model.tokenizer.save_pretrained(tmp)
         (tmp / _CACHE_MARKER).write_text(json.dumps({"name": model.name, "source": model.source}))
@@ -231,7 +235,7 @@ def _load_gguf(path: Path, name: str, dtype: torch.dtype) -> LoadedModel:
     return model
 
 
-def _load_hf_dir(path: Path, name: str, dtype: torch.dtype) -> LoadedModel:
+def _load_hf_dir(path: Path, name: str, dtype: torch.dtype, weights: bool = True) -> LoadedModel:
     from transformers import AutoConfig, AutoTokenizer
 
     if not (path / "config.json").is_file():
@@ -243,7 +247,9 @@ def _load_hf_dir(path: Path, name: str, dtype: torch.dtype) -> LoadedModel:
     _check_architecture(config, str(path))
     files = sorted(path.glob("*.safetensors"))
     try:
-        if files:
+        if not weights:
+            state = {}
+        elif files:
             from safetensors.torch import load_file
 
             state: dict[str, torch.Tensor] = {}
@@ -344,17 +350,22 @@ def _load_export_dir(path: Path, part: str, dtype: torch.dtype) -> LoadedModel:
         raise ModelResolutionError(str(exc)) from exc
     if part not in manifest:
         raise ModelResolutionError(f"{path} has no {part} model (drafter: {manifest.get('drafter')})")
+    if manifest.get("backend", "torch") != "torch":
+        raise ModelResolutionError(
+            f"{path} holds {manifest['backend']} graphs, not weights: run it with Engine.from_export "
+            "(the CLI does this for you), or export again with --backend torch"
+        )
     model = _load_hf_dir(path / part, manifest[part]["name"], dtype)
     model.extra["export_dir"] = str(path)
     return model
 
 
-def export_draft(path: str | os.PathLike) -> LoadedModel | None:
-    """The draft model of an export directory, or None when it was exported for the n-gram drafter."""
+def load_export_metadata(path: str | os.PathLike, part: str = "target") -> LoadedModel:
+    """Config and tokenizer of an exported model, without weights (the graph carries them)."""
     root = Path(path)
-    if not (root / "manifest.json").is_file():
-        return None
-    return _load_export_dir(root, "draft", torch.float32) if (root / "draft").is_dir() else None
+    model = _load_hf_dir(root / part, part, torch.float32, weights=False)
+    model.extra["export_dir"] = str(root)
+    return model
 
 
 def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32) -> LoadedModel:

@@ -59,7 +59,7 @@ def _visible(tree: torch.Tensor, past: int, cache_row: torch.Tensor | None) -> t
     if n == 1 and cache_row is None:
         return None
     prefix = (
-        torch.ones(n, past, dtype=torch.bool)
+        torch.ones(n, past, dtype=torch.bool, device=tree.device)
         if cache_row is None
         else cache_row[:past].unsqueeze(0).expand(n, past)
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -26,6 +27,19 @@ from specdec.runtime.sampling import InvalidRequestError, SamplingParams
 from specdec.runtime.scheduler import Scheduler
 
 METHODS = tuple(LOOPS)
+
+
+def _backend_opener(kind: str, manifest: dict) -> Callable[[Path], Backend]:
+    """How to open one exported graph of this export's backend kind."""
+    if kind == "onnx":
+        from specdec.runtime.backends.onnxruntime import OrtBackend
+
+        return OrtBackend
+    if kind == "tensorrt":
+        from specdec.runtime.backends.tensorrt import TensorRTBackend
+
+        return lambda graph: TensorRTBackend(graph.with_name("model.engine"))
+    raise ValueError(f"export backend {kind!r} is not known to this version of specdec")
 
 
 class DraftMismatchError(ValueError):
@@ -89,6 +103,40 @@ class Engine:
         else:
             raise ValueError(f"draft must be a loaded model, 'ngram' or None, got {draft!r}")
         return cls(backend, drafter, tokenizer=target.tokenizer, eos_token_ids=target.eos_token_ids,
+                   max_batch=max_batch, max_len=max_len, num_draft_tokens=num_draft_tokens)
+
+    @classmethod
+    def from_export(cls, directory: str | Path, *, max_batch: int | None = None, max_len: int | None = None,
+                    num_draft_tokens: int = 4, drafter: str | None = None) -> Engine:
+        """An engine over a ``specdec-export`` directory, on the backend it was exported for.
+
+        The manifest's checksums are verified first, so a corrupt graph is refused at load.
+        ``drafter`` overrides the exported choice ("ngram", "none").
+        """
+        from specdec.export.cli import read_manifest
+        from specdec.export.models import load_export_metadata, load_model
+
+        root = Path(directory)
+        manifest = read_manifest(root)
+        max_batch = max_batch or int(manifest.get("max_batch", 16))
+        max_len = max_len or int(manifest.get("max_len", 2048))
+        backend_kind = manifest.get("backend", "torch")
+        if backend_kind == "torch":
+            target = load_model(root)
+            draft = drafter or (load_model(root / "draft") if "draft" in manifest else "ngram")
+            return cls.from_models(target, draft, max_batch=max_batch, max_len=max_len,
+                                   num_draft_tokens=num_draft_tokens)
+        meta = load_export_metadata(root, "target")
+        open_backend = _backend_opener(backend_kind, manifest)
+        target_backend = open_backend(root / manifest["target"]["graph"])
+        chosen: Drafter | None
+        if drafter in ("none",):
+            chosen = None
+        elif drafter == "ngram" or "draft" not in manifest:
+            chosen = NgramDrafter()
+        else:
+            chosen = ModelDrafter(open_backend(root / manifest["draft"]["graph"]), max_batch, max_len)
+        return cls(target_backend, chosen, tokenizer=meta.tokenizer, eos_token_ids=meta.eos_token_ids,
                    max_batch=max_batch, max_len=max_len, num_draft_tokens=num_draft_tokens)
 
     # -- requests ---------------------------------------------------------------------

@@ -1,0 +1,176 @@
+"""Export the ragged step of a LLaMA-family model to ONNX with ``specdec::RaggedTreeAttention`` nodes.
+
+The graph is the torch backend's own ``forward`` (one place for the LLaMA math) with the
+attention bound to the custom op, exported with ``torch.onnx.export(dynamo=True)``. The
+attention nodes stay custom nodes carrying ``plugin_namespace="specdec"`` and
+``plugin_version="1"`` (a TensorRT parser binds them to the plugin); a standard-op
+function body is attached after export so any ONNX Runtime runs the file as it is.
+
+``GRAPH_IO`` is the single table of the graph's tensor names, dtypes and dims; the
+exporter, the ONNX Runtime backend and the tests all read it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdec.export.models import LoadedModel
+from specdec.runtime.backends.torch_backend import TorchBackend
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # numpy name
+    dims: tuple[str, ...]  # symbolic dims; "layer" tensors are repeated per layer
+
+
+GRAPH_INPUTS = (
+    TensorSpec("input_ids", "int64", ("tokens",)),
+    TensorSpec("position_ids", "int64", ("tokens",)),
+    TensorSpec("cu_seqlens", "int32", ("seqs_plus_1",)),
+    TensorSpec("past_lens", "int32", ("seqs",)),
+    TensorSpec("slot_ids", "int32", ("seqs",)),
+    TensorSpec("tree_mask", "bool", ("tokens", "max_new")),
+    TensorSpec("logits_indices", "int32", ("rows",)),
+)
+CACHE_INPUT = "past_key_values.{layer}.{kind}"  # kind: key | value; [slots, kv_heads, max_len, head_dim]
+CACHE_OUTPUT = "present.{layer}.{kind}"
+LOGITS = "logits"  # float32 [rows, vocab]
+
+
+def cache_names(num_layers: int, template: str) -> list[str]:
+    """Cache tensor names in graph order: all keys, then all values."""
+    return [template.format(layer=i, kind=kind) for kind in ("key", "value") for i in range(num_layers)]
+
+
+class RaggedStep(torch.nn.Module):
+    """The exportable ragged step: packed inputs + caches in, logits + updated caches out."""
+
+    def __init__(self, backend: TorchBackend) -> None:
+        super().__init__()
+        self.backend = backend
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                past_lens: torch.Tensor, slot_ids: torch.Tensor, tree_mask: torch.Tensor,
+                logits_indices: torch.Tensor, *caches: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        from specdec.plugins import torch_op  # registers torch.ops.specdec.ragged_tree_attention
+
+        b = self.backend
+        keys, values = caches[: b.num_layers], caches[b.num_layers :]
+        new_keys: list[torch.Tensor] = []
+        new_values: list[torch.Tensor] = []
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            out, k_cache, v_cache = torch_op.ragged_tree_attention(
+                q, k, v, keys[layer], values[layer], cu_seqlens, past_lens, slot_ids, tree_mask,
+                b.scale, b.num_heads, b.num_kv_heads)
+            new_keys.append(k_cache)
+            new_values.append(v_cache)
+            return out
+
+        logits = b.forward(input_ids, position_ids, logits_indices, attend)
+        return (logits, *new_keys, *new_values)
+
+
+def _example_inputs(backend: TorchBackend) -> tuple[torch.Tensor, ...]:
+    """A small ragged batch (a forest and a chain) that exercises every input."""
+    from specdec.runtime.packed import ROOT, SeqWork, pack
+
+    batch = pack([SeqWork(1, 3, [5, 6, 7], parents=[ROOT, 0, ROOT]), SeqWork(0, 2, [8, 9])])
+    slots, max_len = 3, 16
+    shape = (slots, backend.num_kv_heads, max_len, backend.head_dim)
+    caches = [torch.zeros(shape, dtype=backend.dtype) for _ in range(2 * backend.num_layers)]
+    return (batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.past_lens, batch.slot_ids,
+            batch.tree_mask, batch.logits_indices, *caches)
+
+
+def _dynamic_shapes(num_caches: int) -> tuple:
+    dim = torch.export.Dim
+    tokens, seqs, new, rows = dim("tokens", min=1), dim("seqs", min=1), dim("max_new", min=1), dim("rows", min=1)
+    slots, max_len = dim("slots", min=1), dim("max_len", min=2)
+    cache = {0: slots, 2: max_len}
+    return ({0: tokens}, {0: tokens}, {0: seqs + 1}, {0: seqs}, {0: seqs}, {0: tokens, 1: new}, {0: rows},
+            tuple([cache] * num_caches))  # the *caches varargs are one nested entry
+
+
+def export_onnx(model: LoadedModel, path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                external_data: bool = True) -> Path:
+    """Write ``path`` (+ ``path.data`` for the weights): the model's ragged step as ONNX.
+
+    The graph keeps one ``specdec::RaggedTreeAttention`` node per layer with its function
+    body attached, and passes ``onnx.checker``.
+    """
+    import onnx
+
+    from specdec.plugins import onnx_op
+    from specdec.plugins.torch_op import TRANSLATION_TABLE
+
+    out = Path(path)
+    backend = TorchBackend(model, dtype=dtype)
+    num_caches = 2 * backend.num_layers
+    input_names = [t.name for t in GRAPH_INPUTS] + cache_names(backend.num_layers, CACHE_INPUT)
+    output_names = [LOGITS, *cache_names(backend.num_layers, CACHE_OUTPUT)]
+    onnx_op.register_schema()
+    with torch.no_grad():
+        program = torch.onnx.export(
+            RaggedStep(backend).eval(), _example_inputs(backend), dynamo=True,
+            custom_translation_table=TRANSLATION_TABLE, input_names=input_names, output_names=output_names,
+            dynamic_shapes=_dynamic_shapes(num_caches), optimize=True, verbose=False,
+        )
+    proto = onnx_op.attach_functions(program.model_proto)
+    proto.doc_string = f"specdec ragged step of {model.name} ({dtype})"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    data = out.with_name(out.name + ".data")
+    if data.exists():
+        data.unlink()
+    onnx.save_model(proto, str(out), save_as_external_data=external_data, all_tensors_to_one_file=True,
+                    location=data.name, size_threshold=1024)
+    onnx.checker.check_model(str(out), full_check=False)
+    count_attention_nodes(out, expect=backend.num_layers)
+    return out
+
+
+def count_attention_nodes(path: str | os.PathLike, expect: int | None = None) -> int:
+    """Number of RaggedTreeAttention nodes (with the plugin attributes) in the main graph."""
+    import onnx
+
+    from specdec.plugins import onnx_op
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    nodes = [n for n in graph.node if n.op_type == onnx_op.OP_TYPE and n.domain == onnx_op.DOMAIN]
+    ok = [n for n in nodes if {a.name: a.s.decode() for a in n.attribute if a.type == onnx.AttributeProto.STRING}
+          .get("plugin_namespace") == onnx_op.PLUGIN_NAMESPACE]
+    if expect is not None and len(ok) != expect:
+        raise RuntimeError(f"{path}: expected {expect} RaggedTreeAttention nodes with plugin_namespace="
+                           f"'{onnx_op.PLUGIN_NAMESPACE}', found {len(ok)} (was the op inlined?)")
+    return len(ok)
+
+
+def graph_io_names(path: str | os.PathLike) -> tuple[list[str], list[str]]:
+    """(input names, output names) of an exported graph, for consistency checks."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return [i.name for i in graph.input], [o.name for o in graph.output]
+
+
+def expected_io_names(num_layers: int) -> tuple[list[str], list[str]]:
+    """The names ``GRAPH_IO`` prescribes for a model with ``num_layers`` layers."""
+    return ([t.name for t in GRAPH_INPUTS] + cache_names(num_layers, CACHE_INPUT),
+            [LOGITS, *cache_names(num_layers, CACHE_OUTPUT)])
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise ValueError(f"unsupported dtype {name!r} for ONNX export (float32 or float16)")
+    return table[name]
+
+
+__all__: Sequence[str] = ("GRAPH_INPUTS", "RaggedStep", "count_attention_nodes", "export_onnx")

@@ -1,0 +1,94 @@
+"""ONNX Runtime backend: runs an exported ragged-step graph with the caches bound in place.
+
+The caches are ordinary torch tensors (so the KV manager's moves and forks work on them
+directly); each step binds every ``past_key_values.*`` input and its ``present.*`` output
+to the same buffer through IOBinding, so the graph's scatter writes the new K/V rows into
+the cache itself and no full-cache copy happens per step. ``inplace_ok`` records whether
+ORT really wrote through the bound buffer (checked by pointer on every step).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdec.export.onnx import CACHE_INPUT, CACHE_OUTPUT, GRAPH_INPUTS, LOGITS, cache_names
+from specdec.runtime.backends.torch_backend import TorchKVStorage
+from specdec.runtime.packed import PackedBatch
+
+_NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+_TORCH_DTYPES = {np.float32: torch.float32, np.float16: torch.float16}
+
+
+class OnnxModelError(RuntimeError):
+    """An ONNX file is missing, corrupt, or not a specdec ragged-step graph."""
+
+
+class OrtBackend:
+    """A ``Backend`` over an ONNX Runtime session of a ``specdec-export`` graph."""
+
+    def __init__(self, path: str | os.PathLike, *, providers: list[str] | None = None,
+                 intra_op_threads: int | None = None, name: str | None = None) -> None:
+        import onnxruntime as ort
+
+        self.path = Path(path)
+        self.name = name or self.path.stem
+        if not self.path.is_file():
+            raise OnnxModelError(f"{self.path} does not exist")
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if intra_op_threads:
+            options.intra_op_num_threads = intra_op_threads
+        available = ort.get_available_providers()
+        wanted = providers or [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+        try:
+            self.session = ort.InferenceSession(str(self.path), options, providers=wanted)
+        except Exception as exc:  # ORT raises its own Fail/InvalidGraph/... types
+            raise OnnxModelError(f"cannot load {self.path}: {exc}") from exc
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        outputs = {o.name: o for o in self.session.get_outputs()}
+        missing = [t.name for t in GRAPH_INPUTS if t.name not in inputs] + [n for n in (LOGITS,) if n not in outputs]
+        if missing:
+            raise OnnxModelError(f"{self.path} is not a specdec ragged-step graph: missing {missing}")
+        self.num_layers = sum(1 for n in inputs if n.startswith("past_key_values.") and n.endswith(".key"))
+        first = inputs[CACHE_INPUT.format(layer=0, kind="key")]
+        _, self.num_kv_heads, _, self.head_dim = first.shape
+        self.np_dtype = _NP_DTYPES[first.type]
+        self.dtype = _TORCH_DTYPES[self.np_dtype]
+        self.vocab_size = int(outputs[LOGITS].shape[-1])
+        self._in_names = cache_names(self.num_layers, CACHE_INPUT)
+        self._out_names = cache_names(self.num_layers, CACHE_OUTPUT)
+        self.device = "cuda" if "CUDAExecutionProvider" in self.session.get_providers() else "cpu"
+        self.rows_processed = 0
+        self.calls = 0
+        self.inplace_ok = True
+
+    def allocate_cache(self, num_slots: int, max_len: int) -> TorchKVStorage:
+        return TorchKVStorage(self.num_layers, num_slots, int(self.num_kv_heads), max_len, int(self.head_dim),
+                              self.dtype)
+
+    def step(self, batch: PackedBatch, cache: TorchKVStorage) -> torch.Tensor:
+        self.calls += 1
+        self.rows_processed += batch.num_tokens
+        binding = self.session.io_binding()
+        tensors = {
+            "input_ids": batch.input_ids, "position_ids": batch.position_ids, "cu_seqlens": batch.cu_seqlens,
+            "past_lens": batch.past_lens, "slot_ids": batch.slot_ids, "tree_mask": batch.tree_mask,
+            "logits_indices": batch.logits_indices,
+        }
+        for spec in GRAPH_INPUTS:
+            binding.bind_cpu_input(spec.name, np.ascontiguousarray(tensors[spec.name].numpy()))
+        binding.bind_output(LOGITS)  # first, so it is outputs[0]
+        buffers = [*cache.k, *cache.v]
+        for in_name, out_name, buf in zip(self._in_names, self._out_names, buffers):
+            shape = list(buf.shape)
+            binding.bind_input(in_name, "cpu", 0, self.np_dtype, shape, buf.data_ptr())
+            binding.bind_output(out_name, "cpu", 0, self.np_dtype, shape, buf.data_ptr())
+        self.session.run_with_iobinding(binding)
+        outputs = binding.get_outputs()
+        self.inplace_ok = self.inplace_ok and all(
+            o.data_ptr() == b.data_ptr() for o, b in zip(outputs[1:], buffers))
+        return torch.from_numpy(outputs[0].numpy())
