@@ -13,6 +13,7 @@ exporter, the ONNX Runtime backend and the tests all read it.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,7 +118,10 @@ def export_onnx(model: LoadedModel, path: str | os.PathLike, dtype: torch.dtype 
     input_names = [t.name for t in GRAPH_INPUTS] + cache_names(backend.num_layers, CACHE_INPUT)
     output_names = [LOGITS, *cache_names(backend.num_layers, CACHE_OUTPUT)]
     onnx_op.register_schema()
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # the exporter warns about every dynamic axis name it merges and about deprecated pytree APIs
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", FutureWarning)
         program = torch.onnx.export(
             RaggedStep(backend).eval(), _example_inputs(backend), dynamo=True,
             custom_translation_table=TRANSLATION_TABLE, input_names=input_names, output_names=output_names,

@@ -26,14 +26,15 @@ class TorchKVStorage:
     """Slot-major per-layer caches held as torch tensors."""
 
     def __init__(self, num_layers: int, num_slots: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, device: str | torch.device = "cpu") -> None:
         shape = (num_slots, kv_heads, max_len, head_dim)
         self.num_slots, self.max_len = num_slots, max_len
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     def move(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
-        src_t, dst_t = torch.as_tensor(list(src)), torch.as_tensor(list(dst))
+        device = self.k[0].device
+        src_t, dst_t = torch.as_tensor(list(src), device=device), torch.as_tensor(list(dst), device=device)
         for cache in (*self.k, *self.v):
             cache[slot, :, dst_t] = cache[slot, :, src_t]
 
@@ -145,7 +146,8 @@ class TorchBackend:
         self.inv_freq = inv_freq.to(self.device)
 
     def allocate_cache(self, num_slots: int, max_len: int) -> TorchKVStorage:
-        return TorchKVStorage(self.num_layers, num_slots, self.num_kv_heads, max_len, self.head_dim, self.dtype)
+        return TorchKVStorage(self.num_layers, num_slots, self.num_kv_heads, max_len, self.head_dim, self.dtype,
+                              self.device)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -199,9 +201,12 @@ class TorchBackend:
         tree = batch.tree_mask.to(self.device)
         cache_mask = None if batch.cache_mask is None else batch.cache_mask.to(self.device)
 
+        attention = ragged_tree_attention
+        if self.device.type == "cuda":  # the OpenAI Triton kernel the TensorRT plugin also runs
+            from specdec.plugins.triton_kernel import torch_cuda_attention as attention
+
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return ragged_tree_attention(q, k, v, cache.k[layer], cache.v[layer], cu, past, slots, tree,
-                                         self.scale, cache_mask)
+            return attention(q, k, v, cache.k[layer], cache.v[layer], cu, past, slots, tree, self.scale, cache_mask)
 
         return self.forward(batch.input_ids.to(self.device), batch.position_ids.to(self.device),
                             batch.logits_indices.to(self.device), attend)

@@ -1,0 +1,178 @@
+"""ONNX export + ONNX Runtime backend: agreement with the torch reference, in-place caches,
+exact decoding, the export directory contract and corruption detection."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from specdec.export.cli import ExportDirError, main as export_main, read_manifest
+from specdec.export.models import load_model, tiny_random
+from specdec.export.onnx import count_attention_nodes, expected_io_names, export_onnx, graph_io_names
+from specdec.export.validate import max_logit_error, random_packs
+from specdec.plugins import onnx_op
+from specdec.runtime.backends.onnxruntime import OnnxModelError, OrtBackend
+from specdec.runtime.backends.torch_backend import TorchBackend
+from specdec.runtime.engine import Engine
+from specdec.runtime.packed import pack
+from specdec.runtime.request import Request
+
+TINY_VARIANTS = {
+    "gqa": dict(seed=1, num_layers=2),
+    "mha-tied": dict(seed=2, num_layers=1, num_heads=4, num_kv_heads=4, tie_word_embeddings=True),
+    "mqa-llama3": dict(seed=3, num_layers=2, num_heads=4, num_kv_heads=1,
+                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_VARIANTS))
+def tiny_export(request, tmp_path_factory):
+    model = tiny_random(**TINY_VARIANTS[request.param])
+    path = export_onnx(model, tmp_path_factory.mktemp("onnx") / "model.onnx")
+    return model, path
+
+
+def test_graph_keeps_custom_nodes_passes_checker_and_names_match_the_table(tiny_export) -> None:
+    model, path = tiny_export
+    layers = int(model.config.num_hidden_layers)
+    assert count_attention_nodes(path) == layers
+    onnx.checker.check_model(str(path), full_check=True)
+    assert graph_io_names(path) == expected_io_names(layers)
+    proto = onnx.load(str(path), load_external_data=False)
+    node = next(n for n in proto.graph.node if n.op_type == onnx_op.OP_TYPE)
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs["plugin_namespace"] == b"specdec" and attrs["plugin_version"] == b"1"
+    assert attrs["num_heads"] == model.config.num_attention_heads
+    assert [f.name for f in proto.functions] == [onnx_op.OP_TYPE]  # the body ships in the file
+
+
+def test_ort_matches_torch_on_mixed_ragged_batches(tiny_export) -> None:
+    model, path = tiny_export
+    for seed in range(3):
+        assert max_logit_error(TorchBackend(model), OrtBackend(path), num_slots=5, max_len=48, seed=seed) < 1e-4
+
+
+def test_caches_are_updated_in_place_without_a_copy(tiny_export) -> None:
+    model, path = tiny_export
+    backend = OrtBackend(path)
+    cache = backend.allocate_cache(3, 32)
+    pointers = [t.data_ptr() for t in (*cache.k, *cache.v)]
+    for work in random_packs(model.vocab_size, 3, 32, seed=4):
+        backend.step(pack(work), cache)
+    assert backend.inplace_ok  # ORT's outputs are the bound cache buffers, checked by pointer every step
+    assert [t.data_ptr() for t in (*cache.k, *cache.v)] == pointers
+    assert any(float(t.abs().sum()) > 0 for t in cache.k)  # the graph wrote through the bound buffers
+
+
+def test_ems_on_ort_equals_ar_on_torch_tiny(tmp_path) -> None:
+    model = tiny_random(seed=9, num_layers=2)
+    draft = tiny_random(seed=10, num_layers=1)
+    out = tmp_path / "deploy"
+    assert export_main(["--target", "tiny-random:seed=9,num_layers=2", "--draft", "tiny-random:seed=10,num_layers=1",
+                        "--out", str(out), "--max-batch", "4", "--max-len", "256"]) == 0
+    ort_engine = Engine.from_export(out)
+    assert ort_engine.max_batch == 4 and ort_engine.max_len == 256
+    torch_engine = Engine.from_models(model, draft, max_batch=4, max_len=256)
+    g = torch.Generator().manual_seed(1)
+    requests = [Request(torch.randint(0, 128, (n,), generator=g).tolist(), max_tokens=m)
+                for n, m in ((1, 12), (40, 20), (7, 3), (90, 16))]
+    want = torch_engine.generate(requests, "ar").outputs
+    got = ort_engine.generate(requests, "ems")
+    assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want]
+    assert got.run.summary()["draft_tokens"] > 0
+
+
+def test_corrupt_graph_or_manifest_is_detected_at_load(tmp_path) -> None:
+    out = tmp_path / "deploy"
+    assert export_main(["--target", "tiny-random:num_layers=1", "--out", str(out)]) == 0
+    manifest = read_manifest(out)
+    assert manifest["backend"] == "onnx" and manifest["target"]["validation_max_abs_logit_error"] < 1e-4
+    graph = out / "target" / "model.onnx"
+    original = graph.read_bytes()
+    graph.write_bytes(original[:100] + b"\x00" * 16 + original[116:])
+    with pytest.raises(ExportDirError, match="does not match its checksum"):
+        Engine.from_export(out)
+    graph.write_bytes(original)
+    Engine.from_export(out)
+    (out / "manifest.json").write_text("{ broken")
+    with pytest.raises(ExportDirError, match="corrupt"):
+        Engine.from_export(out)
+    (out / "manifest.json").unlink()
+    with pytest.raises(ExportDirError, match="not a specdec export directory"):
+        Engine.from_export(out)
+
+
+def test_ort_backend_refuses_files_that_are_not_ragged_step_graphs(tmp_path) -> None:
+    with pytest.raises(OnnxModelError, match="does not exist"):
+        OrtBackend(tmp_path / "missing.onnx")
+    junk = tmp_path / "junk.onnx"
+    junk.write_bytes(b"this is not protobuf")
+    with pytest.raises(OnnxModelError, match="cannot load"):
+        OrtBackend(junk)
+    other = onnx_op.attention_model(scale=0.5, num_heads=2, num_kv_heads=1)
+    onnx.save(other, str(tmp_path / "other.onnx"))
+    with pytest.raises(OnnxModelError, match="not a specdec ragged-step graph"):
+        OrtBackend(tmp_path / "other.onnx")
+
+
+def test_export_refuses_existing_dir_and_unknown_models_fast(tmp_path, capsys) -> None:
+    out = tmp_path / "d"
+    out.mkdir()
+    assert export_main(["--target", "tiny-random:num_layers=1", "--out", str(out)]) == 2
+    assert "--force" in capsys.readouterr().err
+    start = time.perf_counter()
+    assert export_main(["--target", "llama-7b", "--out", str(tmp_path / "x")]) == 2
+    assert time.perf_counter() - start < 10
+    assert "meta-llama/Llama-2-7b-hf" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_fp16_export_runs_close_to_fp32(tmp_path) -> None:
+    model = tiny_random(seed=4, num_layers=2)
+    path = export_onnx(model, tmp_path / "fp16.onnx", dtype=torch.float16)
+    backend = OrtBackend(path)
+    assert backend.dtype == torch.float16 and backend.np_dtype == np.float16
+    error = max_logit_error(TorchBackend(model), backend, num_slots=3, max_len=32)
+    assert np.isfinite(error) and error < 0.05
+
+
+@pytest.fixture(scope="module")
+def smollm2_export(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("smol") / "deploy"
+    assert export_main(["--target", "smollm2-135m", "--out", str(out), "--max-batch", "8", "--max-len", "1024"]) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_smollm2_export_offline_matches_torch(smollm2_export) -> None:
+    manifest = json.loads((smollm2_export / "manifest.json").read_text())
+    assert manifest["target"]["num_layers"] == 30 and manifest["drafter"] == "ngram"
+    assert manifest["target"]["validation_max_abs_logit_error"] < 1e-3
+    graph = smollm2_export / "target" / "model.onnx"
+    assert count_attention_nodes(graph) == 30
+    onnx.checker.check_model(str(graph), full_check=False)
+    error = max_logit_error(TorchBackend(load_model("smollm2-135m")), OrtBackend(graph), num_slots=4, max_len=160,
+                            seed=7)
+    assert error < 1e-3
+
+
+@pytest.mark.slow
+def test_smollm2_ems_on_ort_equals_ar_on_torch(smollm2_export) -> None:
+    ort_engine = Engine.from_export(smollm2_export, num_draft_tokens=5)
+    torch_engine = Engine.from_models(load_model("smollm2-135m"), None, max_batch=8, max_len=1024)
+    texts = ["Hi", "Repeat exactly: red, green, blue, red, green, blue.",
+             "Summarise: " + "The ragged step packs every sequence's new tokens without padding. " * 8,
+             "What is 3 + 4?"]
+    requests = [torch_engine.request(t, chat=i > 0, max_tokens=m)
+                for i, (t, m) in enumerate(zip(texts, (10, 24, 30, 12)))]
+    want = torch_engine.generate(requests, "ar").outputs
+    got = ort_engine.generate(requests, "ems")
+    assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want]
+    assert got.run.summary()["accepted_draft_tokens"] > 0
