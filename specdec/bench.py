@@ -13,7 +13,10 @@ Why it is built this way:
   chat model to summarise or list the points of one docstring, so the answer quotes it.
 * **Fairness on a shared, noisy machine.** All methods of one batch size use one engine
   (same weights, same cache), run in the same process, interleaved, with the order
-  rotated between repeats, and the median over repeats is reported.
+  rotated between repeats, and the median over repeats is reported. Torch runs one
+  intra-op thread by default: with two threads on a 2-core machine that other jobs share,
+  a step's time varied 2-15× from one call to the next. CPU-time throughput is reported
+  next to wall-clock throughput because other jobs stretch the one and hardly the other.
 * **Correctness is part of the result.** Greedy speculative decoding must reproduce
   greedy autoregressive decoding token for token; every run is compared with ``ar`` and
   the JSON says whether it did.
@@ -251,6 +254,13 @@ def _identical(runs: dict[str, MethodRuns]) -> dict[str, bool]:
             for m, mr in runs.items() if m != "ar"}
 
 
+def _decode_padded_fraction(result: GenerationResult) -> float:
+    """Padding among decode rows only (``padded_fraction`` also counts prompt rows, never padded)."""
+    decode = [s for s in result.run.steps if s.prefill_rows == 0]
+    rows = sum(s.rows for s in decode)
+    return round(sum(s.padded_rows for s in decode) / rows, 4) if rows else 0.0
+
+
 def summarise(runs: dict[str, MethodRuns], batch: int) -> dict[str, Any]:
     """The JSON record of one batch size.
 
@@ -278,6 +288,7 @@ def summarise(runs: dict[str, MethodRuns], batch: int) -> dict[str, Any]:
         "mean_accepted_length": {m: summary[m]["mean_accepted_length"] for m in spec},
         "acceptance_rate": {m: summary[m]["acceptance_rate"] for m in spec},
         "padded_fraction": {m: summary[m]["padded_fraction"] for m in spec},
+        "decode_padded_fraction": {m: _decode_padded_fraction(runs[m].median_run()) for m in spec},
         "target_rows": {m: s["target_rows"] for m, s in summary.items()},
         "target_rows_padded": {m: s["target_rows_padded"] for m, s in summary.items()},
         "target_calls": {m: s["target_calls"] for m, s in summary.items()},
@@ -386,7 +397,7 @@ def _throughput_table(results: dict[str, dict[str, Any]], tps_key: str | None, p
 def _work_table(results: dict[str, dict[str, Any]]) -> list[str]:
     """What the target computed: acceptance, padding, rows, calls, correctness."""
     lines = [
-        "| batch | mean accepted length | acceptance rate | vanilla padded fraction |"
+        "| batch | mean accepted length | acceptance rate | vanilla padded fraction (all / decode rows) |"
         " target rows (ar / vanilla / ems) | target calls (ar / vanilla / ems) | identical to ar |",
         "|---:|---:|---:|---:|---:|---:|:---:|",
     ]
@@ -399,7 +410,8 @@ def _work_table(results: dict[str, dict[str, Any]]) -> list[str]:
         rate_text = _fmt(rate.get("ems")) if same else f"{_fmt(rate.get('vanilla'))} / {_fmt(rate.get('ems'))}"
         identical = {True: "yes", False: "NO", None: "–"}[r["identical_to_ar"]]
         lines.append(
-            f"| {batch} | {acc_text} | {rate_text} | {_fmt(r['padded_fraction'].get('vanilla'), 3)} | "
+            f"| {batch} | {acc_text} | {rate_text} | {_fmt(r['padded_fraction'].get('vanilla'), 3)} / "
+            f"{_fmt(r['decode_padded_fraction'].get('vanilla'), 3)} | "
             f"{rows.get('ar', '–')} / {rows.get('vanilla', '–')} / {rows.get('ems', '–')} | "
             f"{calls.get('ar', '–')} / {calls.get('vanilla', '–')} / {calls.get('ems', '–')} | {identical} |"
         )
@@ -457,7 +469,8 @@ def markdown_report(results: dict[str, dict[str, Any]], meta: dict[str, Any]) ->
         "*acceptance rate*: accepted / proposed draft tokens. Vanilla and ems verify the same drafts "
         "greedily, so both are the same for the two; only the cost of a step differs.",
         "- *Padded fraction*: target rows that were padding (vanilla pads every sequence's drafts to the "
-        "batch maximum). Vanilla also leaves masked holes in the KV cache that attention still reads; "
+        "batch maximum), among all rows and among decode rows (prompt rows are never padded). Vanilla "
+        "also leaves masked holes in the KV cache that attention still reads; "
         "that cost shows in time, not in rows.",
     ]
     notes = meta.get("notes", [])
@@ -559,10 +572,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _command_line(argv: Sequence[str] | None) -> str:
+    """How this run was started, for the report (``--note`` text is left out: it is in the notes)."""
+    if argv is None:
+        script = sys.argv[0]
+        words = ["python", script] if script.endswith(".py") else [Path(script).name]
+        args = sys.argv[1:]
+    else:
+        words, args = ["specdec", "bench"], list(argv)
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--note":
+            skip = True
+        elif not arg.startswith("--note="):
+            kept.append(arg)
+    return shlex.join([*words, *kept])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark and write the JSON, markdown and plot; 1 if any output differs from ar."""
     args = build_parser().parse_args(argv)
-    command = shlex.join(["specdec", "bench", *argv] if argv is not None else [sys.argv[0], *sys.argv[1:]])
+    command = _command_line(argv)
     if args.quick:
         args.batch_sizes, args.max_tokens = (1, 2), 16
     if args.threads > 0:

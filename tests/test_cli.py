@@ -90,14 +90,15 @@ def test_bad_inputs_exit_nonzero_with_clear_messages(tiny_dir, tmp_path, capsys)
 
 def test_export_directory_roundtrip_force_and_corruption(tiny_dir, tmp_path, capsys) -> None:
     out = tmp_path / "deploy"
-    assert export_main(["--target", str(tiny_dir), "--draft", str(tiny_dir), "--out", str(out)]) == 0
+    assert export_main(["--target", str(tiny_dir), "--draft", str(tiny_dir), "--out", str(out),
+                        "--backend", "torch"]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["drafter"] == "model" and manifest["target"]["vocab_size"] == manifest["draft"]["vocab_size"]
     assert export_main(["--target", str(tiny_dir), "--out", str(out)]) == 2
     assert "--force" in capsys.readouterr().err
     doc = run_json(capsys, "--target", str(out), "--prompt", "hello there", "--max-tokens", "6")
     assert doc["metrics"]["draft_tokens"] > 0  # the exported draft model was used
-    assert export_main(["--target", str(tiny_dir), "--out", str(out), "--force"]) == 0
+    assert export_main(["--target", str(tiny_dir), "--out", str(out), "--force", "--backend", "torch"]) == 0
     assert not (out / "draft").exists()
     weights = out / "target" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-8] + b"corrupt!")

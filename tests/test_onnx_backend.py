@@ -12,7 +12,8 @@ import onnx
 import pytest
 import torch
 
-from specdec.export.cli import ExportDirError, main as export_main, read_manifest
+from specdec.export.cli import ExportDirError, read_manifest
+from specdec.export.cli import main as export_main
 from specdec.export.models import load_model, tiny_random
 from specdec.export.onnx import count_attention_nodes, expected_io_names, export_onnx, graph_io_names
 from specdec.export.validate import max_logit_error, random_packs

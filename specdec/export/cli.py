@@ -69,7 +69,7 @@ VALIDATION_TOLERANCE = {"float32": 1e-3, "float16": 0.25}
 
 
 def _export_model(model: LoadedModel, sub: str, tmp: Path, backend: str, dtype: str,
-                  stages: tqdm) -> dict:
+                  stages: tqdm, max_batch: int, max_len: int) -> dict:
     """Write one model under ``tmp/sub`` and check the graph against the torch reference."""
     save_model(model, tmp / sub, weights=backend == "torch")
     info: dict = {}
@@ -89,10 +89,12 @@ def _export_model(model: LoadedModel, sub: str, tmp: Path, backend: str, dtype: 
                                  f"(tolerance {VALIDATION_TOLERANCE[dtype]}): not writing a broken export")
         info = {"graph": f"{sub}/model.onnx", "validation_max_abs_logit_error": error}
         if backend == "tensorrt":
-            from specdec.export.tensorrt import build_engine
+            from specdec.export.tensorrt import ProfileSpec, build_engine
 
             stages.set_postfix_str(f"{sub}: TensorRT engine")
-            info["engine"] = str(build_engine(graph, tmp / sub / "model.engine", dtype).relative_to(tmp))
+            engine = build_engine(graph, tmp / sub / "model.engine", dtype,
+                                  profile=ProfileSpec.derive(max_batch, max_len))
+            info["engine"] = str(engine.relative_to(tmp))
     stages.update()
     return {**_describe(model, sub, tmp, dtype), **info}
 
@@ -136,10 +138,11 @@ def export(target: str, draft: str | None, out: Path, force: bool = False, backe
             "max_batch": max_batch,
             "max_len": max_len,
             "drafter": "model" if draft_model is not None else "ngram",
-            "target": _export_model(target_model, "target", tmp, backend, dtype, stages),
+            "target": _export_model(target_model, "target", tmp, backend, dtype, stages, max_batch, max_len),
         }
         if draft_model is not None:
-            manifest["draft"] = _export_model(draft_model, "draft", tmp, backend, dtype, stages)
+            manifest["draft"] = _export_model(draft_model, "draft", tmp, backend, dtype, stages, max_batch,
+                                              max_len)
         manifest["versions"] = _versions()
         for part in ("target", "draft"):
             if part in manifest:
@@ -210,7 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         out = export(args.target, draft, Path(args.out), args.force, args.backend, args.dtype, args.max_batch,
                      args.max_len)
-    except (ModelResolutionError, ExportDirError, ValueError) as exc:
+    except (ModelResolutionError, ExportDirError, ValueError, RuntimeError) as exc:
+        # RuntimeError: TensorRT unavailable, engine build failure, plugin fallback
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -29,12 +29,13 @@ class TorchKVStorage:
                  dtype: torch.dtype, device: str | torch.device = "cpu") -> None:
         shape = (num_slots, kv_heads, max_len, head_dim)
         self.num_slots, self.max_len = num_slots, max_len
+        self.device = torch.device(device)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     def move(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
-        device = self.k[0].device
-        src_t, dst_t = torch.as_tensor(list(src), device=device), torch.as_tensor(list(dst), device=device)
+        src_t = torch.as_tensor(list(src), dtype=torch.long, device=self.device)
+        dst_t = torch.as_tensor(list(dst), dtype=torch.long, device=self.device)
         for cache in (*self.k, *self.v):
             cache[slot, :, dst_t] = cache[slot, :, src_t]
 
@@ -43,7 +44,8 @@ class TorchKVStorage:
             cache[dst_slot, :, :length] = cache[src_slot, :, :length]
 
     def read(self, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(k[slot, :, :length].clone(), v[slot, :, :length].clone()) for k, v in zip(self.k, self.v)]
+        return [(k[slot, :, :length].to("cpu", copy=True), v[slot, :, :length].to("cpu", copy=True))
+                for k, v in zip(self.k, self.v)]
 
 
 def rope_inv_freq(config: object) -> tuple[torch.Tensor, float]:
