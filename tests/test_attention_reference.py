@@ -3,33 +3,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
+from forests import ROOT, Seq, visible_new
 
 from specdec.plugins.reference import ragged_tree_attention
-
-ROOT = -1
-
-
-@dataclass
-class Seq:
-    slot: int
-    past: int
-    parents: list[int]  # ROOT or an earlier index
-
-
-def _visible_new(parents: list[int]) -> torch.Tensor:
-    """[n, n] bool: token t sees new token j iff j is t or one of t's ancestors."""
-    n = len(parents)
-    out = torch.zeros(n, n, dtype=torch.bool)
-    for t in range(n):
-        node = t
-        while node != ROOT:
-            out[t, node] = True
-            node = parents[node]
-    return out
 
 
 def naive_attention(q, k, v, k_cache_before, v_cache_before, seqs, scale, cache_mask=None):
@@ -40,7 +19,7 @@ def naive_attention(q, k, v, k_cache_before, v_cache_before, seqs, scale, cache_
     start = 0
     for b, seq in enumerate(seqs):
         n = len(seq.parents)
-        sees = _visible_new(seq.parents)
+        sees = visible_new(seq.parents)
         for t in range(n):
             for h in range(hq):
                 kvh = h // group  # repeat_interleave layout: query heads [g*group, (g+1)*group) share KV head g
@@ -109,7 +88,7 @@ def _inputs(seqs, hq, hkv, d, num_slots, max_len, seed):
     tree = torch.zeros(total, s_max, dtype=torch.bool)
     for b, s in enumerate(seqs):
         n = len(s.parents)
-        tree[cu[b] : cu[b + 1], :n] = _visible_new(s.parents)
+        tree[cu[b] : cu[b + 1], :n] = visible_new(s.parents)
     return q, k, v, k_cache, v_cache, cu, tree
 
 

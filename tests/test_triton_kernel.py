@@ -16,13 +16,14 @@ os.environ["TRITON_INTERPRET"] = "1"
 import math  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="OpenAI Triton is not installed (pip install triton) — kernel tests skipped")
+
+from forests import ROOT, Seq, visible_new  # noqa: E402
 
 from specdec.plugins.reference import ragged_tree_attention  # noqa: E402
 from specdec.plugins.triton_kernel import (  # noqa: E402
@@ -38,27 +39,11 @@ if _PREVIOUS_INTERPRET is None:
 else:
     os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
 
-ROOT = -1
 KINDS = ("prefill", "decode", "chain", "forest", "forest_past0")
 
 
-@dataclass
-class Seq:
-    slot: int
-    past: int
-    parents: list[int]  # ROOT or an earlier index
 
 
-def _visible_new(parents: list[int]) -> torch.Tensor:
-    """[n, n] bool: token t sees new token j iff j is t or one of t's ancestors."""
-    n = len(parents)
-    out = torch.zeros(n, n, dtype=torch.bool)
-    for t in range(n):
-        node = t
-        while node != ROOT:
-            out[t, node] = True
-            node = parents[node]
-    return out
 
 
 def _parents(kind: str, n: int, gen: torch.Generator) -> list[int]:
@@ -100,7 +85,7 @@ def _inputs(seqs: list[Seq], hq: int, hkv: int, d: int, num_slots: int, max_len:
         cu.append(cu[-1] + len(s.parents))
     tree = torch.zeros(total, max(len(s.parents) for s in seqs), dtype=torch.bool)
     for b, s in enumerate(seqs):
-        tree[cu[b] : cu[b + 1], : len(s.parents)] = _visible_new(s.parents)
+        tree[cu[b] : cu[b + 1], : len(s.parents)] = visible_new(s.parents)
     return q, k, v, k_cache, v_cache, cu, tree.to(device)
 
 

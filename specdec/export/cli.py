@@ -20,16 +20,21 @@ import argparse
 import hashlib
 import json
 import platform
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from specdec.export.models import DEFAULT_TARGET, LoadedModel, ModelResolutionError, load_model, save_model
+from specdec.export.models import (
+    DEFAULT_TARGET,
+    LoadedModel,
+    ModelResolutionError,
+    atomic_directory,
+    load_model,
+    save_model,
+)
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -114,9 +119,7 @@ def export(target: str, draft: str | None, out: Path, force: bool = False, backe
         require_tensorrt()
     from specdec import __version__
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial.", dir=out.parent))
-    try:
+    with atomic_directory(out) as tmp:
         per_model = 1 if backend == "torch" else 2
         stages = tqdm(total=1 + per_model * (2 if draft else 1), desc="export", unit="stage")
         stages.set_postfix_str("loading models")
@@ -149,12 +152,6 @@ def export(target: str, draft: str | None, out: Path, force: bool = False, backe
                 manifest[part]["files"] = _checksums(tmp, part)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         stages.close()
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

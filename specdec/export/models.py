@@ -23,7 +23,8 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,25 @@ def _file_digest(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+@contextmanager
+def atomic_directory(out: Path) -> Iterator[Path]:
+    """Yield a temporary sibling of ``out``; it replaces ``out`` only if the block succeeds.
+
+    An interrupted or failed write (Ctrl-C included) removes the temporary directory, so
+    nothing half-written ever sits at ``out`` looking valid.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial.", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def save_model(model: LoadedModel, out_dir: str | os.PathLike, weights: bool = True) -> Path:
     """Write ``model`` as a Hugging Face directory (config, safetensors, tokenizer) atomically.
 
@@ -186,9 +206,7 @@ def save_model(model: LoadedModel, out_dir: str | os.PathLike, weights: bool = T
     from safetensors.torch import save_file
 
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_directory(out) as tmp:
         model.config.save_pretrained(tmp)
         tensors = {
             k: v.contiguous()
@@ -200,12 +218,6 @@ def save_model(model: LoadedModel, out_dir: str | os.PathLike, weights: bool = T
         if model.tokenizer is not None:
             model.tokenizer.save_pretrained(tmp)
         (tmp / _CACHE_MARKER).write_text(json.dumps({"name": model.name, "source": model.source}))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
