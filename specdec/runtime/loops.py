@@ -179,10 +179,12 @@ def ems(ctx: DecodeContext) -> RunMetrics:
 def vanilla(ctx: DecodeContext) -> RunMetrics:
     """The papers' padded multi-sample baseline, kept to measure what EMS-SD saves.
 
-    Static batches: a batch is admitted, prefilled, and decoded until all of it finishes.
-    Every sequence feeds 1 + max_i k_i rows (drafts padded to the batch max), and every
-    write position advances by the batch's largest accepted length, leaving masked holes
-    in the caches of the sequences that accepted less. Holes are still read by attention.
+    Static batches: a batch is admitted, prefilled, and decoded until all of it finishes;
+    a finished sequence stays in the batch and keeps computing padding rows (dropping it
+    is one of EMS-SD's own ideas). Every sequence feeds 1 + max_i k_i rows (drafts padded
+    to the batch max), and every write position advances by the batch's largest accepted
+    length, leaving masked holes in the caches of the sequences that accepted less. Holes
+    are still read by attention.
     """
     ctx.run.method = "vanilla"
     while ctx.has_work([]):
@@ -192,8 +194,7 @@ def vanilla(ctx: DecodeContext) -> RunMetrics:
                                prefill_rows=prompt_rows, draft_tokens=0)
         for seq, logits in zip(batch, rows):
             ctx.start(seq, logits)
-        live = ctx.retire(batch)
-        while live:
+        while live := [s for s in batch if not s.finished]:
             min_room = min(ctx.kv.room(s.slot) for s in live)  # padded rows must fit every slot
             ks = [min(k, min_room - 1) for k in ctx.draft_lengths(live)]
             drafts, draft_seconds = ctx.propose(live, ks)
@@ -203,9 +204,13 @@ def vanilla(ctx: DecodeContext) -> RunMetrics:
                         position_offset=ctx.kv.num_tokens(s.slot))
                 for s, d in zip(live, drafts)
             ]
+            # finished sequences compute `width` padding rows at a scratch position of their slot
+            work += [SeqWork(s.slot, min(ctx.kv.length(s.slot), ctx.kv.max_len - width), [s.tokens[-1]] * width)
+                     for s in batch if s.finished]
             num_drafts = sum(len(d.tokens) for d in drafts)
+            mask = ctx.kv.cache_mask([w.slot_id for w in work])
             rows = ctx.target_step(work, real_rows=len(live) + num_drafts, prefill_rows=0, draft_tokens=num_drafts,
-                                   draft_seconds=draft_seconds, cache_mask=ctx.kv.cache_mask([s.slot for s in live]))
+                                   draft_seconds=draft_seconds, cache_mask=mask)
             verified = [ctx.verify(s, d, logits[: 1 + len(d.tokens)]) for s, d, logits in zip(live, drafts, rows)]
             advance = max(len(tokens) for tokens in verified)
             for seq, tokens in zip(live, verified):
@@ -213,7 +218,7 @@ def vanilla(ctx: DecodeContext) -> RunMetrics:
                 ctx.emit(seq, tokens)
                 if not seq.finished and ctx.kv.room(seq.slot) == 0:
                     seq.finish_reason = "length"  # holes used up the cache: the baseline's worst-case cost
-            live = ctx.retire(live)
+        ctx.retire(batch)
     return ctx.run
 
 
