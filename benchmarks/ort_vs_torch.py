@@ -85,7 +85,9 @@ def attention_ms(num_heads: int, num_kv_heads: int, head_dim: int, repeats: int 
         ragged_tree_attention(q, k, v, kc, vc, cu, past, sl, batch.tree_mask, scale)
     torch_ms = (time.perf_counter() - start) / repeats * 1000
     model = onnx_op.attention_model(scale=scale, num_heads=num_heads, num_kv_heads=num_kv_heads, opset=20)
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     binding = session.io_binding()
     feeds = {"q": q, "k": k, "v": v, "cu_seqlens": batch.cu_seqlens, "past_lens": batch.past_lens,
              "slot_ids": batch.slot_ids, "tree_mask": batch.tree_mask}
@@ -110,16 +112,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--num-draft-tokens", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op threads for torch and ONNX Runtime alike (1: steadiest on a shared 2-core box)")
     parser.add_argument("--out-dir", default="benchmarks/results")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batch_sizes.split(",")]
+    torch.set_num_threads(args.threads)
     target = load_model("smollm2-135m")
     with tempfile.TemporaryDirectory() as tmp:
         deploy = export("smollm2-135m", None, Path(tmp) / "deploy", max_batch=max(batches), max_len=2048)
         engines = {
             "torch": Engine.from_models(target, "ngram", max_batch=max(batches), max_len=2048,
                                         num_draft_tokens=args.num_draft_tokens),
-            "onnxruntime": Engine.from_export(deploy, num_draft_tokens=args.num_draft_tokens),
+            "onnxruntime": Engine.from_export(deploy, num_draft_tokens=args.num_draft_tokens, threads=args.threads),
         }
         prompts = build_workload(max(batches))
         results: dict = {}
@@ -134,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
            "command": " ".join(["python", "benchmarks/ort_vs_torch.py", *(argv or sys.argv[1:])])}
     (out / "ort_vs_torch.json").write_text(json.dumps(doc, indent=2))
     lines = ["# ONNX Runtime vs torch backend (SmolLM2-135M, CPU)", "",
-             f"Command: `{doc['command']}`  ", f"Machine: {doc['machine']}", "",
+             f"Command: `{doc['command']}`  ", f"Machine: {doc['machine']}  ",
+             f"Threads: {args.threads} intra-op thread(s) for both runtimes", "",
              "| batch | torch ar | torch ems | ORT ar | ORT ems | ORT/torch (ar) | ORT/torch (ems) | identical |",
              "|---|---|---|---|---|---|---|---|"]
     for batch, row in results.items():

@@ -132,12 +132,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 1 if any(o.error for o in result.outputs) else 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from specdec.bench import main as bench_main
-
-    return bench_main(args.bench_args)
-
-
 def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="preset, Hugging Face directory or .gguf file")
     p.add_argument("--draft", help="draft model (preset, directory or .gguf); default: the n-gram drafter")
@@ -160,16 +154,18 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["bench"]:  # its options belong to the benchmark's own parser
+        from specdec.bench import main as bench_main
+
+        return bench_main(args_list[1:])
     parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="decode prompts locally with ar, vanilla or ems")
     add_generate_args(gen)
     gen.set_defaults(func=cmd_generate)
-    bench = sub.add_parser("bench", help="run the EMS-SD vs vanilla benchmark (see benchmarks/)",
-                           add_help=False)
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
-    bench.set_defaults(func=cmd_bench)
-    args = parser.parse_args(argv)
+    sub.add_parser("bench", help="the EMS-SD vs vanilla vs ar benchmark (`specdec bench --help`)")
+    args = parser.parse_args(args_list)
     return int(args.func(args))
 
 

@@ -29,12 +29,12 @@ from specdec.runtime.scheduler import Scheduler
 METHODS = tuple(LOOPS)
 
 
-def _backend_opener(kind: str, manifest: dict) -> Callable[[Path], Backend]:
+def _backend_opener(kind: str, threads: int | None = None) -> Callable[[Path], Backend]:
     """How to open one exported graph of this export's backend kind."""
     if kind == "onnx":
         from specdec.runtime.backends.onnxruntime import OrtBackend
 
-        return OrtBackend
+        return lambda graph: OrtBackend(graph, intra_op_threads=threads)
     if kind == "tensorrt":
         from specdec.runtime.backends.tensorrt import TensorRTBackend
 
@@ -88,7 +88,7 @@ class Engine:
     @classmethod
     def from_models(cls, target: LoadedModel, draft: LoadedModel | str | None = "ngram", *,
                     max_batch: int = 16, max_len: int | None = None, num_draft_tokens: int = 4,
-                    ngram: int = 3) -> Engine:
+                    ngram: int = 3, min_ngram: int = 1) -> Engine:
         """Torch backends for ``target`` and ``draft`` (a model, ``"ngram"`` or ``None``)."""
         max_len = max_len or min(int(target.config.max_position_embeddings), 2048)
         backend = TorchBackend(target)
@@ -96,7 +96,7 @@ class Engine:
         if draft is None or draft == "none":
             drafter = None
         elif draft == "ngram":
-            drafter = NgramDrafter(max_ngram=ngram)
+            drafter = NgramDrafter(max_ngram=ngram, min_ngram=min_ngram)
         elif isinstance(draft, LoadedModel):
             check_draft_compatible(target, draft)
             drafter = ModelDrafter(TorchBackend(draft), max_batch, max_len)
@@ -107,11 +107,13 @@ class Engine:
 
     @classmethod
     def from_export(cls, directory: str | Path, *, max_batch: int | None = None, max_len: int | None = None,
-                    num_draft_tokens: int = 4, drafter: str | None = None) -> Engine:
+                    num_draft_tokens: int = 4, drafter: str | None = None,
+                    threads: int | None = None) -> Engine:
         """An engine over a ``specdec-export`` directory, on the backend it was exported for.
 
         The manifest's checksums are verified first, so a corrupt graph is refused at load.
-        ``drafter`` overrides the exported choice ("ngram", "none").
+        ``drafter`` overrides the exported choice ("ngram", "none"); ``threads`` sets ONNX
+        Runtime's intra-op threads (default: all cores).
         """
         from specdec.export.cli import read_manifest
         from specdec.export.models import load_export_metadata, load_model
@@ -127,7 +129,7 @@ class Engine:
             return cls.from_models(target, draft, max_batch=max_batch, max_len=max_len,
                                    num_draft_tokens=num_draft_tokens)
         meta = load_export_metadata(root, "target")
-        open_backend = _backend_opener(backend_kind, manifest)
+        open_backend = _backend_opener(backend_kind, threads)
         target_backend = open_backend(root / manifest["target"]["graph"])
         chosen: Drafter | None
         if drafter in ("none",):

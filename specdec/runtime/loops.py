@@ -70,7 +70,8 @@ class DecodeContext:
         return drafts, time.perf_counter() - start
 
     def target_step(self, work: Sequence[SeqWork], real_rows: int, prefill_rows: int, draft_tokens: int,
-                    draft_seconds: float = 0.0, cache_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+                    draft_seconds: float = 0.0, cache_mask: torch.Tensor | None = None,
+                    active: int | None = None) -> list[torch.Tensor]:
         """Run one packed target call; returns each work item's logits rows."""
         batch = pack(work, cache_mask)
         rows_before = self.target.rows_processed
@@ -79,7 +80,7 @@ class DecodeContext:
         self.run.steps.append(StepRecord(
             batch_size=batch.num_seqs, rows=self.target.rows_processed - rows_before, real_rows=real_rows,
             prefill_rows=prefill_rows, draft_tokens=draft_tokens, accepted_draft_tokens=0,
-            seconds=time.perf_counter() - start, draft_seconds=draft_seconds,
+            seconds=time.perf_counter() - start, draft_seconds=draft_seconds, active=active,
         ))
         return list(torch.split(logits, [len(w.logit_offsets()) for w in work]))
 
@@ -210,7 +211,7 @@ def vanilla(ctx: DecodeContext) -> RunMetrics:
             num_drafts = sum(len(d.tokens) for d in drafts)
             mask = ctx.kv.cache_mask([w.slot_id for w in work])
             rows = ctx.target_step(work, real_rows=len(live) + num_drafts, prefill_rows=0, draft_tokens=num_drafts,
-                                   draft_seconds=draft_seconds, cache_mask=mask)
+                                   draft_seconds=draft_seconds, cache_mask=mask, active=len(live))
             verified = [ctx.verify(s, d, logits[: 1 + len(d.tokens)]) for s, d, logits in zip(live, drafts, rows)]
             advance = max(len(tokens) for tokens in verified)
             for seq, tokens in zip(live, verified):

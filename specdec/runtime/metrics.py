@@ -17,6 +17,7 @@ class StepRecord:
     accepted_draft_tokens: int
     seconds: float
     draft_seconds: float = 0.0
+    active: int | None = None  # sequences with real tokens (vanilla's finished samples only pad)
 
     @property
     def padded_rows(self) -> int:
@@ -48,7 +49,7 @@ class RunMetrics:
         drafts = sum(s.draft_tokens for s in self.steps)
         accepted = sum(s.accepted_draft_tokens for s in self.steps)
         decode_steps = [s for s in self.steps if s.prefill_rows == 0]
-        seq_steps = sum(s.batch_size for s in decode_steps)
+        seq_steps = sum(s.batch_size if s.active is None else s.active for s in decode_steps)
         return {
             "method": self.method,
             "requests": self.requests,
