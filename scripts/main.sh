@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The main job: decode a batch of chat prompts on SmolLM2-135M with EMS-SD (n-gram drafter),
-# print the answers and per-request acceptance, and the speed-up over autoregressive decoding.
+# The main job: export the default model pair (SmolLM2-135M target, n-gram drafter) to ONNX with
+# the RaggedTreeAttention op, then decode a batch of chat prompts from that export on ONNX Runtime
+# with EMS-SD, printing the answers, per-request acceptance, and the speed-up over autoregressive
+# decoding measured on the same backend.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 . .venv/bin/activate
-exec specdec generate --target smollm2-135m --method ems --chat --compare-ar --max-tokens 96 \
+specdec-export --target smollm2-135m --out deploy --force --max-batch 8 --max-len 2048
+exec specdec generate --target deploy --method ems --chat --compare-ar --max-tokens 96 \
   --num-draft-tokens 6 "$@"
