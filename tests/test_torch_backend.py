@@ -243,6 +243,12 @@ CHAT_PROMPTS = [
     "List three primary colors.",
     "How many legs does a spider have?",
     "Translate 'good morning' into Spanish.",
+    # answers that run past 48 tokens, so the comparison covers full-length generations
+    "Write a short story about a robot learning to paint.",
+    "Explain how photosynthesis works.",
+    "Describe the water cycle in detail.",
+    "Give me five tips for learning a new language.",
+    "Write a paragraph about the history of the internet.",
 ]
 
 
@@ -301,3 +307,5 @@ def test_smollm2_greedy_ar_equals_hf_generate(smollm2: LoadedModel, smollm2_hf: 
         tolerated.append(f"{prompt!r} at token {i} (top-two gap {gap:.2g})")
     if tolerated:
         warnings.warn("greedy near-ties resolved differently from HF: " + "; ".join(tolerated), stacklevel=1)
+    full_length = [o for o in result.outputs if len(o.token_ids) == max_new]
+    assert len(full_length) >= 5, "at least 5 prompts must be compared over all 48 new tokens"
