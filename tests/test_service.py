@@ -1,0 +1,291 @@
+"""EngineService: the long-lived serving loop (in-flight batching, streaming, cancel, stop, recovery)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from specdec.export.models import LoadedModel, load_model, tiny_random
+from specdec.runtime.backends.torch_backend import TorchBackend
+from specdec.runtime.drafters import NgramDrafter
+from specdec.runtime.engine import Engine
+from specdec.runtime.request import Request, RequestOutput
+from specdec.runtime.sampling import InvalidRequestError
+from specdec.serving.service import EngineService, ServiceStoppedError, StreamEvent, _stream_text
+
+MAX_BATCH, MAX_LEN, EOS = 4, 128, 3
+WAIT = 30.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models run fastest on one thread; give the rest of the session its setting back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model() -> LoadedModel:
+    return tiny_random(seed=21, vocab_size=64, num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1,
+                       intermediate_size=64)
+
+
+def make_engine(model: LoadedModel, **kwargs) -> Engine:
+    return Engine(TorchBackend(model), NgramDrafter(), eos_token_ids=[EOS], max_batch=MAX_BATCH, max_len=MAX_LEN,
+                  **kwargs)
+
+
+@pytest.fixture
+def service(model):
+    svc = EngineService(make_engine(model), "ems").start()
+    yield svc
+    svc.stop(drain=False, timeout=10)
+
+
+@pytest.fixture(scope="module")
+def offline(model) -> Callable[[list[Request]], list[RequestOutput]]:
+    """Reference outputs from a separate engine (its own cache) decoding the same requests in one batch."""
+    ref = make_engine(model)
+    return lambda requests: ref.generate(requests, "ems").outputs
+
+
+class Recorder:
+    """Collects one request's events and checks the stream contract."""
+
+    def __init__(self) -> None:
+        self.events: list[StreamEvent] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, event: StreamEvent) -> None:
+        with self.lock:
+            self.events.append(event)
+
+    def check(self) -> RequestOutput:
+        finals = [e for e in self.events if e.finished]
+        assert len(finals) == 1 and self.events[-1] is finals[0], "exactly one final event, and it is last"
+        output = finals[0].output
+        assert output is not None
+        assert [t for e in self.events for t in e.new_token_ids] == output.token_ids
+        if output.text is not None:
+            assert "".join(e.text_delta for e in self.events) == output.text
+        return output
+
+
+def prompts(n: int, seed: int = 0) -> list[Request]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = 3 + (i * 7) % 20
+        ids = torch.randint(4, 64, (length,), generator=gen).tolist()
+        out.append(Request(tuple(ids), max_tokens=8 + (i * 13) % 40))
+    return out
+
+
+def test_concurrent_submitters_match_offline_and_share_steps(service, offline) -> None:
+    requests = prompts(12)
+    expected = offline(requests)
+    recorders = [Recorder() for _ in requests]
+    handles: dict[int, object] = {}
+    barrier = threading.Barrier(4)
+
+    def submitter(k: int) -> None:
+        barrier.wait()
+        for i in range(k, len(requests), 4):
+            handles[i] = service.submit(requests[i], recorders[i])
+
+    threads = [threading.Thread(target=submitter, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(len(requests)):
+        out = handles[i].result(WAIT)
+        assert recorders[i].check() == out
+        assert out.token_ids == expected[i].token_ids, f"request {i} differs from offline"
+        assert out.finish_reason == expected[i].finish_reason
+    stats = service.stats()
+    assert stats.submitted == stats.finished == 12 and stats.active == 0 and stats.queued == 0
+    assert stats.mean_batch_size > 1
+
+
+def test_request_joins_running_batch(service, offline) -> None:
+    a = Request((5, 6, 7, 8, 9), max_tokens=100)
+    b = Request((10, 11, 12), max_tokens=20)
+    expected = offline([a, b])
+    a_running, b_submitted = threading.Event(), threading.Event()
+    rec_a, rec_b = Recorder(), Recorder()
+
+    def on_a(event: StreamEvent) -> None:
+        rec_a(event)
+        if len(rec_a.events) == 2:
+            assert not event.finished
+            a_running.set()
+            b_submitted.wait(WAIT)  # hold the loop between steps until B is queued
+
+    ha = service.submit(a, on_a)
+    assert a_running.wait(WAIT)
+    hb = service.submit(b, rec_b)  # from this thread, while A is mid-generation
+    b_submitted.set()
+    out_a, out_b = ha.result(WAIT), hb.result(WAIT)
+    assert rec_a.check() == out_a and rec_b.check() == out_b
+    assert out_a.token_ids == expected[0].token_ids and out_b.token_ids == expected[1].token_ids
+    # fewer target calls in total than the two took part in: some steps served both
+    assert service.stats().steps < out_a.metrics.target_calls + out_b.metrics.target_calls
+
+
+def test_bad_input_refused_at_submit_and_service_keeps_serving(service, offline) -> None:
+    with pytest.raises(InvalidRequestError, match="empty"):
+        service.submit(Request(()), Recorder())
+    with pytest.raises(InvalidRequestError, match="context holds"):
+        service.submit(Request(tuple([5] * MAX_LEN)), Recorder())
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        service.submit(Request((5, 64)), Recorder())
+    good = Request((4, 5, 6), max_tokens=10)
+    handle = service.submit(good, Recorder())
+    with pytest.raises(InvalidRequestError, match="already in flight"):
+        service.submit(good, Recorder())
+    assert handle.result(WAIT).token_ids == offline([good])[0].token_ids
+    assert service.stats().submitted == 1
+
+
+def test_cancel_mid_stream_frees_the_slot(service, offline) -> None:
+    victim = Request((5, 6, 7, 8, 9), max_tokens=100, request_id="victim")  # offline: runs to length
+    others = [Request((30 + i, 31, 32), max_tokens=30) for i in range(2)]
+    queued_victim = Request((40, 41), max_tokens=10, request_id="queued-victim")
+    expected = offline(others)
+    started, cancelled = threading.Event(), threading.Event()
+    rec_v, rec_q = Recorder(), Recorder()
+    recs = [Recorder() for _ in others]
+
+    def on_victim(event: StreamEvent) -> None:
+        rec_v(event)
+        if len(rec_v.events) == 2:
+            started.set()
+            cancelled.wait(WAIT)
+
+    hv = service.submit(victim, on_victim)
+    handles = [service.submit(r, rec) for r, rec in zip(others, recs)]
+    fillers = [service.submit(Request((50, 51, 52), max_tokens=100), Recorder()) for _ in range(MAX_BATCH - 3)]
+    assert started.wait(WAIT)
+    hq = service.submit(queued_victim, rec_q)  # the batch is full: this one waits in the queue
+    assert hq.cancel() and hq.done  # a queued request ends at once
+    assert service.cancel("victim")
+    cancelled.set()
+    out_v, out_q = hv.result(WAIT), hq.result(WAIT)
+    assert out_v.finish_reason == "cancelled" and out_q.finish_reason == "cancelled" and out_q.token_ids == []
+    assert rec_v.check() == out_v and rec_q.check() == out_q
+    assert 0 < len(out_v.token_ids) < 100
+    assert not service.cancel("victim")  # already over: no second final event
+    for h, rec, exp in zip(handles, recs, expected):
+        out = h.result(WAIT)
+        assert rec.check() == out and out.token_ids == exp.token_ids
+    for f in fillers:
+        f.cancel()
+    filler_reasons = [f.result(WAIT).finish_reason for f in fillers]
+    # every slot is free again: a full batch of new requests runs and matches offline
+    fresh = prompts(MAX_BATCH, seed=3)
+    outs = [h.result(WAIT) for h in [service.submit(r, Recorder()) for r in fresh]]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in offline(fresh)]
+    stats = service.stats()
+    assert stats.active == 0 and stats.cancelled == 2 + filler_reasons.count("cancelled")
+
+
+def test_stop_drains_then_refuses(model, offline) -> None:
+    svc = EngineService(make_engine(model), "ems").start()
+    requests = prompts(6, seed=7)
+    handles = [svc.submit(r, Recorder()) for r in requests]
+    assert svc.stop(drain=True, timeout=WAIT)
+    assert all(h.done for h in handles)
+    assert [h.result().token_ids for h in handles] == [o.token_ids for o in offline(requests)]
+    with pytest.raises(ServiceStoppedError, match="accepts no new requests"):
+        svc.submit(Request((4, 5)), Recorder())
+
+
+def test_stop_without_drain_cancels_everything(model) -> None:
+    svc = EngineService(make_engine(model), "ems").start()
+    recs = [Recorder() for _ in range(6)]
+    handles = [svc.submit(Request((5, 6, 7), max_tokens=100), rec) for rec in recs]
+    assert svc.stop(drain=False, timeout=WAIT)
+    for h, rec in zip(handles, recs):
+        assert rec.check() == h.result()
+    assert svc.stats().finished + svc.stats().cancelled == 6
+
+
+def test_loop_failure_fails_in_flight_and_keeps_serving(model, offline, caplog) -> None:
+    engine = make_engine(model)
+    real_step, calls = engine.target.step, [0]
+
+    def flaky(batch, storage):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("injected backend failure")
+        return real_step(batch, storage)
+
+    engine.target.step = flaky
+    svc = EngineService(engine, "ems").start()
+    try:
+        recs = [Recorder() for _ in range(2)]
+        handles = [svc.submit(Request((5, 6, 7, i + 8), max_tokens=50), rec) for i, rec in enumerate(recs)]
+        for h, rec in zip(handles, recs):
+            out = h.result(WAIT)
+            assert rec.check() == out and out.error and "injected backend failure" in out.error
+        after = Request((9, 10, 11), max_tokens=15)
+        assert svc.generate(after, timeout=WAIT).token_ids == offline([after])[0].token_ids
+        stats = svc.stats()
+        assert stats.failed == 2 and stats.loop_restarts == 1
+        assert "decoding loop" in caplog.text
+    finally:
+        svc.stop(drain=False, timeout=10)
+
+
+def test_stream_text_holds_back_partial_characters_and_stop_prefixes() -> None:
+    assert _stream_text("ab\ufffd", ()) == "ab"
+    assert _stream_text("abxy", ("xyz",)) == "ab"
+    assert _stream_text("abx", ("xyz", "q")) == "ab"
+    assert _stream_text("abc", ("xyz",)) == "abc"
+
+
+@pytest.fixture(scope="module")
+def text_engine() -> Engine:
+    tokenizer = load_model("smollm2-135m").tokenizer
+    tiny = tiny_random(seed=5, vocab_size=len(tokenizer), num_layers=1, hidden_size=16, num_heads=2,
+                       num_kv_heads=1, intermediate_size=32, tie_word_embeddings=True, init_std=1.0)
+    return Engine(TorchBackend(tiny), NgramDrafter(), tokenizer=tokenizer, eos_token_ids=[tokenizer.eos_token_id],
+                  max_batch=MAX_BATCH, max_len=MAX_LEN)
+
+
+def test_text_streaming_with_real_tokenizer(text_engine) -> None:
+    prompts_text = ["Hello there, how are you", "Ünïcödé 日本語 text ✓", "one two three one two three"]
+    requests = [text_engine.request(p, max_tokens=40) for p in prompts_text]  # peaky model: varied, multi-byte text
+    expected = text_engine.generate(requests, "ems").outputs
+    # a stop string taken from the middle of one offline answer exercises the hold-back of stop prefixes
+    middle = expected[0].text[len(expected[0].text) // 2 :][:3]
+    stopped = text_engine.request(prompts_text[0], max_tokens=30, stop=[middle] if middle.strip() else [])
+    svc = EngineService(text_engine, "ems").start()
+    try:
+        recs = [Recorder() for _ in range(4)]
+        handles = [svc.submit(r, rec) for r, rec in zip([*requests, stopped], recs)]
+        outs = [h.result(WAIT) for h in handles]
+        for out, rec in zip(outs, recs):
+            assert rec.check() == out and isinstance(out.text, str)
+        for rec in recs[:3]:  # text arrives incrementally, not only with the final event
+            assert sum(1 for e in rec.events if e.text_delta and not e.finished) >= 1
+        for out, exp in zip(outs, expected):
+            assert out.token_ids == exp.token_ids and out.text == exp.text
+    finally:
+        svc.stop(drain=False, timeout=10)
+
+
+@pytest.mark.parametrize("method", ["ar", "vanilla"])
+def test_other_methods_serve_the_same_tokens(model, offline, method) -> None:
+    requests = prompts(6, seed=11)
+    with EngineService(make_engine(model), method) as svc:
+        outs = [h.result(WAIT) for h in [svc.submit(r, Recorder()) for r in requests]]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in offline(requests)]
+    with pytest.raises(ValueError, match="unknown method"):
+        EngineService(make_engine(model), "beam")
