@@ -53,7 +53,9 @@ class NgramDrafter:
 
     vocab_size = None
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 2) -> None:
+        """Match the longest n-gram from ``max_ngram`` down to ``min_ngram`` (LLMA uses 2-grams;
+        1-gram matches propose long, mostly rejected drafts that cost verification time)."""
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram

@@ -88,7 +88,7 @@ class Engine:
     @classmethod
     def from_models(cls, target: LoadedModel, draft: LoadedModel | str | None = "ngram", *,
                     max_batch: int = 16, max_len: int | None = None, num_draft_tokens: int = 4,
-                    ngram: int = 3, min_ngram: int = 1) -> Engine:
+                    ngram: int = 3, min_ngram: int = 2) -> Engine:
         """Torch backends for ``target`` and ``draft`` (a model, ``"ngram"`` or ``None``)."""
         max_len = max_len or min(int(target.config.max_position_embeddings), 2048)
         backend = TorchBackend(target)
