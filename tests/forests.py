@@ -30,3 +30,17 @@ def visible_new(parents: list[int]) -> torch.Tensor:
             out[t, node] = True
             node = parents[node]
     return out
+
+
+def mixed_batch() -> list[Seq]:
+    """Every kind of sequence in one pack: prefill, decode, chain, forests with and without a past.
+
+    Slot 2 stays idle, so kernels can be checked for leaving unnamed slots untouched.
+    """
+    return [
+        Seq(slot=3, past=0, parents=[ROOT, 0, 1, 2, 3]),  # prefill
+        Seq(slot=0, past=7, parents=[ROOT]),  # decode step
+        Seq(slot=5, past=4, parents=[ROOT, 0, 1]),  # chain
+        Seq(slot=1, past=9, parents=[ROOT, ROOT, 0, 1, 2, ROOT, 5]),  # forest of three trees
+        Seq(slot=4, past=0, parents=[ROOT, ROOT, 1, 1]),  # forest with no past
+    ]

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from forests import ROOT, Seq, visible_new
+from forests import ROOT, Seq, mixed_batch, visible_new
 
 from specdec.plugins.reference import ragged_tree_attention
 
@@ -131,13 +131,7 @@ def test_random_ragged_batches(seed: int, heads: tuple[int, int]) -> None:
 
 
 def test_mixed_batch_all_kinds_at_once() -> None:
-    seqs = [
-        Seq(slot=3, past=0, parents=[ROOT, 0, 1, 2, 3]),  # prefill
-        Seq(slot=0, past=7, parents=[ROOT]),  # decode step
-        Seq(slot=5, past=4, parents=[ROOT, 0, 1]),  # chain
-        Seq(slot=1, past=9, parents=[ROOT, ROOT, 0, 1, 2, ROOT, 5]),  # forest of three trees
-        Seq(slot=4, past=0, parents=[ROOT, ROOT, 1, 1]),  # forest with no past
-    ]  # slot 2 idle
+    seqs = mixed_batch()  # slot 2 idle
     _run_and_check(seqs, hq=4, hkv=2, d=16, seed=99)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from forests import visible_new
 
 from specdec.runtime.packed import ROOT, PackedBatch, SeqWork, pack
 
@@ -122,17 +123,6 @@ def test_position_offset_overrides_past_for_positions_only() -> None:
 # -- forests --------------------------------------------------------------------------------
 
 
-def _ancestors_mask(parents: list[int]) -> torch.Tensor:
-    n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for j in range(n):
-        node = j
-        while node != ROOT:
-            mask[j, node] = True
-            node = parents[node]
-    return mask
-
-
 def _depths(parents: list[int]) -> list[int]:
     out = []
     for j in range(len(parents)):
@@ -161,7 +151,7 @@ def test_forest_three_trees_depths_and_ancestors() -> None:
             ".......1",
         ]),
     )
-    assert torch.equal(batch.tree_mask, _ancestors_mask(parents))
+    assert torch.equal(batch.tree_mask, visible_new(parents))
 
 
 def test_random_forests_match_ancestor_definition() -> None:
@@ -172,7 +162,7 @@ def test_random_forests_match_ancestor_definition() -> None:
         parents = [int(torch.randint(-1, j, (1,), generator=gen)) if j else ROOT for j in range(n)]
         past = int(torch.randint(0, 20, (1,), generator=gen))
         work.append(SeqWork(seq, past, list(range(n)), parents=parents))
-        masks.append(_ancestors_mask(parents))
+        masks.append(visible_new(parents))
         positions.extend(past + d for d in _depths(parents))
     batch = pack(work)
     s_max = max(m.shape[0] for m in masks)

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="OpenAI Triton is not installed (pip install triton) — kernel tests skipped")
 
-from forests import ROOT, Seq, visible_new  # noqa: E402
+from forests import ROOT, Seq, mixed_batch, visible_new  # noqa: E402
 
 from specdec.plugins.reference import ragged_tree_attention  # noqa: E402
 from specdec.plugins.triton_kernel import (  # noqa: E402
@@ -144,13 +144,7 @@ def test_random_ragged_forests(seed: int, heads: tuple[int, int], d: int) -> Non
 
 
 def test_mixed_batch_all_kinds_at_once() -> None:
-    seqs = [
-        Seq(slot=3, past=0, parents=[ROOT, 0, 1, 2, 3]),  # prefill
-        Seq(slot=0, past=7, parents=[ROOT]),  # decode step
-        Seq(slot=5, past=4, parents=[ROOT, 0, 1]),  # chain
-        Seq(slot=1, past=9, parents=[ROOT, ROOT, 0, 1, 2, ROOT, 5]),  # forest of three trees
-        Seq(slot=4, past=0, parents=[ROOT, ROOT, 1, 1]),  # forest with no past
-    ]  # slot 2 idle
+    seqs = mixed_batch()  # slot 2 idle
     _check(seqs, hq=4, hkv=2, d=64, seed=99)
 
 
