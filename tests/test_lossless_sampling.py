@@ -29,7 +29,6 @@ import itertools
 import math
 import time
 from collections import Counter
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -57,14 +56,7 @@ _TINY = dict(vocab_size=VOCAB, num_layers=1, hidden_size=32, num_heads=2, num_kv
              max_position_embeddings=64)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny models, thousands of small ops per step: one intra-op thread is much faster
-    (measured 4,000 requests: 3.7 s with one thread, 93 s with two on a loaded 2-core CPU)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

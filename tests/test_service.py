@@ -20,13 +20,7 @@ MAX_BATCH, MAX_LEN, EOS = 4, 128, 3
 WAIT = 30.0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread; give the rest of the session its setting back."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -18,10 +18,13 @@ from specdec.runtime.request import Request, SeqState
 class Scheduler:
     """FIFO admission bounded by ``max_batch`` live sequences and the free KV slots."""
 
-    def __init__(self, max_batch: int) -> None:
+    def __init__(self, max_batch: int, on_admit: Callable[[list[SeqState]], None] | None = None) -> None:
+        """``on_admit`` is called on the loop thread after every admission (a server learns
+        there, at each step boundary, which sequences hold slots)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.max_batch = max_batch
+        self._on_admit = on_admit
         self._queue: deque[Request] = deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -67,4 +70,22 @@ class Scheduler:
                 if accept is not None and not accept(request):
                     continue
                 admitted.append(SeqState.start(request, kv.alloc()))
+        if self._on_admit is not None:
+            self._on_admit(admitted)
         return admitted
+
+    def remove(self, request_id: str) -> Request | None:
+        """Take a queued request out before it gets a slot (cancellation); None if not queued."""
+        with self._cond:
+            for request in self._queue:
+                if request.request_id == request_id:
+                    self._queue.remove(request)
+                    return request
+        return None
+
+    def drain(self) -> list[Request]:
+        """Remove and return every queued request."""
+        with self._cond:
+            queued = list(self._queue)
+            self._queue.clear()
+            return queued

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.runtime.engine import Engine
-from specdec.runtime.kv import KVCacheManager
 from specdec.runtime.loops import LOOPS, DecodeContext
 from specdec.runtime.metrics import StepRecord
 from specdec.runtime.request import Request, RequestMetrics, RequestOutput, SeqState
@@ -105,39 +104,6 @@ class RequestHandle:
         return self._service.cancel(self.request_id)
 
 
-class _ServiceScheduler(Scheduler):
-    """The engine's scheduler plus the two hooks serving needs without touching the loops.
-
-    ``admit`` runs on the loop thread at every step boundary, so it is where the service
-    learns which sequences hold slots and folds finished step records into totals;
-    ``remove`` takes a cancelled request out of the queue before it ever gets a slot.
-    """
-
-    def __init__(self, max_batch: int, on_admit: Callable[[list[SeqState]], None]) -> None:
-        super().__init__(max_batch)
-        self._on_admit = on_admit
-
-    def admit(self, kv: KVCacheManager, num_live: int,
-              accept: Callable[[Request], bool] | None = None) -> list[SeqState]:
-        admitted = super().admit(kv, num_live, accept)
-        self._on_admit(admitted)
-        return admitted
-
-    def remove(self, request_id: str) -> Request | None:
-        with self._cond:
-            for request in self._queue:
-                if request.request_id == request_id:
-                    self._queue.remove(request)
-                    return request
-        return None
-
-    def drain(self) -> list[Request]:
-        with self._cond:
-            queued = list(self._queue)
-            self._queue.clear()
-            return queued
-
-
 def _stream_text(text: str, stops: tuple[str, ...]) -> str:
     """The part of ``text`` safe to send now.
 
@@ -179,7 +145,7 @@ class EngineService:
         self._counts = {"submitted": 0, "finished": 0, "cancelled": 0, "failed": 0, "restarts": 0}
         self._steps_done = 0
         self._batch_sum = 0
-        self.scheduler = _ServiceScheduler(engine.max_batch, self._admitted)
+        self.scheduler = Scheduler(engine.max_batch, on_admit=self._admitted)
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> EngineService:
