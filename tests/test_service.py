@@ -14,7 +14,8 @@ from specdec.runtime.drafters import NgramDrafter
 from specdec.runtime.engine import Engine
 from specdec.runtime.request import Request, RequestOutput
 from specdec.runtime.sampling import InvalidRequestError
-from specdec.serving.service import EngineService, ServiceStoppedError, StreamEvent, _stream_text
+from specdec.runtime.text import streamable
+from specdec.serving.service import EngineService, ServiceStoppedError, StreamEvent
 
 MAX_BATCH, MAX_LEN, EOS = 4, 128, 3
 WAIT = 30.0
@@ -238,10 +239,10 @@ def test_loop_failure_fails_in_flight_and_keeps_serving(model, offline, caplog) 
 
 
 def test_stream_text_holds_back_partial_characters_and_stop_prefixes() -> None:
-    assert _stream_text("ab\ufffd", ()) == "ab"
-    assert _stream_text("abxy", ("xyz",)) == "ab"
-    assert _stream_text("abx", ("xyz", "q")) == "ab"
-    assert _stream_text("abc", ("xyz",)) == "abc"
+    assert streamable("ab\ufffd", ()) == "ab"
+    assert streamable("abxy", ("xyz",)) == "ab"
+    assert streamable("abx", ("xyz", "q")) == "ab"
+    assert streamable("abc", ("xyz",)) == "abc"
 
 
 @pytest.fixture(scope="module")

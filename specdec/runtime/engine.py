@@ -25,6 +25,7 @@ from specdec.runtime.metrics import RunMetrics
 from specdec.runtime.request import Request, RequestMetrics, RequestOutput, SeqState, StopChecker
 from specdec.runtime.sampling import InvalidRequestError, SamplingParams
 from specdec.runtime.scheduler import Scheduler
+from specdec.runtime.text import cut_at_stop, decode_tokens, encode_text
 
 METHODS = tuple(LOOPS)
 
@@ -147,15 +148,10 @@ class Engine:
             return [int(t) for t in prompt]
         if self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: pass token ids instead of text")
-        if chat:
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        return list(self.tokenizer(prompt)["input_ids"]) if prompt else []
+        return encode_text(self.tokenizer, prompt, chat)
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True) if self.tokenizer else ""
+        return decode_tokens(self.tokenizer, token_ids) if self.tokenizer else ""
 
     def request(self, prompt: str | Sequence[int], *, chat: bool = False, max_tokens: int = 128,
                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
@@ -224,10 +220,6 @@ class Engine:
         return GenerationResult([outputs[i] for i in range(len(requests))], ctx.run)
 
     def _output(self, seq: SeqState) -> RequestOutput:
-        text = self.decode(seq.output_ids) if self.tokenizer is not None else None
-        if text is not None:
-            cut = min((text.find(s) for s in seq.request.stop if s in text), default=-1)
-            if cut >= 0:
-                text = text[:cut]
+        text = cut_at_stop(self.decode(seq.output_ids), seq.request.stop) if self.tokenizer is not None else None
         return RequestOutput(seq.request.request_id, list(seq.request.prompt_ids), seq.output_ids, text,
                              seq.finish_reason, seq.metrics)

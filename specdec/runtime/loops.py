@@ -84,13 +84,18 @@ class DecodeContext:
         ))
         return list(torch.split(logits, [len(w.logit_offsets()) for w in work]))
 
+    def count_call(self, seq: SeqState) -> None:
+        """Record that ``seq`` took part in the last target step (and with how many others)."""
+        seq.metrics.target_calls += 1
+        seq.metrics.batch_size_sum += self.run.steps[-1].batch_size
+
     def prefill_work(self, seq: SeqState) -> SeqWork:
         return SeqWork(seq.slot, 0, seq.request.prompt_ids, logits="last")
 
     def start(self, seq: SeqState, logits: torch.Tensor) -> None:
         """After the prompt's prefill: commit it and emit the first token."""
         self.kv.commit(seq.slot, seq.num_prompt)
-        seq.metrics.target_calls += 1
+        self.count_call(seq)
         self.emit(seq, [next_token(logits[-1], seq.request.sampling, seq.generator)])
 
     def verify(self, seq: SeqState, draft: Draft, logits: torch.Tensor) -> list[int]:
@@ -101,7 +106,7 @@ class DecodeContext:
         else:
             tokens = verify_sampling(draft.tokens, draft.probs, warp(logits, params), seq.generator)
         accepted = len(tokens) - 1
-        seq.metrics.target_calls += 1
+        self.count_call(seq)
         seq.metrics.draft_tokens += len(draft.tokens)
         seq.metrics.accepted_draft_tokens += accepted
         self.run.steps[-1].accepted_draft_tokens += accepted
@@ -140,7 +145,7 @@ def ar(ctx: DecodeContext) -> RunMetrics:
         rows = ctx.target_step(work, real_rows=len(live) + prompt_rows, prefill_rows=prompt_rows, draft_tokens=0)
         for seq, logits in zip(live, rows):
             ctx.kv.commit(seq.slot, 1)
-            seq.metrics.target_calls += 1
+            ctx.count_call(seq)
             ctx.emit(seq, [next_token(logits[0], seq.request.sampling, seq.generator)])
         for seq, logits in zip(new, rows[len(live) :]):
             ctx.start(seq, logits)

@@ -59,6 +59,12 @@ class RequestMetrics:
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
     target_calls: int = 0  # target steps this request took part in, prefill included
+    batch_size_sum: int = 0  # over those steps, the number of sequences each one verified together
+
+    @property
+    def mean_batch_size(self) -> float:
+        """How many sequences shared this request's target steps on average (1.0 = it ran alone)."""
+        return self.batch_size_sum / self.target_calls if self.target_calls else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -79,6 +85,7 @@ class RequestMetrics:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "target_calls": self.target_calls,
+            "mean_batch_size": round(self.mean_batch_size, 4),
         }
 
 

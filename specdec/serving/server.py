@@ -19,11 +19,13 @@ import contextlib
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import urllib.error
@@ -193,6 +195,20 @@ def _symlink(src: Path, dst: Path) -> None:
 # --------------------------------------------------------------------------- checks before starting
 
 
+def _libpython_dir() -> Path | None:
+    """The directory of this interpreter's shared libpython, if it has one.
+
+    The bundled stub links ``libpython3.X.so.1.0`` by soname and the loader finds the system's copy
+    first. When this interpreter is a different patch release (pyenv, conda), its extension modules
+    need symbols the system library lacks: ``import ssl`` (and so transformers) fails in the stub
+    with ``undefined symbol: _PyModule_Add``. Putting this interpreter's library first fixes that.
+    """
+    libdir, name = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")
+    if not libdir or not name or not (Path(libdir) / name).is_file():
+        return None
+    return Path(libdir)
+
+
 def port_free(host: str, port: int) -> bool:
     """True when nothing listens on ``host:port`` (SO_REUSEADDR: TIME_WAIT leftovers do not count)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -212,6 +228,8 @@ def validate_repository(path: str | os.PathLike[str]) -> Path:
     a ``config.pbtxt`` and at least one numeric version directory.
     """
     repo = Path(path)
+    if (repo / "manifest.json").is_file() and (repo / "triton_repo").is_dir():  # an export directory
+        repo = repo / "triton_repo"
     if not repo.is_dir():
         raise InvalidRepositoryError(f"model repository {repo} does not exist or is not a directory")
     models = sorted(p for p in repo.iterdir() if p.is_dir() and not p.name.startswith("."))
@@ -224,6 +242,12 @@ def validate_repository(path: str | os.PathLike[str]) -> Path:
             raise InvalidRepositoryError(
                 f"model {model.name!r} in {repo} has no version directory (e.g. {model / '1'})"
             )
+    names = {model.name for model in models}
+    for model in models:
+        for needed in re.findall(r'model_name:\s*"([^"]+)"', (model / "config.pbtxt").read_text(errors="replace")):
+            if needed not in names:
+                raise InvalidRepositoryError(f"ensemble {model.name!r} in {repo} uses model {needed!r}, which is "
+                                             "missing from the repository")
     return repo
 
 
@@ -287,6 +311,9 @@ class TritonServer:
         assert self.install is not None
         env = dict(os.environ)
         libs = [str(p) for p in self.install.ld_library_path]
+        own = _libpython_dir()
+        if own is not None:  # the stub must embed the libpython whose extension modules it will import
+            libs.insert(0, str(own))
         if env.get("LD_LIBRARY_PATH"):
             libs.append(env["LD_LIBRARY_PATH"])
         if libs:

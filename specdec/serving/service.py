@@ -32,11 +32,11 @@ from specdec.runtime.metrics import StepRecord
 from specdec.runtime.request import Request, RequestMetrics, RequestOutput, SeqState
 from specdec.runtime.sampling import InvalidRequestError
 from specdec.runtime.scheduler import Scheduler
+from specdec.runtime.text import streamable
 
 log = logging.getLogger(__name__)
 
 CANCELLED = "cancelled"
-_REPLACEMENT = "\ufffd"
 
 
 class ServiceStoppedError(RuntimeError):
@@ -53,6 +53,7 @@ class StreamEvent:
     finished: bool = False
     output: RequestOutput | None = None
     error: str | None = None
+    metrics: RequestMetrics | None = None  # a snapshot at this event (the final one's is output.metrics)
 
 
 @dataclass
@@ -102,26 +103,6 @@ class RequestHandle:
 
     def cancel(self) -> bool:
         return self._service.cancel(self.request_id)
-
-
-def _stream_text(text: str, stops: tuple[str, ...]) -> str:
-    """The part of ``text`` safe to send now.
-
-    A trailing U+FFFD is an incomplete multi-byte character that the next token may
-    complete, and a suffix that starts a stop string may be cut from the final text, so
-    both are held back until more tokens (or the end) decide them.
-    """
-    end = len(text)
-    while end and text[end - 1] == _REPLACEMENT:
-        end -= 1
-    text = text[:end]
-    hold = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), hold, -1):
-            if text.endswith(stop[:n]):
-                hold = n
-                break
-    return text[: len(text) - hold]
 
 
 class EngineService:
@@ -292,11 +273,12 @@ class EngineService:
             return
         text_delta = ""
         if self.engine.tokenizer is not None:
-            safe = _stream_text(self.engine.decode(seq.output_ids), seq.request.stop)
+            safe = streamable(self.engine.decode(seq.output_ids), seq.request.stop)
             if safe.startswith(handle._text_sent):
                 text_delta, handle._text_sent = safe[len(handle._text_sent) :], safe
         handle._streamed = seq.num_generated
-        self._deliver(handle, StreamEvent(request_id, list(tokens), text_delta))
+        self._deliver(handle, StreamEvent(request_id, list(tokens), text_delta,
+                                          metrics=dataclasses.replace(seq.metrics)))
 
     def _on_finish(self, seq: SeqState) -> None:
         request_id = seq.request.request_id
@@ -333,7 +315,8 @@ class EngineService:
             else:  # the tokenizer re-spelled text already sent: nothing sound to add
                 log.warning("request %r: final text does not extend the streamed text", handle.request_id)
         handle.output = output
-        self._deliver(handle, StreamEvent(handle.request_id, new_tokens, text_delta, True, output, output.error))
+        self._deliver(handle, StreamEvent(handle.request_id, new_tokens, text_delta, True, output, output.error,
+                                          output.metrics))
         handle._done.set()
 
     def _finish_unadmitted(self, request: Request, reason: str | None, error: str | None = None) -> None:

@@ -1,0 +1,74 @@
+"""The text rules of an answer, in one place: where stop strings cut it and what may be streamed.
+
+The engine (final text), the in-process service (streamed deltas) and the Triton
+postprocessing model (stateless deltas between responses) all call these, so the text a
+client assembles from a stream is, by construction, the text a unary call returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+REPLACEMENT = "\ufffd"
+
+
+def encode_text(tokenizer: Any, prompt: str, chat: bool = False) -> list[int]:
+    """Prompt token ids; ``chat`` wraps the prompt as one user turn of the tokenizer's chat template."""
+    if chat:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return list(tokenizer(prompt)["input_ids"]) if prompt else []
+
+
+def decode_tokens(tokenizer: Any, token_ids: Sequence[int]) -> str:
+    """Answer text of generated ids (special tokens such as EOS are not text)."""
+    return tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> str:
+    """The final text: everything before the earliest stop string (the stop itself is not returned)."""
+    cut = min((text.find(s) for s in stops if s in text), default=-1)
+    return text if cut < 0 else text[:cut]
+
+
+def streamable(text: str, stops: Sequence[str]) -> str:
+    """The part of an unfinished answer's ``text`` that is safe to send now.
+
+    A trailing U+FFFD is an incomplete multi-byte character that the next token may
+    complete, and a suffix that starts a stop string may be cut from the final text, so
+    both are held back until more tokens (or the end) decide them.
+    """
+    end = len(text)
+    while end and text[end - 1] == REPLACEMENT:
+        end -= 1
+    text = text[:end]
+    hold = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), hold, -1):
+            if text.endswith(stop[:n]):
+                hold = n
+                break
+    return text[: len(text) - hold]
+
+
+def text_delta(decode: Callable[[Sequence[int]], str], output_ids: Sequence[int], sent_tokens: int,
+               finished: bool, stops: Sequence[str]) -> str:
+    """The text a response adds, computed from token ids alone (no per-request state).
+
+    ``output_ids`` are all tokens generated so far and ``sent_tokens`` how many of them the
+    earlier responses covered. The earlier responses sent exactly
+    ``streamable(decode(output_ids[:sent_tokens]))``, so the deltas telescope: their
+    concatenation is the final text. If a tokenizer re-spells text already sent (it never
+    should for byte-level BPE), the already-sent prefix is kept and only the new tail is sent.
+    """
+    before = streamable(decode(output_ids[:sent_tokens]), stops) if sent_tokens else ""
+    text = decode(output_ids)
+    now = cut_at_stop(text, stops) if finished else streamable(text, stops)
+    if now.startswith(before):
+        return now[len(before) :]
+    common = 0
+    while common < min(len(now), len(before)) and now[common] == before[common]:
+        common += 1
+    return now[max(common, len(before)) :]

@@ -1,0 +1,203 @@
+"""The endpoint's tensors: names, types, shapes, defaults, and the validation of what clients send.
+
+Pure numpy, no Triton: the model repository writer renders the ``config.pbtxt`` files from
+these tables, the Triton models parse their inputs with ``parse_generation``, and the tests
+check the rules without a server. Names follow what Triton LLM users know (TensorRT-LLM's
+and vLLM's backends): ``text_input``, ``max_tokens``, ``stream``, ``text_output``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from specdec.runtime.sampling import InvalidRequestError, SamplingParams
+
+#: methods a client may ask for, and the ones that exist but are not served yet
+SERVED_METHODS = ("ems", "ar")
+FUTURE_METHODS = ("dsbd", "beam")
+#: num_draft_tokens above this is refused: verification cost grows with k while acceptance decays
+MAX_DRAFT_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input or output of a model in the repository."""
+
+    name: str
+    dtype: str  # Triton's config type, e.g. TYPE_INT32
+    dims: tuple[int, ...] = (1,)
+    optional: bool = True
+    doc: str = ""
+
+
+#: numpy kind each Triton type must arrive as (BYTES arrives as an object array of bytes)
+NUMPY_OF = {"TYPE_STRING": np.object_, "TYPE_INT32": np.int32, "TYPE_FP32": np.float32, "TYPE_BOOL": np.bool_}
+
+# -- client-facing inputs (the `specdec` and `specdec_stream` models) ----------------------------
+TEXT_INPUT = TensorSpec("text_input", "TYPE_STRING", optional=False, doc="the prompt")
+APPLY_CHAT_TEMPLATE = TensorSpec("apply_chat_template", "TYPE_BOOL", doc="wrap the prompt in the chat template")
+PARAMETERS = (
+    TensorSpec("max_tokens", "TYPE_INT32", doc="new tokens at most (default 64)"),
+    TensorSpec("method", "TYPE_STRING", doc="ems (default) or ar"),
+    TensorSpec("temperature", "TYPE_FP32", doc="0 = greedy (default)"),
+    TensorSpec("top_k", "TYPE_INT32", doc="0 = off"),
+    TensorSpec("top_p", "TYPE_FP32", doc="1 = off"),
+    TensorSpec("seed", "TYPE_INT32", doc="sampling seed (>= 0)"),
+    TensorSpec("num_draft_tokens", "TYPE_INT32", doc="draft length k per step (ems)"),
+    TensorSpec("stop", "TYPE_STRING", (-1,), doc="stop strings"),
+    TensorSpec("stream", "TYPE_BOOL", doc="partial responses (specdec_stream only)"),
+    TensorSpec("beam_width", "TYPE_INT32", doc="1; reserved for dsbd/beam"),
+)
+CLIENT_INPUTS = (TEXT_INPUT, APPLY_CHAT_TEMPLATE, *PARAMETERS)
+_PARAMETER = {s.name: s for s in PARAMETERS}
+STOP = _PARAMETER["stop"]
+
+# -- between the models ---------------------------------------------------------------------------
+INPUT_IDS = TensorSpec("input_ids", "TYPE_INT32", (-1,), optional=False)
+OUTPUT_IDS = TensorSpec("output_ids", "TYPE_INT32", (-1,), optional=False)
+SENT_TOKENS = TensorSpec("sent_tokens", "TYPE_INT32", optional=False, doc="tokens covered by earlier responses")
+FINISHED = TensorSpec("finished", "TYPE_BOOL", optional=False)
+METRICS = (
+    TensorSpec("finish_reason", "TYPE_STRING", optional=False, doc="stop | length | cancelled"),
+    TensorSpec("acceptance_rate", "TYPE_FP32", optional=False),
+    TensorSpec("accepted_draft_tokens", "TYPE_INT32", optional=False),
+    TensorSpec("draft_tokens", "TYPE_INT32", optional=False),
+    TensorSpec("target_calls", "TYPE_INT32", optional=False),
+    TensorSpec("mean_batch_size", "TYPE_FP32", optional=False, doc="sequences sharing this request's steps"),
+)
+#: the engine passes the request's stop strings on: in a decoupled ensemble a step may only take inputs that
+#: originate from one decoupled model, so postprocessing cannot read them from the ensemble's inputs
+STOP_STRINGS = TensorSpec("stop_strings", "TYPE_STRING", (-1,), optional=False)
+ENGINE_OUTPUTS = (OUTPUT_IDS, SENT_TOKENS, FINISHED, STOP_STRINGS, *METRICS)
+TEXT_OUTPUT = TensorSpec("text_output", "TYPE_STRING", optional=False)
+#: what a client receives: the text (a delta when streaming), the new token ids, and the metrics
+CLIENT_OUTPUTS = (TEXT_OUTPUT, OUTPUT_IDS, *METRICS)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A validated request to the engine model: everything but the prompt ids."""
+
+    max_tokens: int
+    method: str
+    sampling: SamplingParams
+    num_draft_tokens: int | None
+    stop: tuple[str, ...]
+    stream: bool
+
+
+def _scalar(inputs: Mapping[str, np.ndarray], spec: TensorSpec) -> object | None:
+    """The one value of an optional ``[1]`` input, or None when the client did not send it."""
+    array = inputs.get(spec.name)
+    if array is None:
+        return None
+    array = np.asarray(array)
+    if array.size != 1:
+        raise InvalidRequestError(f"input '{spec.name}' must hold exactly one value (shape [1]), got shape "
+                                  f"{list(array.shape)}")
+    _check_dtype(array, spec)
+    value = array.reshape(-1)[0]
+    if spec.dtype == "TYPE_STRING":
+        return _text(value, spec.name)
+    return value.item() if hasattr(value, "item") else value
+
+
+def _check_dtype(array: np.ndarray, spec: TensorSpec) -> None:
+    expected = NUMPY_OF[spec.dtype]
+    if expected is np.object_:
+        ok = array.dtype == np.object_ or array.dtype.kind in "SU"
+    else:
+        ok = array.dtype == expected
+    if not ok:
+        raise InvalidRequestError(f"input '{spec.name}' must be {spec.dtype.removeprefix('TYPE_')}, got {array.dtype}")
+
+
+def _text(value: object, name: str) -> str:
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidRequestError(f"input '{name}' is not valid UTF-8: {exc}") from exc
+    return str(value)
+
+
+def parse_prompt(inputs: Mapping[str, np.ndarray]) -> tuple[str, bool]:
+    """``text_input`` (non-empty) and whether to apply the chat template."""
+    if TEXT_INPUT.name not in inputs:
+        raise InvalidRequestError("input 'text_input' is required")
+    text = _scalar(inputs, TEXT_INPUT)
+    assert isinstance(text, str)
+    if not text.strip():
+        raise InvalidRequestError("input 'text_input' is empty: send a non-empty prompt")
+    chat = _scalar(inputs, APPLY_CHAT_TEMPLATE)
+    return text, bool(chat)
+
+
+def parse_generation(inputs: Mapping[str, np.ndarray], *, max_len: int, default_max_tokens: int = 64,
+                     allow_stream: bool = True) -> Generation:
+    """Validate every optional parameter; the first problem raises ``InvalidRequestError`` naming it."""
+    values = {name: _scalar(inputs, s) for name, s in _PARAMETER.items() if s.dims == (1,)}
+    unknown = sorted(set(inputs) - set(_PARAMETER) - {INPUT_IDS.name, TEXT_INPUT.name, APPLY_CHAT_TEMPLATE.name})
+    if unknown:
+        raise InvalidRequestError(f"unknown input(s) {unknown}")
+    method = str(values["method"] or "ems").strip().lower()
+    if method in FUTURE_METHODS:
+        raise InvalidRequestError(f"method {method!r} (speculative beam decoding) is not served yet: use "
+                                  f"{' or '.join(SERVED_METHODS)}")
+    if method not in SERVED_METHODS:
+        raise InvalidRequestError(f"unknown method {method!r}: choose one of {', '.join(SERVED_METHODS)}")
+    beam_width = 1 if values["beam_width"] is None else values["beam_width"]
+    if beam_width != 1:
+        raise InvalidRequestError(f"beam_width must be 1 (got {beam_width}): beam search arrives with method "
+                                  "'dsbd'/'beam', which this server does not serve yet")
+    max_tokens = default_max_tokens if values["max_tokens"] is None else values["max_tokens"]
+    if not 1 <= int(max_tokens) < max_len:
+        raise InvalidRequestError(f"max_tokens must be between 1 and {max_len - 1} (the context holds {max_len} "
+                                  f"tokens), got {max_tokens}")
+    temperature = 0.0 if values["temperature"] is None else float(values["temperature"])
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidRequestError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    sampling = SamplingParams(
+        temperature, 0 if values["top_k"] is None else int(values["top_k"]),
+        1.0 if values["top_p"] is None else float(values["top_p"]),
+        None if values["seed"] is None else int(values["seed"]),
+    )
+    k = values["num_draft_tokens"]
+    if k is not None and not 0 <= int(k) <= MAX_DRAFT_TOKENS:
+        raise InvalidRequestError(f"num_draft_tokens must be between 0 and {MAX_DRAFT_TOKENS}, got {k}")
+    stream = bool(values["stream"]) if values["stream"] is not None else allow_stream
+    if stream and not allow_stream:
+        raise InvalidRequestError("stream=true needs the decoupled model 'specdec_stream' (gRPC streaming); "
+                                  "'specdec' answers with one complete response")
+    stops = parse_stops(inputs.get("stop"))
+    # `ar` is EMS-SD with no drafts: it shares the ragged steps of everyone else at one row per step
+    num_draft_tokens = 0 if method == "ar" else (None if k is None else int(k))
+    return Generation(int(max_tokens), method, sampling, num_draft_tokens, stops, stream)
+
+
+def parse_stops(array: np.ndarray | None) -> tuple[str, ...]:
+    """Stop strings from a BYTES tensor of any length (none when absent)."""
+    if array is None:
+        return ()
+    array = np.asarray(array)
+    _check_dtype(array, STOP)
+    stops = tuple(_text(v, "stop") for v in array.reshape(-1))
+    if any(not s for s in stops):
+        raise InvalidRequestError("input 'stop' holds an empty string: stop strings must be non-empty")
+    return stops
+
+
+def parse_input_ids(inputs: Mapping[str, np.ndarray]) -> list[int]:
+    array = inputs.get(INPUT_IDS.name)
+    if array is None or np.asarray(array).size == 0:
+        raise InvalidRequestError("input 'input_ids' is empty: the prompt has no tokens")
+    return [int(t) for t in np.asarray(array).reshape(-1)]
+
+
+def as_bytes(text: str) -> np.ndarray:
+    """A BYTES tensor of shape [1]."""
+    return np.array([text.encode("utf-8")], dtype=np.object_)

@@ -1,0 +1,349 @@
+"""The Python-backend models of the repository; each ``model.py`` there imports one class from here.
+
+Thin adapters: tensors in, ``specdec.serving.protocol`` validates, ``EngineService`` decodes,
+``specdec.runtime.text`` decides the text. Nothing here decodes or samples.
+
+- ``Preprocessing``: ``text_input`` → ``input_ids`` (tokenizer, optional chat template).
+- ``EngineModel`` (decoupled, one instance): owns the one ``EngineService`` — the draft and
+  target sessions and the long-lived loop that admits requests between ragged steps. Every
+  request, from either entry point, lands in this one batch. ``method=ar`` requests are EMS-SD
+  requests with no drafts, so they share the same steps at one row each.
+- ``Postprocessing``: stateless incremental detokenizer. Engine responses carry all ids so far
+  and how many earlier responses covered; the text delta is computed from ids alone.
+- ``UnaryModel`` (``specdec``): answers a plain ``infer`` by calling the ``specdec_stream``
+  ensemble with ``stream=false`` over BLS from a worker thread, so one instance serves any
+  number of concurrent unary requests and they join the same engine batch as streams.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specdec.runtime.request import Request, RequestMetrics
+from specdec.runtime.sampling import InvalidRequestError
+from specdec.runtime.text import decode_tokens, encode_text, text_delta
+from specdec.serving import protocol
+from specdec.serving.service import EngineService, ServiceStoppedError, StreamEvent
+
+try:  # only inside Triton's Python-backend stub
+    import triton_python_backend_utils as pb_utils
+except ImportError:  # pragma: no cover - imported for documentation or tests without Triton
+    pb_utils = None
+
+log = logging.getLogger(__name__)
+
+STREAM_MODEL = "specdec_stream"
+CANCEL_POLL_S = 0.1
+
+
+def _parameters(args: dict[str, str]) -> dict[str, str]:
+    """The ``parameters`` block of the model's config.pbtxt as plain strings."""
+    config = json.loads(args["model_config"])
+    return {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+
+
+def _export_dir(args: dict[str, str]) -> Path:
+    """The export directory named (relative to the repository root) by the ``export_dir`` parameter."""
+    model_dir = Path(args["model_repository"])  # .../<repository>/<model>
+    return (model_dir.parent / _parameters(args).get("export_dir", "..")).resolve()
+
+
+def _load_tokenizer(args: dict[str, str]) -> Any:
+    from specdec.export.models import load_export_metadata
+
+    return load_export_metadata(_export_dir(args), "target").tokenizer
+
+
+def _read(request: Any, specs: tuple[protocol.TensorSpec, ...]) -> dict[str, np.ndarray]:
+    """The inputs of ``specs`` the client sent, as numpy arrays."""
+    found = {}
+    for spec in specs:
+        tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
+        if tensor is not None:
+            found[spec.name] = tensor.as_numpy()
+    return found
+
+
+def _error(message: str, invalid: bool = True) -> Any:
+    """An error response; bad input is INVALID_ARG (gRPC INVALID_ARGUMENT), the rest INTERNAL."""
+    code = getattr(pb_utils.TritonError, "INVALID_ARG" if invalid else "INTERNAL", None)
+    error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+    return pb_utils.InferenceResponse(output_tensors=[], error=error)
+
+
+def _int32(value: int) -> np.ndarray:
+    return np.array([value], dtype=np.int32)
+
+
+class Preprocessing:
+    """``text_input`` → ``input_ids``."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        self.tokenizer = _load_tokenizer(args)
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        responses = []
+        for request in requests:
+            try:
+                text, chat = protocol.parse_prompt(_read(request, (protocol.TEXT_INPUT, protocol.APPLY_CHAT_TEMPLATE)))
+                ids = encode_text(self.tokenizer, text, chat)
+                if not ids:
+                    raise InvalidRequestError("input 'text_input' tokenizes to nothing")
+                responses.append(pb_utils.InferenceResponse(
+                    [pb_utils.Tensor(protocol.INPUT_IDS.name, np.asarray(ids, dtype=np.int32))]))
+            except InvalidRequestError as exc:
+                responses.append(_error(str(exc)))
+        return responses
+
+
+class Postprocessing:
+    """Engine response → ``text_output`` (a delta when streaming) + the new ids + metrics."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        self.tokenizer = _load_tokenizer(args)
+
+    def _decode(self, ids: Any) -> str:
+        return decode_tokens(self.tokenizer, ids)
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        responses = []
+        for request in requests:
+            inputs = _read(request, protocol.ENGINE_OUTPUTS)
+            ids = [int(t) for t in inputs["output_ids"].reshape(-1)]
+            sent = int(inputs["sent_tokens"].reshape(-1)[0])
+            finished = bool(inputs["finished"].reshape(-1)[0])
+            stops = protocol.parse_stops(inputs.get(protocol.STOP_STRINGS.name))
+            delta = text_delta(self._decode, ids, sent, finished, stops)
+            outputs = [pb_utils.Tensor(protocol.TEXT_OUTPUT.name, protocol.as_bytes(delta)),
+                       pb_utils.Tensor(protocol.OUTPUT_IDS.name, np.asarray(ids[sent:], dtype=np.int32))]
+            outputs += [pb_utils.Tensor(spec.name, inputs[spec.name]) for spec in protocol.METRICS]
+            responses.append(pb_utils.InferenceResponse(outputs))
+        return responses
+
+
+@dataclass(eq=False)
+class _Stream:
+    """One engine request's Triton side: where its responses go and what they already covered."""
+
+    request: Any
+    sender: Any
+    stream: bool
+    stops: tuple[str, ...]
+    ids: list[int] = field(default_factory=list)
+    sent: int = 0
+
+
+class _Metrics:
+    """Custom Prometheus metrics on Triton's metrics endpoint (counters since the model loaded)."""
+
+    def __init__(self) -> None:
+        self._families: list[Any] = []  # a family must outlive its metrics
+
+        def family(name: str, kind: Any, description: str) -> Any:
+            self._families.append(pb_utils.MetricFamily(name=name, description=description, kind=kind))
+            return self._families[-1]
+
+        counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
+        requests = family("specdec_requests_total", counter, "requests answered, by outcome")
+        self.outcome = {o: requests.Metric(labels={"outcome": o}) for o in ("finished", "cancelled", "failed")}
+        self.tokens = family("specdec_generated_tokens_total", counter, "tokens generated").Metric(labels={})
+        self.drafts = family("specdec_draft_tokens_total", counter, "draft tokens verified").Metric(labels={})
+        self.accepted = family("specdec_accepted_draft_tokens_total", counter,
+                               "draft tokens accepted").Metric(labels={})
+        self.steps = family("specdec_target_steps_total", counter, "ragged target steps").Metric(labels={})
+        self.step_sequences = family("specdec_step_sequences_total", counter,
+                                     "sequences verified, summed over steps (/ steps = mean batch)").Metric(labels={})
+        self.active = family("specdec_active_sequences", gauge, "sequences holding a KV slot").Metric(labels={})
+        self.queued = family("specdec_queued_requests", gauge, "requests waiting for a KV slot").Metric(labels={})
+        self._steps = self._sequences = 0
+
+    def request_done(self, outcome: str, metrics: RequestMetrics) -> None:
+        self.outcome[outcome].increment(1)
+        self.tokens.increment(metrics.generated_tokens)
+        self.drafts.increment(metrics.draft_tokens)
+        self.accepted.increment(metrics.accepted_draft_tokens)
+
+    def update(self, service: EngineService) -> None:
+        stats = service.stats()
+        sequences = round(stats.mean_batch_size * stats.steps)
+        self.steps.increment(stats.steps - self._steps)
+        self.step_sequences.increment(sequences - self._sequences)
+        self._steps, self._sequences = stats.steps, sequences
+        self.active.set(stats.active)
+        self.queued.set(stats.queued)
+
+
+class EngineModel:
+    """The decoupled engine: one ``EngineService`` for every request of both entry points."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        from specdec.runtime.engine import Engine
+
+        params = _parameters(args)
+
+        def number(name: str) -> int | None:
+            return int(params[name]) if params.get(name, "").strip() not in ("", "0") else None
+
+        self.engine = Engine.from_export(
+            _export_dir(args), max_batch=number("max_batch"), threads=number("intra_op_threads"),
+            num_draft_tokens=number("num_draft_tokens") or 4, drafter=params.get("drafter") or None,
+        )
+        self.default_max_tokens = number("default_max_tokens") or 64
+        self.service = EngineService(self.engine, "ems").start()
+        self._ids = itertools.count()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._outbox: queue.Queue[tuple[_Stream, StreamEvent] | None] = queue.Queue()
+        self._closing = threading.Event()
+        self.metrics = _Metrics()
+        # responses leave from their own thread so the decoding loop never waits on Triton's IPC
+        self._sender = threading.Thread(target=self._send_loop, name="specdec-send", daemon=True)
+        self._watcher = threading.Thread(target=self._watch, name="specdec-watch", daemon=True)
+        self._sender.start()
+        self._watcher.start()
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                inputs = _read(request, (protocol.INPUT_IDS, *protocol.PARAMETERS))
+                gen = protocol.parse_generation(inputs, max_len=self.engine.max_len,
+                                                default_max_tokens=self.default_max_tokens)
+                request_id = f"{request.request_id() or 'triton'}#{next(self._ids)}"
+                req = Request(tuple(protocol.parse_input_ids(inputs)), gen.max_tokens, gen.sampling,
+                              gen.num_draft_tokens, gen.stop, request_id=request_id)
+                stream = _Stream(request, sender, gen.stream, gen.stop)
+                with self._lock:
+                    self._streams[request_id] = stream
+                try:
+                    self.service.submit(req, lambda event, s=stream: self._outbox.put((s, event)))
+                except Exception:
+                    with self._lock:
+                        self._streams.pop(request_id, None)
+                    raise
+            except (InvalidRequestError, ServiceStoppedError) as exc:
+                sender.send(_error(str(exc)), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+
+    def _send_loop(self) -> None:
+        while (item := self._outbox.get()) is not None:
+            stream, event = item
+            try:
+                self._send(stream, event)
+            except Exception:  # a vanished client must not stop the others' responses
+                log.exception("could not send a response for %s", event.request_id)
+
+    def _send(self, stream: _Stream, event: StreamEvent) -> None:
+        if not event.finished:
+            stream.ids.extend(event.new_token_ids)
+            if stream.stream and event.metrics is not None:
+                self._respond(stream, event.metrics, "", finished=False)
+            return
+        with self._lock:
+            self._streams.pop(event.request_id, None)
+        output = event.output
+        assert output is not None
+        outcome = "failed" if output.error else "cancelled" if output.finish_reason == "cancelled" else "finished"
+        self.metrics.request_done(outcome, output.metrics)
+        if output.error:
+            stream.sender.send(_error(output.error, invalid=False), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        stream.ids = list(output.token_ids)
+        self._respond(stream, output.metrics, output.finish_reason or "", finished=True)
+
+    def _respond(self, stream: _Stream, metrics: RequestMetrics, finish_reason: str, finished: bool) -> None:
+        tensors = [
+            pb_utils.Tensor("output_ids", np.asarray(stream.ids, dtype=np.int32)),
+            pb_utils.Tensor("sent_tokens", _int32(stream.sent)),
+            pb_utils.Tensor("finished", np.array([finished], dtype=np.bool_)),
+            pb_utils.Tensor("stop_strings", np.array([s.encode() for s in stream.stops], dtype=np.object_)),
+            pb_utils.Tensor("finish_reason", protocol.as_bytes(finish_reason)),
+            pb_utils.Tensor("acceptance_rate", np.array([metrics.acceptance_rate], dtype=np.float32)),
+            pb_utils.Tensor("accepted_draft_tokens", _int32(metrics.accepted_draft_tokens)),
+            pb_utils.Tensor("draft_tokens", _int32(metrics.draft_tokens)),
+            pb_utils.Tensor("target_calls", _int32(metrics.target_calls)),
+            pb_utils.Tensor("mean_batch_size", np.array([metrics.mean_batch_size], dtype=np.float32)),
+        ]
+        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if finished else 0
+        stream.sender.send(pb_utils.InferenceResponse(tensors), flags=flags)
+        stream.sent = len(stream.ids)
+
+    def _watch(self) -> None:
+        """Cancel requests whose client went away; publish the step metrics."""
+        while not self._closing.wait(CANCEL_POLL_S):
+            with self._lock:
+                streams = list(self._streams.items())
+            for request_id, stream in streams:
+                try:
+                    cancelled = stream.request.is_cancelled()
+                except Exception:
+                    cancelled = True
+                if cancelled:
+                    self.service.cancel(request_id)
+            try:
+                self.metrics.update(self.service)
+            except Exception:
+                log.exception("could not update metrics")
+
+    def finalize(self) -> None:
+        self._closing.set()
+        self.service.stop(drain=False, timeout=10)
+        self._outbox.put(None)
+        self._sender.join(5)
+        self._watcher.join(5)
+
+
+class UnaryModel:
+    """``specdec``: one complete response per ``infer``, through the same pipeline as the stream."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=int(_parameters(args).get("max_concurrency") or 64),
+                                       thread_name_prefix="specdec-unary")
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            self.pool.submit(self._answer, request, request.get_response_sender())
+        return None
+
+    def _answer(self, request: Any, sender: Any) -> None:
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        try:
+            inputs = _read(request, protocol.CLIENT_INPUTS)
+            stream = inputs.get("stream")
+            if stream is not None and np.asarray(stream).size == 1 and bool(np.asarray(stream).reshape(-1)[0]):
+                raise InvalidRequestError("stream=true needs the decoupled model 'specdec_stream' (gRPC "
+                                          "streaming); 'specdec' answers with one complete response")
+            inputs["stream"] = np.array([False], dtype=np.bool_)
+            bls = pb_utils.InferenceRequest(
+                model_name=STREAM_MODEL, requested_output_names=[s.name for s in protocol.CLIENT_OUTPUTS],
+                inputs=[pb_utils.Tensor(name, array) for name, array in inputs.items()],
+            )
+            answer = None
+            for response in bls.exec(decoupled=True):
+                if response.has_error():
+                    raise InvalidRequestError(response.error().message())
+                if response.output_tensors():
+                    answer = response
+            if answer is None:
+                raise InvalidRequestError("the engine returned no answer")
+            tensors = [pb_utils.Tensor(s.name, pb_utils.get_output_tensor_by_name(answer, s.name).as_numpy())
+                       for s in protocol.CLIENT_OUTPUTS]
+            sender.send(pb_utils.InferenceResponse(tensors), flags=final)
+        except InvalidRequestError as exc:
+            sender.send(_error(str(exc)), flags=final)
+        except Exception as exc:  # never leave a client without an answer
+            log.exception("unary request failed")
+            sender.send(_error(f"internal error: {type(exc).__name__}: {exc}", invalid=False), flags=final)
+
+    def finalize(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
