@@ -1,4 +1,4 @@
-"""The ``specdec`` command: ``generate`` (local decoding) and ``bench`` (benchmarks)."""
+"""The ``specdec`` command: ``generate`` (local decoding), ``bench``, ``serve`` (Triton) and ``client``."""
 
 from __future__ import annotations
 
@@ -170,6 +170,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     srv = sub.add_parser("serve", help="run Triton Inference Server on a model repository")
     add_serve_args(srv)
     srv.set_defaults(func=serve_main)
+    from specdec.serving.client import add_client_args, client_main
+
+    cli = sub.add_parser("client", help="send prompts to a running `specdec serve` over gRPC")
+    add_client_args(cli)
+    cli.set_defaults(func=client_main)
     args = parser.parse_args(args_list)
     return int(args.func(args))
 

@@ -5,6 +5,7 @@ Layout of ``--out DIR``::
     DIR/manifest.json      what was exported, from what, with which versions and checksums
     DIR/target/            the target as a Hugging Face directory (config, safetensors, tokenizer)
     DIR/draft/             the draft model, when ``--draft`` names one (absent for the n-gram drafter)
+    DIR/triton_repo/       the Triton model repository serving it (``specdec serve DIR``)
 
 With ``--backend onnx`` (the default) each model directory holds ``model.onnx`` (+ ``.data``)
 and its config/tokenizer instead of safetensors; ``--backend tensorrt`` adds ``model.engine``.
@@ -35,6 +36,7 @@ from specdec.export.models import (
     load_model,
     save_model,
 )
+from specdec.serving.repository import REPOSITORY_DIR, ServingOptions, write_repository
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -105,7 +107,8 @@ def _export_model(model: LoadedModel, sub: str, tmp: Path, backend: str, dtype: 
 
 
 def export(target: str, draft: str | None, out: Path, force: bool = False, backend: str = "onnx",
-           dtype: str = "float32", max_batch: int = 16, max_len: int = 2048) -> Path:
+           dtype: str = "float32", max_batch: int = 16, max_len: int = 2048,
+           serving: ServingOptions | None = None) -> Path:
     """Write ``out`` (see module docstring); refuses an existing directory unless ``force``."""
     if backend not in BACKENDS:
         raise ExportDirError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
@@ -151,6 +154,7 @@ def export(target: str, draft: str | None, out: Path, force: bool = False, backe
             if part in manifest:
                 manifest[part]["files"] = _checksums(tmp, part)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        write_repository(tmp, tmp / REPOSITORY_DIR, serving)
         stages.close()
     return out
 
@@ -205,11 +209,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-len", type=int, default=2048, help="KV-cache length per sequence")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
+    parser.add_argument("--num-draft-tokens", type=int, default=4, help="served k when a request does not say")
+    parser.add_argument("--intra-op-threads", type=int, default=0,
+                        help="ONNX Runtime threads of the served engine (0 = all cores)")
     args = parser.parse_args(argv)
     draft = None if args.draft in (None, "none", "ngram") else args.draft
     try:
+        serving = ServingOptions(intra_op_threads=args.intra_op_threads, num_draft_tokens=args.num_draft_tokens)
         out = export(args.target, draft, Path(args.out), args.force, args.backend, args.dtype, args.max_batch,
-                     args.max_len)
+                     args.max_len, serving)
     except (ModelResolutionError, ExportDirError, ValueError, RuntimeError) as exc:
         # RuntimeError: TensorRT unavailable, engine build failure, plugin fallback
         print(f"error: {exc}", file=sys.stderr)
@@ -217,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)
         return 130
-    print(f"exported to {out}")
+    print(f"exported to {out}; serve it with: specdec serve {out}")
     return 0
 
 

@@ -1,0 +1,286 @@
+"""A small gRPC client of the served endpoint (``tritonclient.grpc``) and the ``specdec client`` command.
+
+``SpecdecClient.generate`` calls the unary ``specdec`` model; ``SpecdecClient.stream`` calls
+``specdec_stream`` over a gRPC stream and yields the partial responses as tokens are
+accepted. Every input is typed from ``specdec.serving.protocol``, so what this client sends
+is what the server's configs declare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from specdec.serving import protocol
+
+UNARY_MODEL, STREAM_MODEL = "specdec", "specdec_stream"
+_TRITON_DTYPE = {"TYPE_STRING": "BYTES", "TYPE_INT32": "INT32", "TYPE_FP32": "FP32", "TYPE_BOOL": "BOOL"}
+_SPEC = {s.name: s for s in protocol.CLIENT_INPUTS}
+
+
+class ClientError(RuntimeError):
+    """The server refused or failed a request; the message is the server's."""
+
+
+@dataclass
+class Answer:
+    """One request's result as the client assembled it."""
+
+    text: str
+    output_ids: list[int]
+    finish_reason: str
+    acceptance_rate: float
+    accepted_draft_tokens: int
+    draft_tokens: int
+    target_calls: int
+    mean_batch_size: float
+    responses: int = 1  # partial responses received (streaming)
+    seconds: float = 0.0
+    first_response_seconds: float = 0.0
+    chunks: list[str] = field(default_factory=list)
+
+
+def _array(name: str, value: Any) -> np.ndarray:
+    spec = _SPEC[name]
+    if spec.dtype == "TYPE_STRING":
+        values = value if isinstance(value, (list, tuple)) else [value]
+        return np.array([v.encode("utf-8") if isinstance(v, str) else v for v in values], dtype=np.object_)
+    return np.array([value], dtype=protocol.NUMPY_OF[spec.dtype])
+
+
+def make_inputs(prompt: str, **params: Any) -> list[Any]:
+    """``InferInput``s for ``prompt`` and the given parameters (None values are not sent)."""
+    import tritonclient.grpc as grpcclient
+
+    inputs = []
+    for name, value in {"text_input": prompt, **params}.items():
+        if value is None:
+            continue
+        if name not in _SPEC:
+            raise ValueError(f"unknown parameter {name!r}: choose from {', '.join(_SPEC)}")
+        array = _array(name, value)
+        tensor = grpcclient.InferInput(name, list(array.shape), _TRITON_DTYPE[_SPEC[name].dtype])
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def _scalar(result: Any, name: str) -> Any:
+    value = result.as_numpy(name).reshape(-1)[0]
+    return value.decode("utf-8") if isinstance(value, bytes) else value.item()
+
+
+def _answer(results: Sequence[Any], seconds: float, first: float) -> Answer:
+    last = results[-1]
+    chunks = [r.as_numpy("text_output").reshape(-1)[0].decode("utf-8") for r in results]
+    ids = [int(t) for r in results for t in r.as_numpy("output_ids").reshape(-1)]
+    return Answer("".join(chunks), ids, _scalar(last, "finish_reason"), float(_scalar(last, "acceptance_rate")),
+                  int(_scalar(last, "accepted_draft_tokens")), int(_scalar(last, "draft_tokens")),
+                  int(_scalar(last, "target_calls")), float(_scalar(last, "mean_batch_size")), len(results),
+                  seconds, first, chunks)
+
+
+class SpecdecClient:
+    """One gRPC connection to a ``specdec serve`` endpoint; use one client per thread."""
+
+    def __init__(self, url: str = "127.0.0.1:8001", timeout_s: float = 600.0) -> None:
+        import tritonclient.grpc as grpcclient
+
+        self.url, self.timeout_s = url, timeout_s
+        self._client = grpcclient.InferenceServerClient(url)
+
+    def ready(self) -> bool:
+        try:
+            return bool(self._client.is_server_ready() and self._client.is_model_ready(UNARY_MODEL))
+        except Exception:
+            return False
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.ready():
+            if time.monotonic() > deadline:
+                raise ClientError(f"server at {self.url} not ready after {timeout_s:.0f} s")
+            time.sleep(0.5)
+
+    def generate(self, prompt: str, **params: Any) -> Answer:
+        """One complete answer from the unary model."""
+        from tritonclient.utils import InferenceServerException
+
+        start = time.perf_counter()
+        try:
+            result = self._client.infer(UNARY_MODEL, make_inputs(prompt, **params), client_timeout=self.timeout_s)
+        except InferenceServerException as exc:
+            raise ClientError(exc.message()) from exc
+        seconds = time.perf_counter() - start
+        return _answer([result], seconds, seconds)
+
+    def stream(self, prompt: str, **params: Any) -> Iterator[Any]:
+        """Partial results of ``specdec_stream`` as they arrive (tritonclient ``InferResult``s)."""
+        events: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        self._client.start_stream(callback=lambda result, error: events.put((result, error)),
+                                  stream_timeout=self.timeout_s)
+        complete = False
+        try:
+            self._client.async_stream_infer(STREAM_MODEL, make_inputs(prompt, **params), request_id=uuid.uuid4().hex,
+                                            enable_empty_final_response=True)
+            while True:
+                result, error = events.get(timeout=self.timeout_s)
+                if error is not None:
+                    raise ClientError(error.message() if hasattr(error, "message") else str(error))
+                final = result.get_response().parameters.get("triton_final_response")
+                if result.get_response().outputs:
+                    yield result
+                if final is not None and final.bool_param:
+                    complete = True
+                    return
+        finally:
+            # cancel only a request that is still running (the caller stopped reading, or an error)
+            self._client.stop_stream(cancel_requests=not complete)
+
+    def generate_stream(self, prompt: str, **params: Any) -> Answer:
+        """Stream one answer and assemble it (the concatenation of the partial texts)."""
+        start = time.perf_counter()
+        results, first = [], 0.0
+        for result in self.stream(prompt, **params):
+            if not results:
+                first = time.perf_counter() - start
+            results.append(result)
+        if not results:
+            raise ClientError("the stream ended without a response")
+        return _answer(results, time.perf_counter() - start, first)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def run_concurrent(url: str, prompts: Sequence[str], concurrency: int, stream: bool = False,
+                   **params: Any) -> tuple[list[Answer | ClientError], float]:
+    """Send ``prompts`` from ``concurrency`` threads (one client each); answers in prompt order + wall time."""
+
+    def worker(indices: list[int]) -> list[tuple[int, Answer | ClientError]]:
+        client = SpecdecClient(url)
+        done: list[tuple[int, Answer | ClientError]] = []
+        try:
+            for i in indices:
+                try:
+                    call = client.generate_stream if stream else client.generate
+                    done.append((i, call(prompts[i], **params)))
+                except ClientError as exc:
+                    done.append((i, exc))
+        finally:
+            client.close()
+        return done
+
+    shards = [list(range(t, len(prompts), concurrency)) for t in range(concurrency)]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = [item for part in pool.map(worker, [s for s in shards if s]) for item in part]
+    wall = time.perf_counter() - start
+    ordered = dict(results)
+    return [ordered[i] for i in range(len(prompts))], wall
+
+
+# --------------------------------------------------------------------------- `specdec client`
+
+
+def add_client_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--url", default="127.0.0.1:8001", help="gRPC address of `specdec serve`")
+    parser.add_argument("--prompt", action="append", help="a prompt (repeatable; default: the demo prompts)")
+    parser.add_argument("--prompts-file", help="JSON list of strings, or one prompt per line")
+    parser.add_argument("--method", default="ems", help="ems (default) or ar")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--num-draft-tokens", type=int)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--stop", action="append")
+    parser.add_argument("--chat", action="store_true", help="apply the chat template on the server")
+    parser.add_argument("--stream", action="store_true", help="stream through specdec_stream (prints as it comes)")
+    parser.add_argument("--concurrency", type=int, default=0, help="client threads (default: one per prompt)")
+    parser.add_argument("--compare-ar", action="store_true",
+                        help="send the same prompts again with method=ar and print the speed-up")
+    parser.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the server to become ready")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def _params(args: argparse.Namespace, method: str) -> dict[str, Any]:
+    return {"method": method, "max_tokens": args.max_tokens, "num_draft_tokens": args.num_draft_tokens,
+            "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
+            "stop": args.stop, "apply_chat_template": True if args.chat else None}
+
+
+def _summary(answers: Sequence[Answer | ClientError], wall: float) -> dict[str, float]:
+    ok = [a for a in answers if isinstance(a, Answer)]
+    tokens = sum(len(a.output_ids) for a in ok)
+    drafts = sum(a.draft_tokens for a in ok)
+    return {"requests": len(answers), "errors": len(answers) - len(ok), "tokens": tokens,
+            "seconds": round(wall, 3), "tokens_per_second": round(tokens / wall, 2) if wall else 0.0,
+            "requests_per_second": round(len(ok) / wall, 3) if wall else 0.0,
+            "acceptance_rate": round(sum(a.accepted_draft_tokens for a in ok) / drafts, 4) if drafts else 0.0,
+            "mean_batch_size": round(sum(a.mean_batch_size for a in ok) / len(ok), 3) if ok else 0.0}
+
+
+def client_main(args: argparse.Namespace) -> int:
+    from specdec.cli import read_prompts
+
+    prompts = read_prompts(args)
+    if args.wait:
+        SpecdecClient(args.url).wait_ready(args.wait)
+    concurrency = args.concurrency or len(prompts)
+    if args.stream and len(prompts) == 1 and not args.json:
+        client = SpecdecClient(args.url)
+        try:
+            for result in client.stream(prompts[0], **_params(args, args.method)):
+                print(result.as_numpy("text_output").reshape(-1)[0].decode("utf-8"), end="", flush=True)
+        except ClientError as exc:
+            print(f"\nerror: {exc}", file=sys.stderr)
+            return 1
+        print()
+        return 0
+    answers, wall = run_concurrent(args.url, prompts, concurrency, args.stream, **_params(args, args.method))
+    summary = _summary(answers, wall)
+    baseline = None
+    if args.compare_ar and args.method != "ar":
+        ar_answers, ar_wall = run_concurrent(args.url, prompts, concurrency, args.stream, **_params(args, "ar"))
+        baseline = _summary(ar_answers, ar_wall)
+    if args.json:
+        doc: dict[str, Any] = {"answers": [a.__dict__ if isinstance(a, Answer) else {"error": str(a)} for a in answers],
+                               "summary": summary}
+        if baseline:
+            doc["ar"] = baseline
+        print(json.dumps(doc))
+    else:
+        for i, (prompt, answer) in enumerate(zip(prompts, answers)):
+            print(f"\n[{i}] {prompt}")
+            if isinstance(answer, ClientError):
+                print(f"    ERROR: {answer}")
+                continue
+            print(f"--> {answer.text!r}")
+            print(f"    tokens={len(answer.output_ids)} finish={answer.finish_reason} "
+                  f"acceptance={answer.acceptance_rate:.2f} accepted/draft={answer.accepted_draft_tokens}/"
+                  f"{answer.draft_tokens} target_calls={answer.target_calls} "
+                  f"mean_batch={answer.mean_batch_size:.2f} latency={answer.seconds:.2f}s")
+        print(f"\n{args.method} through Triton: {summary['requests']} requests from {concurrency} clients, "
+              f"{summary['tokens']} tokens in {summary['seconds']:.2f} s = {summary['tokens_per_second']:.1f} tok/s, "
+              f"acceptance {summary['acceptance_rate']:.2f}, mean batch {summary['mean_batch_size']:.2f}")
+        if baseline:
+            print(f"ar through Triton: {baseline['tokens']} tokens in {baseline['seconds']:.2f} s = "
+                  f"{baseline['tokens_per_second']:.1f} tok/s")
+            same = all(isinstance(a, Answer) and isinstance(b, Answer) and a.output_ids == b.output_ids
+                       for a, b in zip(answers, ar_answers))
+            print(f"speed-up of {args.method} over ar: "
+                  f"{summary['tokens_per_second'] / max(baseline['tokens_per_second'], 1e-9):.2f}x"
+                  + ("  (outputs identical)" if same else ""))
+    return 1 if summary["errors"] else 0
