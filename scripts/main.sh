@@ -1,12 +1,37 @@
 #!/usr/bin/env bash
-# The main job: export the default model pair (SmolLM2-135M target, n-gram drafter) to ONNX with
-# the RaggedTreeAttention op, then decode a batch of chat prompts from that export on ONNX Runtime
-# with EMS-SD, printing the answers, per-request acceptance, and the speed-up over autoregressive
-# decoding measured on the same backend.
+# The main job: export the default model pair (SmolLM2-135M target, n-gram drafter) to ONNX with the
+# RaggedTreeAttention op and its Triton model repository, start Triton Inference Server on free
+# loopback ports, send a batch of concurrent chat requests over gRPC (EMS-SD, then the same prompts
+# with method=ar), print the answers, per-request acceptance and the speed-up, show one streamed
+# answer, and stop the server. Extra arguments go to the batch client (e.g. --max-tokens 64).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 . .venv/bin/activate
-specdec-export --target smollm2-135m --out deploy --force --max-batch 8 --max-len 2048
-exec specdec generate --target deploy --method ems --chat --compare-ar --max-tokens 96 \
-  --num-draft-tokens 6 "$@"
+specdec-export --target smollm2-135m --out deploy --force --max-batch 8 --max-len 2048 --num-draft-tokens 6
+
+read -r GRPC HTTP METRICS < <(python - <<'EOF'
+import socket
+socks = [socket.socket() for _ in range(3)]
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+print(*(s.getsockname()[1] for s in socks))
+EOF
+)
+specdec serve deploy --grpc-port "$GRPC" --http-port "$HTTP" --metrics-port "$METRICS" &
+SERVER=$!
+trap 'kill -INT "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true' EXIT
+until specdec client --url "127.0.0.1:$GRPC" --wait 1 --prompt ping --max-tokens 1 >/dev/null 2>&1; do
+  kill -0 "$SERVER" 2>/dev/null || { echo "error: the server exited before it was ready" >&2; exit 1; }
+  sleep 2
+done
+
+specdec client --url "127.0.0.1:$GRPC" --chat --max-tokens 96 --compare-ar "$@"
+echo
+echo "streamed through specdec_stream:"
+specdec client --url "127.0.0.1:$GRPC" --chat --stream --max-tokens 60 \
+  --prompt "Explain in three sentences why the sky is blue."
+echo
+echo "server-side metrics (Prometheus, 127.0.0.1:$METRICS/metrics):"
+python -c "import sys, urllib.request; print(''.join(l + '\n' for l in urllib.request.urlopen(sys.argv[1]).read()
+    .decode().splitlines() if l.startswith('specdec_')), end='')" "http://127.0.0.1:$METRICS/metrics"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,3 +41,13 @@ def tiny_pair() -> tuple[LoadedModel, LoadedModel]:
 def smollm2() -> LoadedModel:
     """The real SmolLM2-135M-Instruct (first load ~25 s, cached conversion afterwards). Mark users slow."""
     return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M exported to ONNX (graphs + Triton repository), once per session (~45 s). Mark users slow."""
+    from specdec.export.cli import main as export_main
+
+    out = tmp_path_factory.mktemp("smol") / "deploy"
+    assert export_main(["--target", "smollm2-135m", "--out", str(out), "--max-batch", "8", "--max-len", "1024"]) == 0
+    return out

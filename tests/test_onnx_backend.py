@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -142,13 +141,6 @@ def test_fp16_export_runs_close_to_fp32(tmp_path) -> None:
     assert backend.dtype == torch.float16 and backend.np_dtype == np.float16
     error = max_logit_error(TorchBackend(model), backend, num_slots=3, max_len=32)
     assert np.isfinite(error) and error < 0.05
-
-
-@pytest.fixture(scope="module")
-def smollm2_export(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("smol") / "deploy"
-    assert export_main(["--target", "smollm2-135m", "--out", str(out), "--max-batch", "8", "--max-len", "1024"]) == 0
-    return out
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from servers import free_ports, processes_mentioning
 
 from specdec.serving.server import (
     InvalidRepositoryError,
@@ -70,33 +71,6 @@ def make_repo(root: Path, model_py: str = UPPER_MODEL, name: str = "upper") -> P
     (model / "config.pbtxt").write_text(CONFIG.format(name=name))
     (model / "1" / "model.py").write_text(model_py)
     return root
-
-
-def free_ports(n: int = 3) -> list[int]:
-    """n distinct free loopback ports (all bound at once so the kernel cannot hand out one twice)."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def processes_mentioning(text: str) -> list[int]:
-    """PIDs whose command line contains ``text`` (the server and its Python-backend stubs name the repo)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmdline:
-            pids.append(int(entry.name))
-    return pids
 
 
 def start_kwargs(ports: list[int]) -> dict:

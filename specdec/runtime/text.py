@@ -36,10 +36,12 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> str:
 def streamable(text: str, stops: Sequence[str]) -> str:
     """The part of an unfinished answer's ``text`` that is safe to send now.
 
-    A trailing U+FFFD is an incomplete multi-byte character that the next token may
-    complete, and a suffix that starts a stop string may be cut from the final text, so
-    both are held back until more tokens (or the end) decide them.
+    Nothing from a complete stop string on is ever sent. A trailing U+FFFD is an incomplete
+    multi-byte character that the next token may complete, and a suffix that starts a stop
+    string may be cut from the final text, so both are held back until more tokens (or the
+    end) decide them.
     """
+    text = cut_at_stop(text, stops)
     end = len(text)
     while end and text[end - 1] == REPLACEMENT:
         end -= 1

@@ -177,6 +177,8 @@ def run_concurrent(url: str, prompts: Sequence[str], concurrency: int, stream: b
                     done.append((i, call(prompts[i], **params)))
                 except ClientError as exc:
                     done.append((i, exc))
+                except Exception as exc:
+                    done.append((i, ClientError(f"{type(exc).__name__}: {exc}")))
         finally:
             client.close()
         return done

@@ -57,7 +57,9 @@ _PARAMETER = {s.name: s for s in PARAMETERS}
 STOP = _PARAMETER["stop"]
 
 # -- between the models ---------------------------------------------------------------------------
-INPUT_IDS = TensorSpec("input_ids", "TYPE_INT32", (-1,), optional=False)
+INPUT_IDS = TensorSpec("input_ids", "TYPE_INT32", (-1,))
+#: a control input of the engine: cancel the request the entry point started with this Triton request id
+CANCEL_REQUEST_ID = TensorSpec("cancel_request_id", "TYPE_STRING")
 OUTPUT_IDS = TensorSpec("output_ids", "TYPE_INT32", (-1,), optional=False)
 SENT_TOKENS = TensorSpec("sent_tokens", "TYPE_INT32", optional=False, doc="tokens covered by earlier responses")
 FINISHED = TensorSpec("finished", "TYPE_BOOL", optional=False)
@@ -189,6 +191,19 @@ def parse_stops(array: np.ndarray | None) -> tuple[str, ...]:
     if any(not s for s in stops):
         raise InvalidRequestError("input 'stop' holds an empty string: stop strings must be non-empty")
     return stops
+
+
+def parse_flag(inputs: Mapping[str, np.ndarray], name: str) -> bool | None:
+    """A BOOL [1] parameter (type and shape checked), or None when absent."""
+    value = _scalar(inputs, _PARAMETER[name])
+    return None if value is None else bool(value)
+
+
+def parse_text(array: np.ndarray, name: str) -> str:
+    """The one string of a BYTES [1] tensor."""
+    value = _scalar({name: array}, TensorSpec(name, "TYPE_STRING"))
+    assert isinstance(value, str)
+    return value
 
 
 def parse_input_ids(inputs: Mapping[str, np.ndarray]) -> list[int]:

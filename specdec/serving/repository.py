@@ -6,8 +6,13 @@ Layout (``specdec-export --out DIR`` writes it to ``DIR/triton_repo``; the graph
       preprocessing/    Python   text_input -> input_ids
       specdec_engine/   Python   decoupled; the one engine and its ragged batch
       postprocessing/   Python   ids -> text_output (incremental, stateless)
-      specdec_stream/   ensemble preprocessing -> specdec_engine -> postprocessing (gRPC streaming)
-      specdec/          Python   unary infer: calls specdec_stream with stream=false over BLS
+      specdec_stream/   Python   decoupled; preprocessing -> specdec_engine -> postprocessing over BLS
+      specdec/          Python   the same pipeline for a unary infer (one complete response)
+
+Why Python entry points and not an ensemble: an ensemble holding a decoupled model is itself
+decoupled (so it could not answer a unary ``infer``), and Triton 2.51 does not pass a client's
+cancellation on to the models inside an ensemble, so a disconnected stream would keep decoding
+to ``max_tokens``. The entry points see their own request cancelled and tell the engine.
 
 ``max_batch_size: 0`` everywhere: one request is one prompt (``text_input`` shape [1]) and the
 batch is formed by the engine from concurrent requests, not by Triton's batcher.
@@ -24,8 +29,8 @@ from specdec.serving import protocol
 
 REPOSITORY_DIR = "triton_repo"
 MODELS = ("preprocessing", "specdec_engine", "postprocessing", "specdec_stream", "specdec")
-_CLASS_OF = {"preprocessing": "Preprocessing", "specdec_engine": "EngineModel",
-             "postprocessing": "Postprocessing", "specdec": "UnaryModel"}
+_CLASS_OF = {"preprocessing": "Preprocessing", "specdec_engine": "EngineModel", "postprocessing": "Postprocessing",
+             "specdec_stream": "StreamModel", "specdec": "UnaryModel"}
 
 
 @dataclass(frozen=True)
@@ -36,7 +41,8 @@ class ServingOptions:
     num_draft_tokens: int = 4  # k when a request does not say
     default_max_tokens: int = 64
     drafter: str = ""  # "" = as exported; "ngram" or "none" overrides
-    max_concurrency: int = 64  # unary requests in flight at once
+    max_concurrency: int = 64  # requests in flight at once per entry point
+    max_batch: int = 0  # sequences the engine decodes together; 0 = the export's KV slots
 
 
 def _tensor(spec: protocol.TensorSpec, optional: bool | None = None) -> str:
@@ -64,42 +70,22 @@ def _python_model(name: str, inputs: Iterable[protocol.TensorSpec], outputs: Ite
     return text + _parameters(params)
 
 
-def _map(kind: str, pairs: Iterable[tuple[str, str]]) -> str:
-    return "".join(f'    {kind} {{ key: "{k}" value: "{v}" }}\n' for k, v in pairs)
-
-
-def _ensemble() -> str:
-    engine_inputs = [(protocol.INPUT_IDS.name, "_input_ids"), *((s.name, s.name) for s in protocol.PARAMETERS)]
-    engine_outputs = [(s.name, f"_{s.name}") for s in protocol.ENGINE_OUTPUTS]
-    post_outputs = [(s.name, s.name) for s in protocol.CLIENT_OUTPUTS]
-    steps = [
-        ("preprocessing", [(s.name, s.name) for s in (protocol.TEXT_INPUT, protocol.APPLY_CHAT_TEMPLATE)],
-         [(protocol.INPUT_IDS.name, "_input_ids")]),
-        ("specdec_engine", engine_inputs, engine_outputs),
-        ("postprocessing", engine_outputs, post_outputs),
-    ]
-    text = 'name: "specdec_stream"\nplatform: "ensemble"\nmax_batch_size: 0\n'
-    text += _io("input", protocol.CLIENT_INPUTS) + _io("output", protocol.CLIENT_OUTPUTS, optional=False)
-    text += "ensemble_scheduling {\n"
-    for model, inputs, outputs in steps:
-        text += f'  step {{\n    model_name: "{model}"\n    model_version: -1\n'
-        text += _map("input_map", inputs) + _map("output_map", outputs) + "  }\n"
-    return text + "}\n"
-
-
 def render_configs(export_dir_from_repo: str, options: ServingOptions) -> dict[str, str]:
     """``config.pbtxt`` text of each model; ``export_dir_from_repo`` is the export seen from the repo root."""
     common = {"export_dir": export_dir_from_repo}
     engine = {**common, "intra_op_threads": options.intra_op_threads, "num_draft_tokens": options.num_draft_tokens,
-              "default_max_tokens": options.default_max_tokens, "drafter": options.drafter}
+              "default_max_tokens": options.default_max_tokens, "drafter": options.drafter,
+              "max_batch": options.max_batch}
     post_inputs = protocol.ENGINE_OUTPUTS
     return {
         "preprocessing": _python_model("preprocessing", (protocol.TEXT_INPUT, protocol.APPLY_CHAT_TEMPLATE),
                                        (protocol.INPUT_IDS,), common),
-        "specdec_engine": _python_model("specdec_engine", (protocol.INPUT_IDS, *protocol.PARAMETERS),
+        "specdec_engine": _python_model("specdec_engine",
+                                        (protocol.INPUT_IDS, *protocol.PARAMETERS, protocol.CANCEL_REQUEST_ID),
                                         protocol.ENGINE_OUTPUTS, engine, decoupled=True),
         "postprocessing": _python_model("postprocessing", post_inputs, protocol.CLIENT_OUTPUTS, common),
-        "specdec_stream": _ensemble(),
+        "specdec_stream": _python_model("specdec_stream", protocol.CLIENT_INPUTS, protocol.CLIENT_OUTPUTS,
+                                        {"max_concurrency": options.max_concurrency}, decoupled=True),
         "specdec": _python_model("specdec", protocol.CLIENT_INPUTS, protocol.CLIENT_OUTPUTS,
                                  {"max_concurrency": options.max_concurrency}),
     }
@@ -120,10 +106,20 @@ def write_repository(export_dir: str | os.PathLike[str], repository: str | os.Pa
         version = repo / model / "1"
         version.mkdir(parents=True, exist_ok=True)
         (repo / model / "config.pbtxt").write_text(config)
-        if model in _CLASS_OF:
-            (version / "model.py").write_text(
-                f'"""Triton Python-backend model `{model}` of specdec (see specdec/serving/triton_models.py)."""\n\n'
-                f"from specdec.serving.triton_models import {_CLASS_OF[model]} as TritonPythonModel\n\n"
-                '__all__ = ["TritonPythonModel"]\n'
-            )
+        (version / "model.py").write_text(
+            f'"""Triton Python-backend model `{model}` of specdec (see specdec/serving/triton_models.py)."""\n\n'
+            f"from specdec.serving.triton_models import {_CLASS_OF[model]} as TritonPythonModel\n\n"
+            '__all__ = ["TritonPythonModel"]\n'
+        )
     return repo
+
+
+def missing_models(repo: Path) -> list[str]:
+    """The specdec models absent from ``repo``, if any of its models is a specdec model.
+
+    The entry points call the other models over BLS, which Triton cannot check at load time: a
+    repository without ``specdec_engine`` would start, then fail every request.
+    """
+    ours = [m for m in MODELS if (repo / m / "1" / "model.py").is_file()
+            and "specdec.serving.triton_models" in (repo / m / "1" / "model.py").read_text(errors="replace")]
+    return [m for m in MODELS if m not in ours] if ours else []

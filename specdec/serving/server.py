@@ -243,6 +243,12 @@ def validate_repository(path: str | os.PathLike[str]) -> Path:
                 f"model {model.name!r} in {repo} has no version directory (e.g. {model / '1'})"
             )
     names = {model.name for model in models}
+    from specdec.serving.repository import missing_models
+
+    missing = missing_models(repo)
+    if missing:
+        raise InvalidRepositoryError(f"specdec model repository {repo} is missing model(s) {', '.join(missing)} "
+                                     "(rewrite it with `specdec-export`, or copy the whole triton_repo)")
     for model in models:
         for needed in re.findall(r'model_name:\s*"([^"]+)"', (model / "config.pbtxt").read_text(errors="replace")):
             if needed not in names:

@@ -10,9 +10,10 @@ Thin adapters: tensors in, ``specdec.serving.protocol`` validates, ``EngineServi
   requests with no drafts, so they share the same steps at one row each.
 - ``Postprocessing``: stateless incremental detokenizer. Engine responses carry all ids so far
   and how many earlier responses covered; the text delta is computed from ids alone.
-- ``UnaryModel`` (``specdec``): answers a plain ``infer`` by calling the ``specdec_stream``
-  ensemble with ``stream=false`` over BLS from a worker thread, so one instance serves any
-  number of concurrent unary requests and they join the same engine batch as streams.
+- ``StreamModel`` (``specdec_stream``, decoupled) and ``UnaryModel`` (``specdec``): the entry
+  points. Both run preprocessing → engine → postprocessing over BLS from a worker thread, so
+  one instance serves any number of concurrent requests, and both watch their clients so a
+  cancelled or disconnected request stops decoding at the next step.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import logging
 import queue
 import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,17 +193,20 @@ class EngineModel:
 
         params = _parameters(args)
 
-        def number(name: str) -> int | None:
-            return int(params[name]) if params.get(name, "").strip() not in ("", "0") else None
+        def number(name: str, default: int | None = None) -> int | None:
+            """An integer parameter; empty means ``default``, and 0 means "not set" where 0 is no value."""
+            text = params.get(name, "").strip()
+            return default if not text else int(text)
 
         self.engine = Engine.from_export(
-            _export_dir(args), max_batch=number("max_batch"), threads=number("intra_op_threads"),
-            num_draft_tokens=number("num_draft_tokens") or 4, drafter=params.get("drafter") or None,
+            _export_dir(args), max_batch=number("max_batch") or None, threads=number("intra_op_threads") or None,
+            num_draft_tokens=number("num_draft_tokens", 4), drafter=params.get("drafter") or None,
         )
         self.default_max_tokens = number("default_max_tokens") or 64
         self.service = EngineService(self.engine, "ems").start()
         self._ids = itertools.count()
         self._streams: dict[str, _Stream] = {}
+        self._external: dict[str, str] = {}  # Triton request id (set by the entry points) -> engine request id
         self._lock = threading.Lock()
         self._outbox: queue.Queue[tuple[_Stream, StreamEvent] | None] = queue.Queue()
         self._closing = threading.Event()
@@ -215,6 +220,10 @@ class EngineModel:
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
             sender = request.get_response_sender()
+            cancel = pb_utils.get_input_tensor_by_name(request, protocol.CANCEL_REQUEST_ID.name)
+            if cancel is not None:
+                self._cancel_external(cancel.as_numpy(), sender)
+                continue
             try:
                 inputs = _read(request, (protocol.INPUT_IDS, *protocol.PARAMETERS))
                 gen = protocol.parse_generation(inputs, max_len=self.engine.max_len,
@@ -225,6 +234,8 @@ class EngineModel:
                 stream = _Stream(request, sender, gen.stream, gen.stop)
                 with self._lock:
                     self._streams[request_id] = stream
+                    if request.request_id():
+                        self._external[request.request_id()] = request_id
                 try:
                     self.service.submit(req, lambda event, s=stream: self._outbox.put((s, event)))
                 except Exception:
@@ -234,6 +245,15 @@ class EngineModel:
             except (InvalidRequestError, ServiceStoppedError) as exc:
                 sender.send(_error(str(exc)), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
+
+    def _cancel_external(self, value: np.ndarray, sender: Any) -> None:
+        """A control request from an entry point whose client went away: cancel that engine request."""
+        external = protocol.parse_text(value, protocol.CANCEL_REQUEST_ID.name)
+        with self._lock:
+            request_id = self._external.get(external)
+        if request_id is not None:
+            self.service.cancel(request_id)
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _send_loop(self) -> None:
         while (item := self._outbox.get()) is not None:
@@ -251,6 +271,9 @@ class EngineModel:
             return
         with self._lock:
             self._streams.pop(event.request_id, None)
+            external = stream.request.request_id()
+            if external and self._external.get(external) == event.request_id:
+                del self._external[external]
         output = event.output
         assert output is not None
         outcome = "failed" if output.error else "cancelled" if output.finish_reason == "cancelled" else "finished"
@@ -303,12 +326,25 @@ class EngineModel:
         self._watcher.join(5)
 
 
-class UnaryModel:
-    """``specdec``: one complete response per ``infer``, through the same pipeline as the stream."""
+class _EntryPoint:
+    """What ``specdec`` and ``specdec_stream`` share: the pipeline over BLS, one thread per request, cancellation.
+
+    Each request runs preprocessing -> specdec_engine (streaming its responses) -> postprocessing per
+    response. A watcher polls the client requests; when one is cancelled (client gone), it tells the
+    engine by a ``cancel_request_id`` request, because Triton 2.51 passes cancellation on neither
+    through ensembles nor through BLS calls.
+    """
+
+    streaming = False
 
     def initialize(self, args: dict[str, str]) -> None:
         self.pool = ThreadPoolExecutor(max_workers=int(_parameters(args).get("max_concurrency") or 64),
-                                       thread_name_prefix="specdec-unary")
+                                       thread_name_prefix=f"specdec-{'stream' if self.streaming else 'unary'}")
+        self._active: dict[str, Any] = {}  # engine request id -> client request
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="specdec-cancel", daemon=True)
+        self._watcher.start()
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
@@ -317,33 +353,96 @@ class UnaryModel:
 
     def _answer(self, request: Any, sender: Any) -> None:
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        engine_id = uuid.uuid4().hex
+        with self._lock:
+            self._active[engine_id] = request
         try:
             inputs = _read(request, protocol.CLIENT_INPUTS)
-            stream = inputs.get("stream")
-            if stream is not None and np.asarray(stream).size == 1 and bool(np.asarray(stream).reshape(-1)[0]):
-                raise InvalidRequestError("stream=true needs the decoupled model 'specdec_stream' (gRPC "
-                                          "streaming); 'specdec' answers with one complete response")
-            inputs["stream"] = np.array([False], dtype=np.bool_)
-            bls = pb_utils.InferenceRequest(
-                model_name=STREAM_MODEL, requested_output_names=[s.name for s in protocol.CLIENT_OUTPUTS],
-                inputs=[pb_utils.Tensor(name, array) for name, array in inputs.items()],
-            )
-            answer = None
-            for response in bls.exec(decoupled=True):
-                if response.has_error():
-                    raise InvalidRequestError(response.error().message())
-                if response.output_tensors():
-                    answer = response
-            if answer is None:
-                raise InvalidRequestError("the engine returned no answer")
-            tensors = [pb_utils.Tensor(s.name, pb_utils.get_output_tensor_by_name(answer, s.name).as_numpy())
-                       for s in protocol.CLIENT_OUTPUTS]
-            sender.send(pb_utils.InferenceResponse(tensors), flags=final)
+            stream = self._stream_flag(inputs)
+            answered = False
+            for tensors, finished in self._pipeline(inputs, stream, engine_id):
+                if stream or finished:
+                    sender.send(pb_utils.InferenceResponse(tensors), flags=final if finished else 0)
+                    answered = answered or finished
+            if not answered:
+                raise InvalidRequestError("the engine ended the request without an answer")
         except InvalidRequestError as exc:
             sender.send(_error(str(exc)), flags=final)
         except Exception as exc:  # never leave a client without an answer
-            log.exception("unary request failed")
+            log.exception("request failed")
             sender.send(_error(f"internal error: {type(exc).__name__}: {exc}", invalid=False), flags=final)
+        finally:
+            with self._lock:
+                self._active.pop(engine_id, None)
+
+    def _stream_flag(self, inputs: dict[str, np.ndarray]) -> bool:
+        protocol.parse_prompt(inputs)  # the cheap checks first, before any model is called
+        value = protocol.parse_flag(inputs, "stream")
+        stream = self.streaming if value is None else value
+        if stream and not self.streaming:
+            raise InvalidRequestError("stream=true needs the decoupled model 'specdec_stream' (gRPC streaming); "
+                                      "'specdec' answers with one complete response")
+        inputs["stream"] = np.array([stream], dtype=np.bool_)
+        return stream
+
+    def _pipeline(self, inputs: dict[str, np.ndarray], stream: bool, engine_id: str) -> Any:
+        """Yield (client tensors, finished) per engine response."""
+        prompt = {k: v for k, v in inputs.items() if k in (protocol.TEXT_INPUT.name, protocol.APPLY_CHAT_TEMPLATE.name)}
+        (pre,) = _bls("preprocessing", prompt, (protocol.INPUT_IDS,))
+        params = {k: v for k, v in inputs.items() if k not in prompt}
+        engine = pb_utils.InferenceRequest(
+            model_name="specdec_engine", request_id=engine_id,
+            requested_output_names=[s.name for s in protocol.ENGINE_OUTPUTS],
+            inputs=[pb_utils.Tensor(k, v) for k, v in {**pre, **params}.items()],
+        )
+        for response in engine.exec(decoupled=True):
+            if response.has_error():
+                raise InvalidRequestError(response.error().message())
+            if not response.output_tensors():
+                continue  # the empty final flag
+            outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
+            (post,) = _bls("postprocessing", outputs, protocol.CLIENT_OUTPUTS)
+            yield [pb_utils.Tensor(k, v) for k, v in post.items()], bool(outputs["finished"].reshape(-1)[0])
+
+    def _watch(self) -> None:
+        cancelled: set[str] = set()
+        while not self._closing.wait(CANCEL_POLL_S):
+            with self._lock:
+                active = list(self._active.items())
+            for engine_id, request in active:
+                if engine_id in cancelled or not request.is_cancelled():
+                    continue
+                cancelled.add(engine_id)
+                try:
+                    cancel = pb_utils.InferenceRequest(
+                        model_name="specdec_engine", requested_output_names=[],
+                        inputs=[pb_utils.Tensor(protocol.CANCEL_REQUEST_ID.name, protocol.as_bytes(engine_id))])
+                    for _ in cancel.exec(decoupled=True):
+                        pass
+                except Exception:
+                    log.exception("could not cancel %s", engine_id)
+            cancelled &= {engine_id for engine_id, _ in active}
 
     def finalize(self) -> None:
+        self._closing.set()
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _bls(model: str, inputs: dict[str, np.ndarray], outputs: tuple[protocol.TensorSpec, ...]) -> tuple[dict, ...]:
+    """Call a non-decoupled model; its output tensors as numpy, or its error as ``InvalidRequestError``."""
+    request = pb_utils.InferenceRequest(model_name=model, requested_output_names=[s.name for s in outputs],
+                                        inputs=[pb_utils.Tensor(k, v) for k, v in inputs.items()])
+    response = request.exec()
+    if response.has_error():
+        raise InvalidRequestError(response.error().message())
+    return ({t.name(): t.as_numpy() for t in response.output_tensors()},)
+
+
+class UnaryModel(_EntryPoint):
+    """``specdec``: one complete response per ``infer``."""
+
+
+class StreamModel(_EntryPoint):
+    """``specdec_stream`` (decoupled): a partial response per engine step, the last one flagged final."""
+
+    streaming = True

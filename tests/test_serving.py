@@ -1,0 +1,313 @@
+"""The served endpoint end to end: a REAL tritonserver on loopback, the real SmolLM2-135M ONNX export, tritonclient.
+
+Every answer is checked token for token against the local runtime (``Engine.from_export`` on the same
+export, greedy), so a lost, mixed-up or re-ordered output fails the test, not just an error.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from servers import free_ports, processes_mentioning
+
+from specdec.serving.server import TritonNotFoundError, TritonServer, find_tritonserver, serve_main
+
+try:
+    find_tritonserver()
+except TritonNotFoundError as exc:  # pragma: no cover - depends on the machine
+    pytest.skip(f"no tritonserver available: {exc}", allow_module_level=True)
+grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] (the `serve` extra) not installed")
+
+from specdec.runtime.engine import Engine  # noqa: E402
+from specdec.serving.client import Answer, ClientError, SpecdecClient  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+TOPICS = ["the moon", "bread", "rivers", "chess", "volcanoes", "bees", "libraries", "glass",
+          "trains", "tea", "owls", "maps", "clocks", "salt", "bridges", "snow"]
+# 16 prompts of different lengths and shapes (chat and plain), so the ragged steps really are ragged
+PROMPTS = [
+    (f"Write two sentences about {topic}." if i % 2 == 0 else
+     f"Repeat this list exactly: {topic}, {topic} and more {topic}. " * (1 + i % 3) + "Now continue it.", i % 2 == 0)
+    for i, topic in enumerate(TOPICS)
+]
+CONCURRENT_MAX_TOKENS = [16, 40, 24, 32, 20, 36, 28, 12]  # the 8-concurrent test: different lengths
+LOAD_MAX_TOKENS = 24
+
+
+def _local_reference(export: Path) -> dict[tuple[int, int], list[int]]:
+    """(prompt index, max_tokens) -> greedy output ids of the local runtime on the same export."""
+    engine = Engine.from_export(export, threads=1)
+    keys = [(i, m) for i, m in enumerate(CONCURRENT_MAX_TOKENS)] + [(i, LOAD_MAX_TOKENS) for i in range(len(PROMPTS))]
+    keys = list(dict.fromkeys(keys))
+    requests = [engine.request(PROMPTS[i][0], chat=PROMPTS[i][1], max_tokens=m) for i, m in keys]
+    result = engine.generate(requests, "ems")
+    assert not any(o.error for o in result.outputs)
+    return {key: out.token_ids for key, out in zip(keys, result.outputs)} | {
+        ("text", *key): out.text for key, out in zip(keys, result.outputs)}
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_export: Path) -> dict:
+    return _local_reference(smollm2_export)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_export: Path, reference: dict) -> TritonServer:
+    """One server for the module, started after the local references (so they do not compete for the CPU)."""
+    grpc, http, metrics = free_ports()
+    srv = TritonServer()
+    srv.start(smollm2_export, grpc_port=grpc, http_port=http, metrics_port=metrics, exit_timeout_s=20)
+    try:
+        srv.wait_ready(300)
+        yield srv
+    finally:
+        code = srv.stop()
+        assert code == 0, f"server did not stop cleanly (exit {code})\n{srv.read_log()[-3000:]}"
+        assert processes_mentioning(str(smollm2_export)) == []
+
+
+def _params(i: int, max_tokens: int, **extra: object) -> dict:
+    return {"max_tokens": max_tokens, "apply_chat_template": PROMPTS[i][1] or None, **extra}
+
+
+def scrape(server: TritonServer) -> dict[str, float]:
+    """specdec_* samples of the Prometheus endpoint, keyed by name{labels}."""
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("specdec_"):
+            key, value = line.rsplit(" ", 1)
+            samples[key] = float(value)
+    return samples
+
+
+def _check(answer: Answer | ClientError, reference: dict, i: int, max_tokens: int) -> None:
+    assert isinstance(answer, Answer), f"prompt {i}: {answer}"
+    assert answer.output_ids == reference[(i, max_tokens)], f"prompt {i}: token ids differ from the local runtime"
+    assert answer.text == reference[("text", i, max_tokens)]
+
+
+def test_eight_concurrent_greedy_requests_equal_local_and_share_steps(server: TritonServer, reference: dict) -> None:
+    before = scrape(server)
+    client_threads = ThreadPoolExecutor(8)
+    futures = [client_threads.submit(lambda i=i, m=m: SpecdecClient(server.grpc_url).generate(
+        PROMPTS[i][0], **_params(i, m))) for i, m in enumerate(CONCURRENT_MAX_TOKENS)]
+    answers = [f.result() for f in futures]
+    for i, (answer, m) in enumerate(zip(answers, CONCURRENT_MAX_TOKENS)):
+        _check(answer, reference, i, m)
+        assert answer.target_calls >= 1 and 0.0 <= answer.acceptance_rate <= 1.0
+    # verified together: on average each request's target steps held several sequences
+    assert max(a.mean_batch_size for a in answers) > 2.0
+    after = scrape(server)
+    steps = after["specdec_target_steps_total"] - before["specdec_target_steps_total"]
+    sequences = after["specdec_step_sequences_total"] - before["specdec_step_sequences_total"]
+    assert steps > 0 and sequences / steps > 1.5, f"mean batch {sequences / steps:.2f} over {steps} steps"
+    finished = 'specdec_requests_total{outcome="finished"}'
+    assert after[finished] - before[finished] == 8
+    generated = after["specdec_generated_tokens_total"] - before["specdec_generated_tokens_total"]
+    assert generated == sum(len(a.output_ids) for a in answers)
+
+
+def test_stream_concatenates_to_the_unary_answer_and_shares_steps_with_unary(server: TritonServer,
+                                                                           reference: dict) -> None:
+    i, m = 1, CONCURRENT_MAX_TOKENS[1]
+    with ThreadPoolExecutor(4) as pool:
+        streamed = pool.submit(lambda: SpecdecClient(server.grpc_url).generate_stream(PROMPTS[i][0], **_params(i, m)))
+        unary = [pool.submit(lambda j=j: SpecdecClient(server.grpc_url).generate(
+            PROMPTS[j][0], **_params(j, LOAD_MAX_TOKENS))) for j in (2, 3, 4)]
+        stream_answer = streamed.result()
+        unary_answers = [u.result() for u in unary]
+    _check(stream_answer, reference, i, m)
+    assert stream_answer.responses > 3, "a stream of one response is not a stream"
+    assert "".join(stream_answer.chunks) == SpecdecClient(server.grpc_url).generate(PROMPTS[i][0], **_params(i, m)).text
+    for j, answer in zip((2, 3, 4), unary_answers):
+        _check(answer, reference, j, LOAD_MAX_TOKENS)
+    assert stream_answer.mean_batch_size > 1.0, "the stream never shared a ragged step with the unary requests"
+
+
+def test_64_requests_from_8_threads_none_lost_or_mixed_up(server: TritonServer, reference: dict) -> None:
+    indices = [k % len(PROMPTS) for k in range(64)]
+    prompts = [PROMPTS[i][0] for i in indices]
+    # half the requests stream; every answer must be exactly its own prompt's reference
+    answers: list = [None] * 64
+    with ThreadPoolExecutor(8) as pool:
+        def worker(t: int) -> None:
+            client = SpecdecClient(server.grpc_url)
+            for k in range(t, 64, 8):
+                call = client.generate_stream if k % 2 else client.generate
+                try:
+                    answers[k] = call(prompts[k], **_params(indices[k], LOAD_MAX_TOKENS))
+                except ClientError as exc:
+                    answers[k] = exc
+        list(pool.map(worker, range(8)))
+    for k, answer in enumerate(answers):
+        _check(answer, reference, indices[k], LOAD_MAX_TOKENS)
+    assert SpecdecClient(server.grpc_url).ready()
+
+
+def _raw_input(name: str, array: np.ndarray, dtype: str) -> object:
+    tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+BAD_REQUESTS = {
+    "empty text": (dict(text=""), r"text_input' is empty"),
+    "blank text": (dict(text="   "), r"text_input' is empty"),
+    "max_tokens 0": (dict(max_tokens=0), r"max_tokens must be between 1"),
+    "max_tokens huge": (dict(max_tokens=2**31 - 1), r"max_tokens must be between 1 and 1023"),
+    "negative temperature": (dict(temperature=-0.5), r"temperature must be"),
+    "nan temperature": (dict(temperature=float("nan")), r"temperature must be"),
+    "top_p 0": (dict(temperature=1.0, top_p=0.0), r"top_p"),
+    "negative seed": (dict(temperature=1.0, seed=-3), r"seed"),
+    "unknown method": (dict(method="magic"), r"unknown method 'magic'"),
+    "dsbd not yet": (dict(method="dsbd"), r"'dsbd'.*not served yet"),
+    "beam_width 2": (dict(beam_width=2), r"beam_width must be 1"),
+    "num_draft_tokens -1": (dict(num_draft_tokens=-1), r"num_draft_tokens must be between 0 and"),
+    "num_draft_tokens 1000": (dict(num_draft_tokens=1000), r"num_draft_tokens must be between 0 and"),
+    "empty stop": (dict(stop=[""]), r"stop"),
+    "stream on unary": (dict(stream=True), r"specdec_stream"),
+    "prompt too long": (dict(text="word " * 1500), r"context holds 1024"),
+}
+
+
+def _send_bad(client: SpecdecClient, case: dict) -> None:
+    params = dict(case)
+    text = params.pop("text", "Say hi.")
+    client.generate(text, **{"max_tokens": 8, **params})
+
+
+def test_bad_inputs_get_named_errors_while_a_stream_completes(server: TritonServer, reference: dict) -> None:
+    i, m = 5, CONCURRENT_MAX_TOKENS[5]
+    in_flight: dict = {}
+    thread = threading.Thread(target=lambda: in_flight.setdefault("answer", SpecdecClient(
+        server.grpc_url).generate_stream(PROMPTS[i][0], **_params(i, m))))
+    thread.start()
+    client = SpecdecClient(server.grpc_url)
+    for name, (case, pattern) in BAD_REQUESTS.items():
+        with pytest.raises(ClientError, match=pattern):
+            _send_bad(client, case)
+        assert name
+    raw = client._client
+    from tritonclient.utils import InferenceServerException
+
+    text = np.array([b"Say hi."], dtype=np.object_)
+    wrong = {
+        "wrong dtype": [_raw_input("text_input", text, "BYTES"),
+                        _raw_input("max_tokens", np.array([8.0], dtype=np.float32), "FP32")],
+        "wrong shape": [_raw_input("text_input", np.array([b"a", b"b"], dtype=np.object_), "BYTES")],
+        "missing text_input": [_raw_input("max_tokens", np.array([8], dtype=np.int32), "INT32")],
+        "not UTF-8": [_raw_input("text_input", np.array([b"\xff\xfe bad"], dtype=np.object_), "BYTES")],
+    }
+    patterns = {"wrong dtype": r"max_tokens.*(TYPE_INT32|INT32)", "wrong shape": r"text_input.*shape|shape.*text_input",
+                "missing text_input": r"text_input", "not UTF-8": r"UTF-8"}
+    for name, inputs in wrong.items():
+        with pytest.raises(InferenceServerException, match=patterns[name]):
+            raw.infer("specdec", inputs)
+    # the streaming entry point reports bad input the same way, in the stream
+    with pytest.raises(ClientError, match=r"unknown method 'magic'"):
+        SpecdecClient(server.grpc_url).generate_stream("Say hi.", method="magic")
+    thread.join(120)
+    _check(in_flight["answer"], reference, i, m)
+    assert client.generate("Say hi.", max_tokens=4).output_ids
+
+
+CANCELLED = 'specdec_requests_total{outcome="cancelled"}'
+STREAMING_CLIENT = """
+import sys
+from specdec.serving.client import SpecdecClient
+client = SpecdecClient(sys.argv[1])
+for n, result in enumerate(client.stream("Count from one to five hundred in words.", max_tokens=600)):
+    print("response", n, flush=True)
+"""
+
+
+def test_client_killed_mid_stream_is_cancelled_and_does_not_wedge_the_engine(server: TritonServer,
+                                                                             reference: dict) -> None:
+    before = scrape(server)
+    proc = subprocess.Popen([sys.executable, "-c", STREAMING_CLIENT, server.grpc_url], stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None
+    for _ in range(3):  # it is streaming
+        assert proc.stdout.readline().startswith("response")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    i = 0
+    answer = SpecdecClient(server.grpc_url).generate(PROMPTS[i][0], **_params(i, CONCURRENT_MAX_TOKENS[i]))
+    _check(answer, reference, i, CONCURRENT_MAX_TOKENS[i])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        now = scrape(server)
+        cancelled = now[CANCELLED] - before[CANCELLED]
+        if cancelled >= 1 and now["specdec_active_sequences"] == 0:
+            break
+        time.sleep(0.5)
+    assert cancelled == 1, "the dead client's request was not cancelled"
+    assert now["specdec_active_sequences"] == 0
+
+
+# --------------------------------------------------------------------------- `specdec serve` refusing to start
+
+
+def _shadow_export(export: Path, root: Path) -> Path:
+    """A copy of the export made of symlinks (the graphs are large), with its own model repository."""
+    from specdec.serving.repository import write_repository
+
+    shadow = root / "export"
+    for path in export.rglob("*"):
+        if path.is_file() and "triton_repo" not in path.parts:
+            target = shadow / path.relative_to(export)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.symlink_to(path)
+    write_repository(shadow)
+    return shadow
+
+
+def _serve(repo: Path) -> int:
+    grpc, http, metrics = free_ports()
+    return serve_main([str(repo), "--grpc-port", str(grpc), "--http-port", str(http), "--metrics-port", str(metrics),
+                       "--ready-timeout", "240"])
+
+
+def test_serve_refuses_a_repository_with_a_missing_model(smollm2_export: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    shadow = _shadow_export(smollm2_export, tmp_path)
+    shutil.rmtree(shadow / "triton_repo" / "specdec_engine")
+    assert _serve(shadow) == 1
+    assert re.search(r"missing model\(s\) specdec_engine", capsys.readouterr().err)
+
+
+def test_serve_refuses_a_corrupt_config(smollm2_export: Path, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    shadow = _shadow_export(smollm2_export, tmp_path)
+    (shadow / "triton_repo" / "postprocessing" / "config.pbtxt").write_text("name: \"postprocessing\"\nbackend: {{{\n")
+    assert _serve(shadow) == 1
+    err = capsys.readouterr().err
+    assert "postprocessing" in err and "error" in err.lower()
+
+
+def test_serve_refuses_a_corrupt_export(smollm2_export: Path, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    shadow = _shadow_export(smollm2_export, tmp_path)
+    config = shadow / "target" / "tokenizer_config.json"
+    text = config.read_text()
+    config.unlink()
+    config.write_text(text.replace("{", "{ ", 1))  # same meaning, different checksum
+    assert _serve(shadow) == 1
+    err = capsys.readouterr().err
+    assert "specdec_engine" in err and "checksum" in err
+    assert os.path.exists(shadow)
