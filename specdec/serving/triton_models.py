@@ -133,12 +133,44 @@ class Postprocessing:
         return responses
 
 
+class _Client:
+    """A Triton request and its response sender, safe to poll for cancellation from another thread.
+
+    Asking a request whether it was cancelled after its final response has been sent reads freed
+    memory in the server (tritonserver 2.51 dies with SIGSEGV in ``ResponseFactoryIsCancelled``).
+    The final send and the poll therefore exclude each other, and nothing is polled after it.
+    """
+
+    def __init__(self, request: Any, sender: Any) -> None:
+        self.request, self.sender = request, sender
+        self._lock = threading.Lock()
+        self._done = False
+
+    def is_cancelled(self) -> bool:
+        with self._lock:
+            if self._done:
+                return False
+            try:
+                return bool(self.request.is_cancelled())
+            except Exception:
+                return True
+
+    def send(self, response: Any = None, final: bool = False) -> None:
+        if final:
+            with self._lock:
+                self._done = True
+        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        if response is None:
+            self.sender.send(flags=flags)
+        else:
+            self.sender.send(response, flags=flags)
+
+
 @dataclass(eq=False)
 class _Stream:
     """One engine request's Triton side: where its responses go and what they already covered."""
 
-    request: Any
-    sender: Any
+    client: _Client
     stream: bool
     stops: tuple[str, ...]
     ids: list[int] = field(default_factory=list)
@@ -219,10 +251,10 @@ class EngineModel:
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
-            sender = request.get_response_sender()
+            client = _Client(request, request.get_response_sender())
             cancel = pb_utils.get_input_tensor_by_name(request, protocol.CANCEL_REQUEST_ID.name)
             if cancel is not None:
-                self._cancel_external(cancel.as_numpy(), sender)
+                self._cancel_external(cancel.as_numpy(), client)
                 continue
             try:
                 inputs = _read(request, (protocol.INPUT_IDS, *protocol.PARAMETERS))
@@ -231,7 +263,7 @@ class EngineModel:
                 request_id = f"{request.request_id() or 'triton'}#{next(self._ids)}"
                 req = Request(tuple(protocol.parse_input_ids(inputs)), gen.max_tokens, gen.sampling,
                               gen.num_draft_tokens, gen.stop, request_id=request_id)
-                stream = _Stream(request, sender, gen.stream, gen.stop)
+                stream = _Stream(client, gen.stream, gen.stop)
                 with self._lock:
                     self._streams[request_id] = stream
                     if request.request_id():
@@ -243,17 +275,17 @@ class EngineModel:
                         self._streams.pop(request_id, None)
                     raise
             except (InvalidRequestError, ServiceStoppedError) as exc:
-                sender.send(_error(str(exc)), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                client.send(_error(str(exc)), final=True)
         return None
 
-    def _cancel_external(self, value: np.ndarray, sender: Any) -> None:
+    def _cancel_external(self, value: np.ndarray, client: _Client) -> None:
         """A control request from an entry point whose client went away: cancel that engine request."""
         external = protocol.parse_text(value, protocol.CANCEL_REQUEST_ID.name)
         with self._lock:
             request_id = self._external.get(external)
         if request_id is not None:
             self.service.cancel(request_id)
-        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        client.send(final=True)
 
     def _send_loop(self) -> None:
         while (item := self._outbox.get()) is not None:
@@ -271,7 +303,7 @@ class EngineModel:
             return
         with self._lock:
             self._streams.pop(event.request_id, None)
-            external = stream.request.request_id()
+            external = stream.client.request.request_id()
             if external and self._external.get(external) == event.request_id:
                 del self._external[external]
         output = event.output
@@ -279,7 +311,7 @@ class EngineModel:
         outcome = "failed" if output.error else "cancelled" if output.finish_reason == "cancelled" else "finished"
         self.metrics.request_done(outcome, output.metrics)
         if output.error:
-            stream.sender.send(_error(output.error, invalid=False), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            stream.client.send(_error(output.error, invalid=False), final=True)
             return
         stream.ids = list(output.token_ids)
         self._respond(stream, output.metrics, output.finish_reason or "", finished=True)
@@ -297,8 +329,7 @@ class EngineModel:
             pb_utils.Tensor("target_calls", _int32(metrics.target_calls)),
             pb_utils.Tensor("mean_batch_size", np.array([metrics.mean_batch_size], dtype=np.float32)),
         ]
-        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if finished else 0
-        stream.sender.send(pb_utils.InferenceResponse(tensors), flags=flags)
+        stream.client.send(pb_utils.InferenceResponse(tensors), final=finished)
         stream.sent = len(stream.ids)
 
     def _watch(self) -> None:
@@ -307,11 +338,7 @@ class EngineModel:
             with self._lock:
                 streams = list(self._streams.items())
             for request_id, stream in streams:
-                try:
-                    cancelled = stream.request.is_cancelled()
-                except Exception:
-                    cancelled = True
-                if cancelled:
+                if stream.client.is_cancelled():
                     self.service.cancel(request_id)
             try:
                 self.metrics.update(self.service)
@@ -340,7 +367,7 @@ class _EntryPoint:
     def initialize(self, args: dict[str, str]) -> None:
         self.pool = ThreadPoolExecutor(max_workers=int(_parameters(args).get("max_concurrency") or 64),
                                        thread_name_prefix=f"specdec-{'stream' if self.streaming else 'unary'}")
-        self._active: dict[str, Any] = {}  # engine request id -> client request
+        self._active: dict[str, _Client] = {}  # engine request id -> client
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="specdec-cancel", daemon=True)
@@ -348,29 +375,28 @@ class _EntryPoint:
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
-            self.pool.submit(self._answer, request, request.get_response_sender())
+            self.pool.submit(self._answer, _Client(request, request.get_response_sender()))
         return None
 
-    def _answer(self, request: Any, sender: Any) -> None:
-        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+    def _answer(self, client: _Client) -> None:
         engine_id = uuid.uuid4().hex
         with self._lock:
-            self._active[engine_id] = request
+            self._active[engine_id] = client
         try:
-            inputs = _read(request, protocol.CLIENT_INPUTS)
+            inputs = _read(client.request, protocol.CLIENT_INPUTS)
             stream = self._stream_flag(inputs)
             answered = False
             for tensors, finished in self._pipeline(inputs, stream, engine_id):
                 if stream or finished:
-                    sender.send(pb_utils.InferenceResponse(tensors), flags=final if finished else 0)
+                    client.send(pb_utils.InferenceResponse(tensors), final=finished)
                     answered = answered or finished
             if not answered:
                 raise InvalidRequestError("the engine ended the request without an answer")
         except InvalidRequestError as exc:
-            sender.send(_error(str(exc)), flags=final)
+            client.send(_error(str(exc)), final=True)
         except Exception as exc:  # never leave a client without an answer
             log.exception("request failed")
-            sender.send(_error(f"internal error: {type(exc).__name__}: {exc}", invalid=False), flags=final)
+            client.send(_error(f"internal error: {type(exc).__name__}: {exc}", invalid=False), final=True)
         finally:
             with self._lock:
                 self._active.pop(engine_id, None)
@@ -409,8 +435,8 @@ class _EntryPoint:
         while not self._closing.wait(CANCEL_POLL_S):
             with self._lock:
                 active = list(self._active.items())
-            for engine_id, request in active:
-                if engine_id in cancelled or not request.is_cancelled():
+            for engine_id, client in active:
+                if engine_id in cancelled or not client.is_cancelled():
                     continue
                 cancelled.add(engine_id)
                 try:
