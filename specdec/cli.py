@@ -170,8 +170,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     srv = sub.add_parser("serve", help="run Triton Inference Server on a model repository")
     add_serve_args(srv)
     srv.set_defaults(func=serve_main)
+    from specdec.distill import add_distill_args, distill_main
     from specdec.serving.client import add_client_args, client_main
 
+    dis = sub.add_parser("distill", help="train a cheap draft model for a target (resumable)")
+    add_distill_args(dis)
+    dis.set_defaults(func=distill_main)
     cli = sub.add_parser("client", help="send prompts to a running `specdec serve` over gRPC")
     add_client_args(cli)
     cli.set_defaults(func=client_main)

@@ -4,7 +4,8 @@ Layout of ``--out DIR``::
 
     DIR/manifest.json      what was exported, from what, with which versions and checksums
     DIR/target/            the target as a Hugging Face directory (config, safetensors, tokenizer)
-    DIR/draft/             the draft model, when ``--draft`` names one (absent for the n-gram drafter)
+    DIR/draft/             the draft model, when ``--draft`` names one (absent for the n-gram drafter);
+                           with ``head_token_ids.json`` when its LM head is restricted to K target tokens
     DIR/triton_repo/       the Triton model repository serving it (``specdec serve DIR``)
 
 With ``--backend onnx`` (the default) each model directory holds ``model.onnx`` (+ ``.data``)
@@ -61,6 +62,8 @@ def _describe(model: LoadedModel, sub: str, root: Path, dtype: str) -> dict:
         "source": model.source,
         "path": sub,
         "vocab_size": model.vocab_size,
+        # logits columns: vocab_size, or K for a restricted head (its map is head_token_ids.json in the model dir)
+        "head_size": model.vocab_size if model.head_token_ids is None else len(model.head_token_ids),
         "num_layers": int(cfg.num_hidden_layers),
         "hidden_size": int(cfg.hidden_size),
         "num_heads": int(cfg.num_attention_heads),

@@ -17,13 +17,14 @@ result is cached as a plain Hugging Face directory under ``$SPECDEC_CACHE`` (def
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,8 @@ import torch
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 _CACHE_MARKER = "specdec_complete.json"
+# a restricted-vocabulary LM head: column j of the logits means target token ids[j] (JSON list of ints)
+HEAD_TOKEN_IDS_FILE = "head_token_ids.json"
 
 
 class ModelResolutionError(ValueError):
@@ -86,7 +89,17 @@ class LoadedModel:
 
     @property
     def vocab_size(self) -> int:
+        """Size of the token-id space the model reads (its embedding rows), also for a restricted head."""
         return int(self.config.vocab_size)
+
+    @property
+    def head_token_ids(self) -> torch.Tensor | None:
+        """Target ids of the LM head's K rows (ascending ``torch.long``), or None for a full head.
+
+        A restricted draft scores only these tokens; every other token gets draft probability
+        0, which the lossless verifier covers through the residual max(0, p - q).
+        """
+        return self.extra.get("head_token_ids")
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -106,6 +119,8 @@ class LoadedModel:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_config(self.config, attn_implementation="eager")
+        if self.head_token_ids is not None:  # logits [..., K]: column j is head_token_ids[j]
+            model.lm_head = torch.nn.Linear(int(self.config.hidden_size), len(self.head_token_ids), bias=False)
         missing, unexpected = model.load_state_dict(self.state_dict, strict=False)
         missing = [m for m in missing if not (m == "lm_head.weight" and self.config.tie_word_embeddings)]
         if missing or unexpected:
@@ -123,6 +138,75 @@ class LoadedModel:
             h.update(str(tuple(t.shape)).encode())
             h.update(t.detach().to(torch.float32).contiguous().numpy().tobytes()[:4096])
         return h.hexdigest()[:16]
+
+
+def check_head_token_ids(ids: Sequence[int] | torch.Tensor, vocab_size: int, rows: int | None = None,
+                         where: str = "head_token_ids") -> torch.Tensor:
+    """``ids`` as a validated 1-D ascending ``torch.long`` tensor of distinct ids in ``[0, vocab_size)``.
+
+    ``rows`` is the LM head's row count when known: a map of another length would silently
+    give logits columns the wrong meaning, so it is refused here rather than decoded wrong.
+    """
+    t = torch.as_tensor(ids).detach().to("cpu")
+    if t.dim() != 1 or t.numel() == 0 or t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise ValueError(f"{where}: need a non-empty 1-D list of integer token ids, got shape {tuple(t.shape)} "
+                         f"of {t.dtype}")
+    t = t.to(torch.long)
+    if int(t.min()) < 0 or int(t.max()) >= vocab_size:
+        raise ValueError(f"{where}: token ids must lie in [0, {vocab_size}), got {int(t.min())}..{int(t.max())}")
+    if t.numel() > 1 and not bool((t[1:] > t[:-1]).all()):
+        raise ValueError(f"{where}: token ids must be distinct and in ascending order")
+    if rows is not None and t.numel() != rows:
+        raise ValueError(f"{where}: {t.numel()} token ids for an LM head of {rows} rows")
+    return t
+
+
+def restrict_head(model: LoadedModel, token_ids: Sequence[int] | torch.Tensor) -> LoadedModel:
+    """A copy of ``model`` whose LM head keeps only the rows of ``token_ids`` (a restricted draft).
+
+    The rows come from the model's lm_head, or from its embeddings when they are tied; a
+    model that is already restricted may be restricted further to a subset of its head.
+    ``token_ids`` may come in any order (e.g. by frequency) and are stored ascending. The
+    result keeps every embedding row (it still reads all target tokens), unties the head,
+    and shares all other tensors with ``model``.
+    """
+    ids = torch.as_tensor(token_ids).detach().to("cpu")
+    if ids.dim() == 1 and not ids.dtype.is_floating_point and ids.dtype != torch.bool:
+        ids = torch.sort(ids).values
+    ids = check_head_token_ids(ids, model.vocab_size, where=f"{model.name}: head token ids")
+    sd = model.state_dict
+    head = model.head_token_ids
+    if head is not None:
+        rows = torch.searchsorted(head, ids)
+        if bool((rows >= len(head)).any()) or not torch.equal(head[rows.clamp(max=len(head) - 1)], ids):
+            raise ValueError(f"{model.name}: a restricted head can only be restricted to a subset of its tokens")
+        weight = sd["lm_head.weight"][rows]
+    else:
+        tied = model.config.tie_word_embeddings or "lm_head.weight" not in sd
+        weight = sd["model.embed_tokens.weight" if tied else "lm_head.weight"][ids]
+    config = copy.deepcopy(model.config)
+    config.tie_word_embeddings = False
+    state = {**sd, "lm_head.weight": weight.clone().contiguous()}
+    extra = {**model.extra, "head_token_ids": ids}
+    return LoadedModel(model.name, config, state, model.tokenizer, model.source, extra)
+
+
+def read_head_token_ids(directory: str | os.PathLike, vocab_size: int | None = None) -> torch.Tensor | None:
+    """The head map saved in a model directory (``HEAD_TOKEN_IDS_FILE``), or None for a full head."""
+    path = Path(directory) / HEAD_TOKEN_IDS_FILE
+    if not path.is_file():
+        return None
+    try:
+        ids = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelResolutionError(f"{path} is corrupt: {exc}") from exc
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ModelResolutionError(f"{path} must hold a JSON list of integer token ids")
+    try:
+        return check_head_token_ids(ids, vocab_size if vocab_size is not None else max(ids, default=0) + 1,
+                                    where=str(path))
+    except ValueError as exc:
+        raise ModelResolutionError(str(exc)) from exc
 
 
 def cache_root() -> Path:
@@ -217,6 +301,8 @@ def save_model(model: LoadedModel, out_dir: str | os.PathLike, weights: bool = T
             save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if model.tokenizer is not None:
             model.tokenizer.save_pretrained(tmp)
+        if model.head_token_ids is not None:  # also without weights: an exported graph's logits need it
+            (tmp / HEAD_TOKEN_IDS_FILE).write_text(json.dumps(model.head_token_ids.tolist()))
         (tmp / _CACHE_MARKER).write_text(json.dumps({"name": model.name, "source": model.source}))
     return out
 
@@ -247,6 +333,32 @@ def _load_gguf(path: Path, name: str, dtype: torch.dtype) -> LoadedModel:
     return model
 
 
+def _read_weights(path: Path, dtype: torch.dtype, restricted: bool) -> dict[str, torch.Tensor]:
+    """The state dict of a Hugging Face directory, read as files (safetensors, else .bin) where possible.
+
+    A restricted head's [K, H] lm_head does not fit a ``LlamaForCausalLM`` of the config, so
+    such checkpoints are never routed through transformers' model loading.
+    """
+    files = sorted(path.glob("*.safetensors"))
+    state: dict[str, torch.Tensor] = {}
+    try:
+        if files:
+            from safetensors.torch import load_file
+
+            for f in files:
+                state.update(load_file(str(f)))
+        elif restricted:
+            for f in sorted(path.glob("*.bin")):
+                state.update(torch.load(str(f), map_location="cpu", weights_only=True))
+        else:
+            from transformers import AutoModelForCausalLM
+
+            state = dict(AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).state_dict())
+    except Exception as exc:
+        raise ModelResolutionError(f"cannot read the weights in {path}: {exc}") from exc
+    return {k: v.to(dtype) for k, v in state.items()}
+
+
 def _load_hf_dir(path: Path, name: str, dtype: torch.dtype, weights: bool = True) -> LoadedModel:
     from transformers import AutoConfig, AutoTokenizer
 
@@ -257,25 +369,18 @@ def _load_hf_dir(path: Path, name: str, dtype: torch.dtype, weights: bool = True
     except Exception as exc:
         raise ModelResolutionError(f"cannot read {path / 'config.json'}: {exc}") from exc
     _check_architecture(config, str(path))
-    files = sorted(path.glob("*.safetensors"))
-    try:
-        if not weights:
-            state = {}
-        elif files:
-            from safetensors.torch import load_file
-
-            state: dict[str, torch.Tensor] = {}
-            for f in files:
-                state.update(load_file(str(f)))
-        else:
-            from transformers import AutoModelForCausalLM
-
-            state = dict(AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).state_dict())
-    except Exception as exc:
-        raise ModelResolutionError(f"cannot read the weights in {path}: {exc}") from exc
-    state = {k: v.to(dtype) for k, v in state.items()}
+    head = read_head_token_ids(path, int(config.vocab_size))
+    if head is not None and config.tie_word_embeddings:
+        raise ModelResolutionError(f"{path}: a restricted LM head ({HEAD_TOKEN_IDS_FILE}) cannot be tied to the "
+                                   "embeddings (set tie_word_embeddings to false)")
+    state = _read_weights(path, dtype, restricted=head is not None) if weights else {}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    if head is not None and weights:
+        rows = state["lm_head.weight"].shape[0] if "lm_head.weight" in state else None
+        if rows != len(head):
+            raise ModelResolutionError(f"{path}: {HEAD_TOKEN_IDS_FILE} lists {len(head)} token ids but the "
+                                       f"weights' lm_head has {rows} rows")
     tokenizer = None
     if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         try:
@@ -286,6 +391,8 @@ def _load_hf_dir(path: Path, name: str, dtype: torch.dtype, weights: bool = True
     gen = path / "generation_config.json"
     if gen.is_file():
         extra["generation_eos"] = json.loads(gen.read_text()).get("eos_token_id")
+    if head is not None:
+        extra["head_token_ids"] = head
     return LoadedModel(name, config, state, tokenizer, str(path), extra)
 
 

@@ -42,7 +42,7 @@ GRAPH_INPUTS = (
 )
 CACHE_INPUT = "past_key_values.{layer}.{kind}"  # kind: key | value; [slots, kv_heads, max_len, head_dim]
 CACHE_OUTPUT = "present.{layer}.{kind}"
-LOGITS = "logits"  # float32 [rows, vocab]
+LOGITS = "logits"  # float32 [rows, head]: head = vocab, or K for a restricted draft head (head_token_ids.json)
 
 
 def cache_names(num_layers: int, template: str) -> list[str]:

@@ -48,7 +48,15 @@ def random_packs(vocab: int, num_slots: int, max_len: int, seed: int = 0, rounds
 
 def max_logit_error(reference: Backend, candidate: Backend, *, num_slots: int = 4, max_len: int = 64,
                     seed: int = 0) -> float:
-    """Largest |Δlogit| between ``candidate`` and ``reference`` over a few random ragged steps."""
+    """Largest |Δlogit| between ``candidate`` and ``reference`` over a few random ragged steps.
+
+    Inputs cover the whole vocabulary the model reads; the logits compared are its head's
+    columns, so both backends must agree on which token each column means.
+    """
+    ref_head, cand_head = getattr(reference, "head_token_ids", None), getattr(candidate, "head_token_ids", None)
+    if (ref_head is None) != (cand_head is None) or (ref_head is not None and not torch.equal(ref_head, cand_head)):
+        raise ValueError("the exported model's head_token_ids differ from the reference's: its logits columns would "
+                         "mean other tokens")
     ref_cache = reference.allocate_cache(num_slots, max_len)
     cand_cache = candidate.allocate_cache(num_slots, max_len)
     worst = 0.0

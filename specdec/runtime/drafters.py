@@ -7,6 +7,12 @@
   sequences still drafting take part in each draft step, and each feeds just its uncached
   tail — one token normally, two after it accepted every draft (the draft never cached
   its last proposal), the whole prompt the first time.
+
+  A draft with a restricted-vocabulary LM head (K rows for K target tokens) samples a head
+  column and maps it to its target id; its q is zero outside the head, scattered into a
+  ``[k, V]`` row so the verifier sees q over the full vocabulary. Such a q is exactly the
+  law the draft sampled from, so verification stays lossless: tokens the draft can never
+  propose reach the output through the residual max(0, p - q).
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ from specdec.runtime.sampling import sample, warp
 class Draft:
     """Proposed tokens and, for sampled drafts, the distribution q each was drawn from."""
 
-    tokens: list[int]
-    probs: torch.Tensor | None = None  # [len(tokens), V]; None = deterministic proposal
+    tokens: list[int]  # target token ids
+    probs: torch.Tensor | None = None  # [len(tokens), V] over the full vocabulary; None = deterministic proposal
 
 
 class Drafter(Protocol):
@@ -100,8 +106,13 @@ class ModelDrafter:
     """A draft LLaMA proposing chains, batched as ragged steps over its own KV slots."""
 
     def __init__(self, backend: Backend, max_batch: int, max_len: int) -> None:
+        """``backend`` may have a restricted head (``backend.head_token_ids``); proposals are target ids."""
         self.backend = backend
         self.vocab_size = backend.vocab_size
+        head = getattr(backend, "head_token_ids", None)
+        self.head_token_ids: torch.Tensor | None = None if head is None else head.to(torch.long)
+        self._head_list: list[int] | None = None if head is None else self.head_token_ids.tolist()
+        self._head_on: dict[torch.device, torch.Tensor] = {}  # head ids on the logits' device
         self.kv = KVCacheManager(backend.allocate_cache(max_batch, max_len))
         self._slot: dict[int, int] = {}  # id(seq) -> draft slot
         self._cached: dict[int, list[int]] = {}  # id(seq) -> token ids whose K/V the slot holds
@@ -139,17 +150,27 @@ class ModelDrafter:
                 self._cached[id(seq)].extend(feed[i])
                 params = seq.request.sampling
                 if params.greedy:
-                    token = int(torch.argmax(logits[row]))
+                    column = int(torch.argmax(logits[row]))
                 else:
-                    q = warp(logits[row], params)
-                    token = sample(q, seq.generator)
+                    q = warp(logits[row], params)  # over the head's columns
+                    column = sample(q, seq.generator)
                     probs[i].append(q)
+                token = column if self._head_list is None else self._head_list[column]
                 drafts[i].tokens.append(token)
                 feed[i] = [token]
         for i, p in enumerate(probs):
             if p:
-                drafts[i].probs = torch.stack(p)
+                drafts[i].probs = self._full_vocab(torch.stack(p))
         return drafts
+
+    def _full_vocab(self, q: torch.Tensor) -> torch.Tensor:
+        """``[n, head]`` draft probabilities as ``[n, V]``: a restricted head's q is 0 off the head."""
+        if self.head_token_ids is None:
+            return q
+        index = self._head_on.get(q.device)
+        if index is None:
+            index = self._head_on[q.device] = self.head_token_ids.to(q.device)
+        return q.new_zeros(q.shape[0], self.vocab_size).index_copy_(1, index, q)
 
     def release(self, seq: SeqState) -> None:
         slot = self._slot.pop(id(seq), None)

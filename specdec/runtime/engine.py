@@ -54,7 +54,15 @@ class GenerationResult:
 
 
 def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> None:
-    """A draft must share the target's token ids, or its proposals mean nothing."""
+    """A draft must share the target's token ids, or its proposals mean nothing.
+
+    A draft with a restricted-vocabulary head (``draft.head_token_ids``) is compatible: it
+    still reads every target id and proposes only ids inside its head. The target itself
+    must score every token, since the verifier needs p over the whole vocabulary.
+    """
+    if target.head_token_ids is not None:
+        raise ValueError(f"target {target.name!r} has a restricted LM head ({len(target.head_token_ids)} of "
+                         f"{target.vocab_size} tokens): only a draft may restrict its head")
     if draft.vocab_size != target.vocab_size:
         raise DraftMismatchError(
             f"draft {draft.name!r} has a vocabulary of {draft.vocab_size} tokens but target "
@@ -75,6 +83,9 @@ class Engine:
     def __init__(self, target: Backend, drafter: Drafter | None = None, *, tokenizer: Any = None,
                  eos_token_ids: Sequence[int] = (), max_batch: int = 16, max_len: int = 1024,
                  num_draft_tokens: int = 4) -> None:
+        if getattr(target, "head_token_ids", None) is not None:
+            raise ValueError("the target backend has a restricted LM head: the verifier needs logits over the "
+                             "whole vocabulary (only a draft may restrict its head)")
         if drafter is not None and drafter.vocab_size not in (None, target.vocab_size):
             raise DraftMismatchError(
                 f"draft vocabulary ({drafter.vocab_size}) differs from the target's ({target.vocab_size})"
@@ -170,13 +181,14 @@ class Engine:
     # -- running ----------------------------------------------------------------------
     def context(self, scheduler: Scheduler, *, on_tokens: Callable[[SeqState, list[int]], None] | None = None,
                 on_finish: Callable[[SeqState], None] | None = None,
-                keep_running: Callable[[], bool] | None = None) -> DecodeContext:
+                keep_running: Callable[[], bool] | None = None,
+                on_logits: Callable[[SeqState, Any], None] | None = None) -> DecodeContext:
         """A fresh decoding context over this engine's cache (all slots free)."""
         if self.drafter is not None:
             self.drafter.reset()
         stopper = StopChecker(self.eos_token_ids, self.max_len, self.decode if self.tokenizer else None)
         return DecodeContext(self.target, KVCacheManager(self.storage), scheduler, stopper, self.drafter,
-                             self.num_draft_tokens, on_tokens, on_finish, keep_running)
+                             self.num_draft_tokens, on_tokens, on_finish, keep_running, on_logits)
 
     def generate(self, requests: Sequence[Request | Exception], method: str = "ems",
                  progress: bool = False) -> GenerationResult:

@@ -39,6 +39,8 @@ class DecodeContext:
     on_tokens: TokenCallback | None = None  # called with each sequence's newly appended tokens
     on_finish: Callable[[SeqState], None] | None = None
     keep_running: Callable[[], bool] | None = None  # serving: wait for work instead of returning
+    #: ``ar`` only: the target logits each sampled token was drawn from (distillation records them)
+    on_logits: Callable[[SeqState, torch.Tensor], None] | None = None
     run: RunMetrics = field(default_factory=lambda: RunMetrics("?"))
 
     def has_work(self, live: Sequence[SeqState]) -> bool:
@@ -96,7 +98,13 @@ class DecodeContext:
         """After the prompt's prefill: commit it and emit the first token."""
         self.kv.commit(seq.slot, seq.num_prompt)
         self.count_call(seq)
-        self.emit(seq, [next_token(logits[-1], seq.request.sampling, seq.generator)])
+        self.next_from(seq, logits[-1])
+
+    def next_from(self, seq: SeqState, logits: torch.Tensor) -> None:
+        """Emit the one token the target's ``logits`` give (greedy or sampled)."""
+        if self.on_logits is not None:
+            self.on_logits(seq, logits)
+        self.emit(seq, [next_token(logits, seq.request.sampling, seq.generator)])
 
     def verify(self, seq: SeqState, draft: Draft, logits: torch.Tensor) -> list[int]:
         """Accepted drafts + one target token, from logits after [last, *drafts]."""
@@ -146,7 +154,7 @@ def ar(ctx: DecodeContext) -> RunMetrics:
         for seq, logits in zip(live, rows):
             ctx.kv.commit(seq.slot, 1)
             ctx.count_call(seq)
-            ctx.emit(seq, [next_token(logits[0], seq.request.sampling, seq.generator)])
+            ctx.next_from(seq, logits[0])
         for seq, logits in zip(new, rows[len(live) :]):
             ctx.start(seq, logits)
         live = ctx.retire(live + new)

@@ -32,14 +32,22 @@ class KVStorage(Protocol):
 
 
 class Backend(Protocol):
-    """A model that runs ragged steps; ``rows_processed`` counts every packed row it ran."""
+    """A model that runs ragged steps; ``rows_processed`` counts every packed row it ran.
+
+    ``vocab_size`` is the token-id space the model reads (V). Its logits have ``head_size``
+    columns: V for a full LM head, or K for a restricted-vocabulary head, whose column j
+    means token ``head_token_ids[j]`` (``head_token_ids`` is None for a full head). Only a
+    draft may have a restricted head; a target must score every token.
+    """
 
     vocab_size: int
+    head_size: int
+    head_token_ids: torch.Tensor | None
     rows_processed: int
     calls: int
 
     def allocate_cache(self, num_slots: int, max_len: int) -> KVStorage: ...
 
     def step(self, batch: PackedBatch, cache: KVStorage) -> torch.Tensor:
-        """Logits ``[R, vocab]`` for ``batch.logits_indices``; writes the new K/V in place."""
+        """Logits ``[R, head_size]`` for ``batch.logits_indices``; writes the new K/V in place."""
         ...

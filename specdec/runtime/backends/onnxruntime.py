@@ -9,12 +9,14 @@ ORT really wrote through the bound buffer (checked by pointer on every step).
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from specdec.export.models import HEAD_TOKEN_IDS_FILE, ModelResolutionError, read_head_token_ids
 from specdec.export.onnx import CACHE_INPUT, CACHE_OUTPUT, GRAPH_INPUTS, LOGITS, cache_names
 from specdec.runtime.backends.torch_backend import TorchKVStorage
 from specdec.runtime.packed import PackedBatch
@@ -25,6 +27,32 @@ _TORCH_DTYPES = {np.float32: torch.float32, np.float16: torch.float16}
 
 class OnnxModelError(RuntimeError):
     """An ONNX file is missing, corrupt, or not a specdec ragged-step graph."""
+
+
+def graph_head(graph: Path, head_size: int) -> tuple[torch.Tensor | None, int]:
+    """(head_token_ids, vocab_size) of an exported graph whose logits have ``head_size`` columns.
+
+    A full head's width is the vocabulary. A restricted head's map is ``head_token_ids.json``
+    next to the graph, and the vocabulary it reads comes from the ``config.json`` beside it
+    (the graph's logits alone cannot tell V). Shared by the ONNX Runtime and TensorRT backends.
+    """
+    directory = graph.parent
+    if not (directory / HEAD_TOKEN_IDS_FILE).is_file():
+        return None, head_size
+    config = directory / "config.json"
+    try:
+        vocab_size = int(json.loads(config.read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise OnnxModelError(f"{graph} has a restricted LM head ({HEAD_TOKEN_IDS_FILE}) but no readable "
+                             f"vocab_size in {config}: {exc}") from exc
+    try:
+        ids = read_head_token_ids(directory, vocab_size)
+    except ModelResolutionError as exc:
+        raise OnnxModelError(str(exc)) from exc
+    if ids is None or len(ids) != head_size:
+        raise OnnxModelError(f"{graph}: {HEAD_TOKEN_IDS_FILE} lists {0 if ids is None else len(ids)} token ids "
+                             f"but the graph's logits have {head_size} columns")
+    return ids, vocab_size
 
 
 class OrtBackend:
@@ -58,7 +86,8 @@ class OrtBackend:
         _, self.num_kv_heads, _, self.head_dim = first.shape
         self.np_dtype = _NP_DTYPES[first.type]
         self.dtype = _TORCH_DTYPES[self.np_dtype]
-        self.vocab_size = int(outputs[LOGITS].shape[-1])
+        self.head_size = int(outputs[LOGITS].shape[-1])
+        self.head_token_ids, self.vocab_size = graph_head(self.path, self.head_size)
         self._in_names = cache_names(self.num_layers, CACHE_INPUT)
         self._out_names = cache_names(self.num_layers, CACHE_OUTPUT)
         self.device = "cuda" if "CUDAExecutionProvider" in self.session.get_providers() else "cpu"

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from specdec.export.onnx import CACHE_INPUT, CACHE_OUTPUT, GRAPH_INPUTS, LOGITS, cache_names
+from specdec.runtime.backends.onnxruntime import OnnxModelError, graph_head
 from specdec.runtime.backends.torch_backend import TorchKVStorage
 from specdec.runtime.packed import PackedBatch
 
@@ -88,7 +89,11 @@ class TensorRTBackend:
         cache_shape = tuple(self.engine.get_tensor_shape(first))
         self.num_kv_heads, self.head_dim = int(cache_shape[1]), int(cache_shape[3])
         self.dtype = self._torch_dtype(first)
-        self.vocab_size = int(self.engine.get_tensor_shape(LOGITS)[-1])
+        self.head_size = int(self.engine.get_tensor_shape(LOGITS)[-1])
+        try:  # a restricted draft head: the map and the vocabulary sit next to the engine, as for ONNX
+            self.head_token_ids, self.vocab_size = graph_head(self.path, self.head_size)
+        except OnnxModelError as exc:
+            raise EngineLoadError(str(exc)) from exc
         self._in_names = cache_names(self.num_layers, CACHE_INPUT)
         self._out_names = cache_names(self.num_layers, CACHE_OUTPUT)
         self._profile = {n: [tuple(d) for d in self.engine.get_tensor_profile_shape(n, 0)] for n in self._inputs}
@@ -140,7 +145,7 @@ class TensorRTBackend:
             raise TypeError(f"cache must come from this backend's allocate_cache() (CUDA storage on {self.device})")
         rows = int(batch.logits_indices.shape[0])
         if batch.num_tokens == 0:
-            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.output_device)
+            return torch.empty(0, self.head_size, dtype=torch.float32, device=self.output_device)
 
         with torch.cuda.device(self.device):
             stream = torch.cuda.current_stream(self.device)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdec.export.models import LoadedModel
+from specdec.export.models import LoadedModel, check_head_token_ids
 from specdec.plugins.reference import ragged_tree_attention
 from specdec.runtime.packed import PackedBatch
 
@@ -127,6 +127,16 @@ class TorchBackend:
 
         self.embed = w("model.embed_tokens.weight")
         self.lm_head = self.embed if "lm_head.weight" not in sd else w("lm_head.weight")
+        self.head_size = int(self.lm_head.shape[0])
+        self.head_token_ids = None
+        if model.head_token_ids is not None:
+            if self.lm_head is self.embed:
+                raise ValueError(f"{model.name}: a restricted LM head needs its own lm_head.weight (untied)")
+            self.head_token_ids = check_head_token_ids(model.head_token_ids, self.vocab_size, self.head_size,
+                                                       where=f"{model.name}: head_token_ids")
+        elif self.head_size != self.vocab_size:
+            raise ValueError(f"{model.name}: lm_head has {self.head_size} rows for a vocabulary of {self.vocab_size} "
+                             "but no head_token_ids say which tokens they score")
         self.final_norm = w("model.norm.weight")
         self.layers: list[_Layer] = []
         for i in range(self.num_layers):

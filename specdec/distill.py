@@ -1,0 +1,506 @@
+"""``specdec distill``: make a cheap draft model that agrees with a target, on a CPU, resumably.
+
+Why: speculation with a draft model pays only when the draft is cheap and agrees with the
+target, and a small model sharing the target's tokenizer rarely exists (none does on PyPI for
+SmolLM2). The recipe:
+
+1. **Data** — target continuations of a prompt set, sampled at temperature 1 by our own
+   runtime (``ar`` batches over the ragged step). Every generated position records the
+   target's top-``k`` log-probabilities *from the same forward pass that sampled the token*,
+   so the teacher costs nothing extra. ``--text FILE`` adds plain documents (one teacher
+   prefill per chunk). Written in shards under ``OUT/.work/data``; a rerun skips finished shards.
+2. **Draft** — ``--layers`` LLaMA layers of the target's width initialised from target layers
+   (first and last, evenly spaced in between), the target's final norm, the target's
+   embeddings reused (not trained, not stored), and an LM head restricted to the ``--head-size``
+   tokens most frequent in the data (tokens outside it get q = 0; verification stays lossless).
+3. **Training** — cross-entropy to the teacher restricted to the head, i.e. KL(target ‖ draft)
+   on the head up to a constant, on every generated position; AdamW; bounded by ``--minutes``
+   or ``--steps``; checkpoints so an interrupted run resumes where it stopped.
+4. **Evaluation** on held-out continuations with the full target distribution: greedy agreement
+   (argmax q = argmax p) and expected acceptance Σ min(p, q) at temperature 1.
+5. **Output** — ``OUT/model.safetensors`` (the draft's own weights, fp16), ``config.json``,
+   ``head_token_ids.json`` and ``specdec_draft.json`` (command, data size, seed, metrics and
+   the target's checksum: loading the draft for another target fails clearly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from specdec.export.models import DEFAULT_TARGET, LoadedModel, ModelResolutionError, load_model
+
+DRAFT_MANIFEST = "specdec_draft.json"
+HEAD_FILE = "head_token_ids.json"
+WEIGHTS = "model.safetensors"
+FORMAT = 1
+
+
+class DraftLoadError(ValueError):
+    """A distilled draft directory is incomplete, corrupt, or was made for another target."""
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+_TOPICS = ["the water cycle", "black holes", "photosynthesis", "the French revolution", "prime numbers",
+           "a binary search", "recursion in Python", "sourdough bread", "the immune system", "volcanoes",
+           "machine learning", "the stock market", "climate change", "the Roman empire", "electric cars",
+           "honey bees", "the internet", "chess openings", "jazz music", "the moon landing", "vaccines",
+           "coffee", "earthquakes", "the human heart", "solar panels", "the Pythagorean theorem", "rainbows",
+           "sleep", "octopuses", "the printing press", "a hash table", "inflation", "glaciers", "bicycles",
+           "Shakespeare", "the periodic table", "antibiotics", "tides", "the speed of light", "democracy"]
+_TEMPLATES = ["Explain {t} to a ten-year-old.", "Write a short paragraph about {t}.",
+              "What are three interesting facts about {t}?", "Summarise what {t} is in two sentences.",
+              "Write a haiku about {t}.", "List the pros and cons of {t}.", "Give me a quiz question about {t}.",
+              "How would you describe {t} to someone who has never heard of it?",
+              "Write a short story that involves {t}.", "What is a common misconception about {t}?"]
+
+
+def builtin_prompts() -> list[str]:
+    """400 diverse chat prompts (topics × instruction shapes), in a fixed shuffled order."""
+    prompts = [template.format(t=topic) for topic in _TOPICS for template in _TEMPLATES]
+    random.Random(0).shuffle(prompts)
+    return prompts
+
+
+# --------------------------------------------------------------------------- data
+
+
+@dataclass
+class Record:
+    """One training sequence: the tokens, and the teacher's top-k at every position that has one."""
+
+    tokens: list[int]
+    positions: list[int]  # index i: teacher row predicts tokens[i] (logits after tokens[:i])
+    top_ids: torch.Tensor  # [len(positions), k] int32
+    top_logp: torch.Tensor  # [len(positions), k] float16
+
+
+def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = torch.topk(logp, k, dim=-1)
+    return ids.to(torch.int32), values.to(torch.float16)
+
+
+def generate_records(target: LoadedModel, prompts: Sequence[str], *, max_new_tokens: int, temperature: float,
+                     teacher_k: int, seed: int, max_batch: int = 16) -> list[Record]:
+    """Sample continuations with the ``ar`` loop, recording the teacher top-k of each sampled token."""
+    from specdec.runtime.engine import Engine
+    from specdec.runtime.loops import LOOPS
+    from specdec.runtime.scheduler import Scheduler
+
+    engine = Engine.from_models(target, None, max_batch=max_batch, max_len=1024)
+    scheduler = Scheduler(engine.max_batch)
+    requests = [engine.request(p, chat=True, max_tokens=max_new_tokens, temperature=temperature,
+                               seed=seed + i, request_id=f"d{i}") for i, p in enumerate(prompts)]
+    teacher: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {r.request_id: [] for r in requests}
+    finished: dict[str, list[int]] = {}
+
+    def on_logits(seq: Any, logits: torch.Tensor) -> None:
+        ids, logp = _topk(logits, teacher_k)
+        teacher[seq.request.request_id].append((len(seq.tokens), ids, logp))
+
+    for request in requests:
+        scheduler.submit(request)
+    ctx = engine.context(scheduler, on_logits=on_logits,
+                         on_finish=lambda seq: finished.__setitem__(seq.request.request_id, list(seq.tokens)))
+    LOOPS["ar"](ctx)
+    records = []
+    for request in requests:
+        rows = teacher[request.request_id]
+        tokens = finished[request.request_id]
+        rows = [r for r in rows if r[0] < len(tokens)]
+        records.append(Record(tokens, [r[0] for r in rows], torch.stack([r[1] for r in rows]),
+                              torch.stack([r[2] for r in rows])))
+    return records
+
+
+def text_records(target: LoadedModel, text: str, *, chunk: int, teacher_k: int) -> list[Record]:
+    """Documents cut into ``chunk``-token pieces, with the teacher at every position after the first."""
+    from specdec.runtime.backends.torch_backend import TorchBackend
+    from specdec.runtime.packed import SeqWork, pack
+
+    ids = list(target.tokenizer(text)["input_ids"])
+    pieces = [ids[i : i + chunk] for i in range(0, len(ids) - 1, chunk) if len(ids[i : i + chunk]) > 8]
+    backend = TorchBackend(target)
+    cache = backend.allocate_cache(1, chunk + 1)
+    records = []
+    for piece in tqdm(pieces, desc="teacher on text", unit="chunk", leave=False):
+        with torch.no_grad():
+            logits = backend.step(pack([SeqWork(0, 0, piece, logits="all")]), cache)
+        top_ids, top_logp = _topk(logits[:-1], teacher_k)
+        records.append(Record(piece, list(range(1, len(piece))), top_ids, top_logp))
+    return records
+
+
+def collect_data(target: LoadedModel, work: Path, prompts: Sequence[str], *, shard_size: int,
+                 max_new_tokens: int, temperature: float, teacher_k: int, seed: int,
+                 text: str | None = None, text_chunk: int = 256) -> list[Record]:
+    """All records, generating only the shards that are not on disk yet (so a rerun resumes)."""
+    data = work / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    shards = [prompts[i : i + shard_size] for i in range(0, len(prompts), shard_size)]
+    records: list[Record] = []
+    bar = tqdm(total=len(shards), desc="target continuations", unit="shard")
+    for n, shard in enumerate(shards):
+        path = data / f"shard-{n:05d}.pt"
+        if not path.is_file():
+            part = generate_records(target, shard, max_new_tokens=max_new_tokens, temperature=temperature,
+                                    teacher_k=teacher_k, seed=seed + n * shard_size)
+            tmp = path.with_suffix(".tmp")
+            torch.save([asdict(r) for r in part], tmp)
+            tmp.replace(path)  # a shard exists complete or not at all
+        records += [Record(**r) for r in torch.load(path, weights_only=False)]
+        bar.update()
+    bar.close()
+    if text:
+        path = data / "text.pt"
+        if not path.is_file():
+            torch.save([asdict(r) for r in text_records(target, text, chunk=text_chunk, teacher_k=teacher_k)], path)
+        records += [Record(**r) for r in torch.load(path, weights_only=False)]
+    return records
+
+
+def select_head(records: Sequence[Record], size: int, vocab_size: int, always: Sequence[int] = ()) -> torch.Tensor:
+    """The ``size`` most frequent tokens of the data (teacher top-1s and sampled tokens), plus ``always``."""
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for r in records:
+        counts.index_add_(0, torch.as_tensor(r.tokens, dtype=torch.long),
+                          torch.ones(len(r.tokens), dtype=torch.float64))
+        counts.index_add_(0, r.top_ids[:, 0].long(), torch.ones(len(r.positions), dtype=torch.float64))
+    for t in always:
+        counts[t] = math.inf
+    size = min(size, vocab_size)
+    return torch.sort(torch.topk(counts, size).indices).values
+
+
+# --------------------------------------------------------------------------- the draft
+
+
+def init_draft(target: LoadedModel, layers: int, head_ids: torch.Tensor) -> LoadedModel:
+    """``layers`` target layers (first, last and evenly spaced), the target's norm and embeddings, a head of rows."""
+    from specdec.export.models import restrict_head
+
+    n = int(target.config.num_hidden_layers)
+    if not 1 <= layers <= n:
+        raise ValueError(f"--layers must be between 1 and {n} (the target's layers), got {layers}")
+    picked = [round(i * (n - 1) / (layers - 1)) for i in range(layers)] if layers > 1 else [0]
+    sd: dict[str, torch.Tensor] = {}
+    for new, old in enumerate(picked):
+        prefix = f"model.layers.{old}."
+        for name, tensor in target.state_dict.items():
+            if name.startswith(prefix):
+                sd[f"model.layers.{new}." + name[len(prefix):]] = tensor.detach().clone()
+    sd["model.norm.weight"] = target.state_dict["model.norm.weight"].detach().clone()
+    sd["model.embed_tokens.weight"] = target.state_dict["model.embed_tokens.weight"]  # shared, frozen
+    head = target.state_dict.get("lm_head.weight", target.state_dict["model.embed_tokens.weight"])
+    sd["lm_head.weight"] = head.detach().clone()
+    config = target.config.__class__.from_dict({**target.config.to_dict(), "num_hidden_layers": layers,
+                                                "tie_word_embeddings": False})
+    full = LoadedModel(f"{target.name}-draft", config, sd, target.tokenizer, f"distilled from {target.name}",
+                       {"init_layers": picked})
+    return restrict_head(full, head_ids)
+
+
+class DraftNet(torch.nn.Module):
+    """The draft as a trainable module: HF LLaMA layers over frozen target embeddings, a head of K rows."""
+
+    def __init__(self, draft: LoadedModel) -> None:
+        super().__init__()
+        from transformers import LlamaModel
+
+        config = draft.config.__class__.from_dict({**draft.config.to_dict(), "_attn_implementation": "sdpa"})
+        self.model = LlamaModel(config)
+        own = {k[len("model."):]: v for k, v in draft.state_dict.items() if k.startswith("model.")}
+        missing, unexpected = self.model.load_state_dict(own, strict=False)
+        if unexpected or [m for m in missing if "rotary" not in m]:
+            raise ValueError(f"draft weights do not fit: missing={missing} unexpected={unexpected}")
+        self.model.embed_tokens.weight.requires_grad_(False)
+        self.head = torch.nn.Parameter(draft.state_dict["lm_head.weight"].detach().clone().float())
+        self.register_buffer("head_ids", draft.head_token_ids.clone())
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return hidden @ self.head.t()
+
+    def export(self, template: LoadedModel) -> LoadedModel:
+        """Back to a ``LoadedModel`` (trained weights, embeddings still the target's tensor)."""
+        sd = {f"model.{k}": v.detach().clone() for k, v in self.model.state_dict().items() if "rotary" not in k}
+        sd["model.embed_tokens.weight"] = template.state_dict["model.embed_tokens.weight"]
+        sd["lm_head.weight"] = self.head.detach().clone()
+        return LoadedModel(template.name, template.config, sd, template.tokenizer, template.source,
+                           dict(template.extra))
+
+
+def _batch(records: Sequence[Record], head_ids: torch.Tensor, vocab_size: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Padded inputs, mask, and the teacher as (row, head column, prob) triples over the head."""
+    width = max(len(r.tokens) for r in records)
+    input_ids = torch.zeros(len(records), width, dtype=torch.long)
+    mask = torch.zeros(len(records), width, dtype=torch.long)
+    column = torch.full((vocab_size,), -1, dtype=torch.long)
+    column[head_ids] = torch.arange(len(head_ids))
+    rows, cols, probs = [], [], []
+    for b, r in enumerate(records):
+        input_ids[b, : len(r.tokens)] = torch.as_tensor(r.tokens)
+        mask[b, : len(r.tokens)] = 1
+        pos = torch.as_tensor(r.positions, dtype=torch.long)
+        head_col = column[r.top_ids.long()]  # [P, k]
+        p = torch.exp(r.top_logp.float()) * (head_col >= 0)
+        p = p / p.sum(-1, keepdim=True).clamp_min(1e-12)  # the teacher on the head, renormalised
+        flat_row = (b * width + pos - 1).unsqueeze(1).expand_as(head_col)
+        keep = head_col >= 0
+        rows.append(flat_row[keep])
+        cols.append(head_col[keep])
+        probs.append(p[keep])
+    return input_ids, mask, torch.cat(rows), torch.cat(cols), torch.cat(probs)
+
+
+def distill_loss(net: DraftNet, records: Sequence[Record], vocab_size: int) -> tuple[torch.Tensor, int]:
+    """Cross-entropy of the draft to the head-restricted teacher, averaged over teacher positions."""
+    input_ids, mask, rows, cols, probs = _batch(records, net.head_ids, vocab_size)
+    logq = torch.log_softmax(net(input_ids, mask).float(), dim=-1).reshape(-1, len(net.head_ids))
+    positions = sum(len(r.positions) for r in records)
+    return -(probs * logq[rows, cols]).sum() / positions, positions
+
+
+@torch.no_grad()
+def evaluate(net: DraftNet, target: LoadedModel, records: Sequence[Record]) -> dict[str, float]:
+    """Greedy agreement and expected acceptance Σ min(p, q) against the FULL target distribution."""
+    from specdec.runtime.backends.torch_backend import TorchBackend
+    from specdec.runtime.packed import SeqWork, pack
+
+    backend = TorchBackend(target)
+    vocab = target.vocab_size
+    agree = accept = kl = 0.0
+    count = 0
+    for r in records:
+        cache = backend.allocate_cache(1, len(r.tokens) + 1)
+        p_all = torch.softmax(backend.step(pack([SeqWork(0, 0, r.tokens, logits="all")]), cache).float(), -1)
+        q_head = torch.softmax(net(torch.as_tensor([r.tokens]), torch.ones(1, len(r.tokens),
+                                                                               dtype=torch.long))[0].float(), -1)
+        pos = torch.as_tensor(r.positions, dtype=torch.long) - 1
+        p = p_all[pos]
+        q = torch.zeros(len(pos), vocab)
+        q[:, net.head_ids] = q_head[pos]
+        agree += float((q.argmax(-1) == p.argmax(-1)).sum())
+        accept += float(torch.minimum(p, q).sum())
+        p_head = p[:, net.head_ids]
+        p_head = p_head / p_head.sum(-1, keepdim=True)
+        kl += float((p_head * (torch.log(p_head.clamp_min(1e-12)) - torch.log(q_head[pos].clamp_min(1e-12)))).sum())
+        count += len(pos)
+    return {"greedy_agreement": agree / count, "expected_acceptance": accept / count,
+            "kl_on_head": kl / count, "positions": count}
+
+
+# --------------------------------------------------------------------------- driver
+
+
+@dataclass
+class DistillSettings:
+    target: str = DEFAULT_TARGET
+    out: str = "draft"
+    layers: int = 2
+    head_size: int = 8192
+    samples: int = 400
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    teacher_k: int = 32
+    batch: int = 8
+    lr: float = 1e-3
+    steps: int | None = None
+    minutes: float | None = 10.0
+    seed: int = 0
+    heldout: float = 0.05
+    shard_size: int = 32
+    prompts_file: str | None = None
+    text_file: str | None = None
+    checkpoint_s: float = 60.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _load_prompts(settings: DistillSettings) -> list[str]:
+    if not settings.prompts_file:
+        return builtin_prompts()[: settings.samples]
+    text = Path(settings.prompts_file).read_text(encoding="utf-8")
+    prompts = json.loads(text) if text.lstrip().startswith("[") else [ln for ln in text.splitlines() if ln.strip()]
+    return [str(p) for p in prompts][: settings.samples]
+
+
+def distill(settings: DistillSettings, command: str = "") -> dict[str, Any]:
+    """Run (or resume) the whole recipe; returns the manifest written to ``OUT/specdec_draft.json``."""
+    torch.manual_seed(settings.seed)
+    out = Path(settings.out)
+    work = out / ".work"
+    work.mkdir(parents=True, exist_ok=True)
+    target = load_model(settings.target)
+    text = Path(settings.text_file).read_text(encoding="utf-8") if settings.text_file else None
+    records = collect_data(target, work, _load_prompts(settings), shard_size=settings.shard_size,
+                           max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+                           teacher_k=settings.teacher_k, seed=settings.seed, text=text)
+    records = [r for r in records if r.positions]
+    order = list(range(len(records)))
+    random.Random(settings.seed).shuffle(order)
+    n_held = max(1, int(len(records) * settings.heldout))
+    heldout, train = [records[i] for i in order[:n_held]], [records[i] for i in order[n_held:]]
+    head_ids = select_head(train, settings.head_size, target.vocab_size, target.eos_token_ids)
+    draft = init_draft(target, settings.layers, head_ids)
+    net = DraftNet(draft)
+    params = [p for p in net.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
+    ckpt = work / "checkpoint.pt"
+    state = {"step": 0, "elapsed": 0.0, "before": None}
+    if ckpt.is_file():  # resume: same data, same head, same draft shape
+        saved = torch.load(ckpt, weights_only=False)
+        if saved["head_ids"].tolist() != head_ids.tolist() or saved["layers"] != settings.layers:
+            raise DraftLoadError(f"{ckpt} belongs to a different run (head or layers differ): remove {work}")
+        net.load_state_dict(saved["net"])
+        optimizer.load_state_dict(saved["optimizer"])
+        state = saved["state"]
+        print(f"resuming at step {state['step']} ({state['elapsed'] / 60:.1f} min trained)", file=sys.stderr)
+    if state["before"] is None:
+        state["before"] = evaluate(net, target, heldout)
+    budget_s = settings.minutes * 60 if settings.minutes else math.inf
+    max_steps = settings.steps if settings.steps is not None else math.inf
+    rng = random.Random(settings.seed + state["step"])
+    bar = tqdm(total=None if max_steps == math.inf else int(max_steps), initial=state["step"], desc="distill",
+               unit="step")
+    last_save = time.monotonic()
+    start = time.monotonic() - state["elapsed"]
+    net.train()
+    while state["step"] < max_steps and state["elapsed"] < budget_s:
+        batch = rng.sample(train, min(settings.batch, len(train)))
+        loss, _ = distill_loss(net, batch, target.vocab_size)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        state["step"] += 1
+        state["elapsed"] = time.monotonic() - start
+        bar.update()
+        bar.set_postfix(loss=f"{loss.item():.3f}", minutes=f"{state['elapsed'] / 60:.1f}")
+        if time.monotonic() - last_save > settings.checkpoint_s:
+            _checkpoint(ckpt, net, optimizer, state, head_ids, settings.layers)
+            last_save = time.monotonic()
+    bar.close()
+    _checkpoint(ckpt, net, optimizer, state, head_ids, settings.layers)
+    net.eval()
+    after = evaluate(net, target, heldout)
+    trained = net.export(draft)
+    manifest = {
+        "specdec_draft": FORMAT,
+        "command": command,
+        "target": {"name": target.name, "checksum": target.checksum(), "vocab_size": target.vocab_size},
+        "layers": settings.layers, "init_layers": draft.extra.get("init_layers"),
+        "head_size": len(head_ids),
+        "data": {"sequences": len(records), "train_sequences": len(train), "heldout_sequences": len(heldout),
+                 "teacher_positions": sum(len(r.positions) for r in records), "teacher_k": settings.teacher_k,
+                 "temperature": settings.temperature, "text_file": settings.text_file},
+        "seed": settings.seed, "steps": state["step"], "train_minutes": round(state["elapsed"] / 60, 2),
+        "batch": settings.batch, "lr": settings.lr,
+        "metrics": {"before": state["before"], "after": after},
+    }
+    save_draft(trained, out, manifest)
+    return manifest
+
+
+def _checkpoint(path: Path, net: DraftNet, optimizer: torch.optim.Optimizer, state: dict, head_ids: torch.Tensor,
+                layers: int) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"net": net.state_dict(), "optimizer": optimizer.state_dict(), "state": state,
+                "head_ids": head_ids, "layers": layers}, tmp)
+    tmp.replace(path)
+
+
+def save_draft(draft: LoadedModel, out: Path, manifest: dict[str, Any]) -> None:
+    """The draft's own weights in fp16 (not the target's embeddings), config, head map, manifest."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    own = {k: v.detach().to(torch.float16).contiguous() for k, v in draft.state_dict.items()
+           if k != "model.embed_tokens.weight"}
+    save_file(own, str(out / WEIGHTS))
+    draft.config.to_json_file(str(out / "config.json"))
+    (out / HEAD_FILE).write_text(json.dumps(draft.head_token_ids.tolist()))
+    (out / DRAFT_MANIFEST).write_text(json.dumps(manifest, indent=2))
+
+
+def is_draft_dir(path: str | Path) -> bool:
+    return (Path(path) / DRAFT_MANIFEST).is_file()
+
+
+def load_draft(path: str | Path, target: LoadedModel, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """A distilled draft for ``target``: its weights plus the target's embeddings; refuses another target's."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig
+
+    root = Path(path)
+    try:
+        manifest = json.loads((root / DRAFT_MANIFEST).read_text())
+        weights = load_file(str(root / WEIGHTS))
+        head = torch.as_tensor(json.loads((root / HEAD_FILE).read_text()), dtype=torch.long)
+        config = LlamaConfig.from_json_file(str(root / "config.json"))
+    except (OSError, ValueError) as exc:
+        raise DraftLoadError(f"{root} is not a complete distilled draft: {exc}") from exc
+    made_for = manifest.get("target", {})
+    if made_for.get("checksum") != target.checksum():
+        raise DraftLoadError(
+            f"draft {root} was distilled for target {made_for.get('name')!r} (checksum {made_for.get('checksum')}), "
+            f"not for {target.name!r} (checksum {target.checksum()}): distill a draft for this target"
+        )
+    sd = {k: v.to(dtype) for k, v in weights.items()}
+    sd["model.embed_tokens.weight"] = target.state_dict["model.embed_tokens.weight"].to(dtype)
+    return LoadedModel(f"{made_for.get('name')}-draft", config, sd, target.tokenizer, str(root),
+                       {"head_token_ids": head, "draft_manifest": manifest})
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def add_distill_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    d = DistillSettings()
+    parser.add_argument("--target", default=d.target, help="preset, Hugging Face directory or .gguf file")
+    parser.add_argument("--out", required=True, help="output directory (also holds .work/ for resuming)")
+    parser.add_argument("--prompts", dest="prompts_file", help="JSON list of strings or one prompt per line")
+    parser.add_argument("--text", dest="text_file", help="plain documents to add (teacher on every position)")
+    parser.add_argument("--samples", type=int, default=d.samples, help="prompts to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    parser.add_argument("--layers", type=int, default=d.layers)
+    parser.add_argument("--head-size", type=int, default=d.head_size, help="tokens in the draft's LM head")
+    parser.add_argument("--teacher-k", type=int, default=d.teacher_k, help="teacher log-probs kept per position")
+    parser.add_argument("--batch", type=int, default=d.batch, help="sequences per training step")
+    parser.add_argument("--lr", type=float, default=d.lr)
+    parser.add_argument("--minutes", type=float, default=d.minutes, help="training time budget (all runs)")
+    parser.add_argument("--steps", type=int, help="training steps (overrides --minutes)")
+    parser.add_argument("--seed", type=int, default=d.seed)
+    return parser
+
+
+def distill_main(args: argparse.Namespace) -> int:
+    settings = DistillSettings(**{k: v for k, v in vars(args).items() if k in DistillSettings.__dataclass_fields__})
+    if settings.steps is not None:
+        settings.minutes = None
+    try:
+        manifest = distill(settings, command=" ".join(["specdec", "distill", *sys.argv[2:]]))
+    except (ModelResolutionError, DraftLoadError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    before, after = manifest["metrics"]["before"], manifest["metrics"]["after"]
+    print(f"draft written to {settings.out}: {manifest['layers']} layers, head {manifest['head_size']} tokens, "
+          f"{manifest['steps']} steps in {manifest['train_minutes']} min on "
+          f"{manifest['data']['teacher_positions']} teacher positions")
+    for name in ("greedy_agreement", "expected_acceptance", "kl_on_head"):
+        print(f"  held-out {name:20s} {before[name]:.4f} -> {after[name]:.4f}")
+    return 0

@@ -1,0 +1,116 @@
+"""``specdec distill`` on a tiny random target with SmolLM2's real tokenizer: data, training, resume, loading."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec import distill as distill_mod
+from specdec.distill import DistillSettings, DraftLoadError, distill, is_draft_dir, load_draft
+from specdec.export.models import LoadedModel, load_model, save_model, tiny_random
+from specdec.runtime.engine import Engine
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tokenizer = load_model("smollm2-135m").tokenizer
+    tiny = tiny_random(seed=11, vocab_size=len(tokenizer), num_layers=3, hidden_size=32, num_heads=4,
+                       num_kv_heads=2, intermediate_size=64, tie_word_embeddings=False)
+    tiny.config.eos_token_id = tokenizer.eos_token_id
+    # a random model is nearly uniform over 49k tokens: give it a language of 400 tokens with sharp, context-
+    # dependent preferences, so there is something to teach and a head of the frequent tokens covers it
+    generator = torch.Generator().manual_seed(3)
+    head = torch.zeros_like(tiny.state_dict["lm_head.weight"])
+    common = torch.randperm(len(tokenizer), generator=generator)[:400]
+    head[common] = torch.randn(400, head.shape[1], generator=generator)
+    tiny.state_dict["lm_head.weight"] = head
+    path = tmp_path_factory.mktemp("models") / "tiny-target"
+    save_model(LoadedModel("tiny-target", tiny.config, tiny.state_dict, tokenizer, "test"), path)
+    return path
+
+
+def _settings(target: Path, out: Path, **kw: object) -> DistillSettings:
+    base = dict(target=str(target), out=str(out), layers=1, head_size=600, samples=12, max_new_tokens=16, heldout=0.25,
+                teacher_k=16, batch=4, lr=3e-3, steps=30, minutes=None, shard_size=4, checkpoint_s=0.0)
+    return DistillSettings(**{**base, **kw})
+
+
+def test_distillation_lowers_held_out_kl_and_writes_a_loadable_draft(tiny_target: Path, tmp_path: Path,
+                                                                     one_thread: None) -> None:
+    out = tmp_path / "draft"
+    manifest = distill(_settings(tiny_target, out), command="test")
+    before, after = manifest["metrics"]["before"], manifest["metrics"]["after"]
+    assert after["kl_on_head"] < 0.9 * before["kl_on_head"], (before, after)
+    assert after["expected_acceptance"] > before["expected_acceptance"]
+    assert manifest["steps"] == 30 and manifest["head_size"] == 600
+    assert is_draft_dir(out)
+    # the draft stores only its own weights: no copy of the target's embeddings
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert "model.embed_tokens.weight" not in names and f.get_tensor("lm_head.weight").shape[0] == 600
+        assert all(f.get_tensor(n).dtype == torch.float16 for n in names)
+    target = load_model(tiny_target)
+    draft = load_draft(out, target)
+    assert draft.head_token_ids is not None and len(draft.head_token_ids) == 600
+    # a restricted-head draft keeps greedy speculation exact
+    engine = Engine.from_models(target, draft, max_batch=4, max_len=256, num_draft_tokens=3)
+    reqs = [engine.request(p, chat=True, max_tokens=12) for p in ("Hi there", "Tell me about bees", "2+2?")]
+    want = engine.generate(reqs, "ar").outputs
+    got = engine.generate(reqs, "ems")
+    assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want]
+    assert got.run.summary()["draft_tokens"] > 0
+
+
+def test_a_draft_for_another_target_is_refused(tiny_target: Path, tmp_path: Path, one_thread: None) -> None:
+    out = tmp_path / "draft"
+    distill(_settings(tiny_target, out, steps=1, samples=4), command="test")
+    tokenizer = load_model(tiny_target).tokenizer
+    other = tiny_random(seed=12, vocab_size=len(tokenizer), num_layers=3, hidden_size=32, num_heads=4,
+                        num_kv_heads=2, intermediate_size=64, tie_word_embeddings=True)
+    other = LoadedModel("other-target", other.config, other.state_dict, tokenizer, "test")
+    with pytest.raises(DraftLoadError, match=r"distilled for target 'tiny-target'.*not for 'other-target'"):
+        load_draft(out, other)
+    (out / "head_token_ids.json").unlink()
+    with pytest.raises(DraftLoadError, match="not a complete distilled draft"):
+        load_draft(out, load_model(tiny_target))
+
+
+def test_an_interrupted_run_resumes(tiny_target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                    one_thread: None) -> None:
+    out = tmp_path / "draft"
+    real_loss = distill_mod.distill_loss
+    calls = {"n": 0}
+
+    def interrupted(*args: object, **kwargs: object) -> object:
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise KeyboardInterrupt
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(distill_mod, "distill_loss", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        distill(_settings(tiny_target, out, steps=12), command="test")
+    shards = sorted((out / ".work" / "data").glob("shard-*.pt"))
+    assert len(shards) == 3  # 12 prompts in shards of 4: the data was complete before training
+    stamps = [s.stat().st_mtime_ns for s in shards]
+    saved = torch.load(out / ".work" / "checkpoint.pt", weights_only=False)
+    assert saved["state"]["step"] == 5
+
+    monkeypatch.setattr(distill_mod, "distill_loss", real_loss)
+    calls["resumed"] = 0
+
+    def counting(*args: object, **kwargs: object) -> object:
+        calls["resumed"] += 1
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(distill_mod, "distill_loss", counting)
+    manifest = distill(_settings(tiny_target, out, steps=12), command="test")
+    assert calls["resumed"] == 7  # steps 6..12 only
+    assert manifest["steps"] == 12
+    assert [s.stat().st_mtime_ns for s in shards] == stamps  # the data was not generated again
+    assert json.loads((out / "specdec_draft.json").read_text())["steps"] == 12
