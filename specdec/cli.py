@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from specdec.distill import DraftLoadError, resolve_draft
 from specdec.export.models import DEFAULT_TARGET, ModelResolutionError, load_model
 from specdec.runtime.engine import METHODS, DraftMismatchError, Engine, GenerationResult
 from specdec.runtime.sampling import InvalidRequestError
@@ -57,7 +58,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
     target = load_model(args.target)
     if args.draft and args.drafter not in (None, "model"):
         raise SystemExit("error: pass either --draft PATH or --drafter ngram|none, not both")
-    draft = load_model(args.draft) if args.draft else (args.drafter or "ngram")
+    draft = resolve_draft(args.draft, target) if args.draft else (args.drafter or "ngram")
     if args.method == "ar":
         draft = None
     return Engine.from_models(target, draft, max_batch=args.max_batch or 16, max_len=args.max_len or 1024,
@@ -104,7 +105,7 @@ def _print_human(prompts: Sequence[str], result: GenerationResult, baseline: Gen
 def cmd_generate(args: argparse.Namespace) -> int:
     try:
         engine = build_engine(args)
-    except (ModelResolutionError, DraftMismatchError, ValueError) as exc:
+    except (ModelResolutionError, DraftMismatchError, DraftLoadError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     prompts = read_prompts(args)

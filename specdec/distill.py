@@ -437,8 +437,22 @@ def save_draft(draft: LoadedModel, out: Path, manifest: dict[str, Any]) -> None:
     (out / DRAFT_MANIFEST).write_text(json.dumps(manifest, indent=2))
 
 
+#: drafts shipped inside the package, by name (``--draft smollm2-135m-draft``)
+SHIPPED_DRAFTS = {"smollm2-135m-draft": Path(__file__).parent / "drafts" / "smollm2-135m"}
+
+
 def is_draft_dir(path: str | Path) -> bool:
     return (Path(path) / DRAFT_MANIFEST).is_file()
+
+
+def resolve_draft(spec: str | Path, target: LoadedModel) -> LoadedModel:
+    """A draft for ``target`` from a shipped name, a distilled directory, or anything ``load_model`` takes."""
+    path = SHIPPED_DRAFTS.get(str(spec), Path(spec))
+    if is_draft_dir(path):
+        return load_draft(path, target)
+    if str(spec) in SHIPPED_DRAFTS:
+        raise DraftLoadError(f"the shipped draft {spec!r} is missing from this installation ({path})")
+    return load_model(spec)
 
 
 def load_draft(path: str | Path, target: LoadedModel, dtype: torch.dtype = torch.float32) -> LoadedModel:

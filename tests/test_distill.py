@@ -64,6 +64,11 @@ def test_distillation_lowers_held_out_kl_and_writes_a_loadable_draft(tiny_target
     got = engine.generate(reqs, "ems")
     assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want]
     assert got.run.summary()["draft_tokens"] > 0
+    # and the command line takes the distilled directory as --draft
+    from specdec.cli import main
+
+    assert main(["generate", "--target", str(tiny_target), "--draft", str(out), "--prompt", "Hi there", "--chat",
+                 "--max-tokens", "8", "--json"]) == 0
 
 
 def test_a_draft_for_another_target_is_refused(tiny_target: Path, tmp_path: Path, one_thread: None) -> None:

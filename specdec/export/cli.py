@@ -29,6 +29,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from specdec.distill import resolve_draft
 from specdec.export.models import (
     DEFAULT_TARGET,
     LoadedModel,
@@ -130,7 +131,7 @@ def export(target: str, draft: str | None, out: Path, force: bool = False, backe
         stages = tqdm(total=1 + per_model * (2 if draft else 1), desc="export", unit="stage")
         stages.set_postfix_str("loading models")
         target_model = load_model(target)
-        draft_model = load_model(draft) if draft else None
+        draft_model = resolve_draft(draft, target_model) if draft else None
         if draft_model is not None:
             from specdec.runtime.engine import check_draft_compatible
 

@@ -1,0 +1,445 @@
+"""The model-free core of DSBD (dynamic-width speculative beam decoding), as pure torch functions.
+
+Method and conventions: ``shared/docs/dsbd.md``. Everything here works on probability tensors
+that a runtime gets from one packed target call over a draft forest; nothing touches a model,
+a KV cache or I/O, so the exactness of the method can be tested on enumerable toy models.
+
+Index convention. A beam step over ``W`` parents and a vocabulary of ``V`` tokens works on the
+flattened ``W * V`` vector: the pair (parent ``b``, token ``v``) is index ``b * V + v``
+(``divmod(index, V)`` gives it back). A parent whose score is ``-inf`` is absent: its pairs
+have probability 0. That is how the target's ``p_beam`` is laid over the draft's parents,
+of which only the accepted ones are valid, so that ``p_beam`` and the draft's ``q_beam`` live
+on the same index space and the residual ``max(0, p' - q_beam)`` is a plain vector operation.
+
+Exactness (what ``tests/test_dsbd_math.py`` checks): conditional on the beams entering a
+layer, every output slot of the layer is one draw from the target's ``p_beam``, as in the
+``beam`` baseline that draws its W pairs i.i.d. Within one layer the slots are even i.i.d.;
+across the layers of a round the joint law differs from the baseline's, because a round only
+goes on to layer l+1 when layer l passed, and passing depends on the slots' values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import torch
+
+from specdec.runtime.sampling import SamplingParams, sample, warp
+
+# When the residual max(0, p' - q) has total mass <= RESIDUAL_EPS the rejection that led to
+# it had probability exactly that mass (P(reject) = sum max(0, q - p') = sum max(0, p' - q)),
+# so whatever distribution follows a rejection changes the slot's law by at most this much in
+# total variation. With mass 0, p' <= q and both sum to 1, so p' == q: every draft is accepted
+# and a rejection can only be a rounding artefact. We then keep p' (== q): the next draft,
+# drawn from q, is accepted with probability 1 and so is still a draw from p'. Normalising
+# rounding noise instead would sample from an arbitrary law.
+RESIDUAL_EPS = 1e-9
+
+
+class Beam(NamedTuple):
+    """A live beam: its token sequence and its score ``log p_beam`` (target's, or draft's in the forest)."""
+
+    prefix: tuple[int, ...]
+    score: float
+
+
+class BeamStep(NamedTuple):
+    """One beam step: new beam ``i`` extends parent ``parents[i]`` by ``tokens[i]`` and scores ``scores[i]``."""
+
+    parents: list[int]
+    tokens: list[int]
+    scores: list[float]
+
+
+@dataclass(frozen=True)
+class LayerVerdict:
+    """The verification of one forest layer.
+
+    ``accepted``: positions in the layer's draft list (draw order) of the accepted drafts.
+    ``passed``: ``width`` drafts were accepted; they are the valid parents of the next layer.
+    ``outputs``: the layer's ``width`` output slots as flat (parent, token) indices: the
+    accepted drafts, then (on failure) one draw from the current ``p'`` and fresh draws from ``pb``.
+    """
+
+    accepted: list[int]
+    passed: bool
+    outputs: list[int]
+
+
+# -- the beam distribution -------------------------------------------------------------------
+
+
+def _log_joint(scores: torch.Tensor, probs_or_logits: torch.Tensor, logits: bool) -> torch.Tensor:
+    """``s_b + log p(v | b)`` as a flat ``[W * V]`` float64 vector; ``-inf`` for absent parents."""
+    if scores.dim() != 1 or probs_or_logits.dim() != 2 or probs_or_logits.shape[0] != scores.shape[0]:
+        raise ValueError(f"expected scores [W] and a [W, V] table, got {tuple(scores.shape)} and "
+                         f"{tuple(probs_or_logits.shape)}")
+    scores = scores.double()
+    if torch.isnan(scores).any() or (scores == math.inf).any():
+        raise ValueError(f"beam scores must be finite or -inf (absent parent), got {scores.tolist()}")
+    table = probs_or_logits.double()
+    # log_softmax also for probabilities: it renormalises rows, and beam_step(logits=log(probs))
+    # then computes bit for bit what the probability path does
+    log_p = torch.log_softmax(table if logits else torch.log(table), dim=-1)
+    absent = torch.isinf(scores)
+    # rows of absent parents may hold anything (even NaN): they never contribute
+    joint = (scores[:, None] + log_p.masked_fill(absent[:, None], 0.0)).masked_fill(absent[:, None], -math.inf)
+    joint = joint.flatten()
+    if not torch.isfinite(joint).any():
+        raise ValueError("no (beam, token) pair has positive probability: every parent is absent")
+    return joint
+
+
+def beam_distribution(scores: torch.Tensor, probs_or_logits: torch.Tensor, params: SamplingParams, *,
+                      logits: bool = False) -> torch.Tensor:
+    """``p_beam`` over the flat ``[W * V]`` pairs: ``warp(exp(s_b) * p(v | b))``, normalised (float64).
+
+    ``probs_or_logits[b]`` is the *unwarped* next-token distribution of beam ``b`` (probabilities,
+    or logits with ``logits=True``). Warping is applied once, jointly, to the flattened vector:
+    the log-joint ``s_b + log p(v|b)`` plays the role of logits, so temperature also tempers
+    the beam scores, and top-k / top-p cut across beams, not per beam. The ``beam`` baseline
+    and DSBD must share this definition, or "DSBD samples the baseline's law" compares two
+    different targets. ``scores[b] = -inf`` marks an absent parent (probability 0).
+
+    Greedy parameters have no distribution: use :func:`beam_search_step`.
+    """
+    if params.greedy:
+        raise ValueError("temperature 0 is deterministic beam search: use beam_search_step")
+    joint = _log_joint(scores, probs_or_logits, logits)
+    # shift in float64 before warp() casts to float32, so large |scores| lose no precision
+    probs = warp(joint - joint.max(), params).double()
+    return probs / probs.sum()
+
+
+def beam_search_step(scores: torch.Tensor, probs_or_logits: torch.Tensor, width: int, *,
+                     logits: bool = False) -> BeamStep:
+    """Deterministic beam search (the temperature -> 0 limit): the ``width`` best pairs.
+
+    Pairs are ranked by ``s_b + log p(v | b)`` and the new score is that cumulative
+    log-probability (the usual beam-search score, which length normalisation needs). It differs
+    from ``log p_beam`` at temperature 1 by one constant per step, so the ranking is the same.
+    Ties go to the lower flat index (lower parent, then lower token), so the result is
+    reproducible; top-k / top-p never change the argmax set and are ignored.
+    """
+    joint = _log_joint(scores, probs_or_logits, logits)
+    live = int(torch.isfinite(joint).sum())
+    if not 1 <= width <= live:
+        raise ValueError(f"width must be in [1, {live}] (pairs of positive probability), got {width}")
+    order = torch.sort(joint, descending=True, stable=True).indices[:width]
+    vocab = probs_or_logits.shape[-1]
+    return BeamStep([int(i) // vocab for i in order], [int(i) % vocab for i in order],
+                    [float(joint[i]) for i in order])
+
+
+# -- sampling pairs --------------------------------------------------------------------------
+
+
+def sample_pairs_iid(p_beam: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
+    """``n`` flat (beam, token) indices drawn i.i.d. (with replacement) from a flat ``p_beam``."""
+    if p_beam.dim() != 1:
+        raise ValueError(f"p_beam must be the flat [W * V] vector, got shape {tuple(p_beam.shape)}")
+    if n == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.multinomial(p_beam, n, replacement=True, generator=generator)
+
+
+def beam_step(scores: torch.Tensor, logits: torch.Tensor, params: SamplingParams, width: int,
+              generator: torch.Generator, mode: Literal["iid", "without_replacement"] = "iid") -> BeamStep:
+    """One step of the target-only ``beam`` process: ``width`` new beams from ``W`` parents.
+
+    ``logits`` is ``[W, V]``. Each drawn pair becomes a beam scored ``log p_beam(b, v)``
+    (dsbd.md). ``mode="iid"`` draws with replacement (duplicates possible): the law DSBD
+    reproduces slot by slot. ``"without_replacement"`` draws distinct pairs (classic beam
+    sampling); DSBD does not reproduce it. Greedy parameters run :func:`beam_search_step`.
+    """
+    if params.greedy:
+        return beam_search_step(scores, logits, width, logits=True)
+    p_beam = beam_distribution(scores, logits, params, logits=True)
+    if mode == "iid":
+        flat = sample_pairs_iid(p_beam, width, generator)
+    elif mode == "without_replacement":
+        support = int((p_beam > 0).sum())
+        if width > support:
+            raise ValueError(f"cannot draw {width} distinct pairs from {support} of positive probability")
+        flat = torch.multinomial(p_beam, width, replacement=False, generator=generator)
+    else:
+        raise ValueError(f"mode must be 'iid' or 'without_replacement', got {mode!r}")
+    vocab = logits.shape[-1]
+    return BeamStep([int(i) // vocab for i in flat], [int(i) % vocab for i in flat],
+                    [math.log(float(p_beam[i])) for i in flat])
+
+
+def draft_layer(q_beam: torch.Tensor, n: int, generator: torch.Generator) -> list[int]:
+    """The ``n = W_S`` draft nodes of one forest layer, drawn i.i.d. **with** replacement from ``q_beam``.
+
+    The verifier's residual rule is exact only for i.i.d. drafts: drafts drawn without
+    replacement are not, and verifying them this way is biased (dsbd.md; the tests keep that
+    variant as a negative control).
+    """
+    return sample_pairs_iid(q_beam, n, generator).tolist()
+
+
+# -- verification ----------------------------------------------------------------------------
+
+
+def _residual(current: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``norm(max(0, p' - q))``, subtracted once; ``p'`` itself when the residual is degenerate (see RESIDUAL_EPS)."""
+    residual = torch.clamp(current - q, min=0.0)
+    mass = float(residual.sum())
+    return current if mass <= RESIDUAL_EPS else residual / mass
+
+
+def _check_layer(pb: torch.Tensor, q_beam: torch.Tensor, valid_parent_mask: torch.Tensor) -> int:
+    """The vocabulary size, after checking that ``pb`` and ``q_beam`` share the parents x vocab space."""
+    parents = valid_parent_mask.numel()
+    if pb.shape != q_beam.shape or pb.dim() != 1 or parents == 0 or pb.numel() % parents:
+        raise ValueError(f"pb {tuple(pb.shape)} and q_beam {tuple(q_beam.shape)} must be flat vectors over the "
+                         f"same {parents} parents x vocabulary")
+    vocab = pb.numel() // parents
+    if float(pb.view(parents, vocab)[~valid_parent_mask.bool()].abs().sum()) > 0:
+        raise ValueError("pb must be 0 on pairs of invalid parents (give them score -inf)")
+    return vocab
+
+
+def verify_layer(pb: torch.Tensor, q_beam: torch.Tensor, nodes: Sequence[int], valid_parent_mask: torch.Tensor,
+                 width: int, generator: torch.Generator) -> LayerVerdict:
+    """Verify one forest layer: steps 4-6 of dsbd.md.
+
+    ``pb`` and ``q_beam`` are flat over *all* the draft's parents of this layer x vocabulary;
+    ``pb`` is the target's ``p_beam`` over the valid parents (the beams accepted at the
+    previous layer), 0 on the others. ``nodes`` are the layer's drafts (flat indices, i.i.d.
+    from ``q_beam``) in draw order. Starting from ``p' = pb``, each draft is:
+
+    * rejected outright when its parent is invalid (``pb`` is 0 there, so the ratio rule would
+      reject it too; the residual must still be updated, since dropping such drafts is biased);
+    * else accepted with probability ``min(1, p'(x) / q_beam(x))``.
+
+    On acceptance ``p' = pb``; on rejection ``p' = norm(max(0, p' - q_beam))``. Why each slot is
+    a draw from ``pb``: the first acceptance among i.i.d. drafts, or a draw from the residual
+    when none is accepted, is distributed as ``p'`` (recursive rejection sampling); after an
+    acceptance the remaining drafts are fresh i.i.d. draws, so the next slot starts over from
+    ``pb``. Hence the completion on failure: one draw from the current ``p'`` finishes the slot
+    in progress, and slots never started are fresh draws from ``pb``.
+    """
+    if width < 1:
+        raise ValueError(f"width must be >= 1, got {width}")
+    vocab = _check_layer(pb, q_beam, valid_parent_mask)
+    pb, q_beam = pb.double(), q_beam.double()
+    valid = valid_parent_mask.bool().tolist()
+    current = pb
+    accepted: list[int] = []
+    for position, x in enumerate(nodes):
+        qx = float(q_beam[x])
+        if qx <= 0.0:
+            raise ValueError(f"draft {x} has q_beam 0: drafts must be drawn from q_beam")
+        if valid[x // vocab] and float(torch.rand((), generator=generator, dtype=torch.float64)) * qx < float(
+                current[x]):
+            accepted.append(position)
+            if len(accepted) == width:
+                return LayerVerdict(accepted, True, [nodes[i] for i in accepted])
+            current = pb
+        else:
+            current = _residual(current, q_beam)
+    outputs = [nodes[i] for i in accepted]
+    outputs.append(sample(current, generator))
+    outputs.extend(sample_pairs_iid(pb, width - len(outputs), generator).tolist())
+    return LayerVerdict(accepted, False, outputs)
+
+
+# -- dynamic width ---------------------------------------------------------------------------
+
+
+def _acceptance_rates(pb: torch.Tensor, q: torch.Tensor, m: int) -> list[float]:
+    """``alpha_1..alpha_m``: P(the k-th draft since the last acceptance is accepted | k-1 rejections)."""
+    current, q = pb.double().flatten(), q.double().flatten()
+    if current.shape != q.shape:
+        raise ValueError(f"pb {tuple(pb.shape)} and q {tuple(q.shape)} must have the same shape")
+    rates = []
+    for _ in range(m):
+        # sum min(p_k, q) = 1 - sum max(0, p_k - q): the second form is exactly 1 when p_k == q
+        # (the first sums q's rounding errors), so "every draft is accepted" survives rounding
+        excess = float(torch.clamp(current - q, min=0.0).sum())
+        rates.append(min(1.0, max(0.0, 1.0 - excess)))
+        current = _residual(current, q)  # once per step
+    return rates
+
+
+def acceptance_count_distribution(pb: torch.Tensor, q: torch.Tensor, m: int) -> torch.Tensor:
+    """``[m + 1]`` float64: P(exactly k of ``m`` i.i.d. drafts from ``q`` are accepted), k = 0..m.
+
+    The process is :func:`verify_layer` without the stop at a width. With
+    ``alpha_k = sum min(p_k, q)``, ``p_1 = pb`` and ``p_k = norm(max(p_{k-1} - q, 0))`` (one
+    subtraction per rejection), the first acceptance comes at draft i with probability
+    ``f_i = alpha_i * prod_{j<i} (1 - alpha_j)``; the distribution then resets to ``pb`` and
+    the m - i later drafts are a fresh instance: ``P(m, k) = sum_i f_i P(m - i, k - 1)``,
+    ``P(m, 0) = prod_{j<=m} (1 - alpha_j)``.
+
+    Drafts with an invalid parent are included when ``pb`` is laid over all the draft's
+    parents (0 on invalid ones, as :func:`verify_layer` takes it): the ratio rule rejects them
+    with probability 1 and applies the same residual update that verify_layer applies, so the
+    recursion over the full ``q`` is the exact law of the real process, not an optimistic one.
+    """
+    alphas = _acceptance_rates(pb, q, m)
+    first = []  # f_i, i = 1..m
+    none_yet = 1.0
+    for alpha in alphas:
+        first.append(none_yet * alpha)
+        none_yet *= 1.0 - alpha
+    # table[n][k] = P(n, k)
+    table = [[1.0] + [0.0] * m]
+    for n in range(1, m + 1):
+        row = [math.prod(1.0 - a for a in alphas[:n])] + [0.0] * m
+        for k in range(1, n + 1):
+            row[k] = sum(first[i - 1] * table[n - i][k - 1] for i in range(1, n + 1))
+        table.append(row)
+    return torch.tensor(table[m], dtype=torch.float64)
+
+
+def acceptance_probability(pb: torch.Tensor, q: torch.Tensor, m: int, k: int) -> float:
+    """``P(m, k)``: probability that exactly ``k`` of ``m`` i.i.d. drafts from ``q`` are accepted."""
+    if not 0 <= k <= m:
+        return 0.0
+    return float(acceptance_count_distribution(pb, q, m)[k])
+
+
+def acceptance_tail(pb: torch.Tensor, q: torch.Tensor, m: int) -> torch.Tensor:
+    """``[m + 1]``: P(at least K accepted among ``m`` drafts), K = 0..m (= P(a layer of width K passes))."""
+    law = acceptance_count_distribution(pb, q, m)
+    tail = torch.flip(torch.cumsum(torch.flip(law, [0]), 0), [0]).clamp(0.0, 1.0)
+    tail[0] = 1.0  # exactly, not 1 - rounding
+    return tail
+
+
+def dynamic_width(pb: torch.Tensor, q: torch.Tensor, w_s: int, threshold: float, w_min: int) -> int:
+    """The layer's width: ``max(w_min, max{K : P(>= K accepted among w_s) >= threshold})``.
+
+    A function of (pb, q) only, decided before any draft is verified, so every slot of the
+    layer is still exactly a draw from ``pb`` for whatever width comes out.
+    """
+    if not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+    if not 1 <= w_min <= w_s:
+        raise ValueError(f"need 1 <= w_min <= w_s, got w_min={w_min}, w_s={w_s}")
+    tail = acceptance_tail(pb, q, w_s)
+    # a 1e-12 slack so that rounding in the recursion cannot flip a comparison like 1 - 4e-16 >= 1
+    best = max(k for k in range(w_s + 1) if float(tail[k]) >= threshold - 1e-12)
+    return max(w_min, best)
+
+
+# -- a whole round over table-defined models (the tests' simulator) ---------------------------
+
+
+ProbsFn = Callable[[tuple[int, ...]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LayerTrace:
+    """One verified layer of a round: its valid parents (target beams) and its output slots.
+
+    ``slots[j] = (i, v)``: slot j extends ``parents[i]`` by token ``v``. ``drafted`` is 0 for
+    the extra layer sampled directly from the target after all γ layers passed.
+    """
+
+    parents: list[Beam]
+    slots: list[tuple[int, int]]
+    passed: bool
+    drafted: int
+    accepted: int
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """Output beams of a round (the next round's input) and the trace of its layers."""
+
+    beams: list[Beam]
+    layers: list[LayerTrace]
+
+
+def _memo_beam_distribution(kind: str, beams: Sequence[Beam], absent: Sequence[bool], fn: ProbsFn,
+                            params: SamplingParams, memo: dict | None) -> torch.Tensor:
+    """``p_beam`` of ``beams`` under ``fn`` (absent parents: score -inf), cached in ``memo`` by state.
+
+    The key holds ``fn`` and ``params`` too, so one dict may serve several models and settings,
+    as long as the functions are pure (same prefix, same distribution).
+    """
+    key = (kind, fn, params, tuple(beams), tuple(absent))
+    if memo is not None and key in memo:
+        return memo[key]
+    scores = torch.tensor([-math.inf if gone else b.score for b, gone in zip(beams, absent)], dtype=torch.float64)
+    table = torch.stack([fn(b.prefix) for b in beams])
+    result = beam_distribution(scores, table, params)
+    if memo is not None:
+        memo[key] = result
+    return result
+
+
+def _extend(parents: Sequence[Beam], flat: Sequence[int], dist: torch.Tensor, vocab: int) -> list[Beam]:
+    """New beams for flat pairs, scored ``log dist(pair)``."""
+    return [Beam((*parents[x // vocab].prefix, x % vocab), math.log(float(dist[x]))) for x in flat]
+
+
+def _trace(parents: Sequence[Beam], valid: Sequence[bool], outputs: Sequence[int], vocab: int, passed: bool,
+           drafted: int, accepted: int) -> LayerTrace:
+    """The layer's trace, with slots re-indexed over the valid parents only."""
+    index = {p: i for i, p in enumerate(p for p, ok in enumerate(valid) if ok)}
+    return LayerTrace([b for b, ok in zip(parents, valid) if ok], [(index[x // vocab], x % vocab) for x in outputs],
+                      passed, drafted, accepted)
+
+
+def dsbd_round(input_beams: Sequence[tuple[tuple[int, ...], float]], target_fn: ProbsFn, draft_fn: ProbsFn,
+               params: SamplingParams, w_s: int, gamma: int, width: int, generator: torch.Generator, *,
+               threshold: float | None = None, w_min: int = 1, memo: dict | None = None) -> RoundResult:
+    """One DSBD round over pure table models, for exactness tests (no KV, no batching).
+
+    ``target_fn(prefix)`` / ``draft_fn(prefix)`` give the unwarped next-token distribution
+    ``[V]``. The draft runs beam sampling with width ``w_s`` for ``gamma`` layers (the forest,
+    nodes i.i.d. per layer, each scored with its own ``log q_beam``); the layers are then
+    verified in order with :func:`verify_layer`, the valid parents of layer l+1 being the
+    drafts accepted at layer l, scored ``log p_beam`` by the target. The first failing layer's
+    outputs end the round; if all ``gamma`` pass, one more layer is drawn i.i.d. from the target's
+    ``p_beam`` over the last accepted drafts. Width: ``width`` for every layer, or with
+    ``threshold`` set, :func:`dynamic_width` per layer (the extra layer keeps the last layer's
+    width; ``width`` is then only the extra layer's width when ``gamma == 0``).
+    ``memo`` (a dict reused across rounds) caches ``p_beam`` per state: tens of thousands of
+    test rounds visit a few thousand states.
+    """
+    if gamma < 0 or w_s < 1 or width < 1:
+        raise ValueError(f"need gamma >= 0, w_s >= 1, width >= 1; got {gamma}, {w_s}, {width}")
+    roots = [Beam(tuple(prefix), float(score)) for prefix, score in input_beams]
+    # the forest: per layer, the draft's parents, q_beam over them, and the drafted nodes
+    forest: list[tuple[list[Beam], torch.Tensor, list[int]]] = []
+    parents = roots
+    for _ in range(gamma):
+        q_beam = _memo_beam_distribution("draft", parents, [False] * len(parents), draft_fn, params, memo)
+        nodes = draft_layer(q_beam, w_s, generator)
+        forest.append((parents, q_beam, nodes))
+        parents = _extend(parents, nodes, q_beam, q_beam.numel() // len(parents))
+    # verification: target beams are the valid parents, with the target's scores
+    target_beams, valid = list(roots), [True] * len(roots)
+    layers: list[LayerTrace] = []
+    for draft_parents, q_beam, nodes in forest:
+        vocab = q_beam.numel() // len(draft_parents)
+        pb = _memo_beam_distribution("target", target_beams, [not ok for ok in valid], target_fn, params, memo)
+        layer_width = width if threshold is None else dynamic_width(pb, q_beam, w_s, threshold, w_min)
+        verdict = verify_layer(pb, q_beam, nodes, torch.tensor(valid), layer_width, generator)
+        layers.append(_trace(target_beams, valid, verdict.outputs, vocab, verdict.passed, len(nodes),
+                             len(verdict.accepted)))
+        if not verdict.passed:
+            return RoundResult(_extend(target_beams, verdict.outputs, pb, vocab), layers)
+        width = layer_width
+        # next layer's parents: every draft node of this layer; valid = the accepted ones, scored
+        # log p_beam by the target; the others stay as absent parents (score -inf), so that p_beam
+        # lies on the same parents x vocabulary space as the draft's q_beam.
+        valid = [False] * len(nodes)
+        for i in verdict.accepted:
+            valid[i] = True
+        target_beams = [Beam((*draft_parents[x // vocab].prefix, x % vocab),
+                             math.log(float(pb[x])) if ok else -math.inf) for x, ok in zip(nodes, valid)]
+    pb = _memo_beam_distribution("target", target_beams, [not ok for ok in valid], target_fn, params, memo)
+    vocab = pb.numel() // len(target_beams)
+    outputs = sample_pairs_iid(pb, width, generator).tolist()
+    layers.append(_trace(target_beams, valid, outputs, vocab, True, 0, 0))
+    return RoundResult(_extend(target_beams, outputs, pb, vocab), layers)

@@ -1,0 +1,564 @@
+"""The model-free core of DSBD (``specdec.runtime.dsbd``): beam distribution, verification, width.
+
+Toy models: a 5-token vocabulary, target and draft given by tables that depend on the last
+token (deliberately different: per-context TV 0.2-0.5, so layers pass and fail often).
+
+Exactness statement tested (dsbd.md): conditional on the beams entering a layer, every output
+slot of the layer is one draw from the target's ``p_beam`` of those beams. Layer 1 always
+runs from the round's input beams, so its slots are tested unconditionally (chi-square and
+TV, helpers and thresholds of ``test_lossless_sampling``). Later layers (the verified layer 2
+and the extra layer drawn when all γ pass) are tested conditionally: rounds are grouped by
+the layer's valid parents (prefixes and target scores), and one chi-square statistic is
+summed over the groups (degrees of freedom add up for independent groups).
+
+Note what is *not* claimed: the first-layer ancestor of a round's final output beam is not a
+``p_beam`` draw even for the ``beam`` baseline (the next layer picks parents in proportion to
+their scores: for p_beam = (0.9, 0.1) and W = 2, the ancestor is the first pair w.p. 0.972).
+
+Thresholds. Each chi-square check passes when p > ALPHA = 1e-3. Seeds are fixed so runs are
+deterministic; for a random seed a correct implementation fails one check w.p. <= 1e-3, so
+the 37 asserted chi-square checks of this file fail together (Bonferroni) for at most ~4 % of
+seed choices, the false-alarm rate we accept when a code change re-rolls the random streams.
+The TV check of layer-1 slots uses test_lossless_sampling's bound (exceeded w.p. < 1e-4). Negative controls
+run the same checks on a wrong implementation and require p < 1e-6.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chi2
+from test_lossless_sampling import ALPHA, chi_square_pvalue, total_variation
+
+from specdec.runtime import dsbd
+from specdec.runtime.dsbd import (
+    Beam,
+    LayerVerdict,
+    RoundResult,
+    acceptance_count_distribution,
+    acceptance_probability,
+    acceptance_tail,
+    beam_distribution,
+    beam_search_step,
+    beam_step,
+    draft_layer,
+    dsbd_round,
+    dynamic_width,
+    sample_pairs_iid,
+    verify_layer,
+)
+from specdec.runtime.sampling import SamplingParams, warp
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB = 5
+ROUNDS = 20_000
+PLAIN = SamplingParams(temperature=1.0)
+# on the 10-15 pair joint vectors both cuts bind: top-k drops 4+ pairs, top-p usually more
+WARPED = SamplingParams(temperature=1.3, top_k=6, top_p=0.9)
+INPUT_BEAMS = (((0,), -0.4), ((3,), -1.3))  # two input beams with different scores
+
+
+def _tables() -> tuple[torch.Tensor, torch.Tensor]:
+    """Target and draft next-token tables ``[last token, V]`` (float64)."""
+    rng = np.random.default_rng(20240916)
+    target = rng.dirichlet(np.full(VOCAB, 0.7), size=VOCAB)
+    draft = 0.45 * target + 0.55 * rng.dirichlet(np.full(VOCAB, 0.7), size=VOCAB)
+    return torch.from_numpy(target), torch.from_numpy(draft)
+
+
+TARGET_TABLE, DRAFT_TABLE = _tables()
+
+
+def target_fn(prefix: tuple[int, ...]) -> torch.Tensor:
+    return TARGET_TABLE[prefix[-1]]
+
+
+def draft_fn(prefix: tuple[int, ...]) -> torch.Tensor:
+    return DRAFT_TABLE[prefix[-1]]
+
+
+def p_beam_of(parents: Sequence[Beam], params: SamplingParams) -> np.ndarray:
+    """The reference law ``[len(parents), V]`` of one slot, from the same definition the baseline uses."""
+    scores = torch.tensor([b.score for b in parents], dtype=torch.float64)
+    table = torch.stack([target_fn(b.prefix) for b in parents])
+    return beam_distribution(scores, table, params).reshape(len(parents), VOCAB).numpy()
+
+
+# -- running rounds and collecting slot laws -------------------------------------------------
+
+
+@dataclass
+class SlotCounts:
+    """Layer-1 counts per slot, and later layers' counts per (layer, slot) and per parent state."""
+
+    first: dict[int, Counter]
+    later: dict[tuple[int, int], dict[tuple[Beam, ...], Counter]]
+    layers_reached: Counter
+    seconds: float
+
+
+def run_rounds(params: SamplingParams, w_s: int, gamma: int, width: int, n: int, seed: int,
+               draft: Callable = draft_fn, **kw) -> SlotCounts:
+    generator = torch.Generator().manual_seed(seed)
+    memo: dict = {}
+    first: dict[int, Counter] = defaultdict(Counter)
+    later: dict = defaultdict(lambda: defaultdict(Counter))
+    reached: Counter = Counter()
+    start = time.perf_counter()
+    for _ in range(n):
+        result = dsbd_round(INPUT_BEAMS, target_fn, draft, params, w_s, gamma, width, generator, memo=memo, **kw)
+        _check_output_beams(result)
+        reached[len(result.layers)] += 1
+        for j, slot in enumerate(result.layers[0].slots):
+            first[j][slot] += 1
+        for depth, layer in enumerate(result.layers[1:], start=2):
+            for j, slot in enumerate(layer.slots):
+                later[depth, j][tuple(layer.parents)][slot] += 1
+    return SlotCounts(first, later, reached, time.perf_counter() - start)
+
+
+def _check_output_beams(result: RoundResult) -> None:
+    """The round's output beams are its last layer's slots, prefix extended, scored log p_beam (memoised)."""
+    last = result.layers[-1]
+    assert len(result.beams) == len(last.slots)
+    for beam, (i, v) in zip(result.beams, last.slots):
+        assert beam.prefix == (*last.parents[i].prefix, v)
+    assert all(layer.passed for layer in result.layers[:-1])
+
+
+def pooled_conditional_chi_square(groups: dict[tuple[Beam, ...], Counter], params: SamplingParams,
+                                  min_count: int = 20) -> tuple[float, int]:
+    """(p-value, rounds used) of one chi-square summed over parent states.
+
+    Per state, cells with expected count < 5 are pooled, and a pooled cell still under 5 joins
+    the smallest other cell. States with fewer than ``min_count`` rounds are left out: that
+    selects on the conditioning variable only, so it cannot bias the conditional law. Every
+    state, used or not, must only produce outcomes of positive probability.
+    """
+    statistic, dof, used = 0.0, 0, 0
+    for state, counts in groups.items():
+        law = p_beam_of(state, params)
+        impossible = [k for k in counts if law[k] == 0.0]
+        assert not impossible, f"outcomes of probability 0 were drawn: {impossible}"
+        n = sum(counts.values())
+        if n < min_count:
+            continue
+        cells = sorted(((law[k] * n, counts.get(k, 0)) for k in zip(*np.nonzero(law))), reverse=True)
+        big = [c for c in cells if c[0] >= 5]
+        small = [c for c in cells if c[0] < 5]
+        bins = [list(c) for c in big]
+        if small:
+            pooled = [sum(c[0] for c in small), sum(c[1] for c in small)]
+            if pooled[0] >= 5 or not bins:
+                bins.append(pooled)
+            else:
+                bins[-1] = [bins[-1][0] + pooled[0], bins[-1][1] + pooled[1]]
+        if len(bins) < 2:
+            continue
+        statistic += sum((obs - exp) ** 2 / exp for exp, obs in bins)
+        dof += len(bins) - 1
+        used += n
+    return float(chi2.sf(statistic, dof)), used
+
+
+def slot_pvalues(counts: SlotCounts, params: SamplingParams, label: str) -> dict[str, float]:
+    """Every check's p-value (layer-1 slots and conditional later slots), printed with TV."""
+    out = {}
+    law = p_beam_of([Beam(*b) for b in INPUT_BEAMS], params)
+    for j, slot_counts in sorted(counts.first.items()):
+        pvalue = chi_square_pvalue(slot_counts, law)
+        tv, bound = total_variation(slot_counts, law)
+        print(f"{label} layer 1 slot {j}: n = {sum(slot_counts.values())}, p = {pvalue:.4g}, "
+              f"TV = {tv:.4f} (bound {bound:.4f})")
+        out[f"layer 1 slot {j}"] = pvalue
+        out[f"layer 1 slot {j} TV excess"] = bound - tv
+    for (depth, j), groups in sorted(counts.later.items()):
+        pvalue, used = pooled_conditional_chi_square(groups, params)
+        print(f"{label} layer {depth} slot {j}: {len(groups)} parent states, {used} rounds tested, p = {pvalue:.4g}")
+        if used:
+            out[f"layer {depth} slot {j}"] = pvalue
+    return out
+
+
+def assert_slots_exact(counts: SlotCounts, params: SamplingParams, label: str) -> None:
+    pvalues = slot_pvalues(counts, params, label)
+    print(f"{label}: layers reached {dict(sorted(counts.layers_reached.items()))}, {counts.seconds:.1f} s")
+    for name, value in pvalues.items():
+        if name.endswith("TV excess"):
+            assert value > 0, f"{label}: {name[:-7]} TV above its bound"
+        else:
+            assert value > ALPHA, f"{label}: {name} is not a draw from p_beam (p = {value:.3g})"
+
+
+# -- the beam distribution -------------------------------------------------------------------
+
+
+def test_beam_distribution_matches_the_formula() -> None:
+    """p_beam ∝ exp(s_b) p(v|b) unwarped, and joint temperature / top-k / top-p on the flat vector."""
+    scores = torch.tensor([-0.2, -1.7, -math.inf], dtype=torch.float64)  # the third parent is absent
+    table = torch.stack([TARGET_TABLE[1], TARGET_TABLE[4], TARGET_TABLE[2]])
+    joint = (torch.exp(scores)[:, None] * table).flatten().numpy()
+    plain = beam_distribution(scores, table, PLAIN).numpy()
+    np.testing.assert_allclose(plain, joint / joint.sum(), rtol=1e-6, atol=1e-12)
+    assert plain[2 * VOCAB:].sum() == 0.0
+    # the same from logits, shifted per row (log_softmax removes the shift)
+    from_logits = beam_distribution(scores, torch.log(table) + torch.tensor([[3.0], [-1.0], [0.0]]), PLAIN,
+                                    logits=True)
+    np.testing.assert_allclose(from_logits.numpy(), plain, rtol=1e-6, atol=1e-12)
+
+    tempered = joint ** (1 / WARPED.temperature)
+    order = np.argsort(-tempered)
+    kept = np.zeros_like(tempered)
+    kept[order[: WARPED.top_k]] = tempered[order[: WARPED.top_k]]
+    kept /= kept.sum()
+    mass_before = np.cumsum(kept[order]) - kept[order]
+    kept[order[mass_before >= WARPED.top_p]] = 0.0
+    kept /= kept.sum()
+    warped = beam_distribution(scores, table, WARPED).numpy()
+    np.testing.assert_allclose(warped, kept, rtol=1e-5, atol=1e-9)
+    assert 0 < (warped > 0).sum() < WARPED.top_k  # both cuts bound
+
+
+def test_warping_is_joint_not_per_beam() -> None:
+    """A confident high-score beam takes every top-k slot; per-beam warping would keep 2 tokens of each."""
+    scores = torch.log(torch.tensor([0.9, 0.1], dtype=torch.float64))
+    table = torch.tensor([[0.5, 0.3, 0.1, 0.05, 0.05], [0.6, 0.1, 0.1, 0.1, 0.1]], dtype=torch.float64)
+    params = SamplingParams(temperature=1.0, top_k=2)
+    joint = beam_distribution(scores, table, params).reshape(2, VOCAB)
+    np.testing.assert_allclose(joint[0].numpy(), [0.625, 0.375, 0, 0, 0], rtol=1e-6)
+    assert float(joint[1].sum()) == 0.0
+    per_beam = torch.stack([warp(torch.log(row), params) for row in table]) * torch.exp(scores)[:, None]
+    assert float(per_beam[1].sum()) > 0.09  # what per-beam warping would have kept
+    # temperature also tempers the beam scores: the weaker beam gains weight at T > 1
+    hot = beam_distribution(scores, table, SamplingParams(temperature=2.0)).reshape(2, VOCAB)
+    assert float(hot[1].sum()) > 0.2  # exp(s)/Σ exp(s) would stay 0.1 under per-beam tempering
+    with pytest.raises(ValueError, match="beam_search_step"):
+        beam_distribution(scores, table, SamplingParams(temperature=0.0))
+
+
+def test_beam_search_step_takes_the_top_pairs() -> None:
+    scores = torch.tensor([-0.1, -0.5, -3.0], dtype=torch.float64)
+    table = torch.tensor([[0.5, 0.5, 0.0, 0.0, 0.0], [0.7, 0.1, 0.1, 0.05, 0.05], [1.0, 0.0, 0.0, 0.0, 0.0]],
+                         dtype=torch.float64)
+    joint = scores[:, None] + torch.log(table)
+    step = beam_search_step(scores, table, 4)
+    # ties (0, 0) and (0, 1) go to the lower index; (2, 0) at -3.0 loses to (1, 1) at -2.8
+    assert list(zip(step.parents, step.tokens)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    np.testing.assert_allclose(step.scores, [float(joint[p, t]) for p, t in zip(step.parents, step.tokens)])
+    again = beam_step(scores, torch.log(table), SamplingParams(temperature=0.0), 4, torch.Generator())
+    assert again == step
+    with pytest.raises(ValueError, match="width"):
+        beam_search_step(scores, table, 9)  # only 8 pairs have positive probability
+
+
+def test_beam_step_draws_and_scores() -> None:
+    """iid mode: each slot ~ p_beam (chi-square), scores log p_beam; without replacement: distinct pairs."""
+    scores = torch.tensor([-0.4, -1.3], dtype=torch.float64)
+    logits = torch.log(torch.stack([TARGET_TABLE[0], TARGET_TABLE[3]]))
+    law = beam_distribution(scores, logits, WARPED, logits=True)
+    generator = torch.Generator().manual_seed(5)
+    counts: Counter = Counter()
+    for _ in range(3000):
+        step = beam_step(scores, logits, WARPED, 3, generator)
+        for b, v, s in zip(*step):
+            counts[b, v] += 1
+            assert s == math.log(float(law[b * VOCAB + v]))
+    pvalue = chi_square_pvalue(counts, law.reshape(2, VOCAB).numpy())
+    print(f"beam_step iid slots: p = {pvalue:.4g}")
+    assert pvalue > ALPHA
+    distinct = beam_step(scores, logits, WARPED, 3, generator, mode="without_replacement")
+    assert len(set(zip(distinct.parents, distinct.tokens))) == 3
+    with pytest.raises(ValueError, match="distinct"):
+        beam_step(scores, logits, WARPED, int((law > 0).sum()) + 1, generator, mode="without_replacement")
+
+
+def test_sample_pairs_iid_and_draft_layer() -> None:
+    p = torch.tensor([0.0, 0.5, 0.0, 0.5], dtype=torch.float64)
+    draws = sample_pairs_iid(p, 400, torch.Generator().manual_seed(1))
+    assert draws.shape == (400,) and set(draws.tolist()) == {1, 3}
+    nodes = draft_layer(torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64), 3, torch.Generator())
+    assert nodes == [1, 1, 1]  # with replacement: a point mass repeats
+
+
+# -- per-slot exactness of whole rounds ------------------------------------------------------
+
+EXACT_CASES = {
+    "plain W=W_S=2": (PLAIN, 2, 2),
+    "warped W=W_S=2": (WARPED, 2, 2),
+    "plain W=2 W_S=3": (PLAIN, 3, 2),  # unaccepted drafts: invalid parents at layer 2
+    "warped W=2 W_S=3": (WARPED, 3, 2),
+    "plain W=W_S=3": (PLAIN, 3, 3),
+}
+
+
+@pytest.mark.parametrize("case", list(EXACT_CASES))
+def test_every_output_slot_is_a_p_beam_draw(case: str) -> None:
+    """The acceptance test: γ = 2, 20,000 rounds, every slot of every layer against p_beam."""
+    params, w_s, width = EXACT_CASES[case]
+    counts = run_rounds(params, w_s, gamma=2, width=width, n=ROUNDS, seed=100 + list(EXACT_CASES).index(case))
+    # every path is exercised often: failures at layers 1 and 2, and full passes with the extra layer
+    assert min(counts.layers_reached[k] for k in (1, 2, 3)) > 1000, counts.layers_reached
+    assert_slots_exact(counts, params, case)
+
+
+def test_dynamic_width_rounds_are_exact() -> None:
+    """With the width chosen per layer from (pb, q), slots are still p_beam draws."""
+    counts = run_rounds(PLAIN, 3, gamma=2, width=3, n=ROUNDS // 2, seed=77, threshold=0.4, w_min=1)
+    assert_slots_exact(counts, PLAIN, "dynamic width t=0.4 W_S=3")
+
+
+# -- negative controls -----------------------------------------------------------------------
+
+
+def _min_pvalue(counts: SlotCounts, params: SamplingParams, label: str) -> float:
+    pvalues = slot_pvalues(counts, params, label)
+    return min(v for k, v in pvalues.items() if not k.endswith("TV excess"))
+
+
+def test_check_rejects_drafts_drawn_without_replacement(monkeypatch: pytest.MonkeyPatch) -> None:
+    def without_replacement(q_beam: torch.Tensor, n: int, generator: torch.Generator) -> list[int]:
+        return torch.multinomial(q_beam, n, replacement=False, generator=generator).tolist()
+
+    monkeypatch.setattr(dsbd, "draft_layer", without_replacement)
+    counts = run_rounds(PLAIN, 2, gamma=2, width=2, n=ROUNDS // 2, seed=11)
+    pvalue = _min_pvalue(counts, PLAIN, "drafts without replacement")
+    assert pvalue < 1e-6
+
+
+def test_check_rejects_dropping_invalid_parent_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = dsbd.verify_layer
+
+    def drop_invalid(pb, q_beam, nodes, mask, width, generator) -> LayerVerdict:
+        vocab = pb.numel() // mask.numel()
+        keep = [i for i, x in enumerate(nodes) if mask[x // vocab]]
+        verdict = real(pb, q_beam, [nodes[i] for i in keep], mask, width, generator)
+        return LayerVerdict([keep[i] for i in verdict.accepted], verdict.passed, verdict.outputs)
+
+    monkeypatch.setattr(dsbd, "verify_layer", drop_invalid)
+    counts = run_rounds(PLAIN, 3, gamma=2, width=2, n=ROUNDS // 4, seed=12)
+    pvalue = _min_pvalue(counts, PLAIN, "invalid-parent drafts dropped")
+    assert pvalue < 1e-6
+
+
+def test_check_rejects_the_upside_down_ratio(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The paper's printed ratio, min(1, q/p'), instead of min(1, p'/q)."""
+
+    def upside_down(pb, q_beam, nodes, mask, width, generator) -> LayerVerdict:
+        vocab = pb.numel() // mask.numel()
+        current, accepted = pb, []
+        for position, x in enumerate(nodes):
+            if mask[x // vocab] and float(torch.rand((), generator=generator)) * float(current[x]) < float(q_beam[x]):
+                accepted.append(position)
+                if len(accepted) == width:
+                    return LayerVerdict(accepted, True, [nodes[i] for i in accepted])
+                current = pb
+            else:
+                current = dsbd._residual(current, q_beam)
+        outputs = [nodes[i] for i in accepted] + [dsbd.sample(current, generator)]
+        outputs += sample_pairs_iid(pb, width - len(outputs), generator).tolist()
+        return LayerVerdict(accepted, False, outputs)
+
+    monkeypatch.setattr(dsbd, "verify_layer", upside_down)
+    counts = run_rounds(PLAIN, 2, gamma=2, width=2, n=ROUNDS // 10, seed=13)
+    assert _min_pvalue(counts, PLAIN, "upside-down ratio") < 1e-6
+
+
+# -- the acceptance-count recursion ----------------------------------------------------------
+
+
+def _recursion_cases() -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
+    rng = np.random.default_rng(7)
+    cases = {}
+    cases["dirichlet 2x5, m=4"] = (rng.dirichlet(np.ones(10)), rng.dirichlet(np.ones(10)), 4)
+    pb = np.concatenate([rng.dirichlet(np.ones(10)), np.zeros(5)])  # third parent invalid
+    cases["invalid parent 3x5, m=5"] = (pb, rng.dirichlet(np.ones(15)), 5)
+    q = rng.dirichlet(np.ones(10))
+    q[[1, 4, 8]] = 0.0  # warped draft: pairs it never proposes
+    cases["sparse q, m=3"] = (rng.dirichlet(np.full(10, 0.5)), q / q.sum(), 3)
+    close = rng.dirichlet(np.ones(12))
+    cases["p close to q, m=6"] = (close, 0.8 * close + 0.2 * rng.dirichlet(np.ones(12)), 6)
+    cases["m=1"] = (rng.dirichlet(np.ones(6)), rng.dirichlet(np.ones(6)), 1)
+    return cases
+
+
+RECURSION_CASES = _recursion_cases()
+
+
+def monte_carlo_acceptances(pb: np.ndarray, q: np.ndarray, m: int, n: int, seed: int) -> np.ndarray:
+    """Counts of accepted drafts in ``n`` runs of the real accept / residual loop (no width stop), vectorised."""
+    rng = np.random.default_rng(seed)
+    drafts = rng.choice(q.size, size=(n, m), p=q)
+    current = np.tile(pb, (n, 1))
+    accepted = np.zeros(n, dtype=int)
+    rows = np.arange(n)
+    for i in range(m):
+        x = drafts[:, i]
+        accept = rng.random(n) * q[x] < current[rows, x]
+        accepted += accept
+        residual = np.clip(current - q, 0.0, None)
+        mass = residual.sum(axis=1, keepdims=True)
+        after_reject = np.where(mass > dsbd.RESIDUAL_EPS, residual / np.maximum(mass, 1e-300), current)
+        current = np.where(accept[:, None], pb, after_reject)
+    return np.bincount(accepted, minlength=m + 1) / n
+
+
+def _tail(law: np.ndarray) -> np.ndarray:
+    return np.cumsum(law[::-1])[::-1]
+
+
+@pytest.mark.parametrize("case", list(RECURSION_CASES))
+def test_acceptance_recursion_matches_monte_carlo(case: str) -> None:
+    """P(>= K accepted among W_S) from the recursion vs 40,000 runs of the accept / residual loop (|diff| < 0.01)."""
+    pb, q, m = RECURSION_CASES[case]
+    exact = acceptance_tail(torch.from_numpy(pb), torch.from_numpy(q), m).numpy()
+    simulated = _tail(monte_carlo_acceptances(pb, q, m, 40_000, seed=len(case)))
+    print(f"{case}: recursion {np.round(exact, 4)}, Monte Carlo {np.round(simulated, 4)}")
+    assert np.abs(exact - simulated).max() < 0.01
+    assert 0.02 < exact[1] and exact[-1] < 0.98  # not a trivial case
+
+
+def test_recursion_that_subtracts_twice_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: the reference code's double subtraction disagrees with the simulation."""
+    real = dsbd._residual
+    monkeypatch.setattr(dsbd, "_residual", lambda current, q: real(real(current, q), q))
+    worst = 0.0
+    for case, (pb, q, m) in RECURSION_CASES.items():
+        wrong = acceptance_tail(torch.from_numpy(pb), torch.from_numpy(q), m).numpy()
+        worst = max(worst, float(np.abs(wrong - _tail(monte_carlo_acceptances(pb, q, m, 40_000, len(case)))).max()))
+    print(f"double subtraction: worst |diff| = {worst:.3f}")
+    assert worst > 0.03
+
+
+def _exact_acceptance_law(pb: np.ndarray, q: np.ndarray, m: int) -> np.ndarray:
+    """Exact law of the accept count, by enumerating every draft sequence and accept / reject branch."""
+    law = np.zeros(m + 1)
+
+    def walk(current: np.ndarray, left: int, count: int, weight: float) -> None:
+        if left == 0:
+            law[count] += weight
+            return
+        for x in np.nonzero(q)[0]:
+            accept = min(1.0, current[x] / q[x])
+            if accept > 0:
+                walk(pb, left - 1, count + 1, weight * q[x] * accept)
+            if accept < 1:
+                residual = np.clip(current - q, 0.0, None)
+                walk(residual / residual.sum(), left - 1, count, weight * q[x] * (1 - accept))
+
+    walk(pb, m, 0, 1.0)
+    return law
+
+
+def test_acceptance_recursion_equals_exact_enumeration() -> None:
+    rng = np.random.default_rng(3)
+    pb = np.concatenate([rng.dirichlet(np.ones(4)), np.zeros(2)])  # one invalid parent of 2 tokens
+    q = rng.dirichlet(np.ones(6))
+    for m in (1, 2, 3):
+        law = acceptance_count_distribution(torch.from_numpy(pb), torch.from_numpy(q), m).numpy()
+        np.testing.assert_allclose(law, _exact_acceptance_law(pb, q, m), atol=1e-12)
+        assert acceptance_probability(torch.from_numpy(pb), torch.from_numpy(q), m, m) == pytest.approx(law[m])
+    assert law[1] + law[2] + law[3] > 0.3 and law[3] > 0.01
+
+
+def test_verify_layer_acceptance_counts_match_the_recursion() -> None:
+    """The recursion models verify_layer itself (width = W_S: never stops early), invalid parent included."""
+    pb, q, m = RECURSION_CASES["invalid parent 3x5, m=5"]
+    pb_t, q_t = torch.from_numpy(pb), torch.from_numpy(q)
+    mask = torch.tensor([True, True, False])
+    generator = torch.Generator().manual_seed(21)
+    counts = np.zeros(m + 1)
+    n = 4000
+    for _ in range(n):
+        verdict = verify_layer(pb_t, q_t, draft_layer(q_t, m, generator), mask, m, generator)
+        counts[len(verdict.accepted)] += 1
+        assert len(verdict.outputs) == m and all(mask[x // VOCAB] for x in verdict.outputs)
+    exact = acceptance_tail(pb_t, q_t, m).numpy()
+    print(f"verify_layer tail {np.round(_tail(counts / n), 4)} vs recursion {np.round(exact, 4)}")
+    assert np.abs(_tail(counts / n) - exact).max() < 0.03  # 4,000 runs: sd <= 0.008
+
+
+def test_dynamic_width() -> None:
+    rng = np.random.default_rng(9)
+    q = torch.from_numpy(rng.dirichlet(np.ones(10)))
+    assert acceptance_tail(q, q, 4).tolist() == [1.0] * 5
+    assert dynamic_width(q, q, 4, threshold=1.0, w_min=1) == 4  # p == q: every draft accepted
+    disjoint = torch.zeros(10, dtype=torch.float64)
+    disjoint[int(torch.argmin(q))] = 1.0
+    q_off = q.clone()
+    q_off[int(torch.argmin(q))] = 0.0
+    q_off /= q_off.sum()
+    assert dynamic_width(disjoint, q_off, 4, threshold=0.01, w_min=2) == 2  # nothing is ever accepted
+    pb = torch.from_numpy(rng.dirichlet(np.ones(10)))
+    tail = acceptance_tail(pb, q, 4)
+    widths = [dynamic_width(pb, q, 4, t, 1) for t in np.linspace(0, 1, 21)]
+    assert widths == sorted(widths, reverse=True) and widths[0] == 4 and widths[-1] == 1
+    for t in (0.1, 0.5, 0.9):
+        expected = max([k for k in range(5) if tail[k] >= t] + [1])
+        assert dynamic_width(pb, q, 4, t, 1) == expected
+    with pytest.raises(ValueError):
+        dynamic_width(pb, q, 4, 1.5, 1)
+
+
+def test_degenerate_residual_keeps_p() -> None:
+    """p' == q up to rounding: max(0, p' - q) is ~0 and must not be normalised into noise."""
+    q = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    p = q.clone()
+    p[0] += 1e-17 * 8  # a rounding-sized excess
+    p /= p.sum()
+    assert torch.equal(dsbd._residual(p, q), p)
+    assert torch.equal(dsbd._residual(q, q), q)
+    law = acceptance_count_distribution(q, q, 3)
+    assert law.tolist() == [0.0, 0.0, 0.0, 1.0]
+    verdict = verify_layer(q, q, [0, 1, 2, 3], torch.tensor([True, True]), 4, torch.Generator().manual_seed(0))
+    assert verdict.passed and verdict.accepted == [0, 1, 2, 3]
+
+
+def test_verify_layer_rejects_bad_inputs() -> None:
+    pb = torch.tensor([0.5, 0.5, 0.0, 0.0], dtype=torch.float64)
+    q = torch.tensor([0.25, 0.25, 0.25, 0.25], dtype=torch.float64)
+    with pytest.raises(ValueError, match="invalid parents"):
+        verify_layer(q, q, [0], torch.tensor([True, False]), 1, torch.Generator())
+    with pytest.raises(ValueError, match="q_beam 0"):
+        verify_layer(pb, pb, [2], torch.tensor([True, False]), 1, torch.Generator())
+    verdict = verify_layer(pb, q, [2, 3], torch.tensor([True, False]), 1, torch.Generator())
+    assert not verdict.passed and verdict.accepted == [] and verdict.outputs[0] in (0, 1)
+
+
+# -- reductions ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("params", [PLAIN, WARPED], ids=["plain", "warped"])
+def test_gamma_zero_round_is_beam_step(params: SamplingParams) -> None:
+    """Without drafts a round is one target-only beam step: the same draws under the same seed."""
+    scores = torch.tensor([s for _, s in INPUT_BEAMS], dtype=torch.float64)
+    logits = torch.log(torch.stack([target_fn(p) for p, _ in INPUT_BEAMS]))
+    for seed in range(200):
+        result = dsbd_round(INPUT_BEAMS, target_fn, draft_fn, params, 2, 0, 3, torch.Generator().manual_seed(seed))
+        step = beam_step(scores, logits, params, 3, torch.Generator().manual_seed(seed))
+        assert [b.prefix for b in result.beams] == [(*INPUT_BEAMS[p][0], t) for p, t in zip(step.parents, step.tokens)]
+        assert [b.score for b in result.beams] == step.scores
+        assert len(result.layers) == 1 and result.layers[0].drafted == 0
+
+
+@pytest.mark.parametrize("params", [PLAIN, WARPED], ids=["plain", "warped"])
+@pytest.mark.parametrize("width", [2, 3])
+def test_draft_equal_to_target_accepts_every_node(params: SamplingParams, width: int) -> None:
+    """q_beam == p_beam exactly at every layer (same tables, same parents, same scores): ratio 1."""
+    generator = torch.Generator().manual_seed(width)
+    memo: dict = {}
+    for _ in range(500):
+        result = dsbd_round(INPUT_BEAMS, target_fn, target_fn, params, width, 3, width, generator, memo=memo)
+        assert [layer.accepted for layer in result.layers] == [width] * 3 + [0]
+        assert all(len(b.prefix) == 1 + 4 for b in result.beams)
+    # with W < W_S the unaccepted drafts' children are invalid parents, so later layers can fail
+    passed_first = [dsbd_round(INPUT_BEAMS, target_fn, target_fn, params, 3, 2, 2, generator).layers[0].passed
+                    for _ in range(100)]
+    assert all(passed_first)
