@@ -219,7 +219,7 @@ def required_max_len(prompt_lens: Sequence[int], config: BenchConfig) -> int:
     return max(prompt_lens) + config.max_tokens * (config.num_draft_tokens + 1) + 1
 
 
-def _run_once(engine: Engine, prompts: Sequence[str | Sequence[int]], method: str, max_tokens: int,
+def run_once(engine: Engine, prompts: Sequence[str | Sequence[int]], method: str, max_tokens: int,
               chat: bool) -> tuple[GenerationResult, float]:
     """One ``generate`` call; returns its result and the process CPU seconds it used."""
     requests = [engine.request(p, chat=chat, max_tokens=max_tokens, request_id=f"p{i}")
@@ -266,7 +266,7 @@ def _decode_padded_fraction(result: GenerationResult) -> float:
     return round(padded / rows, 4) if rows else 0.0
 
 
-def _mean_accepted_length(result: GenerationResult) -> float:
+def mean_accepted_length(result: GenerationResult) -> float:
     """Tokens per sequence per decoding step, counted per request while it is unfinished.
 
     ``RunMetrics.summary()`` divides by the sequences in each pack, and vanilla's packs
@@ -302,7 +302,7 @@ def summarise(runs: dict[str, MethodRuns], batch: int) -> dict[str, Any]:
         "cpu_tokens_per_second": cpu_tps,
         "cpu_speedup_over_ar": cpu["over_ar"],
         "cpu_ems_over_vanilla": cpu["ems_over_vanilla"],
-        "mean_accepted_length": {m: _mean_accepted_length(runs[m].median_run()) for m in spec},
+        "mean_accepted_length": {m: mean_accepted_length(runs[m].median_run()) for m in spec},
         "acceptance_rate": {m: summary[m]["acceptance_rate"] for m in spec},
         "padded_fraction": {m: summary[m]["padded_fraction"] for m in spec},
         "decode_rows": {m: _decode_rows(mr.median_run())[0] for m, mr in runs.items()},
@@ -344,13 +344,13 @@ def run_benchmark(make_engine: EngineFactory, prompts: Sequence[str | Sequence[i
         engine = make_engine(batch, required_max_len(lens, config))
         if config.warmup:  # lazy kernel initialisation and first-touch allocations, untimed
             for method in config.methods:
-                _run_once(engine, batch_prompts[:1], method, min(4, config.max_tokens), chat)
+                run_once(engine, batch_prompts[:1], method, min(4, config.max_tokens), chat)
         runs = {m: MethodRuns() for m in config.methods}
         for repeat in range(config.repeats):
             shift = repeat % len(config.methods)
             for method in config.methods[shift:] + config.methods[:shift]:
                 bar.set_postfix_str(f"B={batch} {method} #{repeat + 1}")
-                result, cpu_seconds = _run_once(engine, batch_prompts, method, config.max_tokens, chat)
+                result, cpu_seconds = run_once(engine, batch_prompts, method, config.max_tokens, chat)
                 runs[method].results.append(result)
                 runs[method].cpu_seconds.append(cpu_seconds)
                 bar.update()
@@ -576,7 +576,7 @@ def auto_notes(results: dict[str, dict[str, Any]]) -> list[str]:
 # -- command line -----------------------------------------------------------------------
 
 
-def _int_list(text: str) -> tuple[int, ...]:
+def int_list(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError as exc:
@@ -591,7 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specdec bench", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", default=DEFAULT_TARGET, help="preset, Hugging Face directory or .gguf file")
-    p.add_argument("--batch-sizes", type=_int_list, default=(1, 4, 8, 16), help="comma-separated")
+    p.add_argument("--batch-sizes", type=int_list, default=(1, 4, 8, 16), help="comma-separated")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
     p.add_argument("--num-draft-tokens", type=int, default=7, help="k: longest n-gram continuation copied")
     p.add_argument("--ngram", type=int, default=2, help="longest n-gram the drafter looks up (LLMA: 2)")

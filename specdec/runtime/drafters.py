@@ -172,6 +172,13 @@ class ModelDrafter:
             index = self._head_on[q.device] = self.head_token_ids.to(q.device)
         return q.new_zeros(q.shape[0], self.vocab_size).index_copy_(1, index, q)
 
+    def full_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[n, head]`` draft logits as ``[n, V]``: -inf off a restricted head (q = 0 there)."""
+        if self.head_token_ids is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.head_token_ids.to(logits.device), logits)
+
     def release(self, seq: SeqState) -> None:
         slot = self._slot.pop(id(seq), None)
         self._cached.pop(id(seq), None)

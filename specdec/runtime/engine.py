@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +18,18 @@ from tqdm.auto import tqdm
 from specdec.export.models import LoadedModel
 from specdec.runtime.backends.base import Backend
 from specdec.runtime.backends.torch_backend import TorchBackend
+from specdec.runtime.beams import BEAM_LOOPS
 from specdec.runtime.drafters import Drafter, ModelDrafter, NgramDrafter
 from specdec.runtime.kv import KVCacheManager
 from specdec.runtime.loops import LOOPS, DecodeContext
 from specdec.runtime.metrics import RunMetrics
-from specdec.runtime.request import Request, RequestMetrics, RequestOutput, SeqState, StopChecker
+from specdec.runtime.request import BeamParams, Request, RequestMetrics, RequestOutput, SeqState, StopChecker
 from specdec.runtime.sampling import InvalidRequestError, SamplingParams
 from specdec.runtime.scheduler import Scheduler
 from specdec.runtime.text import cut_at_stop, decode_tokens, encode_text
 
-METHODS = tuple(LOOPS)
+ALL_LOOPS = {**LOOPS, **BEAM_LOOPS}
+METHODS = tuple(ALL_LOOPS)
 
 
 def _backend_opener(kind: str, threads: int | None = None) -> Callable[[Path], Backend]:
@@ -167,16 +169,26 @@ class Engine:
     def request(self, prompt: str | Sequence[int], *, chat: bool = False, max_tokens: int = 128,
                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                 num_draft_tokens: int | None = None, stop: Sequence[str] = (),
-                request_id: str | None = None) -> Request:
-        """Build and validate a request; raises ``InvalidRequestError`` naming the problem."""
+                request_id: str | None = None, beam: BeamParams | None = None) -> Request:
+        """Build and validate a request; raises ``InvalidRequestError`` naming the problem.
+
+        ``beam`` configures the ``beam`` and ``dsbd`` methods (width, dynamic-width knobs).
+        """
         ids = self.encode(prompt, chat)
         if not ids:
             raise InvalidRequestError("prompt is empty: a request needs at least one prompt token")
         kwargs = {} if request_id is None else {"request_id": request_id}
         req = Request(tuple(ids), max_tokens, SamplingParams(temperature, top_k, top_p, seed),
-                      num_draft_tokens, tuple(stop), **kwargs)
-        req.check_fits(self.max_len, self.target.vocab_size)
+                      num_draft_tokens, tuple(stop), beam=beam, **kwargs)
+        self.check(req)
         return req
+
+    def check(self, req: Request) -> None:
+        """What this engine in particular cannot serve: a prompt past the context, a width past the cache."""
+        req.check_fits(self.max_len, self.target.vocab_size)
+        if req.beam is not None and req.beam.width > self.max_batch:
+            raise InvalidRequestError(f"beam_width {req.beam.width} exceeds the {self.max_batch} KV slots of this "
+                                      "engine (one per beam)")
 
     # -- running ----------------------------------------------------------------------
     def context(self, scheduler: Scheduler, *, on_tokens: Callable[[SeqState, list[int]], None] | None = None,
@@ -197,7 +209,7 @@ class Engine:
         Items that are exceptions (a request that failed to build) or that do not fit the
         context become outputs with ``error`` set; the rest are decoded together.
         """
-        if method not in LOOPS:
+        if method not in ALL_LOOPS:
             raise ValueError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
         outputs: dict[int, RequestOutput] = {}
         scheduler = Scheduler(self.max_batch)
@@ -206,7 +218,9 @@ class Engine:
             try:
                 if isinstance(req, Exception):
                     raise req
-                req.check_fits(self.max_len, self.target.vocab_size)
+                if method in BEAM_LOOPS and req.beam is None:
+                    req = replace(req, beam=BeamParams())
+                self.check(req)
                 if req.request_id in position:
                     raise InvalidRequestError(f"duplicate request_id {req.request_id!r}")
             except InvalidRequestError as exc:
@@ -226,7 +240,7 @@ class Engine:
         ctx = self.context(scheduler, on_tokens=lambda seq, toks: bar.update(len(toks)), on_finish=finish)
         ctx.run.requests = len(position)
         start = time.perf_counter()
-        LOOPS[method](ctx)
+        ALL_LOOPS[method](ctx)
         ctx.run.wall_seconds = time.perf_counter() - start
         bar.close()
         return GenerationResult([outputs[i] for i in range(len(requests))], ctx.run)
@@ -234,4 +248,4 @@ class Engine:
     def _output(self, seq: SeqState) -> RequestOutput:
         text = cut_at_stop(self.decode(seq.output_ids), seq.request.stop) if self.tokenizer is not None else None
         return RequestOutput(seq.request.request_id, list(seq.request.prompt_ids), seq.output_ids, text,
-                             seq.finish_reason, seq.metrics)
+                             seq.finish_reason, seq.metrics, sequences=seq.sequences)

@@ -8,7 +8,7 @@ K/V through ragged steps at ``length(slot)``, and then tell it what was accepted
   Anything written beyond is garbage that the next step overwrites (EMS-SD: no holes).
 * ``commit_padded(slot, accepted, advance)`` — the padded baseline: the write position
   moves by the batch maximum ``advance`` and the gap becomes masked holes.
-* ``fork(slot)`` copies a committed prefix into a new slot (DSBD beams sharing a parent).
+* ``fork(slot, written)`` copies a prefix into a new slot (DSBD beams sharing a parent).
 * ``truncate(slot, n)`` forgets speculative tokens (the draft model's rejected proposals).
 """
 
@@ -114,11 +114,18 @@ class KVCacheManager:
             self._holes[slot][length:] = False
         self._length[slot] = length
 
-    def fork(self, slot: int) -> int:
-        """A new slot holding a copy of ``slot``'s committed prefix."""
+    def fork(self, slot: int, written: int = 0) -> int:
+        """A new slot holding a copy of ``slot``'s committed prefix.
+
+        ``written`` more positions past the committed ones are copied too but stay
+        uncommitted: a beam that shares its parent's prefix but accepted other tree nodes
+        forks first and then ``commit``s its own nodes' offsets in the copy.
+        """
         length = self.length(slot)
+        if not 0 <= written <= self.room(slot):
+            raise ValueError(f"slot {slot}: cannot copy {written} uncommitted positions after {length}")
         new = self.alloc()
-        self.storage.copy_prefix(slot, new, length)
+        self.storage.copy_prefix(slot, new, length + written)
         self._length[new] = length
         if slot in self._holes:
             self._holes[new] = self._holes[slot].clone()

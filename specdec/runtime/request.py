@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -11,6 +12,56 @@ import torch
 from specdec.runtime.sampling import InvalidRequestError, SamplingParams
 
 _ids = itertools.count()
+
+BEAM_MODES = ("iid", "without_replacement")
+MEMORY_MODES = ("full", "single")
+
+
+@dataclass(frozen=True)
+class BeamParams:
+    """How a ``beam`` or ``dsbd`` request searches (shared/docs/dsbd.md).
+
+    ``width``: beams drawn per step (``beam``), or the draft's width ``W_S`` and the largest
+    output width (``dsbd``). ``min_width`` and ``threshold`` set DSBD's dynamic width: a
+    layer's width is the largest K whose probability of passing is at least ``threshold``,
+    never below ``min_width`` (threshold 0 keeps every layer at ``width``). ``mode``: the
+    ``beam`` baseline draws its pairs i.i.d. (the law DSBD reproduces per slot) or without
+    replacement (classic beam sampling); greedy requests run deterministic beam search.
+    ``memory_mode="single"`` keeps only the best output beam of each round (one KV sequence).
+    ``num_return_sequences`` best candidates are returned, ranked by ``logprob / length``
+    ** ``length_penalty``.
+    """
+
+    width: int = 2
+    min_width: int = 1
+    threshold: float = 0.0
+    mode: str = "iid"
+    memory_mode: str = "full"
+    num_return_sequences: int = 1
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        def integer(name: str, value: object, low: int) -> None:
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise InvalidRequestError(f"{name} must be an integer >= {low}, got {value!r}")
+
+        integer("beam_width", self.width, 1)
+        integer("dsbd_min_width", self.min_width, 1)
+        integer("num_return_sequences", self.num_return_sequences, 1)
+        if self.min_width > self.width:
+            raise InvalidRequestError(f"dsbd_min_width ({self.min_width}) must not exceed beam_width ({self.width})")
+        if self.num_return_sequences > self.width:
+            raise InvalidRequestError(
+                f"num_return_sequences ({self.num_return_sequences}) must not exceed beam_width ({self.width})")
+        if not (isinstance(self.threshold, (int, float)) and 0.0 <= self.threshold <= 1.0):
+            raise InvalidRequestError(f"dsbd_threshold must be in [0, 1], got {self.threshold!r}")
+        if self.mode not in BEAM_MODES:
+            raise InvalidRequestError(f"beam mode must be one of {', '.join(BEAM_MODES)}, got {self.mode!r}")
+        if self.memory_mode not in MEMORY_MODES:
+            raise InvalidRequestError(
+                f"memory_mode must be one of {', '.join(MEMORY_MODES)}, got {self.memory_mode!r}")
+        if not (isinstance(self.length_penalty, (int, float)) and math.isfinite(self.length_penalty)):
+            raise InvalidRequestError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
 
 
 @dataclass(frozen=True)
@@ -23,6 +74,7 @@ class Request:
     num_draft_tokens: int | None = None  # None = the engine's default
     stop: tuple[str, ...] = ()
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    beam: BeamParams | None = None  # set for the beam and dsbd methods
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
@@ -60,6 +112,8 @@ class RequestMetrics:
     accepted_draft_tokens: int = 0
     target_calls: int = 0  # target steps this request took part in, prefill included
     batch_size_sum: int = 0  # over those steps, the number of sequences each one verified together
+    beam_widths: list[int] = field(default_factory=list)  # beam / dsbd: output beams of each round
+    logprob: float | None = None  # beam / dsbd: the answer's target log-likelihood (temperature 1)
 
     @property
     def mean_batch_size(self) -> float:
@@ -86,6 +140,8 @@ class RequestMetrics:
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "target_calls": self.target_calls,
             "mean_batch_size": round(self.mean_batch_size, 4),
+            **({"mean_beam_width": round(sum(self.beam_widths) / len(self.beam_widths), 4),
+                "logprob": self.logprob} if self.beam_widths else {}),
         }
 
 
@@ -100,6 +156,18 @@ class RequestOutput:
     finish_reason: str | None  # "stop" (EOS or stop string), "length", or None on error
     metrics: RequestMetrics
     error: str | None = None
+    #: beam / dsbd: the ``num_return_sequences`` best candidates, best first (the first is ``token_ids``)
+    sequences: list[BeamCandidate] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class BeamCandidate:
+    """A returned beam: its output tokens, target log-likelihood and ranking score."""
+
+    token_ids: list[int]
+    logprob: float
+    score: float
+    finish_reason: str
 
 
 class StopChecker:
@@ -153,6 +221,7 @@ class SeqState:
     generator: torch.Generator
     metrics: RequestMetrics
     finish_reason: str | None = None
+    sequences: list[BeamCandidate] = field(default_factory=list)  # beam / dsbd: the returned candidates
 
     @classmethod
     def start(cls, request: Request, slot: int) -> SeqState:

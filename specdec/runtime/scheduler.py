@@ -56,19 +56,27 @@ class Scheduler:
             self._cond.wait_for(lambda: self._queue or self._closed, timeout=timeout)
             return bool(self._queue)
 
-    def admit(self, kv: KVCacheManager, num_live: int,
-              accept: Callable[[Request], bool] | None = None) -> list[SeqState]:
+    def admit(self, kv: KVCacheManager, num_live: int, accept: Callable[[Request], bool] | None = None, *,
+              slots: Callable[[Request], int] | None = None, free: int | None = None) -> list[SeqState]:
         """Pop queued requests into fresh slots while there is room in the batch and the cache.
 
         ``accept`` may veto a request (e.g. it was cancelled while queued); vetoed requests
-        are dropped without taking a slot.
+        are dropped without taking a slot. A beam request holds up to ``slots(request)`` KV
+        slots (one per beam) and is admitted only when that many of ``free`` (default: the
+        cache's free slots; a beam loop passes what its live beams have not reserved) are
+        left; it gets one slot now and forks the others as its beams branch.
         """
         admitted: list[SeqState] = []
+        available = kv.num_free if free is None else free
         with self._cond:
             while self._queue and num_live + len(admitted) < self.max_batch and kv.num_free > 0:
+                need = 1 if slots is None else slots(self._queue[0])
+                if need > available:
+                    break
                 request = self._queue.popleft()
                 if accept is not None and not accept(request):
                     continue
+                available -= need
                 admitted.append(SeqState.start(request, kv.alloc()))
         if self._on_admit is not None:
             self._on_admit(admitted)

@@ -1,0 +1,460 @@
+"""Beam decoding on the ragged step: the ``beam`` baseline and DSBD, batched over requests.
+
+A request decoded with beams is a *group* of live beams, each a sequence with its own KV
+slot in the target cache (and, for DSBD, in the draft cache). Every round of every group
+goes into the same packed target call, so concurrent beam requests share ragged steps just
+as EMS-SD's chains do. The method itself (joint warping, i.i.d. drafts, layer verification,
+dynamic width) is the model-free core in :mod:`specdec.runtime.dsbd`; this module feeds it
+the logits of real models and keeps the KV caches in step with the beams.
+
+One round of a group (``shared/docs/dsbd.md``):
+
+1. *Draft* (``dsbd`` only): the draft model beam-samples γ layers of ``W_S`` i.i.d. nodes
+   from the live beams, one ragged draft step per layer for all groups; each root beam's
+   tree is fed with its tree mask, its uncached tail committed on the first layer.
+2. *Target*: one packed call; each beam feeds its uncached tail plus its tree (tree mask,
+   position = past + depth), with logits at the tail's last row and at every node.
+3. *Verify* layer by layer (:func:`~specdec.runtime.dsbd.verify_layer`); the first failing
+   layer, a layer whose accepted nodes end a beam (EOS), or the extra layer after γ passes
+   gives the round's output beams.
+4. *KV*: each output beam commits its root's tail and its accepted path (compaction inside
+   the slot); beams sharing a root fork its slot (prefix and written tree rows copied); roots
+   without children free theirs. The output token itself is the next round's tail.
+
+γ = 0 is exactly the ``beam`` baseline (same calls, same draws from the request's RNG).
+Greedy requests run deterministic beam search; greedy DSBD verifies the draft's top-``W_S``
+pairs against the target's top-W per layer and outputs exactly what beam search would.
+
+Beams end on EOS (they become candidates) or at ``max_tokens``; a group stops when it has
+``width`` candidates or no live beam. The answer is the candidate with the best
+``logprob / length ** length_penalty`` (logprob = the target's log-likelihood at temperature 1).
+Stop strings are applied to the chosen answer, not during the search; nothing streams
+before the group ends, because any beam may still be overtaken.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.runtime.drafters import ModelDrafter
+from specdec.runtime.dsbd import (
+    BeamStep,
+    beam_distribution,
+    beam_search_step,
+    beam_step,
+    draft_layer,
+    dynamic_width,
+    verify_layer,
+)
+from specdec.runtime.kv import KVCacheManager
+from specdec.runtime.loops import DecodeContext
+from specdec.runtime.metrics import RunMetrics
+from specdec.runtime.packed import ROOT, SeqWork, pack
+from specdec.runtime.request import BeamCandidate, BeamParams, SeqState
+
+NodeRef = tuple[int, int]  # (root beam index, tree position); position -1 is the root's own last token
+
+
+@dataclass
+class Hyp:
+    """One beam: ``slot`` caches ``tokens[:kv.length(slot)]``, the rest is its uncached tail."""
+
+    tokens: list[int]
+    score: float  # log p_beam of its last step (sampling), or cumulative log-probability (beam search)
+    logprob: float  # target log-likelihood of the output tokens at temperature 1
+    slot: int
+    draft_slot: int | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class Layer:
+    """One drafted forest layer: its parents, the draft's ``q_beam`` over them, and the i.i.d. nodes."""
+
+    parents: list[NodeRef]
+    q_beam: torch.Tensor | None  # flat [len(parents) * V]; None for greedy drafts
+    nodes: list[int]  # flat (parent, token) indices, in draw order
+    refs: list[NodeRef] = field(default_factory=list)  # each node's place in its root's tree
+    scores: list[float] = field(default_factory=list)  # the draft's score of each node
+
+
+@dataclass
+class Group:
+    """A beam request in flight."""
+
+    seq: SeqState
+    params: BeamParams
+    beams: list[Hyp]
+    width: int
+    finished: list[Hyp] = field(default_factory=list)
+    layers: list[Layer] = field(default_factory=list)
+    trees: list[list[tuple[int, int]]] = field(default_factory=list)  # per root: (token, parent position)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.beams[0].tokens) - self.seq.num_prompt if self.beams else 0
+
+    @property
+    def done(self) -> bool:
+        return not self.beams or len(self.finished) >= self.params.width
+
+
+class BeamDecoder:
+    """The state of one beam or dsbd run: groups, the draft cache, and the round logic."""
+
+    def __init__(self, ctx: DecodeContext, speculative: bool) -> None:
+        self.ctx, self.speculative = ctx, speculative
+        self.drafter: ModelDrafter | None = None
+        if speculative:
+            if not isinstance(ctx.drafter, ModelDrafter):
+                raise ValueError("dsbd needs a draft model (the draft beam-samples the forest with its q): "
+                                 f"got {type(ctx.drafter).__name__ if ctx.drafter else 'no drafter'}")
+            self.drafter = ctx.drafter
+        self.dkv: KVCacheManager | None = self.drafter.kv if self.drafter else None
+        self.groups: list[Group] = []
+        self.vocab = ctx.target.vocab_size
+
+    # -- admission and retirement ---------------------------------------------------------
+    def admit(self) -> None:
+        kv = self.ctx.kv
+        reserved = sum(g.params.width - len(g.beams) for g in self.groups)
+        new = self.ctx.scheduler.admit(kv, len(self.groups), slots=lambda r: _params(r).width,
+                                       free=kv.num_free - reserved)
+        for seq in new:
+            params = _params(seq.request)
+            if self.speculative and params.mode != "iid":
+                raise ValueError("dsbd reproduces i.i.d. beam sampling; mode must be 'iid'")
+            root = Hyp(list(seq.tokens), 0.0, 0.0, seq.slot, self.dkv.alloc() if self.dkv else None)
+            self.groups.append(Group(seq, params, [root], params.width))
+
+    def retire(self) -> None:
+        live = []
+        for group in self.groups:
+            if not group.done:
+                live.append(group)
+                continue
+            for hyp in group.beams:
+                self._free(hyp)
+            self._finish(group)
+        self.groups = live
+
+    def _free(self, hyp: Hyp) -> None:
+        self.ctx.kv.free(hyp.slot)
+        if hyp.draft_slot is not None and self.dkv is not None:
+            self.dkv.free(hyp.draft_slot)
+
+    def _finish(self, group: Group) -> None:
+        """Rank the candidates, emit the best one's tokens, and report the group."""
+        seq, params = group.seq, group.params
+        candidates = group.finished or [h for h in group.beams]
+
+        def rank(h: Hyp) -> float:
+            length = max(1, len(h.tokens) - seq.num_prompt)
+            return h.logprob / length ** params.length_penalty
+
+        ranked = sorted(candidates, key=rank, reverse=True)[: params.num_return_sequences]
+        best = ranked[0]
+        seq.metrics.logprob = best.logprob
+        self.ctx.emit(seq, best.tokens[seq.num_prompt :])
+        if not seq.finished:
+            seq.finish_reason = best.finish_reason or "length"
+        seq.sequences = [BeamCandidate(h.tokens[seq.num_prompt :], h.logprob, rank(h), h.finish_reason or "length")
+                         for h in ranked]
+        if self.ctx.on_finish is not None:
+            self.ctx.on_finish(seq)
+
+    # -- one round for every group ----------------------------------------------------------
+    def round(self) -> None:
+        ctx = self.ctx
+        gammas = [self._gamma(g) for g in self.groups]
+        start = time.perf_counter()
+        if self.speculative:
+            self._draft(gammas)
+        draft_seconds = time.perf_counter() - start
+        work, owners, tails = [], [], []
+        prefill_rows = 0
+        for gi, group in enumerate(self.groups):
+            tails.append([len(h.tokens) - ctx.kv.length(h.slot) for h in group.beams])
+            for bi, hyp in enumerate(group.beams):
+                work.append(self._target_work(group, bi))
+                owners.append((gi, bi))
+                if len(hyp.tokens) == group.seq.num_prompt:
+                    prefill_rows += tails[gi][bi]
+        drafted = sum(len(layer.nodes) for g in self.groups for layer in g.layers)
+        rows = ctx.target_step(work, real_rows=sum(len(w.token_ids) for w in work), prefill_rows=prefill_rows,
+                               draft_tokens=drafted, draft_seconds=draft_seconds)
+        logits: dict[tuple[int, int], torch.Tensor] = dict(zip(owners, rows))
+        for gi, group in enumerate(self.groups):
+            ctx.count_call(group.seq)
+            mine = {bi: logits[(gi, bi)] for bi in range(len(group.beams))}
+            outputs, accepted = self._verify(group, mine)
+            group.seq.metrics.draft_tokens += sum(len(layer.nodes) for layer in group.layers)
+            group.seq.metrics.accepted_draft_tokens += accepted
+            ctx.run.steps[-1].accepted_draft_tokens += accepted
+            self._advance(group, outputs, tails[gi], mine)
+
+    def _gamma(self, group: Group) -> int:
+        """Draft layers this round: γ, capped by max_tokens and by the room of every beam's slot."""
+        if not self.speculative:
+            return 0
+        seq = group.seq
+        k = self.ctx.num_draft_tokens if seq.request.num_draft_tokens is None else seq.request.num_draft_tokens
+        gamma = max(0, min(k, seq.request.max_tokens - group.num_generated - 1))
+        kv = self.ctx.kv
+        while gamma > 0 and any(len(h.tokens) - kv.length(h.slot) + gamma * group.params.width > kv.room(h.slot)
+                                for h in group.beams):
+            gamma -= 1
+        return gamma
+
+    # -- draft forest ---------------------------------------------------------------------
+    def _draft(self, gammas: Sequence[int]) -> None:
+        """Beam-sample every group's forest, one draft ragged step per layer for all groups."""
+        assert self.drafter is not None and self.dkv is not None
+        for group, gamma in zip(self.groups, gammas):
+            group.layers = []
+            group.trees = [[] for _ in group.beams] if gamma else []
+        for depth in range(max(gammas, default=0)):
+            drafting = [g for g, gamma in zip(self.groups, gammas) if gamma > depth]
+            work, asked = [], []
+            for group in drafting:
+                parents, _ = _layer_parents(group, depth)
+                for b in range(len(group.beams)):
+                    item = self._draft_work(group, b, depth, parents)
+                    if item is not None:
+                        work.append(item[0])
+                        asked.extend((id(group), ref) for ref in item[1])
+            table = dict(zip(asked, self.drafter.backend.step(pack(work), self.dkv.storage)))
+            if depth == 0:  # the tails are the beams' real tokens: keep them in the draft cache
+                for hyp in (h for g in drafting for h in g.beams):
+                    assert hyp.draft_slot is not None
+                    self.dkv.commit(hyp.draft_slot, len(hyp.tokens) - self.dkv.length(hyp.draft_slot))
+            for group in drafting:
+                parents, scores = _layer_parents(group, depth)
+                rows = self.drafter.full_vocab_logits(torch.stack([table[(id(group), r)] for r in parents]))
+                self._draft_layer(group, parents, torch.tensor(scores, dtype=torch.float64), rows)
+
+    def _draft_work(self, group: Group, b: int, depth: int,
+                    parents: Sequence[NodeRef]) -> tuple[SeqWork, list[NodeRef]] | None:
+        """Root ``b``'s draft work: its tail (depth 0) or its tree so far; logits at the layer's parents."""
+        assert self.dkv is not None
+        hyp = group.beams[b]
+        slot = hyp.draft_slot
+        assert slot is not None
+        mine = [ref for ref in parents if ref[0] == b]
+        if not mine:
+            return None
+        past = self.dkv.length(slot)
+        if depth == 0:
+            return SeqWork(slot, past, hyp.tokens[past:], logits="last"), mine
+        tree = group.trees[b]
+        return SeqWork(slot, past, [t for t, _ in tree], [ROOT if p < 0 else p for _, p in tree],
+                       logits=[pos for _, pos in mine]), mine
+
+    def _draft_layer(self, group: Group, parents: list[NodeRef], scores: torch.Tensor, logits: torch.Tensor) -> None:
+        """Draw one forest layer from the draft's beam distribution over ``parents`` and grow the trees."""
+        params, gen = group.seq.request.sampling, group.seq.generator
+        if params.greedy:
+            step = beam_search_step(scores, logits, group.params.width, logits=True)
+            nodes = [p * self.vocab + t for p, t in zip(step.parents, step.tokens)]
+            layer = Layer(parents, None, nodes, scores=step.scores)
+        else:
+            q_beam = beam_distribution(scores, logits, params, logits=True)
+            nodes = draft_layer(q_beam, group.params.width, gen)
+            layer = Layer(parents, q_beam, nodes, scores=[math.log(float(q_beam[x])) for x in nodes])
+        for x in nodes:
+            root, pos = parents[x // self.vocab]
+            tree = group.trees[root]
+            tree.append((x % self.vocab, pos))
+            layer.refs.append((root, len(tree) - 1))
+        group.layers.append(layer)
+
+    # -- target call and verification -------------------------------------------------------
+    def _target_work(self, group: Group, b: int) -> SeqWork:
+        """Beam ``b``'s uncached tail and its tree; logits at the tail's last row and at every node."""
+        hyp = group.beams[b]
+        past = self.ctx.kv.length(hyp.slot)
+        tail = hyp.tokens[past:]
+        tree = group.trees[b] if group.trees else []
+        if not tree:
+            return SeqWork(hyp.slot, past, tail, logits="last")
+        n = len(tail)
+        parents = [ROOT, *range(n - 1)] + [n - 1 if p < 0 else n + p for _, p in tree]
+        return SeqWork(hyp.slot, past, tail + [t for t, _ in tree], parents,
+                       logits=[n - 1, *range(n, n + len(tree))])
+
+    def _verify(self, group: Group, rows: dict[int, torch.Tensor]) -> tuple[list[tuple[NodeRef, int, float]], int]:
+        """The round's output beams as (parent, token, score), and the number of accepted drafts."""
+        params, gen = group.seq.request.sampling, group.seq.generator
+        eos = self.ctx.stopper.eos_ids
+
+        def logits_of(ref: NodeRef) -> torch.Tensor:
+            return rows[ref[0]][ref[1] + 1]
+
+        def table(refs: Sequence[NodeRef], valid: Sequence[bool]) -> torch.Tensor:
+            return torch.stack([logits_of(r) if ok else torch.zeros(self.vocab) for r, ok in zip(refs, valid)])
+
+        parents: list[NodeRef] = [(b, -1) for b in range(len(group.beams))]
+        valid = [True] * len(parents)
+        scores = [h.score for h in group.beams]
+        width, accepted_total = group.width, 0
+        for layer in group.layers:
+            score_t = torch.tensor([s if ok else -math.inf for s, ok in zip(scores, valid)], dtype=torch.float64)
+            logits = table(parents, valid)
+            if params.greedy:
+                step = beam_search_step(score_t, logits, group.params.width, logits=True)
+                wanted = [p * self.vocab + t for p, t in zip(step.parents, step.tokens)]
+                found = [layer.nodes.index(x) if x in layer.nodes else -1 for x in wanted]
+                accepted_total += sum(i >= 0 for i in found)
+                if min(found) < 0 or any(t in eos for t in step.tokens):
+                    return _outputs(parents, step), accepted_total
+                chosen, new_scores = found, step.scores
+            else:
+                pb = beam_distribution(score_t, logits, params, logits=True)
+                assert layer.q_beam is not None
+                width = dynamic_width(pb, layer.q_beam, group.params.width, group.params.threshold,
+                                      group.params.min_width)
+                verdict = verify_layer(pb, layer.q_beam, layer.nodes, torch.tensor(valid), width, gen)
+                accepted_total += len(verdict.accepted)
+                out = [(parents[x // self.vocab], x % self.vocab, math.log(float(pb[x]))) for x in verdict.outputs]
+                if not verdict.passed or any(t in eos for _, t, _ in out):
+                    group.width = width
+                    return out, accepted_total
+                chosen, new_scores = verdict.accepted, [s for _, _, s in out]
+            valid = [False] * len(layer.nodes)
+            scores = [-math.inf] * len(layer.nodes)
+            for i, s in zip(chosen, new_scores):
+                valid[i], scores[i] = True, s
+            parents = layer.refs
+        group.width = width
+        score_t = torch.tensor([s if ok else -math.inf for s, ok in zip(scores, valid)], dtype=torch.float64)
+        mode = group.params.mode if not self.speculative else "iid"
+        step = beam_step(score_t, table(parents, valid), params, width if not params.greedy else group.params.width,
+                         gen, mode)
+        return _outputs(parents, step), accepted_total
+
+    # -- after verification: new beams and their caches -------------------------------------
+    def _advance(self, group: Group, outputs: list[tuple[NodeRef, int, float]], tails: list[int],
+                 rows: dict[int, torch.Tensor]) -> None:
+        """Turn the outputs into the group's beams; compact, fork and free the KV slots to match.
+
+        ``rows[b]`` are root ``b``'s target logits (row 0: its last token, row 1 + j: tree node j).
+        """
+        ctx, seq = self.ctx, group.seq
+        trees = group.trees or [[] for _ in group.beams]
+        log_probs: dict[NodeRef, torch.Tensor] = {}
+        logprob: dict[NodeRef, float] = {}
+
+        def lsm(ref: NodeRef) -> torch.Tensor:
+            """Temperature-1 log-probabilities after ``ref`` (the answer's logprob is measured unwarped)."""
+            if ref not in log_probs:
+                log_probs[ref] = torch.log_softmax(rows[ref[0]][ref[1] + 1].double(), dim=-1)
+            return log_probs[ref]
+
+        def lp(ref: NodeRef) -> float:
+            """The output log-likelihood of the sequence that ends at ``ref``."""
+            if ref not in logprob:
+                root, pos = ref
+                if pos < 0:
+                    logprob[ref] = group.beams[root].logprob
+                else:
+                    token, parent = trees[root][pos]
+                    logprob[ref] = lp((root, parent)) + float(lsm((root, parent))[token])
+            return logprob[ref]
+
+        def path(ref: NodeRef) -> list[int]:
+            root, pos = ref
+            out = []
+            while pos >= 0:
+                out.append(pos)
+                pos = trees[root][pos][1]
+            return out[::-1]
+
+        new: list[tuple[Hyp, int, list[int]]] = []  # (beam, root, offsets it commits in the root's slot)
+        for ref, token, score in outputs:
+            root = ref[0]
+            steps = path(ref)
+            tokens = group.beams[root].tokens + [trees[root][p][0] for p in steps] + [token]
+            hyp = Hyp(tokens, score, lp(ref) + float(lsm(ref)[token]), -1)
+            if token in ctx.stopper.eos_ids:
+                hyp.finish_reason = "stop"
+            elif len(tokens) - seq.num_prompt >= seq.request.max_tokens or len(tokens) >= ctx.kv.max_len:
+                hyp.finish_reason = "length"
+            new.append((hyp, root, list(range(tails[root])) + [tails[root] + p for p in steps]))
+        seq.metrics.beam_widths.append(len(new))
+        if group.params.memory_mode == "single":
+            new = [max(new, key=lambda item: item[0].score)]
+        group.finished.extend(hyp for hyp, _, _ in new if hyp.finish_reason is not None)
+        live = [] if len(group.finished) >= group.params.width else [i for i in new if i[0].finish_reason is None]
+        self._rebind(group, live, [tails[b] + len(trees[b]) for b in range(len(group.beams))])
+        group.beams = [hyp for hyp, _, _ in live]
+        group.layers, group.trees = [], []
+
+    def _rebind(self, group: Group, live: list[tuple[Hyp, int, list[int]]], written: list[int]) -> None:
+        """Give each live output beam a slot: its root's (compacted to its path) or a fork of it.
+
+        Roots without children are freed first, so forks never need more slots than the group
+        has beams. ``written[b]``: rows root ``b`` wrote this round (tail + tree), which a fork
+        copies before committing its own path's offsets.
+        """
+        kv = self.ctx.kv
+        by_root: dict[int, list[tuple[Hyp, list[int]]]] = {}
+        for hyp, root, offsets in live:
+            by_root.setdefault(root, []).append((hyp, offsets))
+        for b, old in enumerate(group.beams):
+            if b not in by_root:
+                self._free(old)
+        for b, children in by_root.items():
+            old = group.beams[b]
+            for hyp, offsets in children[1:]:
+                hyp.slot = kv.fork(old.slot, written[b])
+                kv.commit(hyp.slot, offsets)
+                if old.draft_slot is not None and self.dkv is not None:
+                    hyp.draft_slot = self.dkv.fork(old.draft_slot)
+            hyp, offsets = children[0]
+            hyp.slot, hyp.draft_slot = old.slot, old.draft_slot
+            kv.commit(old.slot, offsets)
+
+
+def _layer_parents(group: Group, depth: int) -> tuple[list[NodeRef], list[float]]:
+    """The draft's parents of forest layer ``depth + 1`` and their scores (the roots carry the target's)."""
+    if depth == 0:
+        return [(b, -1) for b in range(len(group.beams))], [h.score for h in group.beams]
+    return group.layers[-1].refs, group.layers[-1].scores
+
+
+def _outputs(parents: Sequence[NodeRef], step: BeamStep) -> list[tuple[NodeRef, int, float]]:
+    return [(parents[p], t, s) for p, t, s in zip(step.parents, step.tokens, step.scores)]
+
+
+def _params(request: object) -> BeamParams:
+    return getattr(request, "beam", None) or BeamParams()
+
+
+def _run(ctx: DecodeContext, speculative: bool) -> RunMetrics:
+    decoder = BeamDecoder(ctx, speculative)
+    while ctx.has_work(decoder.groups):
+        decoder.admit()
+        if decoder.groups:
+            decoder.round()
+        decoder.retire()
+    return ctx.run
+
+
+def beam(ctx: DecodeContext) -> RunMetrics:
+    """Target-only beam sampling (i.i.d. or without replacement) or, greedy, deterministic beam search."""
+    ctx.run.method = "beam"
+    return _run(ctx, speculative=False)
+
+
+def dsbd(ctx: DecodeContext) -> RunMetrics:
+    """DSBD: the draft beam-samples a forest per request, the target verifies all forests in one call."""
+    ctx.run.method = "dsbd"
+    return _run(ctx, speculative=True)
+
+
+BEAM_LOOPS = {"beam": beam, "dsbd": dsbd}

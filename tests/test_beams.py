@@ -1,0 +1,220 @@
+"""Beam decoding in the runtime: the ``beam`` baseline and DSBD on real (tiny) models and real KV caches.
+
+The per-slot law of DSBD is tested on enumerable tables in ``test_dsbd_math.py``. Here the
+runtime is held to that verified reference: one DSBD round of the runtime (draft forest as
+ragged draft steps, all forests in one packed target call, KV compaction and forks) must
+make exactly the draws of :func:`specdec.runtime.dsbd.dsbd_round` run on the same models'
+full-prefix distributions with the same RNG stream. Then the properties the issue names:
+rows per step, K/V of surviving beams, γ = 0 and draft = target reductions, greedy DSBD =
+beam search, and batch independence.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specdec.export.models import LoadedModel, tiny_random
+from specdec.runtime.backends.torch_backend import TorchBackend
+from specdec.runtime.beams import BeamDecoder
+from specdec.runtime.drafters import ModelDrafter
+from specdec.runtime.dsbd import dsbd_round
+from specdec.runtime.engine import Engine
+from specdec.runtime.packed import SeqWork, pack
+from specdec.runtime.request import BeamParams, Request
+from specdec.runtime.sampling import InvalidRequestError, SamplingParams
+from specdec.runtime.scheduler import Scheduler
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB = 24  # small enough that drafts are often accepted, large enough for distinct beams
+PROMPTS = ([3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9], [2, 7])
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[LoadedModel, LoadedModel]:
+    """A small-vocabulary target and a different draft (their distributions differ visibly)."""
+    return (tiny_random(seed=11, vocab_size=VOCAB, name="beam-target"),
+            tiny_random(seed=12, vocab_size=VOCAB, name="beam-draft"))
+
+
+def engine(target: LoadedModel, draft: LoadedModel | None, gamma: int = 3, max_batch: int = 16,
+           max_len: int = 96) -> Engine:
+    """An engine without EOS, so rounds end only by verification (as in the reference simulator)."""
+    drafter = None if draft is None else ModelDrafter(TorchBackend(draft), max_batch, max_len)
+    return Engine(TorchBackend(target), drafter, tokenizer=None, eos_token_ids=(), max_batch=max_batch,
+                  max_len=max_len, num_draft_tokens=gamma)
+
+
+def full_prefix_probs(model: LoadedModel):
+    """``prefix -> softmax(logits after prefix)`` by a from-scratch prefill (no cache reuse)."""
+    backend = TorchBackend(model)
+    cache = backend.allocate_cache(1, 128)
+    memo: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def fn(prefix: tuple[int, ...]) -> torch.Tensor:
+        if prefix not in memo:
+            logits = backend.step(pack([SeqWork(0, 0, list(prefix), logits="last")]), cache)[0]
+            memo[prefix] = torch.softmax(logits.double(), dim=-1)
+        return memo[prefix]
+
+    return fn
+
+
+def decoder_after_admit(eng: Engine, requests: list[Request], speculative: bool = True) -> BeamDecoder:
+    scheduler = Scheduler(eng.max_batch)
+    for req in requests:
+        scheduler.submit(req)
+    decoder = BeamDecoder(eng.context(scheduler), speculative)
+    decoder.admit()
+    return decoder
+
+
+@pytest.mark.parametrize(("threshold", "temperature"), [(0.0, 1.0), (0.6, 0.7)])
+def test_runtime_rounds_make_exactly_the_reference_draws(pair, threshold: float, temperature: float) -> None:
+    """Three rounds, 12 seeds: same output beams (tokens and scores) as ``dsbd_round`` with the same RNG.
+
+    No top-k / top-p here: i.i.d. beams are often duplicates, whose joint scores tie exactly in
+    the reference and differ in the last bits between two slots of the runtime, and a cut that
+    falls on such a tie keeps one pair or both (warping itself is covered by the math tests).
+    """
+    target, draft = pair
+    target_fn, draft_fn = full_prefix_probs(target), full_prefix_probs(draft)
+    params = SamplingParams(temperature=temperature, seed=0)
+    width, gamma = 3, 3
+    eng = engine(target, draft, gamma=gamma)
+    widths = set()
+    for seed in range(12):
+        request = Request(PROMPTS[seed % len(PROMPTS)], 40, SamplingParams(temperature, 0, 1.0, seed),
+                          beam=BeamParams(width=width, threshold=threshold, min_width=1))
+        decoder = decoder_after_admit(eng, [request])
+        group = decoder.groups[0]
+        reference = torch.Generator().manual_seed(seed)
+        beams = [(tuple(request.prompt_ids), 0.0)]
+        for _ in range(3):
+            decoder.round()
+            expected = dsbd_round(beams, target_fn, draft_fn, params, width, gamma, width, reference,
+                                  threshold=threshold if threshold else None, w_min=1)
+            got = [(tuple(h.tokens), h.score) for h in group.beams]
+            assert [b for b, _ in got] == [b.prefix for b in expected.beams], f"seed {seed}"
+            assert [s for _, s in got] == pytest.approx([b.score for b in expected.beams], abs=1e-4)
+            assert group.seq.generator.get_state().equal(reference.get_state())
+            widths.add(len(got))
+            beams = [(b.prefix, b.score) for b in expected.beams]
+    if threshold:
+        assert len(widths) > 1, "the dynamic width never changed: the test does not exercise it"
+
+
+def test_one_target_call_per_round_with_exactly_tail_plus_nodes_rows_and_exact_kv(pair) -> None:
+    """Four requests of different widths share each target call; rows = Σ (uncached tail + nodes), no
+    padding; afterwards every live beam's target and draft K/V equal a from-scratch prefill."""
+    target, draft = pair
+    eng = engine(target, draft, gamma=2)
+    requests = [Request(p, 30, SamplingParams(1.0, 0, 1.0, 50 + i), beam=BeamParams(width=w))
+                for i, (p, w) in enumerate(zip(PROMPTS, (1, 2, 3, 4)))]
+    decoder = decoder_after_admit(eng, requests)
+    assert len(decoder.groups) == 4
+    ctx, kv, dkv = decoder.ctx, decoder.ctx.kv, decoder.dkv
+    fresh_target, fresh_draft = TorchBackend(target), TorchBackend(draft)
+    for _ in range(4):
+        tails = sum(len(h.tokens) - kv.length(h.slot) for g in decoder.groups for h in g.beams)
+        nodes = sum(2 * g.params.width for g in decoder.groups)  # γ layers of W_S nodes each
+        beams = sum(len(g.beams) for g in decoder.groups)
+        calls, rows = ctx.target.calls, ctx.target.rows_processed
+        decoder.round()
+        assert ctx.target.calls == calls + 1
+        assert ctx.target.rows_processed - rows == tails + nodes
+        assert ctx.run.steps[-1].batch_size == beams
+        for group in decoder.groups:
+            for hyp in group.beams:
+                for backend, cache, fresh, length in (
+                        (ctx.target, kv.storage, fresh_target, kv.length(hyp.slot)),
+                        (decoder.drafter.backend, dkv.storage, fresh_draft, dkv.length(hyp.draft_slot))):
+                    assert length > 0
+                    slot = hyp.slot if backend is ctx.target else hyp.draft_slot
+                    scratch = fresh.allocate_cache(1, 128)
+                    fresh.step(pack([SeqWork(0, 0, hyp.tokens[:length], logits="none")]), scratch)
+                    for (k, v), (k0, v0) in zip(cache.read(slot, length), scratch.read(0, length)):
+                        torch.testing.assert_close(k, k0, atol=1e-5, rtol=1e-4)
+                        torch.testing.assert_close(v, v0, atol=1e-5, rtol=1e-4)
+    assert kv.num_free + sum(len(g.beams) for g in decoder.groups) == kv.num_slots
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_gamma_zero_is_the_beam_baseline(pair, temperature: float) -> None:
+    target, draft = pair
+    outs = {}
+    for method, gamma in (("beam", 3), ("dsbd", 0)):
+        eng = engine(target, draft, gamma=gamma)
+        reqs = [Request(p, 16, SamplingParams(temperature, 0, 1.0, 7 + i), beam=BeamParams(width=3,
+                        num_return_sequences=3)) for i, p in enumerate(PROMPTS)]
+        result = eng.generate(reqs, method)
+        outs[method] = [[(c.token_ids, round(c.logprob, 6)) for c in o.sequences] for o in result.outputs]
+        if method == "dsbd":
+            assert sum(o.metrics.draft_tokens for o in result.outputs) == 0
+    assert outs["beam"] == outs["dsbd"]
+
+
+def test_a_draft_identical_to_the_target_accepts_everything(pair) -> None:
+    target, _ = pair
+    eng = engine(target, target, gamma=3)
+    reqs = [Request(p, 25, SamplingParams(1.0, 0, 1.0, i), beam=BeamParams(width=3)) for i, p in enumerate(PROMPTS)]
+    for out in eng.generate(reqs, "dsbd").outputs:
+        m = out.metrics
+        # every layer passes with its first W drafts: W of W_S = W drafts accepted per layer
+        assert m.accepted_draft_tokens == m.draft_tokens
+        assert m.target_calls <= 1 + math.ceil(25 / 4)  # γ + 1 = 4 tokens per round
+
+
+def test_greedy_dsbd_is_exactly_beam_search(pair) -> None:
+    """Greedy DSBD outputs what deterministic beam search outputs, with a good and with a poor draft."""
+    target, draft = pair
+    reqs = lambda: [Request(p, 20, beam=BeamParams(width=3, num_return_sequences=2)) for p in PROMPTS]  # noqa: E731
+    base = engine(target, None).generate(reqs(), "beam").outputs
+    for d in (draft, target):
+        got = engine(target, d, gamma=3).generate(reqs(), "dsbd").outputs
+        assert [[c.token_ids for c in o.sequences] for o in got] == [[c.token_ids for c in o.sequences] for o in base]
+        if d is target:
+            assert all(o.metrics.target_calls < b.metrics.target_calls for o, b in zip(got, base))
+
+
+def test_each_request_of_a_batch_gets_what_it_gets_alone(pair) -> None:
+    target, draft = pair
+
+    def requests():
+        return [Request(p, 18, SamplingParams(0.9, 0, 0.95, 100 + i),
+                        beam=BeamParams(width=2 + i % 3, threshold=0.5)) for i, p in enumerate(PROMPTS)]
+
+    together = engine(target, draft).generate(requests(), "dsbd").outputs
+    assert max(o.metrics.mean_batch_size for o in together) > 4  # beams of several requests shared calls
+    for i, req in enumerate(requests()):
+        alone = engine(target, draft).generate([req], "dsbd").outputs[0]
+        assert alone.token_ids == together[i].token_ids
+        assert alone.metrics.beam_widths == together[i].metrics.beam_widths
+
+
+def test_memory_mode_single_keeps_one_beam_and_still_accepts_several_per_layer(pair) -> None:
+    target, draft = pair
+    eng = engine(target, draft, gamma=3)
+    reqs = [Request(p, 20, SamplingParams(1.0, 0, 1.0, i), beam=BeamParams(width=3, memory_mode="single"))
+            for i, p in enumerate(PROMPTS)]
+    result = eng.generate(reqs, "dsbd")
+    assert max(s.batch_size for s in result.run.steps[1:]) <= len(PROMPTS)  # one beam per request
+    assert all(o.metrics.accepted_draft_tokens > 0 and len(o.token_ids) == 20 for o in result.outputs)
+
+
+def test_bad_beam_parameters_are_named(pair) -> None:
+    target, draft = pair
+    eng = engine(target, draft, max_batch=4)
+    for kwargs, word in (({"width": 0}, "beam_width"), ({"width": 2, "min_width": 3}, "dsbd_min_width"),
+                         ({"threshold": 1.5}, "dsbd_threshold"), ({"memory_mode": "tiny"}, "memory_mode"),
+                         ({"mode": "top"}, "mode"), ({"width": 2, "num_return_sequences": 3},
+                                                      "num_return_sequences")):
+        with pytest.raises(InvalidRequestError, match=word):
+            BeamParams(**kwargs)
+    out = eng.generate([Request([1, 2], 5, beam=BeamParams(width=5))], "dsbd").outputs[0]
+    assert out.error is not None and "beam_width 5" in out.error
+    with pytest.raises(ValueError, match="draft model"):
+        engine(target, None).generate([Request([1, 2], 5)], "dsbd")
