@@ -6,11 +6,13 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 from specdec.distill import DraftLoadError, resolve_draft
 from specdec.export.models import DEFAULT_TARGET, ModelResolutionError, load_model
 from specdec.runtime.engine import METHODS, DraftMismatchError, Engine, GenerationResult
+from specdec.runtime.request import BEAM_MODES, MEMORY_MODES, BeamParams
 from specdec.runtime.sampling import InvalidRequestError
 
 DEFAULT_PROMPTS = (
@@ -59,20 +61,31 @@ def build_engine(args: argparse.Namespace) -> Engine:
     if args.draft and args.drafter not in (None, "model"):
         raise SystemExit("error: pass either --draft PATH or --drafter ngram|none, not both")
     draft = resolve_draft(args.draft, target) if args.draft else (args.drafter or "ngram")
-    if args.method == "ar":
+    if args.method == "dsbd" and not args.draft:
+        raise ValueError("dsbd needs a draft model that samples the forest: pass --draft (e.g. smollm2-135m-draft)")
+    if args.method in ("ar", "beam"):
         draft = None
     return Engine.from_models(target, draft, max_batch=args.max_batch or 16, max_len=args.max_len or 1024,
                               num_draft_tokens=args.num_draft_tokens)
 
 
-def _requests(engine: Engine, prompts: Sequence[str], args: argparse.Namespace) -> list:
+def _beam_params(args: argparse.Namespace, method: str) -> BeamParams | None:
+    """The beam options, for the beam methods only (ar / vanilla / ems ignore them)."""
+    if method not in ("beam", "dsbd"):
+        return None
+    return BeamParams(width=args.beam_width, min_width=args.dsbd_min_width, threshold=args.dsbd_threshold,
+                      mode=args.beam_mode, memory_mode=args.memory_mode,
+                      num_return_sequences=args.num_return_sequences, length_penalty=args.length_penalty)
+
+
+def _requests(engine: Engine, prompts: Sequence[str], args: argparse.Namespace, method: str | None = None) -> list:
     items = []
     for i, prompt in enumerate(prompts):
         try:
             items.append(engine.request(
                 prompt, chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature,
                 top_k=args.top_k, top_p=args.top_p, seed=None if args.seed is None else args.seed + i,
-                stop=args.stop or (), request_id=f"prompt-{i}",
+                stop=args.stop or (), request_id=f"prompt-{i}", beam=_beam_params(args, method or args.method),
             ))
         except InvalidRequestError as exc:
             items.append(InvalidRequestError(f"prompt {i}: {exc}"))
@@ -88,7 +101,11 @@ def _print_human(prompts: Sequence[str], result: GenerationResult, baseline: Gen
         m = out.metrics
         print(f"--> {out.text!r}")
         print(f"    tokens={m.generated_tokens} finish={out.finish_reason} acceptance={m.acceptance_rate:.2f} "
-              f"accepted/draft={m.accepted_draft_tokens}/{m.draft_tokens} target_calls={m.target_calls}")
+              f"accepted/draft={m.accepted_draft_tokens}/{m.draft_tokens} target_calls={m.target_calls}"
+              + (f" beams/round={m.beam_widths} logprob/token={m.logprob / max(1, len(out.token_ids)):.3f}"
+                 if m.beam_widths and m.logprob is not None else ""))
+        for rank, cand in enumerate(out.sequences[1:], start=2):
+            print(f"    #{rank} (logprob {cand.logprob:.2f}): {cand.token_ids}")
     s = result.run.summary()
     print(f"\n{s['method']}: {s['generated_tokens']} tokens in {s['wall_seconds']:.2f} s = "
           f"{s['tokens_per_second']:.1f} tok/s, acceptance {s['acceptance_rate']:.2f}, "
@@ -110,15 +127,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     prompts = read_prompts(args)
     items = _requests(engine, prompts, args)
-    result = engine.generate(items, args.method, progress=not args.json)
+    try:
+        result = engine.generate(items, args.method, progress=not args.json)
+    except ValueError as exc:  # a method this engine cannot run (e.g. dsbd over the n-gram drafter)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     baseline = None
     if args.compare_ar and args.method != "ar":
-        baseline = engine.generate(_requests(engine, prompts, args), "ar", progress=not args.json)
+        baseline = engine.generate(_requests(engine, prompts, args, "ar"), "ar", progress=not args.json)
     if args.json:
         doc = {
             "outputs": [
                 {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
-                 "metrics": o.metrics.as_dict(), **({"error": o.error} if o.error else {})}
+                 "metrics": o.metrics.as_dict(), **({"error": o.error} if o.error else {}),
+                 **({"sequences": [asdict(c) for c in o.sequences]} if o.sequences else {})}
                 for o in result.outputs
             ],
             "metrics": result.run.summary(),
@@ -150,6 +172,19 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--compare-ar", action="store_true", help="also run ar and print the speed-up")
+    beam = p.add_argument_group("beam and dsbd")
+    beam.add_argument("--beam-width", type=int, default=2,
+                      help="beams per step (beam); draft width W_S and largest output width (dsbd)")
+    beam.add_argument("--dsbd-threshold", type=float, default=0.0,
+                      help="dsbd dynamic width: largest K with P(layer of width K passes) >= t (0 = fixed width)")
+    beam.add_argument("--dsbd-min-width", type=int, default=1, help="dsbd: smallest width W_min")
+    beam.add_argument("--beam-mode", choices=BEAM_MODES, default="iid",
+                      help="beam: draw pairs i.i.d. (the law dsbd reproduces) or without replacement")
+    beam.add_argument("--memory-mode", choices=MEMORY_MODES, default="full",
+                      help="single: keep one beam per round (one KV sequence per request)")
+    beam.add_argument("--num-return-sequences", type=int, default=1)
+    beam.add_argument("--length-penalty", type=float, default=1.0,
+                      help="candidates ranked by logprob / length ** this")
     p.add_argument("--max-batch", type=int, help="sequences decoded together (default 16, or the export's)")
     p.add_argument("--max-len", type=int, help="KV-cache length per sequence (default 1024, or the export's)")
 

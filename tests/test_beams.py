@@ -18,7 +18,7 @@ import torch
 
 from specdec.export.models import LoadedModel, tiny_random
 from specdec.runtime.backends.torch_backend import TorchBackend
-from specdec.runtime.beams import BeamDecoder
+from specdec.runtime.beams import BeamDecoder, continuation_logprob
 from specdec.runtime.drafters import ModelDrafter
 from specdec.runtime.dsbd import dsbd_round
 from specdec.runtime.engine import Engine
@@ -203,6 +203,22 @@ def test_memory_mode_single_keeps_one_beam_and_still_accepts_several_per_layer(p
     result = eng.generate(reqs, "dsbd")
     assert max(s.batch_size for s in result.run.steps[1:]) <= len(PROMPTS)  # one beam per request
     assert all(o.metrics.accepted_draft_tokens > 0 and len(o.token_ids) == 20 for o in result.outputs)
+
+
+def test_reported_logprob_is_the_targets_log_likelihood_of_the_answer(pair) -> None:
+    """The ranking score's log-likelihood, kept incrementally through forks and trees, equals a fresh rescoring."""
+    target, draft = pair
+    reqs = [Request(p, 14, SamplingParams(1.0, 0, 1.0, 30 + i), beam=BeamParams(width=3, num_return_sequences=3))
+            for i, p in enumerate(PROMPTS)]
+    scorer = TorchBackend(target)
+    for method, d in (("beam", None), ("dsbd", draft)):
+        for req, out in zip(reqs, engine(target, d).generate(reqs, method).outputs):
+            assert out.metrics.logprob == pytest.approx(out.sequences[0].logprob)
+            for cand in out.sequences:
+                assert cand.logprob == pytest.approx(continuation_logprob(scorer, req.prompt_ids, cand.token_ids),
+                                                     abs=1e-3)
+            ranks = [c.score for c in out.sequences]
+            assert ranks == sorted(ranks, reverse=True)
 
 
 def test_bad_beam_parameters_are_named(pair) -> None:

@@ -120,3 +120,21 @@ def test_console_scripts_are_installed() -> None:
         exe = shutil.which(script) or str(Path(sys.executable).parent / script)
         result = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
         assert result.returncode == 0 and "usage" in result.stdout
+
+
+def test_generate_beam_and_dsbd(tiny_dir, capsys) -> None:
+    """Greedy dsbd = beam search through the CLI; candidates come back; dsbd without a draft model is refused."""
+    common = ["--target", str(tiny_dir), "--prompt", "one two three", "--prompt", "Hello there", "--max-tokens", "8",
+              "--beam-width", "3", "--num-return-sequences", "2"]
+    beam = run_json(capsys, *common, "--method", "beam")
+    dsbd = run_json(capsys, *common, "--method", "dsbd", "--draft", str(tiny_dir), "--num-draft-tokens", "3")
+    assert [o["token_ids"] for o in dsbd["outputs"]] == [o["token_ids"] for o in beam["outputs"]]
+    assert all(len(o["sequences"]) == 2 and o["sequences"][0]["token_ids"] == o["token_ids"] for o in dsbd["outputs"])
+    assert all(o["metrics"]["accepted_draft_tokens"] > 0 for o in dsbd["outputs"])  # the draft is the target
+    sampled = run_json(capsys, *common, "--method", "dsbd", "--draft", str(tiny_dir), "--temperature", "0.8",
+                       "--seed", "3", "--dsbd-threshold", "0.5")
+    assert all(o["metrics"]["mean_beam_width"] >= 1 for o in sampled["outputs"])
+    assert main(["generate", *common, "--method", "dsbd"]) == 2
+    assert "needs a draft model" in capsys.readouterr().err
+    assert main(["generate", *common, "--method", "beam", "--beam-width", "40", "--max-batch", "8", "--json"]) == 1
+    assert "beam_width 40 exceeds" in capsys.readouterr().out

@@ -102,6 +102,18 @@ def test_method_ar_runs_without_drafts() -> None:
     assert parse_generation({"method": b("ar"), "num_draft_tokens": i32(5)}, max_len=MAX_LEN).num_draft_tokens == 0
 
 
+def test_beam_methods_read_their_parameters() -> None:
+    """dsbd keeps k and gets its width knobs; beam is dsbd with no draft layers; ems has no beam parameters."""
+    gen = parse_generation({"method": b("dsbd"), "beam_width": i32(4), "dsbd_threshold": f32(0.25),
+                            "dsbd_min_width": i32(2), "memory_mode": b("single"), "num_draft_tokens": i32(3)},
+                           max_len=MAX_LEN)
+    assert gen.beam is not None and gen.num_draft_tokens == 3
+    assert (gen.beam.width, gen.beam.min_width, gen.beam.threshold, gen.beam.memory_mode) == (4, 2, 0.25, "single")
+    beam = parse_generation({"method": b("beam"), "num_draft_tokens": i32(5)}, max_len=MAX_LEN)
+    assert beam.num_draft_tokens == 0 and beam.beam is not None and beam.beam.width == 2
+    assert parse_generation({"beam_width": i32(1)}, max_len=MAX_LEN).beam is None
+
+
 @pytest.mark.parametrize(("inputs", "expected"), [
     ({"max_tokens": i32(MAX_LEN - 1)}, MAX_LEN - 1),
     ({"max_tokens": i32(1)}, 1),
@@ -132,10 +144,20 @@ BAD_GENERATIONS = [
     pytest.param({"num_draft_tokens": i32(MAX_DRAFT_TOKENS + 1)}, {}, "num_draft_tokens", id="k-too-large"),
     pytest.param({"method": b("ar"), "num_draft_tokens": i32(-1)}, {}, "num_draft_tokens", id="k-negative-ar"),
     pytest.param({"method": b("greedy")}, {}, "unknown method 'greedy'", id="method-unknown"),
-    pytest.param({"method": b("dsbd")}, {}, "'dsbd'.*not served yet", id="method-dsbd"),
-    pytest.param({"method": b("beam")}, {}, "'beam'.*not served yet", id="method-beam"),
-    pytest.param({"beam_width": i32(2)}, {}, "beam_width", id="beam_width-2"),
+    pytest.param({"beam_width": i32(2)}, {}, "beam_width must be 1 for method 'ems'", id="beam_width-2-ems"),
+    pytest.param({"method": b("ar"), "beam_width": i32(3)}, {}, "beam_width must be 1", id="beam_width-3-ar"),
     pytest.param({"beam_width": i32(0)}, {}, "beam_width", id="beam_width-0"),
+    pytest.param({"method": b("dsbd"), "beam_width": i32(0)}, {}, "beam_width", id="dsbd-beam_width-0"),
+    pytest.param({"method": b("dsbd"), "dsbd_threshold": f32(1.5)}, {}, "dsbd_threshold", id="threshold-1.5"),
+    pytest.param({"method": b("dsbd"), "dsbd_threshold": f32(float("nan"))}, {}, "dsbd_threshold",
+                 id="threshold-nan"),
+    pytest.param({"method": b("dsbd"), "beam_width": i32(2), "dsbd_min_width": i32(3)}, {}, "dsbd_min_width",
+                 id="min_width-above-width"),
+    pytest.param({"method": b("dsbd"), "memory_mode": b("tiny")}, {}, "memory_mode", id="memory_mode-unknown"),
+    pytest.param({"method": b("beam"), "dsbd_threshold": f32(0.5)}, {}, "'dsbd' only", id="threshold-on-beam"),
+    pytest.param({"dsbd_threshold": f32(0.5)}, {}, "not 'ems'", id="threshold-on-ems"),
+    pytest.param({"method": b("dsbd"), "dsbd_min_width": f32(1.0)}, {}, "dsbd_min_width.*INT32",
+                 id="min_width-float32"),
     pytest.param({"stream": flag(True)}, {"allow_stream": False}, "specdec_stream", id="stream-on-unary"),
     pytest.param({"max_tokens": f32(8.0)}, {}, "max_tokens.*INT32.*float32", id="max_tokens-float32"),
     pytest.param({"temperature": np.array([0.5], dtype=np.float64)}, {}, "temperature.*FP32", id="temperature-fp64"),

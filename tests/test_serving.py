@@ -175,8 +175,11 @@ BAD_REQUESTS = {
     "top_p 0": (dict(temperature=1.0, top_p=0.0), r"top_p"),
     "negative seed": (dict(temperature=1.0, seed=-3), r"seed"),
     "unknown method": (dict(method="magic"), r"unknown method 'magic'"),
-    "dsbd not yet": (dict(method="dsbd"), r"'dsbd'.*not served yet"),
-    "beam_width 2": (dict(beam_width=2), r"beam_width must be 1"),
+    "beam_width 2 on ems": (dict(beam_width=2), r"beam_width must be 1 for method 'ems'"),
+    "beam_width past the slots": (dict(method="beam", beam_width=9), r"beam_width 9 exceeds the 8 KV slots"),
+    "dsbd threshold 2": (dict(method="dsbd", dsbd_threshold=2.0), r"dsbd_threshold must be in \[0, 1\]"),
+    "dsbd min width > width": (dict(method="dsbd", beam_width=2, dsbd_min_width=3), r"dsbd_min_width"),
+    "unknown memory mode": (dict(method="beam", memory_mode="tiny"), r"memory_mode"),
     "num_draft_tokens -1": (dict(num_draft_tokens=-1), r"num_draft_tokens must be between 0 and"),
     "num_draft_tokens 1000": (dict(num_draft_tokens=1000), r"num_draft_tokens must be between 0 and"),
     "empty stop": (dict(stop=[""]), r"stop"),
@@ -311,3 +314,42 @@ def test_serve_refuses_a_corrupt_export(smollm2_export: Path, tmp_path: Path,
     err = capsys.readouterr().err
     assert "specdec_engine" in err and "checksum" in err
     assert os.path.exists(shadow)
+
+
+BEAM_CASES = [  # (prompt index, max_tokens, parameters): greedy beam search and seeded i.i.d. beam sampling
+    (0, 16, dict(beam_width=3)),
+    (2, 12, dict(beam_width=2, temperature=0.8, seed=11)),
+    (4, 20, dict(beam_width=4, temperature=1.0, top_p=0.9, seed=5)),
+    (6, 10, dict(beam_width=2, memory_mode="single", temperature=0.7, seed=2)),
+]
+
+
+def test_beam_requests_equal_local_and_run_beside_ems(server: TritonServer, smollm2_export: Path,
+                                                      reference: dict) -> None:
+    """method=beam through Triton (unary and streamed, concurrently with an ems request) gives the local
+    runtime's answer for the same seed; the beam widths come back; dsbd without a draft model is refused."""
+    engine = Engine.from_export(smollm2_export, threads=1)
+    from specdec.runtime.request import BeamParams
+
+    local = []
+    for i, m, params in BEAM_CASES:
+        sampling = {k: params[k] for k in ("temperature", "top_p", "seed") if k in params}
+        beam = BeamParams(width=params["beam_width"], memory_mode=params.get("memory_mode", "full"))
+        local.append(engine.generate([engine.request(PROMPTS[i][0], chat=PROMPTS[i][1], max_tokens=m, beam=beam,
+                                                     **sampling)], "beam").outputs[0])
+    pool = ThreadPoolExecutor(len(BEAM_CASES) + 1)
+    ems = pool.submit(lambda: SpecdecClient(server.grpc_url).generate(PROMPTS[5][0], **_params(5, 36)))
+    futures = [pool.submit(lambda n=n, i=i, m=m, p=p: getattr(SpecdecClient(server.grpc_url),
+                                                              "generate_stream" if n == 1 else "generate")(
+        PROMPTS[i][0], **_params(i, m, method="beam", **p))) for n, (i, m, p) in enumerate(BEAM_CASES)]
+    for (i, _m, p), future, want in zip(BEAM_CASES, futures, local):
+        answer = future.result()
+        assert answer.output_ids == want.token_ids, f"beam case {i}: differs from the local runtime"
+        assert answer.text == want.text
+        assert answer.beam_widths == want.metrics.beam_widths and answer.beam_widths
+        if p.get("memory_mode") != "single":
+            assert max(answer.beam_widths) == p["beam_width"]
+    _check(ems.result(), reference, 5, 36)
+    assert ems.result().beam_widths == []
+    with pytest.raises(ClientError, match="needs a draft model"):
+        SpecdecClient(server.grpc_url).generate("Say hi.", method="dsbd", max_tokens=4)

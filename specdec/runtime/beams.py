@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.runtime.backends.base import Backend
 from specdec.runtime.drafters import ModelDrafter
 from specdec.runtime.dsbd import (
     BeamStep,
@@ -127,20 +128,26 @@ class BeamDecoder:
                                        free=kv.num_free - reserved)
         for seq in new:
             params = _params(seq.request)
-            if self.speculative and params.mode != "iid":
-                raise ValueError("dsbd reproduces i.i.d. beam sampling; mode must be 'iid'")
             root = Hyp(list(seq.tokens), 0.0, 0.0, seq.slot, self.dkv.alloc() if self.dkv else None)
             self.groups.append(Group(seq, params, [root], params.width))
 
     def retire(self) -> None:
+        """Finish the groups that are done, and drop (``"cancelled"``) the ones a caller gave up on."""
         live = []
+        is_cancelled = self.ctx.is_cancelled
         for group in self.groups:
-            if not group.done:
+            cancelled = is_cancelled is not None and is_cancelled(group.seq)
+            if not group.done and not cancelled:
                 live.append(group)
                 continue
             for hyp in group.beams:
                 self._free(hyp)
-            self._finish(group)
+            if cancelled:
+                group.seq.finish_reason = "cancelled"
+                if self.ctx.on_finish is not None:
+                    self.ctx.on_finish(group.seq)
+            else:
+                self._finish(group)
         self.groups = live
 
     def _free(self, hyp: Hyp) -> None:
@@ -332,7 +339,7 @@ class BeamDecoder:
             parents = layer.refs
         group.width = width
         score_t = torch.tensor([s if ok else -math.inf for s, ok in zip(scores, valid)], dtype=torch.float64)
-        mode = group.params.mode if not self.speculative else "iid"
+        mode = "iid" if group.layers else group.params.mode  # a drafted round reproduces i.i.d. beam sampling
         step = beam_step(score_t, table(parents, valid), params, width if not params.greedy else group.params.width,
                          gen, mode)
         return _outputs(parents, step), accepted_total
@@ -425,6 +432,22 @@ def _layer_parents(group: Group, depth: int) -> tuple[list[NodeRef], list[float]
     if depth == 0:
         return [(b, -1) for b in range(len(group.beams))], [h.score for h in group.beams]
     return group.layers[-1].refs, group.layers[-1].scores
+
+
+def continuation_logprob(backend: Backend, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> float:
+    """The target's log-likelihood (temperature 1) of ``output_ids`` after ``prompt_ids``, by one fresh prefill.
+
+    The quality measure of beam outputs, computed the same way whatever produced them (a beam
+    method's own ``metrics.logprob`` must agree with it, which the tests check).
+    """
+    tokens = [*prompt_ids, *output_ids]
+    if not output_ids:
+        return 0.0
+    cache = backend.allocate_cache(1, len(tokens))
+    first = len(prompt_ids) - 1
+    logits = backend.step(pack([SeqWork(0, 0, tokens, logits=list(range(first, len(tokens) - 1)))]), cache)
+    log_probs = torch.log_softmax(logits.double(), dim=-1)
+    return float(log_probs[torch.arange(len(output_ids)), torch.as_tensor(list(output_ids))].sum())
 
 
 def _outputs(parents: Sequence[NodeRef], step: BeamStep) -> list[tuple[NodeRef, int, float]]:

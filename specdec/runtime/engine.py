@@ -155,6 +155,20 @@ class Engine:
         return cls(target_backend, chosen, tokenizer=meta.tokenizer, eos_token_ids=meta.eos_token_ids,
                    max_batch=max_batch, max_len=max_len, num_draft_tokens=num_draft_tokens)
 
+    def sibling(self) -> Engine:
+        """Another engine over the same model backends with its own KV caches (a second decoding loop).
+
+        A server runs its beam loop beside the EMS-SD loop this way: the weights are shared,
+        each loop owns its caches, and both may call the backends from their own threads.
+        """
+        drafter: Drafter | None = self.drafter
+        if isinstance(self.drafter, ModelDrafter):
+            drafter = ModelDrafter(self.drafter.backend, self.max_batch, self.max_len)
+        elif isinstance(self.drafter, NgramDrafter):
+            drafter = NgramDrafter(self.drafter.max_ngram, self.drafter.min_ngram)
+        return Engine(self.target, drafter, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
+                      max_batch=self.max_batch, max_len=self.max_len, num_draft_tokens=self.num_draft_tokens)
+
     # -- requests ---------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
         if not isinstance(prompt, str):
@@ -194,13 +208,14 @@ class Engine:
     def context(self, scheduler: Scheduler, *, on_tokens: Callable[[SeqState, list[int]], None] | None = None,
                 on_finish: Callable[[SeqState], None] | None = None,
                 keep_running: Callable[[], bool] | None = None,
-                on_logits: Callable[[SeqState, Any], None] | None = None) -> DecodeContext:
+                on_logits: Callable[[SeqState, Any], None] | None = None,
+                is_cancelled: Callable[[SeqState], bool] | None = None) -> DecodeContext:
         """A fresh decoding context over this engine's cache (all slots free)."""
         if self.drafter is not None:
             self.drafter.reset()
         stopper = StopChecker(self.eos_token_ids, self.max_len, self.decode if self.tokenizer else None)
         return DecodeContext(self.target, KVCacheManager(self.storage), scheduler, stopper, self.drafter,
-                             self.num_draft_tokens, on_tokens, on_finish, keep_running, on_logits)
+                             self.num_draft_tokens, on_tokens, on_finish, keep_running, on_logits, is_cancelled)
 
     def generate(self, requests: Sequence[Request | Exception], method: str = "ems",
                  progress: bool = False) -> GenerationResult:
@@ -220,6 +235,8 @@ class Engine:
                     raise req
                 if method in BEAM_LOOPS and req.beam is None:
                     req = replace(req, beam=BeamParams())
+                if method == "dsbd" and req.beam is not None and req.beam.mode != "iid":
+                    raise InvalidRequestError("dsbd reproduces i.i.d. beam sampling: beam mode must be 'iid'")
                 self.check(req)
                 if req.request_id in position:
                     raise InvalidRequestError(f"duplicate request_id {req.request_id!r}")

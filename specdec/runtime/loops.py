@@ -41,6 +41,9 @@ class DecodeContext:
     keep_running: Callable[[], bool] | None = None  # serving: wait for work instead of returning
     #: ``ar`` only: the target logits each sampled token was drawn from (distillation records them)
     on_logits: Callable[[SeqState, torch.Tensor], None] | None = None
+    #: serving: whether a caller gave up on a sequence (loops that stream learn it from on_tokens instead;
+    #: beam loops, which emit only at the end, ask this between rounds)
+    is_cancelled: Callable[[SeqState], bool] | None = None
     run: RunMetrics = field(default_factory=lambda: RunMetrics("?"))
 
     def has_work(self, live: Sequence[SeqState]) -> bool:

@@ -44,6 +44,7 @@ class Answer:
     draft_tokens: int
     target_calls: int
     mean_batch_size: float
+    beam_widths: list[int] = field(default_factory=list)  # dsbd / beam: output beams of each round
     responses: int = 1  # partial responses received (streaming)
     seconds: float = 0.0
     first_response_seconds: float = 0.0
@@ -86,8 +87,8 @@ def _answer(results: Sequence[Any], seconds: float, first: float) -> Answer:
     ids = [int(t) for r in results for t in r.as_numpy("output_ids").reshape(-1)]
     return Answer("".join(chunks), ids, _scalar(last, "finish_reason"), float(_scalar(last, "acceptance_rate")),
                   int(_scalar(last, "accepted_draft_tokens")), int(_scalar(last, "draft_tokens")),
-                  int(_scalar(last, "target_calls")), float(_scalar(last, "mean_batch_size")), len(results),
-                  seconds, first, chunks)
+                  int(_scalar(last, "target_calls")), float(_scalar(last, "mean_batch_size")),
+                  [int(w) for w in last.as_numpy("beam_widths").reshape(-1)], len(results), seconds, first, chunks)
 
 
 class SpecdecClient:
@@ -199,7 +200,11 @@ def add_client_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--url", default="127.0.0.1:8001", help="gRPC address of `specdec serve`")
     parser.add_argument("--prompt", action="append", help="a prompt (repeatable; default: the demo prompts)")
     parser.add_argument("--prompts-file", help="JSON list of strings, or one prompt per line")
-    parser.add_argument("--method", default="ems", help="ems (default) or ar")
+    parser.add_argument("--method", default="ems", help="ems (default), ar, dsbd or beam")
+    parser.add_argument("--beam-width", type=int, help="dsbd / beam: beams per step (draft width W_S for dsbd)")
+    parser.add_argument("--dsbd-threshold", type=float, help="dsbd dynamic-width threshold (0 = fixed width)")
+    parser.add_argument("--dsbd-min-width", type=int, help="dsbd smallest width")
+    parser.add_argument("--memory-mode", choices=("full", "single"), help="dsbd / beam: keep one beam per round")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-draft-tokens", type=int)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -220,7 +225,10 @@ def add_client_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def _params(args: argparse.Namespace, method: str) -> dict[str, Any]:
     return {"method": method, "max_tokens": args.max_tokens, "num_draft_tokens": args.num_draft_tokens,
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
-            "stop": args.stop, "apply_chat_template": True if args.chat else None}
+            "stop": args.stop, "apply_chat_template": True if args.chat else None,
+            **({"beam_width": args.beam_width, "dsbd_threshold": args.dsbd_threshold if method == "dsbd" else None,
+                "dsbd_min_width": args.dsbd_min_width if method == "dsbd" else None, "memory_mode": args.memory_mode}
+               if method in protocol.BEAM_METHODS else {})}
 
 
 def _summary(answers: Sequence[Answer | ClientError], wall: float) -> dict[str, float]:
@@ -273,7 +281,8 @@ def client_main(args: argparse.Namespace) -> int:
             print(f"    tokens={len(answer.output_ids)} finish={answer.finish_reason} "
                   f"acceptance={answer.acceptance_rate:.2f} accepted/draft={answer.accepted_draft_tokens}/"
                   f"{answer.draft_tokens} target_calls={answer.target_calls} "
-                  f"mean_batch={answer.mean_batch_size:.2f} latency={answer.seconds:.2f}s")
+                  f"mean_batch={answer.mean_batch_size:.2f} latency={answer.seconds:.2f}s"
+                  + (f" beams/round={answer.beam_widths}" if answer.beam_widths else ""))
         print(f"\n{args.method} through Triton: {summary['requests']} requests from {concurrency} clients, "
               f"{summary['tokens']} tokens in {summary['seconds']:.2f} s = {summary['tokens_per_second']:.1f} tok/s, "
               f"acceptance {summary['acceptance_rate']:.2f}, mean batch {summary['mean_batch_size']:.2f}")

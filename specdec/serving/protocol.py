@@ -14,11 +14,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specdec.runtime.request import BeamParams
 from specdec.runtime.sampling import InvalidRequestError, SamplingParams
 
-#: methods a client may ask for, and the ones that exist but are not served yet
-SERVED_METHODS = ("ems", "ar")
-FUTURE_METHODS = ("dsbd", "beam")
+#: methods a client may ask for; the beam methods run in a second decoding loop beside EMS-SD's
+SERVED_METHODS = ("ems", "ar", "dsbd", "beam")
+BEAM_METHODS = ("dsbd", "beam")
+DEFAULT_BEAM_WIDTH = 2
 #: num_draft_tokens above this is refused: verification cost grows with k while acceptance decays
 MAX_DRAFT_TOKENS = 32
 
@@ -42,7 +44,7 @@ TEXT_INPUT = TensorSpec("text_input", "TYPE_STRING", optional=False, doc="the pr
 APPLY_CHAT_TEMPLATE = TensorSpec("apply_chat_template", "TYPE_BOOL", doc="wrap the prompt in the chat template")
 PARAMETERS = (
     TensorSpec("max_tokens", "TYPE_INT32", doc="new tokens at most (default 64)"),
-    TensorSpec("method", "TYPE_STRING", doc="ems (default) or ar"),
+    TensorSpec("method", "TYPE_STRING", doc="ems (default), ar, dsbd or beam"),
     TensorSpec("temperature", "TYPE_FP32", doc="0 = greedy (default)"),
     TensorSpec("top_k", "TYPE_INT32", doc="0 = off"),
     TensorSpec("top_p", "TYPE_FP32", doc="1 = off"),
@@ -50,7 +52,10 @@ PARAMETERS = (
     TensorSpec("num_draft_tokens", "TYPE_INT32", doc="draft length k per step (ems)"),
     TensorSpec("stop", "TYPE_STRING", (-1,), doc="stop strings"),
     TensorSpec("stream", "TYPE_BOOL", doc="partial responses (specdec_stream only)"),
-    TensorSpec("beam_width", "TYPE_INT32", doc="1; reserved for dsbd/beam"),
+    TensorSpec("beam_width", "TYPE_INT32", doc="beams per step (beam) / draft width W_S (dsbd); 1 for ems and ar"),
+    TensorSpec("dsbd_threshold", "TYPE_FP32", doc="dsbd dynamic width threshold t in [0, 1] (0 = fixed width)"),
+    TensorSpec("dsbd_min_width", "TYPE_INT32", doc="dsbd smallest width W_min (default 1)"),
+    TensorSpec("memory_mode", "TYPE_STRING", doc="full (default) or single: one beam kept per round"),
 )
 CLIENT_INPUTS = (TEXT_INPUT, APPLY_CHAT_TEMPLATE, *PARAMETERS)
 _PARAMETER = {s.name: s for s in PARAMETERS}
@@ -70,6 +75,7 @@ METRICS = (
     TensorSpec("draft_tokens", "TYPE_INT32", optional=False),
     TensorSpec("target_calls", "TYPE_INT32", optional=False),
     TensorSpec("mean_batch_size", "TYPE_FP32", optional=False, doc="sequences sharing this request's steps"),
+    TensorSpec("beam_widths", "TYPE_INT32", (-1,), optional=False, doc="dsbd/beam: output beams of each round"),
 )
 #: the engine passes the request's stop strings on: in a decoupled ensemble a step may only take inputs that
 #: originate from one decoupled model, so postprocessing cannot read them from the ensemble's inputs
@@ -90,6 +96,7 @@ class Generation:
     num_draft_tokens: int | None
     stop: tuple[str, ...]
     stream: bool
+    beam: BeamParams | None = None  # dsbd and beam only
 
 
 def _scalar(inputs: Mapping[str, np.ndarray], spec: TensorSpec) -> object | None:
@@ -147,15 +154,9 @@ def parse_generation(inputs: Mapping[str, np.ndarray], *, max_len: int, default_
     if unknown:
         raise InvalidRequestError(f"unknown input(s) {unknown}")
     method = str(values["method"] or "ems").strip().lower()
-    if method in FUTURE_METHODS:
-        raise InvalidRequestError(f"method {method!r} (speculative beam decoding) is not served yet: use "
-                                  f"{' or '.join(SERVED_METHODS)}")
     if method not in SERVED_METHODS:
         raise InvalidRequestError(f"unknown method {method!r}: choose one of {', '.join(SERVED_METHODS)}")
-    beam_width = 1 if values["beam_width"] is None else values["beam_width"]
-    if beam_width != 1:
-        raise InvalidRequestError(f"beam_width must be 1 (got {beam_width}): beam search arrives with method "
-                                  "'dsbd'/'beam', which this server does not serve yet")
+    beam = _beam(values, method)
     max_tokens = default_max_tokens if values["max_tokens"] is None else values["max_tokens"]
     if not 1 <= int(max_tokens) < max_len:
         raise InvalidRequestError(f"max_tokens must be between 1 and {max_len - 1} (the context holds {max_len} "
@@ -176,9 +177,31 @@ def parse_generation(inputs: Mapping[str, np.ndarray], *, max_len: int, default_
         raise InvalidRequestError("stream=true needs the decoupled model 'specdec_stream' (gRPC streaming); "
                                   "'specdec' answers with one complete response")
     stops = parse_stops(inputs.get("stop"))
-    # `ar` is EMS-SD with no drafts: it shares the ragged steps of everyone else at one row per step
-    num_draft_tokens = 0 if method == "ar" else (None if k is None else int(k))
-    return Generation(int(max_tokens), method, sampling, num_draft_tokens, stops, stream)
+    # `ar` is EMS-SD with no drafts and `beam` is DSBD with no draft layers: each shares its loop's ragged steps
+    num_draft_tokens = 0 if method in ("ar", "beam") else (None if k is None else int(k))
+    return Generation(int(max_tokens), method, sampling, num_draft_tokens, stops, stream, beam)
+
+
+def _beam(values: Mapping[str, object], method: str) -> BeamParams | None:
+    """The beam parameters of a dsbd/beam request; ems and ar accept only their neutral values."""
+    width, threshold, min_width, memory = (values[n] for n in ("beam_width", "dsbd_threshold", "dsbd_min_width",
+                                                                "memory_mode"))
+    if method not in BEAM_METHODS:
+        if width not in (None, 1):
+            raise InvalidRequestError(f"beam_width must be 1 for method {method!r} (got {width}): beam search is "
+                                      "method 'beam' or 'dsbd'")
+        if threshold is not None or min_width is not None or memory is not None:
+            raise InvalidRequestError(f"dsbd_threshold, dsbd_min_width and memory_mode apply to method 'dsbd' and "
+                                      f"'beam', not {method!r}")
+        return None
+    if method == "beam" and (threshold is not None or min_width is not None):
+        raise InvalidRequestError("dsbd_threshold and dsbd_min_width apply to method 'dsbd' only")
+    if threshold is not None and not math.isfinite(float(threshold)):
+        raise InvalidRequestError(f"dsbd_threshold must be in [0, 1], got {threshold}")
+    return BeamParams(width=DEFAULT_BEAM_WIDTH if width is None else int(width),
+                      min_width=1 if min_width is None else int(min_width),
+                      threshold=0.0 if threshold is None else float(threshold),
+                      memory_mode=str(memory or "full").strip().lower())
 
 
 def parse_stops(array: np.ndarray | None) -> tuple[str, ...]:

@@ -5,10 +5,10 @@ threads call ``submit`` and receive ``StreamEvent``s through a callback while a 
 loop thread admits requests between steps (in-flight batching into one ragged target
 call) and streams each sequence's tokens back as they are accepted.
 
-One service runs one decoding method, because a loop *is* a method (``ar``, ``vanilla``,
-``ems``) over one KV cache. Serving a per-request ``method`` needs one service (and one
-engine, i.e. one cache) per method and a router in front of them choosing by the
-request's ``method`` field.
+One service runs one decoding loop over one KV cache. ``ar`` is ``ems`` with no drafts and
+``beam`` is ``dsbd`` with no draft layers, so two services (``ems`` and ``dsbd``, the second
+over ``Engine.sibling()``: same weights, its own caches) serve every method; a router in
+front of them chooses by the request's ``method`` field.
 
 Event contract, per request: zero or more events with ``finished=False`` carrying new
 tokens, then exactly one event with ``finished=True`` carrying the final ``RequestOutput``
@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from specdec.runtime.engine import Engine
-from specdec.runtime.loops import LOOPS, DecodeContext
+from specdec.runtime.engine import ALL_LOOPS, Engine
+from specdec.runtime.loops import DecodeContext
 from specdec.runtime.metrics import StepRecord
 from specdec.runtime.request import Request, RequestMetrics, RequestOutput, SeqState
 from specdec.runtime.sampling import InvalidRequestError
@@ -113,8 +113,8 @@ class EngineService:
     """
 
     def __init__(self, engine: Engine, method: str = "ems") -> None:
-        if method not in LOOPS:
-            raise ValueError(f"unknown method {method!r}: choose one of {', '.join(LOOPS)}")
+        if method not in ALL_LOOPS:
+            raise ValueError(f"unknown method {method!r}: choose one of {', '.join(ALL_LOOPS)}")
         self.engine, self.method = engine, method
         self._lock = threading.RLock()
         self._handles: dict[str, RequestHandle] = {}  # submitted, no final event yet
@@ -168,7 +168,7 @@ class EngineService:
     # -- requests -----------------------------------------------------------------------
     def submit(self, request: Request, on_event: Callable[[StreamEvent], None]) -> RequestHandle:
         """Queue ``request``; its events go to ``on_event``. Bad requests raise here, queue nothing."""
-        request.check_fits(self.engine.max_len, self.engine.target.vocab_size)
+        self.engine.check(request)
         with self._lock:
             if self._stopping:
                 raise ServiceStoppedError("service is stopping: it accepts no new requests")
@@ -220,7 +220,8 @@ class EngineService:
         while True:
             try:
                 ctx = self.engine.context(self.scheduler, on_tokens=self._on_tokens, on_finish=self._on_finish,
-                                          keep_running=lambda: not self._stopping)
+                                          keep_running=lambda: not self._stopping,
+                                          is_cancelled=lambda seq: seq.request.request_id in self._cancelled)
             except Exception:  # cannot even build a loop: refuse the queue rather than hang its callers
                 log.exception("could not start decoding loop %r; failing queued requests", self.method)
                 for request in self.scheduler.drain():
@@ -232,7 +233,7 @@ class EngineService:
             with self._lock:
                 self._ctx = ctx
             try:
-                LOOPS[self.method](ctx)
+                ALL_LOOPS[self.method](ctx)
             except Exception as exc:  # a server must outlive one bad step
                 log.exception("decoding loop %r failed; failing its in-flight requests and restarting", self.method)
                 self._fail_live(f"decoding loop failed: {type(exc).__name__}: {exc}")

@@ -4,10 +4,12 @@ Thin adapters: tensors in, ``specdec.serving.protocol`` validates, ``EngineServi
 ``specdec.runtime.text`` decides the text. Nothing here decodes or samples.
 
 - ``Preprocessing``: ``text_input`` → ``input_ids`` (tokenizer, optional chat template).
-- ``EngineModel`` (decoupled, one instance): owns the one ``EngineService`` — the draft and
-  target sessions and the long-lived loop that admits requests between ragged steps. Every
-  request, from either entry point, lands in this one batch. ``method=ar`` requests are EMS-SD
-  requests with no drafts, so they share the same steps at one row each.
+- ``EngineModel`` (decoupled, one instance): owns the ``EngineService``s — the draft and
+  target sessions and the long-lived loops that admit requests between ragged steps. Every
+  ``ems``/``ar`` request, from either entry point, lands in one batch (``ar`` requests are
+  EMS-SD requests with no drafts, sharing the same steps at one row each); every
+  ``dsbd``/``beam`` request lands in the beam loop's batch (``beam`` = DSBD with no draft
+  layers), which runs beside it over the same weights with its own KV caches.
 - ``Postprocessing``: stateless incremental detokenizer. Engine responses carry all ids so far
   and how many earlier responses covered; the text delta is computed from ids alone.
 - ``StreamModel`` (``specdec_stream``, decoupled) and ``UnaryModel`` (``specdec``): the entry
@@ -31,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from specdec.runtime.drafters import ModelDrafter
 from specdec.runtime.request import Request, RequestMetrics
 from specdec.runtime.sampling import InvalidRequestError
 from specdec.runtime.text import decode_tokens, encode_text, text_delta
@@ -207,14 +210,16 @@ class _Metrics:
         self.drafts.increment(metrics.draft_tokens)
         self.accepted.increment(metrics.accepted_draft_tokens)
 
-    def update(self, service: EngineService) -> None:
-        stats = service.stats()
-        sequences = round(stats.mean_batch_size * stats.steps)
-        self.steps.increment(stats.steps - self._steps)
+    def update(self, *services: EngineService) -> None:
+        """Publish the totals of every decoding loop (EMS-SD's and the beam loop)."""
+        all_stats = [service.stats() for service in services]
+        steps = sum(s.steps for s in all_stats)
+        sequences = sum(round(s.mean_batch_size * s.steps) for s in all_stats)
+        self.steps.increment(steps - self._steps)
         self.step_sequences.increment(sequences - self._sequences)
-        self._steps, self._sequences = stats.steps, sequences
-        self.active.set(stats.active)
-        self.queued.set(stats.queued)
+        self._steps, self._sequences = steps, sequences
+        self.active.set(sum(s.active for s in all_stats))
+        self.queued.set(sum(s.queued for s in all_stats))
 
 
 class EngineModel:
@@ -236,6 +241,10 @@ class EngineModel:
         )
         self.default_max_tokens = number("default_max_tokens") or 64
         self.service = EngineService(self.engine, "ems").start()
+        # beam requests run in a second loop over the same weights (its own caches): dsbd where the export
+        # has a draft model, target-only beam decoding otherwise
+        self.has_draft_model = isinstance(self.engine.drafter, ModelDrafter)
+        self.beam_service = EngineService(self.engine.sibling(), "dsbd" if self.has_draft_model else "beam").start()
         self._ids = itertools.count()
         self._streams: dict[str, _Stream] = {}
         self._external: dict[str, str] = {}  # Triton request id (set by the entry points) -> engine request id
@@ -261,15 +270,19 @@ class EngineModel:
                 gen = protocol.parse_generation(inputs, max_len=self.engine.max_len,
                                                 default_max_tokens=self.default_max_tokens)
                 request_id = f"{request.request_id() or 'triton'}#{next(self._ids)}"
+                if gen.method == "dsbd" and not self.has_draft_model:
+                    raise InvalidRequestError("method 'dsbd' needs a draft model and this deployment has none "
+                                              "(export with --draft); use 'beam' for beam decoding without one")
                 req = Request(tuple(protocol.parse_input_ids(inputs)), gen.max_tokens, gen.sampling,
-                              gen.num_draft_tokens, gen.stop, request_id=request_id)
+                              gen.num_draft_tokens, gen.stop, request_id=request_id, beam=gen.beam)
+                service = self.beam_service if gen.method in protocol.BEAM_METHODS else self.service
                 stream = _Stream(client, gen.stream, gen.stop)
                 with self._lock:
                     self._streams[request_id] = stream
                     if request.request_id():
                         self._external[request.request_id()] = request_id
                 try:
-                    self.service.submit(req, lambda event, s=stream: self._outbox.put((s, event)))
+                    service.submit(req, lambda event, s=stream: self._outbox.put((s, event)))
                 except Exception:
                     with self._lock:
                         self._streams.pop(request_id, None)
@@ -284,8 +297,12 @@ class EngineModel:
         with self._lock:
             request_id = self._external.get(external)
         if request_id is not None:
-            self.service.cancel(request_id)
+            self._cancel(request_id)
         client.send(final=True)
+
+    def _cancel(self, request_id: str) -> None:
+        """Cancel in whichever loop holds the request (the other one does not know it: a no-op)."""
+        self.service.cancel(request_id) or self.beam_service.cancel(request_id)
 
     def _send_loop(self) -> None:
         while (item := self._outbox.get()) is not None:
@@ -328,6 +345,7 @@ class EngineModel:
             pb_utils.Tensor("draft_tokens", _int32(metrics.draft_tokens)),
             pb_utils.Tensor("target_calls", _int32(metrics.target_calls)),
             pb_utils.Tensor("mean_batch_size", np.array([metrics.mean_batch_size], dtype=np.float32)),
+            pb_utils.Tensor("beam_widths", np.asarray(metrics.beam_widths, dtype=np.int32)),
         ]
         stream.client.send(pb_utils.InferenceResponse(tensors), final=finished)
         stream.sent = len(stream.ids)
@@ -339,15 +357,16 @@ class EngineModel:
                 streams = list(self._streams.items())
             for request_id, stream in streams:
                 if stream.client.is_cancelled():
-                    self.service.cancel(request_id)
+                    self._cancel(request_id)
             try:
-                self.metrics.update(self.service)
+                self.metrics.update(self.service, self.beam_service)
             except Exception:
                 log.exception("could not update metrics")
 
     def finalize(self) -> None:
         self._closing.set()
         self.service.stop(drain=False, timeout=10)
+        self.beam_service.stop(drain=False, timeout=10)
         self._outbox.put(None)
         self._sender.join(5)
         self._watcher.join(5)
