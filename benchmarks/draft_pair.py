@@ -67,11 +67,11 @@ from specdec.bench import (
     required_max_len,
     run_once,
 )
-from specdec.distill import resolve_draft
-from specdec.export.models import DEFAULT_TARGET, LoadedModel, load_model
+from specdec.distill import load_pair
+from specdec.export.models import DEFAULT_TARGET, LoadedModel
 from specdec.runtime.backends.torch_backend import TorchBackend, TorchKVStorage
 from specdec.runtime.drafters import Drafter, ModelDrafter, NgramDrafter
-from specdec.runtime.engine import Engine, check_draft_compatible
+from specdec.runtime.engine import Engine
 from specdec.runtime.packed import PackedBatch, SeqWork, pack
 from specdec.runtime.text import encode_text
 
@@ -639,9 +639,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     load_before = machine_info().get("load_average")
     start = time.perf_counter()
-    target = load_model(args.target)
-    draft = resolve_draft(args.draft, target)
-    check_draft_compatible(target, draft)
+    target, draft = load_pair(args.target, args.draft)
     target_backend, draft_backend = TorchBackend(target), TorchBackend(draft)
     prompts = build_workloads(config.num_prompts)
     stream = [t for p in prompts["extractive"] for t in encode_text(target.tokenizer, p, True)]

@@ -39,7 +39,6 @@ import datetime as dt
 import json
 import os
 import shlex
-import socket
 import statistics
 import sys
 import time
@@ -52,7 +51,7 @@ from tqdm.auto import tqdm
 from specdec.bench import machine_info
 from specdec.runtime.engine import Engine
 from specdec.serving.client import Answer, ClientError, SpecdecClient, run_concurrent
-from specdec.serving.server import TritonServer
+from specdec.serving.server import TritonServer, free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_EXPORT = ROOT / "benchmarks" / ".cache" / "serving-export"
@@ -108,18 +107,6 @@ OPEN = (
 )
 # alternating, so every round-robin prefix mixes both kinds
 PROMPTS = tuple(p for pair in zip(EXTRACTIVE, OPEN) for p in pair)
-
-
-def free_ports(n: int = 3) -> list[int]:
-    """n distinct free loopback ports (all bound at once so the kernel cannot hand out one twice)."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def ensure_export(directory: Path | None, force: bool) -> Path:

@@ -10,14 +10,7 @@ bash scripts/setup_env.sh
 . .venv/bin/activate
 specdec-export --target smollm2-135m --out deploy --force --max-batch 8 --max-len 2048 --num-draft-tokens 6
 
-read -r GRPC HTTP METRICS < <(python - <<'EOF'
-import socket
-socks = [socket.socket() for _ in range(3)]
-for s in socks:
-    s.bind(("127.0.0.1", 0))
-print(*(s.getsockname()[1] for s in socks))
-EOF
-)
+read -r GRPC HTTP METRICS < <(python -c "from specdec.serving.server import free_ports; print(*free_ports())")
 specdec serve deploy --grpc-port "$GRPC" --http-port "$HTTP" --metrics-port "$METRICS" &
 SERVER=$!
 trap 'kill -INT "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true' EXIT

@@ -191,6 +191,10 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:2] == ["bench", "beams"]:  # DSBD vs beam vs ems: speed against quality
+        from specdec.bench_beams import main as beams_main
+
+        return beams_main(args_list[2:])
     if args_list[:1] == ["bench"]:  # its options belong to the benchmark's own parser
         from specdec.bench import main as bench_main
 
@@ -200,7 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="decode prompts locally with ar, vanilla or ems")
     add_generate_args(gen)
     gen.set_defaults(func=cmd_generate)
-    sub.add_parser("bench", help="the EMS-SD vs vanilla vs ar benchmark (`specdec bench --help`)")
+    sub.add_parser("bench", help="the EMS-SD vs vanilla vs ar benchmark (`specdec bench --help`); "
+                   "`specdec bench beams`: DSBD vs beam vs ems")
     from specdec.serving.server import add_serve_args, serve_main
 
     srv = sub.add_parser("serve", help="run Triton Inference Server on a model repository")

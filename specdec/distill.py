@@ -455,6 +455,16 @@ def resolve_draft(spec: str | Path, target: LoadedModel) -> LoadedModel:
     return load_model(spec)
 
 
+def load_pair(target: str | Path, draft: str | Path) -> tuple[LoadedModel, LoadedModel]:
+    """The target and a draft for it (shipped name, distilled directory or model), checked compatible."""
+    from specdec.runtime.engine import check_draft_compatible
+
+    target_model = load_model(target)
+    draft_model = resolve_draft(draft, target_model)
+    check_draft_compatible(target_model, draft_model)
+    return target_model, draft_model
+
+
 def load_draft(path: str | Path, target: LoadedModel, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """A distilled draft for ``target``: its weights plus the target's embeddings; refuses another target's."""
     from safetensors.torch import load_file

@@ -3,20 +3,11 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
+from specdec.serving.server import free_ports
 
-def free_ports(n: int = 3) -> list[int]:
-    """n distinct free loopback ports (all bound at once so the kernel cannot hand out one twice)."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+__all__ = ["free_ports", "processes_mentioning"]
 
 
 def processes_mentioning(text: str) -> list[int]:

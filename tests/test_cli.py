@@ -138,3 +138,15 @@ def test_generate_beam_and_dsbd(tiny_dir, capsys) -> None:
     assert "needs a draft model" in capsys.readouterr().err
     assert main(["generate", *common, "--method", "beam", "--beam-width", "40", "--max-batch", "8", "--json"]) == 1
     assert "beam_width 40 exceeds" in capsys.readouterr().out
+
+
+def test_bench_beams_quick_writes_its_report(tiny_dir, tmp_path, capsys) -> None:
+    """`specdec bench beams` runs every method of the front and writes json, md and png."""
+    out = tmp_path / "beams"
+    assert main(["bench", "beams", "--quick", "--target", str(tiny_dir), "--draft", str(tiny_dir),
+                 "--out-dir", str(out)]) == 0
+    doc = json.loads((out / "dsbd_pareto.json").read_text())
+    assert set(doc["results"]) == {"ems", "beam W=2", "dsbd W_S=2 t=0.5", "dsbd W_S=2 t=0.5 single-KV"}
+    assert doc["pareto"] and all(r["tokens"] > 0 for r in doc["results"].values())
+    assert doc["results"]["dsbd W_S=2 t=0.5"]["acceptance_rate"] > 0.5  # the draft is the target itself
+    assert (out / "dsbd_pareto.png").stat().st_size > 0 and "Pareto front" in (out / "dsbd_pareto.md").read_text()

@@ -209,6 +209,18 @@ def _libpython_dir() -> Path | None:
     return Path(libdir)
 
 
+def free_ports(n: int = 3, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct free ports on ``host`` (all bound at once so the kernel cannot hand out one twice)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def port_free(host: str, port: int) -> bool:
     """True when nothing listens on ``host:port`` (SO_REUSEADDR: TIME_WAIT leftovers do not count)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
