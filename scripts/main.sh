@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# The main job: export the default model pair (SmolLM2-135M target, n-gram drafter) to ONNX with the
-# RaggedTreeAttention op and its Triton model repository, start Triton Inference Server on free
-# loopback ports, send a batch of concurrent chat requests over gRPC (EMS-SD, then the same prompts
-# with method=ar), print the answers, per-request acceptance and the speed-up, show one streamed
-# answer, and stop the server. Extra arguments go to the batch client (e.g. --max-tokens 64).
+# The main job: export the default model pair (SmolLM2-135M target with its shipped distilled draft) to
+# ONNX with the RaggedTreeAttention op and its Triton model repository, start Triton Inference Server on
+# free loopback ports, send a batch of concurrent chat requests over gRPC (EMS-SD, then the same prompts
+# with method=ar), print the answers, per-request acceptance and the speed-up, show one streamed answer
+# and one DSBD (speculative beam sampling) answer, and stop the server. Extra arguments go to the batch
+# client (e.g. --max-tokens 64).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 . .venv/bin/activate
-specdec-export --target smollm2-135m --out deploy --force --max-batch 8 --max-len 2048 --num-draft-tokens 6
+specdec-export --target smollm2-135m --draft smollm2-135m-draft --out deploy --force --max-batch 8 \
+  --max-len 2048 --num-draft-tokens 4
 
 read -r GRPC HTTP METRICS < <(python -c "from specdec.serving.server import free_ports; print(*free_ports())")
 specdec serve deploy --grpc-port "$GRPC" --http-port "$HTTP" --metrics-port "$METRICS" &
@@ -24,6 +26,10 @@ echo
 echo "streamed through specdec_stream:"
 specdec client --url "127.0.0.1:$GRPC" --chat --stream --max-tokens 60 \
   --prompt "Explain in three sentences why the sky is blue."
+echo
+echo "DSBD through specdec (the draft beam-samples 3 layers of 3 nodes, dynamic width, temperature 1):"
+specdec client --url "127.0.0.1:$GRPC" --chat --method dsbd --beam-width 3 --dsbd-threshold 0.5 \
+  --num-draft-tokens 3 --temperature 1 --seed 0 --max-tokens 48 --prompt "Give me three tips for better sleep."
 echo
 echo "server-side metrics (Prometheus, 127.0.0.1:$METRICS/metrics):"
 python -c "import sys, urllib.request; print(''.join(l + '\n' for l in urllib.request.urlopen(sys.argv[1]).read()

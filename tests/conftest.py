@@ -45,9 +45,11 @@ def smollm2() -> LoadedModel:
 
 @pytest.fixture(scope="session")
 def smollm2_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SmolLM2-135M exported to ONNX (graphs + Triton repository), once per session (~45 s). Mark users slow."""
+    """SmolLM2-135M with its shipped distilled draft, exported to ONNX (graphs + Triton repository), once per
+    session (~1 min). The draft has a restricted LM head, so ORT runs that path too. Mark users slow."""
     from specdec.export.cli import main as export_main
 
     out = tmp_path_factory.mktemp("smol") / "deploy"
-    assert export_main(["--target", "smollm2-135m", "--out", str(out), "--max-batch", "8", "--max-len", "1024"]) == 0
+    assert export_main(["--target", "smollm2-135m", "--draft", "smollm2-135m-draft", "--out", str(out),
+                        "--max-batch", "8", "--max-len", "1024"]) == 0
     return out

@@ -41,10 +41,10 @@ def pair() -> tuple[LoadedModel, LoadedModel]:
 
 
 def engine(target: LoadedModel, draft: LoadedModel | None, gamma: int = 3, max_batch: int = 16,
-           max_len: int = 96) -> Engine:
-    """An engine without EOS, so rounds end only by verification (as in the reference simulator)."""
+           max_len: int = 96, eos: tuple[int, ...] = ()) -> Engine:
+    """An engine without EOS by default, so rounds end only by verification (as in the reference simulator)."""
     drafter = None if draft is None else ModelDrafter(TorchBackend(draft), max_batch, max_len)
-    return Engine(TorchBackend(target), drafter, tokenizer=None, eos_token_ids=(), max_batch=max_batch,
+    return Engine(TorchBackend(target), drafter, tokenizer=None, eos_token_ids=eos, max_batch=max_batch,
                   max_len=max_len, num_draft_tokens=gamma)
 
 
@@ -178,6 +178,22 @@ def test_greedy_dsbd_is_exactly_beam_search(pair) -> None:
         assert [[c.token_ids for c in o.sequences] for o in got] == [[c.token_ids for c in o.sequences] for o in base]
         if d is target:
             assert all(o.metrics.target_calls < b.metrics.target_calls for o, b in zip(got, base))
+
+
+def test_eos_beams_become_candidates_and_greedy_dsbd_still_equals_beam_search(pair) -> None:
+    """With common EOS tokens beams finish at different lengths; a round stops at a layer whose outputs end a
+    beam, so greedy DSBD still returns beam search's candidates, best length-normalised first."""
+    target, _ = pair
+    eos = (0, 1, 2)  # frequent enough under the tiny model that most beams end early
+    reqs = lambda: [Request(p, 30, beam=BeamParams(width=3, num_return_sequences=3)) for p in PROMPTS]  # noqa: E731
+    base = engine(target, None, eos=eos).generate(reqs(), "beam").outputs
+    got = engine(target, target, gamma=3, eos=eos).generate(reqs(), "dsbd").outputs
+    assert [[c.token_ids for c in o.sequences] for o in got] == [[c.token_ids for c in o.sequences] for o in base]
+    stopped = [c for o in base for c in o.sequences if c.finish_reason == "stop"]
+    assert stopped and all(c.token_ids[-1] in eos and len(c.token_ids) < 30 for c in stopped)
+    for out in base:
+        assert out.finish_reason == out.sequences[0].finish_reason and out.token_ids == out.sequences[0].token_ids
+        assert [c.score for c in out.sequences] == sorted((c.score for c in out.sequences), reverse=True)
 
 
 def test_each_request_of_a_batch_gets_what_it_gets_alone(pair) -> None:

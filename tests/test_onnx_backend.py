@@ -146,7 +146,8 @@ def test_fp16_export_runs_close_to_fp32(tmp_path) -> None:
 @pytest.mark.slow
 def test_smollm2_export_offline_matches_torch(smollm2_export) -> None:
     manifest = json.loads((smollm2_export / "manifest.json").read_text())
-    assert manifest["target"]["num_layers"] == 30 and manifest["drafter"] == "ngram"
+    assert manifest["target"]["num_layers"] == 30 and manifest["drafter"] == "model"
+    assert manifest["draft"]["head_size"] < manifest["target"]["head_size"]  # the distilled draft's restricted head
     assert manifest["target"]["validation_max_abs_logit_error"] < 1e-3
     graph = smollm2_export / "target" / "model.onnx"
     assert count_attention_nodes(graph) == 30

@@ -324,32 +324,37 @@ BEAM_CASES = [  # (prompt index, max_tokens, parameters): greedy beam search and
 ]
 
 
+@pytest.mark.parametrize("method", ["beam", "dsbd"])
 def test_beam_requests_equal_local_and_run_beside_ems(server: TritonServer, smollm2_export: Path,
-                                                      reference: dict) -> None:
-    """method=beam through Triton (unary and streamed, concurrently with an ems request) gives the local
-    runtime's answer for the same seed; the beam widths come back; dsbd without a draft model is refused."""
+                                                      reference: dict, method: str) -> None:
+    """method=beam / dsbd through Triton (unary and streamed, concurrently with an ems request) give the local
+    runtime's answer for the same seed (so one request's output does not depend on its batch); the beam widths
+    come back, and dsbd really speculates with the exported draft."""
     engine = Engine.from_export(smollm2_export, threads=1)
     from specdec.runtime.request import BeamParams
 
+    extra = {"dsbd_threshold": 0.5, "num_draft_tokens": 3} if method == "dsbd" else {}
     local = []
     for i, m, params in BEAM_CASES:
         sampling = {k: params[k] for k in ("temperature", "top_p", "seed") if k in params}
-        beam = BeamParams(width=params["beam_width"], memory_mode=params.get("memory_mode", "full"))
-        local.append(engine.generate([engine.request(PROMPTS[i][0], chat=PROMPTS[i][1], max_tokens=m, beam=beam,
-                                                     **sampling)], "beam").outputs[0])
+        beam = BeamParams(width=params["beam_width"], memory_mode=params.get("memory_mode", "full"),
+                          threshold=extra.get("dsbd_threshold", 0.0))
+        request = engine.request(PROMPTS[i][0], chat=PROMPTS[i][1], max_tokens=m, beam=beam,
+                                 num_draft_tokens=extra.get("num_draft_tokens"), **sampling)
+        local.append(engine.generate([request], method).outputs[0])
     pool = ThreadPoolExecutor(len(BEAM_CASES) + 1)
     ems = pool.submit(lambda: SpecdecClient(server.grpc_url).generate(PROMPTS[5][0], **_params(5, 36)))
     futures = [pool.submit(lambda n=n, i=i, m=m, p=p: getattr(SpecdecClient(server.grpc_url),
                                                               "generate_stream" if n == 1 else "generate")(
-        PROMPTS[i][0], **_params(i, m, method="beam", **p))) for n, (i, m, p) in enumerate(BEAM_CASES)]
+        PROMPTS[i][0], **_params(i, m, method=method, **p, **extra))) for n, (i, m, p) in enumerate(BEAM_CASES)]
     for (i, _m, p), future, want in zip(BEAM_CASES, futures, local):
         answer = future.result()
-        assert answer.output_ids == want.token_ids, f"beam case {i}: differs from the local runtime"
+        assert answer.output_ids == want.token_ids, f"{method} case {i}: differs from the local runtime"
         assert answer.text == want.text
         assert answer.beam_widths == want.metrics.beam_widths and answer.beam_widths
-        if p.get("memory_mode") != "single":
+        if method == "beam" and p.get("memory_mode") != "single":
             assert max(answer.beam_widths) == p["beam_width"]
+        if method == "dsbd":
+            assert answer.draft_tokens > 0
     _check(ems.result(), reference, 5, 36)
     assert ems.result().beam_widths == []
-    with pytest.raises(ClientError, match="needs a draft model"):
-        SpecdecClient(server.grpc_url).generate("Say hi.", method="dsbd", max_tokens=4)
