@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.export.models import PRESETS, ModelResolutionError, load_model, save_model, tiny_random
+from specdec.export.models import PRESETS, LoadedModel, ModelResolutionError, load_model, save_model, tiny_random
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.packed import SeqWork, pack
 
@@ -181,3 +181,15 @@ def test_save_and_load_keep_rope_scaling(tmp_path: Path) -> None:
     assert torch.equal(a.inv_freq, b.inv_freq)
     assert torch.equal(a.step(pack([SeqWork(0, 0, ids)]), a.allocate_cache(1, 64)),
                        b.step(pack([SeqWork(0, 0, ids)]), b.allocate_cache(1, 64)))
+
+
+def test_checksum_ignores_a_listed_tied_head() -> None:
+    """A fresh GGUF conversion lists the tied head, the cached one does not: the same model, one checksum."""
+    model = tiny_random(seed=3, vocab_size=32, num_layers=1, tie_word_embeddings=True)
+    listed = dict(model.state_dict, **{"lm_head.weight": model.state_dict["model.embed_tokens.weight"].clone()})
+    with_head = LoadedModel(model.name, model.config, listed, None, "test")
+    without = LoadedModel(model.name, model.config, {k: v for k, v in listed.items() if k != "lm_head.weight"}, None,
+                          "test")
+    assert with_head.checksum() == without.checksum()
+    other = tiny_random(seed=4, vocab_size=32, num_layers=1, tie_word_embeddings=True)
+    assert other.checksum() != without.checksum()

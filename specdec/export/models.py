@@ -130,9 +130,17 @@ class LoadedModel:
         return model.eval()
 
     def checksum(self) -> str:
-        """A short content hash of the weights (identifies a target for drafts made for it)."""
+        """A short content hash of the weights (identifies a target for drafts made for it).
+
+        A tied LM head is the embedding matrix, whether a loader lists it separately (a fresh
+        GGUF conversion does) or not (the cached conversion does not): it is left out, so every
+        load of the same model gets the same checksum.
+        """
         h = hashlib.sha256()
+        tied = bool(getattr(self.config, "tie_word_embeddings", False))
         for name in sorted(self.state_dict):
+            if tied and name == "lm_head.weight":
+                continue
             t = self.state_dict[name]
             h.update(name.encode())
             h.update(str(tuple(t.shape)).encode())
