@@ -6,8 +6,9 @@ What: the same requests, decoded together as one batch, by
   target's own sampling law, the quality floor of any sampler);
 * ``beam`` — target-only i.i.d. beam sampling with W = 2, 3, 4 (the law DSBD reproduces slot by slot);
 * ``dsbd`` — the draft beam-samples a forest of γ layers of W_S nodes, the target verifies
-  every forest of the batch in one call; W_S = 2, 3, 4 with dynamic width (threshold t) and
-  once in the single-KV memory mode.
+  every forest of the batch in one call; W_S = 2, 3, 4 with dynamic width (threshold t), with
+  fixed width (t = 0: every layer keeps W_S beams, the quality of beam W = W_S), and once in
+  the single-KV memory mode.
 
 Quality: the target's mean log-likelihood per token (temperature 1) of each returned
 sequence, rescored from scratch by one prefill (``continuation_logprob``), so every method is
@@ -70,6 +71,7 @@ def configs(widths: Sequence[int], threshold: float, gamma: int) -> list[Config]
     out = [Config("ems", "ems", gamma=gamma)]
     out += [Config(f"beam W={w}", "beam", w) for w in widths]
     out += [Config(f"dsbd W_S={w} t={threshold}", "dsbd", w, threshold, gamma=gamma) for w in widths]
+    out += [Config(f"dsbd W_S={w} t=0", "dsbd", w, 0.0, gamma=gamma) for w in widths]  # fixed width W_S
     middle = widths[len(widths) // 2]
     out.append(Config(f"dsbd W_S={middle} t={threshold} single-KV", "dsbd", middle, threshold, "single", gamma))
     return out
