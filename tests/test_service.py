@@ -283,4 +283,4 @@ def test_other_methods_serve_the_same_tokens(model, offline, method) -> None:
         outs = [h.result(WAIT) for h in [svc.submit(r, Recorder()) for r in requests]]
     assert [o.token_ids for o in outs] == [o.token_ids for o in offline(requests)]
     with pytest.raises(ValueError, match="unknown method"):
-        EngineService(make_engine(model), "beam")
+        EngineService(make_engine(model), "magic")
