@@ -13,7 +13,7 @@ from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.drafters import NgramDrafter
 from specdec.runtime.engine import Engine
 from specdec.runtime.request import Request, RequestOutput
-from specdec.runtime.sampling import InvalidRequestError
+from specdec.runtime.sampling import InvalidRequestError, SamplingParams
 from specdec.runtime.text import streamable
 from specdec.serving.service import EngineService, ServiceStoppedError, StreamEvent
 
@@ -284,3 +284,36 @@ def test_other_methods_serve_the_same_tokens(model, offline, method) -> None:
     assert [o.token_ids for o in outs] == [o.token_ids for o in offline(requests)]
     with pytest.raises(ValueError, match="unknown method"):
         EngineService(make_engine(model), "magic")
+
+
+def test_a_beam_request_cancelled_mid_run_ends_cancelled_and_frees_its_beams(model) -> None:
+    """Beam loops emit only at the end, so they learn of a cancellation between rounds (``is_cancelled``)."""
+    from specdec.runtime.drafters import ModelDrafter
+    from specdec.runtime.request import BeamParams
+
+    def dsbd_engine() -> Engine:
+        return Engine(TorchBackend(model), ModelDrafter(TorchBackend(model), 8, MAX_LEN), eos_token_ids=[EOS],
+                      max_batch=8, max_len=MAX_LEN, num_draft_tokens=2)
+
+    victim = Request((5, 6, 7, 8), max_tokens=100, request_id="victim", beam=BeamParams(width=4))
+    other = Request((9, 10, 11), max_tokens=20, sampling=SamplingParams(1.0, 0, 1.0, 4), beam=BeamParams(width=3))
+    expected = dsbd_engine().generate([other], "dsbd").outputs[0]
+    svc = EngineService(dsbd_engine(), "dsbd")
+    admitted = svc._admitted
+
+    def cancel_on_admit(seqs) -> None:  # the victim holds its slot but has not run a round yet
+        admitted(seqs)
+        if any(s.request.request_id == "victim" for s in seqs):
+            assert svc.cancel("victim")
+
+    svc.scheduler._on_admit = cancel_on_admit
+    with svc:
+        rec_v, rec_o = Recorder(), Recorder()
+        hv, ho = svc.submit(victim, rec_v), svc.submit(other, rec_o)
+        out_v, out_o = hv.result(WAIT), ho.result(WAIT)
+        assert out_v.finish_reason == "cancelled" and out_v.token_ids == [] and rec_v.check() == out_v
+        assert out_o.token_ids == expected.token_ids and rec_o.check() == out_o
+        again = svc.generate(Request((12, 13), max_tokens=5, beam=BeamParams(width=2)), WAIT)
+        assert len(again.token_ids) >= 1
+        stats = svc.stats()
+        assert stats.active == 0 and stats.cancelled == 1 and stats.finished == 2
