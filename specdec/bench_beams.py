@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import shlex
 import statistics
 import sys
@@ -105,14 +106,14 @@ def run(engine: Engine, scorer: TorchBackend, prompts: Sequence[list[int]], conf
 
 def pareto(points: dict[str, dict[str, Any]]) -> list[str]:
     """Labels not dominated in (tokens/s, log-likelihood per token), fastest first."""
-    front = []
-    for label, p in points.items():
-        dominated = any(q["tokens_per_second"] >= p["tokens_per_second"] and q["logprob_per_token"]
-                        >= p["logprob_per_token"] and q is not p and (q["tokens_per_second"], q["logprob_per_token"])
-                        != (p["tokens_per_second"], p["logprob_per_token"]) for q in points.values())
-        if not dominated:
-            front.append(label)
-    return sorted(front, key=lambda label: -points[label]["tokens_per_second"])
+    def key(label: str) -> tuple[float, float]:
+        return points[label]["tokens_per_second"], points[label]["logprob_per_token"]
+
+    def dominates(a: tuple[float, float], b: tuple[float, float]) -> bool:
+        return a != b and a[0] >= b[0] and a[1] >= b[1]
+
+    front = [p for p in points if not any(dominates(key(q), key(p)) for q in points)]
+    return sorted(front, key=lambda label: -key(label)[0])
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -253,8 +254,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     doc["pareto"] = pareto(rows)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    import json
-
     (args.out_dir / "dsbd_pareto.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     (args.out_dir / "dsbd_pareto.md").write_text(markdown(doc), encoding="utf-8")
     plot(doc, args.out_dir / "dsbd_pareto.png")

@@ -75,9 +75,12 @@ class Hyp:
 
 @dataclass
 class Layer:
-    """One drafted forest layer: its parents, the draft's ``q_beam`` over them, and the i.i.d. nodes."""
+    """One drafted forest layer: the draft's ``q_beam`` over its parents, and the i.i.d. nodes.
 
-    parents: list[NodeRef]
+    The parents are the roots (first layer) or the previous layer's ``refs``; flat indices
+    ``parent * V + token`` refer to that list.
+    """
+
     q_beam: torch.Tensor | None  # flat [len(parents) * V]; None for greedy drafts
     nodes: list[int]  # flat (parent, token) indices, in draw order
     refs: list[NodeRef] = field(default_factory=list)  # each node's place in its root's tree
@@ -158,7 +161,7 @@ class BeamDecoder:
     def _finish(self, group: Group) -> None:
         """Rank the candidates, emit the best one's tokens, and report the group."""
         seq, params = group.seq, group.params
-        candidates = group.finished or [h for h in group.beams]
+        candidates = group.finished or list(group.beams)
 
         def rank(h: Hyp) -> float:
             length = max(1, len(h.tokens) - seq.num_prompt)
@@ -268,11 +271,11 @@ class BeamDecoder:
         if params.greedy:
             step = beam_search_step(scores, logits, group.params.width, logits=True)
             nodes = [p * self.vocab + t for p, t in zip(step.parents, step.tokens)]
-            layer = Layer(parents, None, nodes, scores=step.scores)
+            layer = Layer(None, nodes, scores=step.scores)
         else:
             q_beam = beam_distribution(scores, logits, params, logits=True)
             nodes = draft_layer(q_beam, group.params.width, gen)
-            layer = Layer(parents, q_beam, nodes, scores=[math.log(float(q_beam[x])) for x in nodes])
+            layer = Layer(q_beam, nodes, scores=[math.log(float(q_beam[x])) for x in nodes])
         for x in nodes:
             root, pos = parents[x // self.vocab]
             tree = group.trees[root]
@@ -305,12 +308,16 @@ class BeamDecoder:
         def table(refs: Sequence[NodeRef], valid: Sequence[bool]) -> torch.Tensor:
             return torch.stack([logits_of(r) if ok else torch.zeros(self.vocab) for r, ok in zip(refs, valid)])
 
+        def masked(scores: Sequence[float], valid: Sequence[bool]) -> torch.Tensor:
+            """Parent scores with invalid parents absent (-inf), as the beam distribution takes them."""
+            return torch.tensor([s if ok else -math.inf for s, ok in zip(scores, valid)], dtype=torch.float64)
+
         parents: list[NodeRef] = [(b, -1) for b in range(len(group.beams))]
         valid = [True] * len(parents)
         scores = [h.score for h in group.beams]
         width, accepted_total = group.width, 0
         for layer in group.layers:
-            score_t = torch.tensor([s if ok else -math.inf for s, ok in zip(scores, valid)], dtype=torch.float64)
+            score_t = masked(scores, valid)
             logits = table(parents, valid)
             if params.greedy:
                 step = beam_search_step(score_t, logits, group.params.width, logits=True)
@@ -338,7 +345,7 @@ class BeamDecoder:
                 valid[i], scores[i] = True, s
             parents = layer.refs
         group.width = width
-        score_t = torch.tensor([s if ok else -math.inf for s, ok in zip(scores, valid)], dtype=torch.float64)
+        score_t = masked(scores, valid)
         mode = "iid" if group.layers else group.params.mode  # a drafted round reproduces i.i.d. beam sampling
         step = beam_step(score_t, table(parents, valid), params, width if not params.greedy else group.params.width,
                          gen, mode)

@@ -196,8 +196,6 @@ def _beam(values: Mapping[str, object], method: str) -> BeamParams | None:
         return None
     if method == "beam" and (threshold is not None or min_width is not None):
         raise InvalidRequestError("dsbd_threshold and dsbd_min_width apply to method 'dsbd' only")
-    if threshold is not None and not math.isfinite(float(threshold)):
-        raise InvalidRequestError(f"dsbd_threshold must be in [0, 1], got {threshold}")
     return BeamParams(width=DEFAULT_BEAM_WIDTH if width is None else int(width),
                       min_width=1 if min_width is None else int(min_width),
                       threshold=0.0 if threshold is None else float(threshold),

@@ -302,7 +302,8 @@ class EngineModel:
 
     def _cancel(self, request_id: str) -> None:
         """Cancel in whichever loop holds the request (the other one does not know it: a no-op)."""
-        self.service.cancel(request_id) or self.beam_service.cancel(request_id)
+        if not self.service.cancel(request_id):
+            self.beam_service.cancel(request_id)
 
     def _send_loop(self) -> None:
         while (item := self._outbox.get()) is not None:
