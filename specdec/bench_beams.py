@@ -15,6 +15,12 @@ sequence, rescored from scratch by one prefill (``continuation_logprob``), so ev
 measured the same way. Beam methods return the best length-normalised candidate, which is
 what raises this number over plain sampling.
 
+Exact match: a small extractive QA set built from real text (the first lines of standard
+library module docstrings): each prompt lists five modules with their descriptions and asks
+which module one description belongs to; the answer is a word of the context. A returned
+sequence is right when its first line, normalised (case, quotes, backticks, a trailing period,
+"the"/"module"), is the module's name. Decoded with the same method, width and temperature.
+
 Speed: generated tokens / wall seconds of ``Engine.generate`` for the whole batch (prefill
 included), one process, one torch thread, the runs interleaved and rotated over repeats
 (median kept), as in ``specdec bench``. This machine is shared: compare ratios from one run.
@@ -31,7 +37,9 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib
 import json
+import re
 import shlex
 import statistics
 import sys
@@ -78,9 +86,58 @@ def configs(widths: Sequence[int], threshold: float, gamma: int) -> list[Config]
     return out
 
 
+#: standard-library modules whose docstring's first line makes a QA item (those that name themselves are skipped)
+QA_MODULES = ("csv", "re", "heapq", "bisect", "shutil", "zipfile", "gzip", "textwrap", "fractions", "statistics",
+              "tempfile", "glob", "fnmatch", "pickle", "uuid", "random", "struct", "copy", "itertools", "queue",
+              "getpass", "tarfile", "colorsys", "timeit", "shlex", "mimetypes", "inspect", "tokenize", "filecmp",
+              "linecache", "traceback", "codeop", "reprlib", "configparser", "contextlib", "operator")
+QA_GROUP = 5
+
+
+def qa_set(n: int) -> list[tuple[str, str]]:
+    """``n`` (prompt, answer) pairs: which of five listed modules a quoted description belongs to.
+
+    Deterministic. Item i shows the group of ``QA_GROUP`` consecutive modules that contains its
+    answer, so every context is real documentation text and the answer is extractive.
+    """
+    entries = []
+    for name in QA_MODULES:
+        try:
+            doc = (importlib.import_module(name).__doc__ or "").strip()
+        except ImportError:
+            continue
+        first = doc.splitlines()[0].strip() if doc else ""
+        if first.endswith(".") and len(first) >= 15 and name not in first.lower():
+            entries.append((name, first))
+    groups = [entries[i : i + QA_GROUP] for i in range(0, len(entries) - QA_GROUP + 1, QA_GROUP)]
+    if not groups:
+        raise RuntimeError("too few standard-library docstrings for the QA set: is this a stripped Python build?")
+    items = []
+    for i in range(n):
+        group = groups[(i // QA_GROUP) % len(groups)]
+        name, description = group[i % QA_GROUP]
+        listing = "\n".join(f"- {m}: {d}" for m, d in group)
+        items.append((f"Here are Python standard-library modules and what they do:\n{listing}\n\n"
+                      f"Which module is described as \"{description}\"? Answer with the module name only.", name))
+    return items
+
+
+def exact_match(text: str, answer: str) -> bool:
+    """Whether the first line of ``text``, normalised, is ``answer`` (SQuAD-style normalisation)."""
+    lines = text.strip().splitlines()
+    got = lines[0].strip().lower() if lines else ""
+    got = re.sub(r"[`'\"*]", "", got).rstrip(".").strip()
+    got = re.sub(r"^(the\s+)?(answer is\s*:?\s*)?", "", got)
+    got = re.sub(r"\s+module$", "", got).strip()
+    return got == answer.lower()
+
+
 def run(engine: Engine, scorer: TorchBackend, prompts: Sequence[list[int]], config: Config, max_tokens: int,
-        temperature: float, seed: int) -> dict[str, Any]:
-    """One batch of every prompt under ``config``: throughput, quality, speculation counters."""
+        temperature: float, seed: int, answers: Sequence[str] | None = None) -> dict[str, Any]:
+    """One batch of every prompt under ``config``: throughput, quality, speculation counters.
+
+    With ``answers`` (one per prompt) the result also carries the exact-match rate of the outputs.
+    """
     engine.num_draft_tokens = config.gamma
     beam = None if config.method == "ems" else BeamParams(width=config.width, threshold=config.threshold,
                                                           memory_mode=config.memory_mode)
@@ -101,6 +158,8 @@ def run(engine: Engine, scorer: TorchBackend, prompts: Sequence[list[int]], conf
         "acceptance_rate": sum(o.metrics.accepted_draft_tokens for o in result.outputs) / drafts if drafts else None,
         "mean_beam_width": statistics.fmean(widths) if widths else None,
         "tokens_per_call": tokens / max(1, len(result.run.steps)),
+        **({"exact_match": statistics.fmean(exact_match(o.text, a) for o, a in zip(result.outputs, answers)),
+            "answers": [o.text for o in result.outputs]} if answers is not None else {}),
     }
 
 
@@ -130,17 +189,21 @@ def markdown(doc: dict[str, Any]) -> str:
         f"- Median of {meta['repeats']} interleaved repeat(s); load average before {meta['load_before']}, after "
         f"{meta['load_after']}",
         "",
-        "| method | tokens/s | log-likelihood / token | target calls | tokens / call | acceptance | mean beams / "
-        "round | speed vs beam of the same width |",
-        "|:---|---:|---:|---:|---:|---:|---:|---:|",
+        f"- Exact match: {meta['qa_items']} extractive QA items ({meta['qa_workload']}), {meta['qa_max_tokens']} new "
+        "tokens at most, same method and temperature",
+        "",
+        "| method | tokens/s | log-likelihood / token | exact match | target calls | tokens / call | acceptance | "
+        "mean beams / round | speed vs beam of the same width |",
+        "|:---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, r in rows.items():
         width = next((w for w in beam if f"W_S={w} " in label), None)
         vs = f"{r['tokens_per_second'] / beam[width]['tokens_per_second']:.2f}×" if width else "–"
         acc = "–" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
         mbw = "–" if r["mean_beam_width"] is None else f"{r['mean_beam_width']:.2f}"
-        lines.append(f"| {label} | {r['tokens_per_second']:.1f} | {r['logprob_per_token']:.3f} | {r['target_calls']} "
-                     f"| {r['tokens_per_call']:.2f} | {acc} | {mbw} | {vs} |")
+        em = "–" if r.get("exact_match") is None else f"{r['exact_match']:.2f}"
+        lines.append(f"| {label} | {r['tokens_per_second']:.1f} | {r['logprob_per_token']:.3f} | {em} "
+                     f"| {r['target_calls']} | {r['tokens_per_call']:.2f} | {acc} | {mbw} | {vs} |")
     lines += ["", f"Pareto front (fastest first): {', '.join(doc['pareto'])}.", "",
               "## Notes", "", *(f"- {n}" for n in meta["notes"])]
     return "\n".join(lines) + "\n"
@@ -206,6 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--gamma", type=int, default=3, help="draft layers per round (and ems's k)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--qa", type=int, default=10, help="extractive QA items for exact match (0: skip)")
+    p.add_argument("--qa-max-tokens", type=int, default=8)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
@@ -213,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--note", action="append", default=[])
     args = p.parse_args(argv)
     if args.quick:
-        args.prompts, args.max_tokens, args.widths = 2, 12, "2"
+        args.prompts, args.max_tokens, args.widths, args.qa = 2, 12, "2", min(args.qa, 2)
     widths = tuple(int(w) for w in args.widths.split(","))
     torch.set_num_threads(args.threads)
     command = shlex.join(["specdec", "bench", "beams", *(sys.argv[1:] if argv is None else argv)])
@@ -221,10 +286,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     target, draft = load_pair(args.target, args.draft)
     target_backend, draft_backend = TorchBackend(target), TorchBackend(draft)
-    batch_slots = args.prompts * max(widths)
+    batch_slots = max(args.prompts, args.qa) * max(widths)
     engine = Engine(target_backend, ModelDrafter(draft_backend, batch_slots, 1024), tokenizer=target.tokenizer,
                     eos_token_ids=target.eos_token_ids, max_batch=batch_slots, max_len=1024)
     prompts = [engine.encode(text, chat=True) for text in build_workload(args.prompts)]
+    qa = qa_set(args.qa)
+    qa_prompts = [engine.encode(text, chat=True) for text, _ in qa]
     plan = configs(widths, args.threshold, args.gamma)
     samples: dict[str, list[dict[str, Any]]] = {c.label: [] for c in plan}
     with tqdm(total=len(plan) * args.repeats, desc="dsbd pareto", unit="run") as bar:
@@ -233,8 +300,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             shift = repeat % len(plan)
             for config in plan[shift:] + plan[:shift]:
                 bar.set_postfix_str(config.label)
-                samples[config.label].append(run(engine, target_backend, prompts, config, args.max_tokens,
-                                                 args.temperature, args.seed))
+                sample = run(engine, target_backend, prompts, config, args.max_tokens, args.temperature, args.seed)
+                if qa:
+                    scored = run(engine, target_backend, qa_prompts, config, args.qa_max_tokens, args.temperature,
+                                 args.seed, answers=[a for _, a in qa])
+                    sample |= {"exact_match": scored["exact_match"], "qa_answers": scored["answers"]}
+                samples[config.label].append(sample)
                 bar.update()
     rows = {label: sorted(runs, key=lambda r: r["tokens_per_second"])[len(runs) // 2]
             for label, runs in samples.items()}
@@ -248,6 +319,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "load_after": info.get("load_average"), "elapsed_seconds": time.perf_counter() - start,
             "workload": "`specdec bench`'s extractive prompts (summarise / list the points of a standard-library "
                         "docstring), chat template applied",
+            "qa_items": len(qa), "qa_max_tokens": args.qa_max_tokens,
+            "qa_workload": "which of five standard-library modules a quoted docstring line describes",
+            "qa_answers": [a for _, a in qa],
             "notes": [*auto_notes(rows), *args.note],
         },
         "results": rows, "samples": samples,

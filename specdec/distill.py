@@ -31,7 +31,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,11 +68,37 @@ _TEMPLATES = ["Explain {t} to a ten-year-old.", "Write a short paragraph about {
               "Write a short story that involves {t}.", "What is a common misconception about {t}?"]
 
 
+_MORE_TOPICS = ["the Great Wall of China", "penguins", "quantum computers", "the Olympic games", "tea ceremonies",
+                "a linked list", "SQL joins", "the rain forest", "dinosaurs", "the violin", "gardening", "mars rovers",
+                "wind turbines", "the Renaissance", "dolphins", "cryptography", "the human brain", "origami",
+                "marathon running", "the Silk Road", "yeast", "lightning", "public libraries", "the stock exchange",
+                "nuclear fusion", "sorting algorithms", "the Amazon river", "time zones", "bees and flowers",
+                "the piano", "deserts", "a compiler", "the Eiffel tower", "cats", "meditation", "hurricanes",
+                "recycling", "the ancient Egyptians", "DNA", "satellites", "chocolate", "the Industrial Revolution",
+                "friendship", "unit testing", "the metric system", "coral reefs", "opera", "electricity", "maps",
+                "the Fibonacci sequence", "volunteering", "trains", "the ozone layer", "pizza", "git branches",
+                "the Milky Way", "mushrooms", "budgeting", "the Olympics of ancient Greece", "telescopes"]
+_MORE_TEMPLATES = ["Write an email to a friend about {t}.", "Give step-by-step instructions related to {t}.",
+                   "Compare {t} with something similar.", "Why is {t} important?",
+                   "Write a limerick about {t}.", "Describe the history of {t} briefly.",
+                   "What questions do people often ask about {t}? Answer one.", "Write a tweet about {t}.",
+                   "Explain {t} in simple terms, then give an example.",
+                   "Write a dialogue between two people about {t}."]
+
+
 def builtin_prompts() -> list[str]:
-    """400 diverse chat prompts (topics × instruction shapes), in a fixed shuffled order."""
-    prompts = [template.format(t=topic) for topic in _TOPICS for template in _TEMPLATES]
-    random.Random(0).shuffle(prompts)
-    return prompts
+    """2000 diverse chat prompts (topics × instruction shapes), in a fixed shuffled order.
+
+    The first 400 (the original 40 topics × 10 shapes) keep their order, so data cached by an
+    earlier ``--samples 400`` run is still the prefix of a larger run and is reused.
+    """
+    first = [template.format(t=topic) for topic in _TOPICS for template in _TEMPLATES]
+    random.Random(0).shuffle(first)
+    seen = set(first)
+    rest = [template.format(t=topic) for topic in _TOPICS + _MORE_TOPICS for template in _TEMPLATES + _MORE_TEMPLATES]
+    rest = [p for p in rest if p not in seen]
+    random.Random(1).shuffle(rest)
+    return first + rest
 
 
 # --------------------------------------------------------------------------- data
@@ -158,7 +184,7 @@ def collect_data(target: LoadedModel, work: Path, prompts: Sequence[str], *, sha
         path = data / f"shard-{n:05d}.pt"
         if not path.is_file():
             part = generate_records(target, shard, max_new_tokens=max_new_tokens, temperature=temperature,
-                                    teacher_k=teacher_k, seed=seed + n * shard_size)
+                                    teacher_k=teacher_k, seed=seed + n * shard_size, max_batch=len(shard))
             tmp = path.with_suffix(".tmp")
             torch.save([asdict(r) for r in part], tmp)
             tmp.replace(path)  # a shard exists complete or not at all
@@ -270,6 +296,34 @@ def _batch(records: Sequence[Record], head_ids: torch.Tensor, vocab_size: int
 
 def distill_loss(net: DraftNet, records: Sequence[Record], vocab_size: int) -> tuple[torch.Tensor, int]:
     """Cross-entropy of the draft to the head-restricted teacher, averaged over teacher positions."""
+    return _head_cross_entropy(net, records, vocab_size)
+
+
+@torch.no_grad()
+def validation_loss(net: DraftNet, records: Sequence[Record], vocab_size: int, batch: int = 8) -> float:
+    """The training objective on records never trained on: picks the best checkpoint, not a metric to report."""
+    was_training = net.training
+    net.eval()
+    total = count = 0.0
+    for i in range(0, len(records), batch):
+        loss, positions = _head_cross_entropy(net, records[i : i + batch], vocab_size)
+        total += float(loss) * positions
+        count += positions
+    net.train(was_training)
+    return total / max(count, 1)
+
+
+def lr_factor(step: int, progress: float, warmup: int) -> float:
+    """Linear warm-up, then cosine decay to 10% at the end of the budget (``progress`` in [0, 1]).
+
+    Why: a constant rate leaves the weights noisy at the end of a short CPU budget; decaying by
+    the fraction of the budget used (time or steps) keeps the schedule resumable.
+    """
+    warm = min(1.0, (step + 1) / max(warmup, 1))
+    return warm * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(max(progress, 0.0), 1.0))))
+
+
+def _head_cross_entropy(net: DraftNet, records: Sequence[Record], vocab_size: int) -> tuple[torch.Tensor, int]:
     input_ids, mask, rows, cols, probs = _batch(records, net.head_ids, vocab_size)
     logq = torch.log_softmax(net(input_ids, mask).float(), dim=-1).reshape(-1, len(net.head_ids))
     positions = sum(len(r.positions) for r in records)
@@ -320,10 +374,14 @@ class DistillSettings:
     teacher_k: int = 32
     batch: int = 8
     lr: float = 1e-3
+    warmup: int = 100
+    weight_decay: float = 0.01
     steps: int | None = None
     minutes: float | None = 10.0
     seed: int = 0
     heldout: float = 0.05
+    valid: float = 0.05
+    validate_s: float = 300.0
     shard_size: int = 32
     prompts_file: str | None = None
     text_file: str | None = None
@@ -333,10 +391,83 @@ class DistillSettings:
 
 def _load_prompts(settings: DistillSettings) -> list[str]:
     if not settings.prompts_file:
-        return builtin_prompts()[: settings.samples]
+        prompts = builtin_prompts()
+        # past the built-in list a prompt comes again; its continuation differs (every sample has its own seed)
+        return [prompts[i % len(prompts)] for i in range(settings.samples)]
     text = Path(settings.prompts_file).read_text(encoding="utf-8")
     prompts = json.loads(text) if text.lstrip().startswith("[") else [ln for ln in text.splitlines() if ln.strip()]
     return [str(p) for p in prompts][: settings.samples]
+
+
+def split_records(records: Sequence[Record], settings: DistillSettings
+                  ) -> tuple[list[Record], list[Record], list[Record]]:
+    """Held-out (reported metrics), validation (checkpoint choice) and training records: disjoint, seeded.
+
+    Records are split by prompt, so a prompt sampled more than once (``--samples`` past the
+    prompt list) never has one continuation in training and another in the held-out set.
+    """
+    by_prompt: dict[tuple[int, ...], list[Record]] = {}
+    for r in records:
+        by_prompt.setdefault(tuple(r.tokens[: r.positions[0]]), []).append(r)
+    keys = list(by_prompt)
+    random.Random(settings.seed).shuffle(keys)
+    n_held = max(1, int(len(records) * settings.heldout))
+    n_valid = max(1, int(len(records) * settings.valid))
+    parts: tuple[list[Record], list[Record], list[Record]] = ([], [], [])
+    for key in keys:
+        part = 0 if len(parts[0]) < n_held else 1 if len(parts[1]) < n_valid else 2
+        parts[part].extend(by_prompt[key])
+    if not all(parts):
+        raise ValueError(f"{len(records)} sequences ({len(keys)} prompts) are too few to hold out {n_held} and "
+                         f"validate on {n_valid}")
+    return parts
+
+
+def _train(net: DraftNet, optimizer: torch.optim.Optimizer, train: Sequence[Record], valid: Sequence[Record],
+           settings: DistillSettings, state: dict[str, Any], best_net: dict[str, torch.Tensor] | None,
+           save: Callable[[dict[str, torch.Tensor] | None], None]) -> dict[str, torch.Tensor] | None:
+    """The optimisation loop, resuming from ``state``; returns the weights with the best validation loss."""
+    vocab_size = int(net.model.config.vocab_size)
+    params = [p for p in net.parameters() if p.requires_grad]
+    budget_s = settings.minutes * 60 if settings.minutes else math.inf
+    max_steps = settings.steps if settings.steps is not None else math.inf
+    rng = random.Random(settings.seed + state["step"])
+    bar = tqdm(total=None if max_steps == math.inf else int(max_steps), initial=state["step"], desc="distill",
+               unit="step")
+    last_save = last_valid = time.monotonic()
+    start = time.monotonic() - state["elapsed"]
+
+    def keep_if_best() -> None:
+        nonlocal best_net
+        loss = validation_loss(net, valid, vocab_size)
+        if state["best"] is None or loss < state["best"]["valid_loss"]:
+            state["best"] = {"valid_loss": loss, "step": state["step"]}
+            best_net = {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+    net.train()
+    while state["step"] < max_steps and state["elapsed"] < budget_s:
+        progress = max(state["elapsed"] / budget_s, state["step"] / max_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = settings.lr * lr_factor(state["step"], progress, settings.warmup)
+        loss, _ = distill_loss(net, rng.sample(train, min(settings.batch, len(train))), vocab_size)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        state["step"] += 1
+        state["elapsed"] = time.monotonic() - start
+        bar.update()
+        bar.set_postfix(loss=f"{loss.item():.3f}", minutes=f"{state['elapsed'] / 60:.1f}")
+        if time.monotonic() - last_valid > settings.validate_s:
+            keep_if_best()
+            last_valid = time.monotonic()
+        if time.monotonic() - last_save > settings.checkpoint_s:
+            save(best_net)
+            last_save = time.monotonic()
+    bar.close()
+    keep_if_best()
+    save(best_net)
+    return best_net
 
 
 def distill(settings: DistillSettings, command: str = "") -> dict[str, Any]:
@@ -351,51 +482,30 @@ def distill(settings: DistillSettings, command: str = "") -> dict[str, Any]:
                            max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                            teacher_k=settings.teacher_k, seed=settings.seed, text=text)
     records = [r for r in records if r.positions]
-    order = list(range(len(records)))
-    random.Random(settings.seed).shuffle(order)
-    n_held = max(1, int(len(records) * settings.heldout))
-    heldout, train = [records[i] for i in order[:n_held]], [records[i] for i in order[n_held:]]
+    heldout, valid, train = split_records(records, settings)
     head_ids = select_head(train, settings.head_size, target.vocab_size, target.eos_token_ids)
     draft = init_draft(target, settings.layers, head_ids)
     net = DraftNet(draft)
-    params = [p for p in net.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=settings.lr,
+                                  weight_decay=settings.weight_decay)
     ckpt = work / "checkpoint.pt"
-    state = {"step": 0, "elapsed": 0.0, "before": None}
+    state: dict[str, Any] = {"step": 0, "elapsed": 0.0, "before": None, "best": None}
+    best_net: dict[str, torch.Tensor] | None = None
     if ckpt.is_file():  # resume: same data, same head, same draft shape
         saved = torch.load(ckpt, weights_only=False)
         if saved["head_ids"].tolist() != head_ids.tolist() or saved["layers"] != settings.layers:
             raise DraftLoadError(f"{ckpt} belongs to a different run (head or layers differ): remove {work}")
         net.load_state_dict(saved["net"])
         optimizer.load_state_dict(saved["optimizer"])
-        state = saved["state"]
+        state = {"best": None, **saved["state"]}
+        best_net = saved.get("best_net")
         print(f"resuming at step {state['step']} ({state['elapsed'] / 60:.1f} min trained)", file=sys.stderr)
     if state["before"] is None:
         state["before"] = evaluate(net, target, heldout)
-    budget_s = settings.minutes * 60 if settings.minutes else math.inf
-    max_steps = settings.steps if settings.steps is not None else math.inf
-    rng = random.Random(settings.seed + state["step"])
-    bar = tqdm(total=None if max_steps == math.inf else int(max_steps), initial=state["step"], desc="distill",
-               unit="step")
-    last_save = time.monotonic()
-    start = time.monotonic() - state["elapsed"]
-    net.train()
-    while state["step"] < max_steps and state["elapsed"] < budget_s:
-        batch = rng.sample(train, min(settings.batch, len(train)))
-        loss, _ = distill_loss(net, batch, target.vocab_size)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        state["step"] += 1
-        state["elapsed"] = time.monotonic() - start
-        bar.update()
-        bar.set_postfix(loss=f"{loss.item():.3f}", minutes=f"{state['elapsed'] / 60:.1f}")
-        if time.monotonic() - last_save > settings.checkpoint_s:
-            _checkpoint(ckpt, net, optimizer, state, head_ids, settings.layers)
-            last_save = time.monotonic()
-    bar.close()
-    _checkpoint(ckpt, net, optimizer, state, head_ids, settings.layers)
+    best_net = _train(net, optimizer, train, valid, settings, state, best_net,
+                      lambda best: _checkpoint(ckpt, net, optimizer, state, head_ids, settings.layers, best))
+    if best_net is not None:
+        net.load_state_dict(best_net)  # the step with the lowest validation loss, not merely the last
     net.eval()
     after = evaluate(net, target, heldout)
     trained = net.export(draft)
@@ -406,10 +516,13 @@ def distill(settings: DistillSettings, command: str = "") -> dict[str, Any]:
         "layers": settings.layers, "init_layers": draft.extra.get("init_layers"),
         "head_size": len(head_ids),
         "data": {"sequences": len(records), "train_sequences": len(train), "heldout_sequences": len(heldout),
+                 "validation_sequences": len(valid),
                  "teacher_positions": sum(len(r.positions) for r in records), "teacher_k": settings.teacher_k,
                  "temperature": settings.temperature, "text_file": settings.text_file},
         "seed": settings.seed, "steps": state["step"], "train_minutes": round(state["elapsed"] / 60, 2),
-        "batch": settings.batch, "lr": settings.lr,
+        "batch": settings.batch, "lr": settings.lr, "warmup": settings.warmup,
+        "weight_decay": settings.weight_decay, "kept_step": state["best"]["step"],
+        "validation_loss": state["best"]["valid_loss"],
         "metrics": {"before": state["before"], "after": after},
     }
     save_draft(trained, out, manifest)
@@ -417,10 +530,10 @@ def distill(settings: DistillSettings, command: str = "") -> dict[str, Any]:
 
 
 def _checkpoint(path: Path, net: DraftNet, optimizer: torch.optim.Optimizer, state: dict, head_ids: torch.Tensor,
-                layers: int) -> None:
+                layers: int, best_net: dict[str, torch.Tensor] | None) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save({"net": net.state_dict(), "optimizer": optimizer.state_dict(), "state": state,
-                "head_ids": head_ids, "layers": layers}, tmp)
+                "head_ids": head_ids, "layers": layers, "best_net": best_net}, tmp)
     tmp.replace(path)
 
 
@@ -505,7 +618,8 @@ def add_distill_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--head-size", type=int, default=d.head_size, help="tokens in the draft's LM head")
     parser.add_argument("--teacher-k", type=int, default=d.teacher_k, help="teacher log-probs kept per position")
     parser.add_argument("--batch", type=int, default=d.batch, help="sequences per training step")
-    parser.add_argument("--lr", type=float, default=d.lr)
+    parser.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (warm-up, then cosine to 10%%)")
+    parser.add_argument("--weight-decay", type=float, default=d.weight_decay)
     parser.add_argument("--minutes", type=float, default=d.minutes, help="training time budget (all runs)")
     parser.add_argument("--steps", type=int, help="training steps (overrides --minutes)")
     parser.add_argument("--seed", type=int, default=d.seed)

@@ -151,3 +151,20 @@ def test_bench_beams_quick_writes_its_report(tiny_dir, tmp_path, capsys) -> None
     assert doc["pareto"] and all(r["tokens"] > 0 for r in doc["results"].values())
     assert doc["results"]["dsbd W_S=2 t=0.5"]["acceptance_rate"] > 0.5  # the draft is the target itself
     assert (out / "dsbd_pareto.png").stat().st_size > 0 and "Pareto front" in (out / "dsbd_pareto.md").read_text()
+    assert doc["meta"]["qa_items"] == 2 and all(0 <= r["exact_match"] <= 1 for r in doc["results"].values())
+    assert all(len(r["qa_answers"]) == 2 for r in doc["results"].values())
+
+
+def test_the_qa_set_is_extractive_and_exact_match_normalises_only_form() -> None:
+    """Every QA answer is a word of its own prompt (extractive), answers vary, and exact match forgives quoting,
+    case, a trailing period and "the ... module" but not a different or longer name."""
+    from specdec.bench_beams import exact_match, qa_set
+
+    items = qa_set(12)
+    assert len(items) == 12 and len({a for _, a in items}) >= 10
+    for prompt, answer in items:
+        assert f"- {answer}: " in prompt and prompt.count('"') == 2
+    for text in ("heapq", "`heapq`.", "The heapq module", " HEAPQ\nbecause it is", '"heapq"', "The answer is: heapq"):
+        assert exact_match(text, "heapq"), text
+    for text in ("", "bisect", "heapq is the one", "heapqx", "import heapq"):
+        assert not exact_match(text, "heapq"), text

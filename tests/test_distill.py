@@ -41,7 +41,7 @@ def _settings(target: Path, out: Path, **kw: object) -> DistillSettings:
 def test_distillation_lowers_held_out_kl_and_writes_a_loadable_draft(tiny_target: Path, tmp_path: Path,
                                                                      one_thread: None) -> None:
     out = tmp_path / "draft"
-    manifest = distill(_settings(tiny_target, out), command="test")
+    manifest = distill(_settings(tiny_target, out, validate_s=0.0), command="test")
     before, after = manifest["metrics"]["before"], manifest["metrics"]["after"]
     assert after["kl_on_head"] < 0.9 * before["kl_on_head"], (before, after)
     assert after["expected_acceptance"] > before["expected_acceptance"]
@@ -119,3 +119,43 @@ def test_an_interrupted_run_resumes(tiny_target: Path, tmp_path: Path, monkeypat
     assert manifest["steps"] == 12
     assert [s.stat().st_mtime_ns for s in shards] == stamps  # the data was not generated again
     assert json.loads((out / "specdec_draft.json").read_text())["steps"] == 12
+
+
+def test_the_kept_weights_are_the_best_validated_step(tiny_target: Path, tmp_path: Path, one_thread: None) -> None:
+    """Validated after every step, the draft written is the step with the lowest validation loss: its loss,
+    recomputed from the written (fp16) weights on the validation split, is the manifest's and not above the
+    validation loss of the last step's weights."""
+    out = tmp_path / "draft"
+    settings = _settings(tiny_target, out, steps=20, lr=3e-2, validate_s=0.0)  # a rate high enough to overshoot
+    manifest = distill(settings, command="test")
+    assert 0 <= manifest["kept_step"] < 20  # deterministic (seeded, one thread): the last step is not the best
+    target = load_model(tiny_target)
+    records = [r for r in distill_mod.collect_data(target, out / ".work", distill_mod._load_prompts(settings),
+                                                   shard_size=4, max_new_tokens=16, temperature=1.0, teacher_k=16,
+                                                   seed=0) if r.positions]
+    _, valid, _ = distill_mod.split_records(records, settings)
+    kept = distill_mod.DraftNet(load_draft(out, target))
+    assert distill_mod.validation_loss(kept, valid, target.vocab_size) == pytest.approx(manifest["validation_loss"],
+                                                                                        rel=1e-3)
+    last = distill_mod.DraftNet(load_draft(out, target))
+    last.load_state_dict(torch.load(out / ".work" / "checkpoint.pt", weights_only=False)["net"])
+    assert manifest["validation_loss"] <= distill_mod.validation_loss(last, valid, target.vocab_size) + 1e-6
+
+
+def test_records_are_split_by_prompt_and_the_schedule_warms_up_then_decays() -> None:
+    """A prompt sampled twice lands wholly in one split; the learning-rate factor rises over the warm-up and
+    ends the budget at 10%."""
+    def record(prompt: int, n: int) -> distill_mod.Record:
+        return distill_mod.Record([prompt, prompt, 7, 8, 9][: 2 + n], list(range(2, 2 + n)), torch.zeros(n, 1),
+                                  torch.zeros(n, 1))
+
+    records = [record(p, 1 + (i % 3)) for i, p in enumerate(list(range(20)) * 3)]  # 20 prompts, 3 samples each
+    held, valid, train = distill_mod.split_records(records, DistillSettings(heldout=0.1, valid=0.1, seed=4))
+    prompts = [{r.tokens[0] for r in part} for part in (held, valid, train)]
+    assert not (prompts[0] & prompts[1] or prompts[0] & prompts[2] or prompts[1] & prompts[2])
+    assert len(held) + len(valid) + len(train) == 60 and len(held) >= 6 and len(valid) >= 6
+    with pytest.raises(ValueError, match="too few"):
+        distill_mod.split_records(records[:2], DistillSettings())
+    factor = distill_mod.lr_factor
+    assert factor(0, 0.0, 10) == pytest.approx(0.1) and factor(9, 0.0, 10) == pytest.approx(1.0)
+    assert factor(500, 0.5, 10) == pytest.approx(0.55) and factor(900, 1.0, 10) == pytest.approx(0.1)

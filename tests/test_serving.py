@@ -32,6 +32,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc]
 
 from specdec.runtime.engine import Engine  # noqa: E402
 from specdec.serving.client import Answer, ClientError, SpecdecClient  # noqa: E402
+from specdec.serving.repository import ServingOptions, write_repository  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -266,9 +267,8 @@ def test_client_killed_mid_stream_is_cancelled_and_does_not_wedge_the_engine(ser
 # --------------------------------------------------------------------------- `specdec serve` refusing to start
 
 
-def _shadow_export(export: Path, root: Path) -> Path:
+def _shadow_export(export: Path, root: Path, options: ServingOptions | None = None) -> Path:
     """A copy of the export made of symlinks (the graphs are large), with its own model repository."""
-    from specdec.serving.repository import write_repository
 
     shadow = root / "export"
     for path in export.rglob("*"):
@@ -276,7 +276,7 @@ def _shadow_export(export: Path, root: Path) -> Path:
             target = shadow / path.relative_to(export)
             target.parent.mkdir(parents=True, exist_ok=True)
             target.symlink_to(path)
-    write_repository(shadow)
+    write_repository(shadow, options=options)
     return shadow
 
 
@@ -358,3 +358,35 @@ def test_beam_requests_equal_local_and_run_beside_ems(server: TritonServer, smol
             assert answer.draft_tokens > 0
     _check(ems.result(), reference, 5, 36)
     assert ems.result().beam_widths == []
+
+
+def test_dsbd_on_a_deployment_without_a_draft_model_is_a_named_error(smollm2_export: Path, reference: dict,
+                                                                       tmp_path: Path) -> None:
+    """A deployment whose drafter is the n-gram table (no draft model) refuses method=dsbd with a message that
+    says why and what to use instead, on both entry points, while a beam request and an ems stream sent beside it
+    finish with their local answers; afterwards the same server still serves beam requests."""
+    shadow = _shadow_export(smollm2_export, tmp_path, ServingOptions(drafter="ngram"))
+    grpc, http, metrics = free_ports()
+    srv = TritonServer()
+    srv.start(shadow, grpc_port=grpc, http_port=http, metrics_port=metrics, exit_timeout_s=20)
+    try:
+        srv.wait_ready(300)
+        engine = Engine.from_export(smollm2_export, threads=1)
+        from specdec.runtime.request import BeamParams
+
+        want = engine.generate([engine.request(PROMPTS[0][0], chat=PROMPTS[0][1], max_tokens=12,
+                                               beam=BeamParams(width=2))], "beam").outputs[0]
+        client = SpecdecClient(srv.grpc_url)
+        pool = ThreadPoolExecutor(3)
+        stream = pool.submit(lambda: SpecdecClient(srv.grpc_url).generate_stream(PROMPTS[3][0], **_params(3, 24)))
+        beam = pool.submit(lambda: SpecdecClient(srv.grpc_url).generate(
+            PROMPTS[0][0], **_params(0, 12, method="beam", beam_width=2)))
+        for call in (client.generate, client.generate_stream):
+            with pytest.raises(ClientError, match=r"method 'dsbd' needs a draft model.*use 'beam'"):
+                call(PROMPTS[0][0], **_params(0, 12, method="dsbd", beam_width=2))
+        _check(stream.result(), reference, 3, 24)
+        assert beam.result().output_ids == want.token_ids
+        again = client.generate(PROMPTS[0][0], **_params(0, 12, method="beam", beam_width=2))
+        assert again.output_ids == want.token_ids and again.beam_widths == want.metrics.beam_widths
+    finally:
+        assert srv.stop() == 0, srv.read_log()[-3000:]
