@@ -159,3 +159,31 @@ def test_records_are_split_by_prompt_and_the_schedule_warms_up_then_decays() -> 
     factor = distill_mod.lr_factor
     assert factor(0, 0.0, 10) == pytest.approx(0.1) and factor(9, 0.0, 10) == pytest.approx(1.0)
     assert factor(500, 0.5, 10) == pytest.approx(0.55) and factor(900, 1.0, 10) == pytest.approx(0.1)
+
+
+@pytest.mark.slow
+def test_the_shipped_smollm2_draft_is_small_sound_and_made_for_its_target(smollm2: LoadedModel) -> None:
+    """The package's draft: at most 25 MB of fp16 weights of its own (no copy of the target's embeddings), a
+    restricted head that always contains EOS, a manifest recording the command and the held-out metrics, made for
+    this very target (checksum), and greedy-identical to ar when it drafts."""
+    from safetensors import safe_open
+
+    from specdec.distill import SHIPPED_DRAFTS, load_pair
+
+    root = SHIPPED_DRAFTS["smollm2-135m-draft"]
+    assert (root / "model.safetensors").stat().st_size <= 25 * 2**20
+    with safe_open(str(root / "model.safetensors"), "pt") as f:
+        assert "model.embed_tokens.weight" not in set(f.keys())
+        assert all(f.get_tensor(n).dtype == torch.float16 for n in f.keys())
+    manifest = json.loads((root / "specdec_draft.json").read_text())
+    assert manifest["command"].startswith("specdec distill --target smollm2-135m")
+    assert manifest["target"]["checksum"] == smollm2.checksum()
+    after = manifest["metrics"]["after"]
+    assert after["positions"] > 0 and 0 < after["greedy_agreement"] <= 1 and 0 < after["expected_acceptance"] <= 1
+    target, draft = load_pair("smollm2-135m", "smollm2-135m-draft")
+    assert draft.head_token_ids is not None and set(target.eos_token_ids) <= set(draft.head_token_ids.tolist())
+    engine = Engine.from_models(target, draft, max_batch=2, max_len=256, num_draft_tokens=3)
+    requests = [engine.request(p, chat=True, max_tokens=16) for p in ("Write a haiku about tea.", "What is DNA?")]
+    got = engine.generate(requests, "ems")
+    assert [o.token_ids for o in got.outputs] == [o.token_ids for o in engine.generate(requests, "ar").outputs]
+    assert got.run.summary()["accepted_draft_tokens"] > 0
