@@ -264,6 +264,44 @@ def test_client_killed_mid_stream_is_cancelled_and_does_not_wedge_the_engine(ser
     assert now["specdec_active_sequences"] == 0
 
 
+BEAM_CLIENT = """
+import sys
+from specdec.serving.client import SpecdecClient
+client = SpecdecClient(sys.argv[1])
+for result in client.stream("Count from one to five hundred in words.", max_tokens=600, method="beam", beam_width=2):
+    print("response", flush=True)
+"""
+
+
+def test_client_killed_during_a_beam_request_is_cancelled_between_rounds(server: TritonServer,
+                                                                          reference: dict) -> None:
+    """A beam search streams nothing until it ends; a client killed while it runs is still noticed: the request
+    ends *cancelled* (600 tokens would take far longer than the wait), its beams give back their KV slots, and the
+    server answers the next beam and ems requests."""
+    before = scrape(server)
+    proc = subprocess.Popen([sys.executable, "-c", BEAM_CLIENT, server.grpc_url], stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while scrape(server)["specdec_active_sequences"] < 1 and time.monotonic() < deadline:  # admitted, decoding
+        time.sleep(0.2)
+    assert scrape(server)["specdec_active_sequences"] == 1, "the beam request never started"
+    time.sleep(1.0)  # a few rounds
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        now = scrape(server)
+        if now[CANCELLED] - before[CANCELLED] >= 1 and now["specdec_active_sequences"] == 0:
+            break
+        time.sleep(0.5)
+    assert now[CANCELLED] - before[CANCELLED] == 1, "the dead client's beam request was not cancelled"
+    assert now["specdec_active_sequences"] == 0
+    client = SpecdecClient(server.grpc_url)
+    answer = client.generate(PROMPTS[0][0], **_params(0, 8, method="beam", beam_width=2))
+    assert answer.output_ids and max(answer.beam_widths) == 2
+    _check(client.generate(PROMPTS[1][0], **_params(1, CONCURRENT_MAX_TOKENS[1])), reference, 1,
+           CONCURRENT_MAX_TOKENS[1])
+
+
 # --------------------------------------------------------------------------- `specdec serve` refusing to start
 
 

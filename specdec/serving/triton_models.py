@@ -200,7 +200,8 @@ class _Metrics:
         self.steps = family("specdec_target_steps_total", counter, "ragged target steps").Metric(labels={})
         self.step_sequences = family("specdec_step_sequences_total", counter,
                                      "sequences verified, summed over steps (/ steps = mean batch)").Metric(labels={})
-        self.active = family("specdec_active_sequences", gauge, "sequences holding a KV slot").Metric(labels={})
+        self.active = family("specdec_active_sequences", gauge,
+                             "requests decoding (holding KV slots: one, or one per beam)").Metric(labels={})
         self.queued = family("specdec_queued_requests", gauge, "requests waiting for a KV slot").Metric(labels={})
         self._steps = self._sequences = 0
 
