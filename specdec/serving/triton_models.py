@@ -26,7 +26,6 @@ import logging
 import queue
 import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -386,8 +385,8 @@ class _EntryPoint:
     streaming = False
 
     def initialize(self, args: dict[str, str]) -> None:
-        self.pool = ThreadPoolExecutor(max_workers=int(_parameters(args).get("max_concurrency") or 64),
-                                       thread_name_prefix=f"specdec-{'stream' if self.streaming else 'unary'}")
+        self._slots = threading.BoundedSemaphore(int(_parameters(args).get("max_concurrency") or 64))
+        self._thread_name = f"specdec-{'stream' if self.streaming else 'unary'}"
         self._active: dict[str, _Client] = {}  # engine request id -> client
         self._lock = threading.Lock()
         self._closing = threading.Event()
@@ -396,8 +395,18 @@ class _EntryPoint:
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
-            self.pool.submit(self._answer, _Client(request, request.get_response_sender()))
+            client = _Client(request, request.get_response_sender())
+            # daemon threads: a request thread that never returns must not keep the stub alive past unload
+            threading.Thread(target=self._answer_in_slot, args=(client,), name=self._thread_name, daemon=True).start()
         return None
+
+    def _answer_in_slot(self, client: _Client) -> None:
+        """At most ``max_concurrency`` requests run the pipeline at once; the rest wait their turn."""
+        with self._slots:
+            if self._closing.is_set():
+                client.send(_error("the server is shutting down", invalid=False), final=True)
+                return
+            self._answer(client)
 
     def _answer(self, client: _Client) -> None:
         engine_id = uuid.uuid4().hex
@@ -472,7 +481,6 @@ class _EntryPoint:
 
     def finalize(self) -> None:
         self._closing.set()
-        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _bls(model: str, inputs: dict[str, np.ndarray], outputs: tuple[protocol.TensorSpec, ...]) -> tuple[dict, ...]:
