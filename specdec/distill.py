@@ -173,23 +173,55 @@ def text_records(target: LoadedModel, text: str, *, chunk: int, teacher_k: int) 
 
 def collect_data(target: LoadedModel, work: Path, prompts: Sequence[str], *, shard_size: int,
                  max_new_tokens: int, temperature: float, teacher_k: int, seed: int,
-                 text: str | None = None, text_chunk: int = 256) -> list[Record]:
-    """All records, generating only the shards that are not on disk yet (so a rerun resumes)."""
+                 text: str | None = None, text_chunk: int = 256, group: int = 8,
+                 max_batch: int = 64) -> list[Record]:
+    """All records, generating only the shards that are not on disk yet (so a rerun resumes).
+
+    Up to ``group`` consecutive missing shards are generated in one continuously batched run of
+    at most ``max_batch`` live sequences. Why: a lone shard's batch drains as its continuations
+    end, and a CPU decodes 64 rows at about 1.3x the tokens/s of 32 (measured on SmolLM2-135M).
+    Every continuation keeps its own seed (``seed`` + its prompt's index), so grouping changes
+    no sample's law, and each shard is still written whole, so an interrupted run loses at most
+    one group. A shard holding fewer continuations than its prompts (the last shard of a
+    smaller earlier ``--samples``) is generated again.
+    """
     data = work / "data"
     data.mkdir(parents=True, exist_ok=True)
-    shards = [prompts[i : i + shard_size] for i in range(0, len(prompts), shard_size)]
+    starts = list(range(0, len(prompts), shard_size))
+    paths = [data / f"shard-{n:05d}.pt" for n in range(len(starts))]
+
+    def stored(n: int) -> list[Record] | None:
+        """Shard ``n`` from disk if it is there with all its continuations."""
+        if not paths[n].is_file():
+            return None
+        shard = [Record(**r) for r in torch.load(paths[n], weights_only=False)]
+        return shard if len(shard) >= len(prompts[starts[n] : starts[n] + shard_size]) else None
+
     records: list[Record] = []
-    bar = tqdm(total=len(shards), desc="target continuations", unit="shard")
-    for n, shard in enumerate(shards):
-        path = data / f"shard-{n:05d}.pt"
-        if not path.is_file():
-            part = generate_records(target, shard, max_new_tokens=max_new_tokens, temperature=temperature,
-                                    teacher_k=teacher_k, seed=seed + n * shard_size, max_batch=len(shard))
-            tmp = path.with_suffix(".tmp")
-            torch.save([asdict(r) for r in part], tmp)
-            tmp.replace(path)  # a shard exists complete or not at all
-        records += [Record(**r) for r in torch.load(path, weights_only=False)]
-        bar.update()
+    bar = tqdm(total=len(starts), desc="target continuations", unit="shard")
+    n = 0
+    while n < len(starts):
+        shard = stored(n)
+        if shard is not None:
+            records += shard
+            bar.update()
+            n += 1
+            continue
+        todo = [n]
+        while len(todo) < group and todo[-1] + 1 < len(starts) and not paths[todo[-1] + 1].is_file():
+            todo.append(todo[-1] + 1)
+        batch_prompts = prompts[starts[todo[0]] : starts[todo[-1]] + shard_size]
+        part = generate_records(target, batch_prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                teacher_k=teacher_k, seed=seed + starts[todo[0]],
+                                max_batch=min(max_batch, len(batch_prompts)))
+        for i, m in enumerate(todo):
+            shard = part[i * shard_size : (i + 1) * shard_size]
+            tmp = paths[m].with_suffix(".tmp")
+            torch.save([asdict(r) for r in shard], tmp)
+            tmp.replace(paths[m])  # a shard exists complete or not at all
+            records += shard
+            bar.update()
+        n = todo[-1] + 1
     bar.close()
     if text:
         path = data / "text.pt"

@@ -142,6 +142,29 @@ def test_the_kept_weights_are_the_best_validated_step(tiny_target: Path, tmp_pat
     assert manifest["validation_loss"] <= distill_mod.validation_loss(last, valid, target.vocab_size) + 1e-6
 
 
+def test_grouped_generation_keeps_prompts_and_seeds_and_completes_short_shards(tiny_target: Path, tmp_path: Path,
+                                                                                one_thread: None) -> None:
+    """Shards generated together (continuous batching over a group) hold the same continuations, in the same
+    prompt order, as shards generated one by one; a shard left short by a smaller earlier ``--samples`` is
+    generated again when the prompt list grows, and the complete shards are not touched."""
+    target = load_model(tiny_target)
+    prompts = distill_mod.builtin_prompts()[:10]
+    kw = dict(shard_size=4, max_new_tokens=12, temperature=1.0, teacher_k=8, seed=5)
+    alone = distill_mod.collect_data(target, tmp_path / "alone", prompts, group=1, **kw)
+    grouped = distill_mod.collect_data(target, tmp_path / "grouped", prompts, group=3, max_batch=3, **kw)
+    assert [len(torch.load(p, weights_only=False)) for p in sorted((tmp_path / "grouped" / "data").glob("*.pt"))] == [
+        4, 4, 2]
+    assert len({tuple(r.tokens[: r.positions[0]]) for r in alone}) == 10  # ten different prompts, in order:
+    assert [r.tokens[: r.positions[0]] for r in grouped] == [r.tokens[: r.positions[0]] for r in alone]
+    assert [r.tokens for r in grouped] == [r.tokens for r in alone]  # each continuation by its own seed
+    shards = sorted((tmp_path / "grouped" / "data").glob("*.pt"))
+    stamps = [s.stat().st_mtime_ns for s in shards[:2]]
+    more = distill_mod.collect_data(target, tmp_path / "grouped", distill_mod.builtin_prompts()[:12], group=3, **kw)
+    assert len(more) == 12 and len(torch.load(shards[2], weights_only=False)) == 4
+    assert [s.stat().st_mtime_ns for s in shards[:2]] == stamps
+    assert [r.tokens for r in more[:10]] == [r.tokens for r in grouped]  # the regenerated shard starts the same
+
+
 def test_records_are_split_by_prompt_and_the_schedule_warms_up_then_decays() -> None:
     """A prompt sampled twice lands wholly in one split; the learning-rate factor rises over the warm-up and
     ends the budget at 10%."""
