@@ -302,6 +302,34 @@ def test_client_killed_during_a_beam_request_is_cancelled_between_rounds(server:
            CONCURRENT_MAX_TOKENS[1])
 
 
+def test_sigusr1_dumps_every_stub_thread_and_no_request_thread_outlives_its_request(
+        server: TritonServer, smollm2_export: Path, reference: dict) -> None:
+    """``kill -USR1`` on a Python-backend stub writes all its threads' stacks to the log and the stub keeps serving.
+    Run after the killed-client tests, the dump of the idle server shows each stub's own threads and no request
+    thread (``_answer``) still running: a killed client's request thread returned."""
+    stubs = [pid for pid in processes_mentioning(str(smollm2_export))
+             if b"triton_python_backend_stub" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(stubs) == 5  # preprocessing, postprocessing, specdec_engine, specdec, specdec_stream
+    deadline = time.monotonic() + 30
+    while scrape(server)["specdec_active_sequences"] > 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(2 * 0.5)  # two cancel polls: an entry point's last request thread has returned
+    dump = ""
+    for pid in stubs:  # one at a time, so that their stacks do not interleave in the log
+        offset = len(server.read_log())
+        os.kill(pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 20
+        while "Current thread" not in server.read_log()[offset:] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(0.2)
+        dump += server.read_log()[offset:]
+    assert dump.count("Current thread") == len(stubs), dump[-3000:]
+    assert "in _send_loop" in dump and "in _watch" in dump  # the engine's sender and the watchers
+    assert " in _answer" not in dump, "a request thread outlived its request:\n" + dump[-3000:]
+    _check(SpecdecClient(server.grpc_url).generate(PROMPTS[1][0], **_params(1, CONCURRENT_MAX_TOKENS[1])),
+           reference, 1, CONCURRENT_MAX_TOKENS[1])
+
+
 # --------------------------------------------------------------------------- `specdec serve` refusing to start
 
 

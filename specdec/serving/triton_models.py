@@ -20,10 +20,13 @@ Thin adapters: tensors in, ``specdec.serving.protocol`` validates, ``EngineServi
 
 from __future__ import annotations
 
+import faulthandler
 import itertools
 import json
 import logging
 import queue
+import signal
+import sys
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -85,6 +88,16 @@ def _error(message: str, invalid: bool = True) -> Any:
     return pb_utils.InferenceResponse(output_tensors=[], error=error)
 
 
+def _dump_threads_on_sigusr1() -> None:
+    """``kill -USR1 <stub pid>`` writes the stack of every Python thread of that stub to the server log.
+
+    Why: each model runs in its own stub process, out of reach of a debugger on a server, and a
+    request thread that never returns shows only as a model that will not unload. The signal
+    would otherwise kill the stub; with this it is harmless and the stub keeps serving.
+    """
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+
+
 def _int32(value: int) -> np.ndarray:
     return np.array([value], dtype=np.int32)
 
@@ -93,6 +106,7 @@ class Preprocessing:
     """``text_input`` → ``input_ids``."""
 
     def initialize(self, args: dict[str, str]) -> None:
+        _dump_threads_on_sigusr1()
         self.tokenizer = _load_tokenizer(args)
 
     def execute(self, requests: list[Any]) -> list[Any]:
@@ -114,6 +128,7 @@ class Postprocessing:
     """Engine response → ``text_output`` (a delta when streaming) + the new ids + metrics."""
 
     def initialize(self, args: dict[str, str]) -> None:
+        _dump_threads_on_sigusr1()
         self.tokenizer = _load_tokenizer(args)
 
     def _decode(self, ids: Any) -> str:
@@ -228,6 +243,7 @@ class EngineModel:
     def initialize(self, args: dict[str, str]) -> None:
         from specdec.runtime.engine import Engine
 
+        _dump_threads_on_sigusr1()
         params = _parameters(args)
 
         def number(name: str, default: int | None = None) -> int | None:
@@ -385,6 +401,7 @@ class _EntryPoint:
     streaming = False
 
     def initialize(self, args: dict[str, str]) -> None:
+        _dump_threads_on_sigusr1()
         self._slots = threading.BoundedSemaphore(int(_parameters(args).get("max_concurrency") or 64))
         self._thread_name = f"specdec-{'stream' if self.streaming else 'unary'}"
         self._active: dict[str, _Client] = {}  # engine request id -> client
