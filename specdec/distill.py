@@ -191,11 +191,12 @@ def collect_data(target: LoadedModel, work: Path, prompts: Sequence[str], *, sha
     paths = [data / f"shard-{n:05d}.pt" for n in range(len(starts))]
 
     def stored(n: int) -> list[Record] | None:
-        """Shard ``n`` from disk if it is there with all its continuations."""
+        """Shard ``n`` from disk if it is there with all its continuations (and no more)."""
         if not paths[n].is_file():
             return None
         shard = [Record(**r) for r in torch.load(paths[n], weights_only=False)]
-        return shard if len(shard) >= len(prompts[starts[n] : starts[n] + shard_size]) else None
+        want = len(prompts[starts[n] : starts[n] + shard_size])
+        return shard[:want] if len(shard) >= want else None  # a longer shard: a larger earlier --samples
 
     records: list[Record] = []
     bar = tqdm(total=len(starts), desc="target continuations", unit="shard")

@@ -146,7 +146,8 @@ def test_grouped_generation_keeps_prompts_and_seeds_and_completes_short_shards(t
                                                                                 one_thread: None) -> None:
     """Shards generated together (continuous batching over a group) hold the same continuations, in the same
     prompt order, as shards generated one by one; a shard left short by a smaller earlier ``--samples`` is
-    generated again when the prompt list grows, and the complete shards are not touched."""
+    generated again when the prompt list grows, and the complete shards are not touched; a smaller
+    ``--samples`` later takes exactly its prefix of the data."""
     target = load_model(tiny_target)
     prompts = distill_mod.builtin_prompts()[:10]
     kw = dict(shard_size=4, max_new_tokens=12, temperature=1.0, teacher_k=8, seed=5)
@@ -163,6 +164,8 @@ def test_grouped_generation_keeps_prompts_and_seeds_and_completes_short_shards(t
     assert len(more) == 12 and len(torch.load(shards[2], weights_only=False)) == 4
     assert [s.stat().st_mtime_ns for s in shards[:2]] == stamps
     assert [r.tokens for r in more[:10]] == [r.tokens for r in grouped]  # the regenerated shard starts the same
+    fewer = distill_mod.collect_data(target, tmp_path / "grouped", distill_mod.builtin_prompts()[:6], group=3, **kw)
+    assert [r.tokens for r in fewer] == [r.tokens for r in more[:6]]  # a smaller --samples takes a prefix
 
 
 def test_records_are_split_by_prompt_and_the_schedule_warms_up_then_decays() -> None:
