@@ -21,6 +21,7 @@ Thin adapters: tensors in, ``specdec.serving.protocol`` validates, ``EngineServi
 from __future__ import annotations
 
 import faulthandler
+import gc
 import itertools
 import json
 import logging
@@ -28,6 +29,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -370,15 +372,19 @@ class EngineModel:
     def _watch(self) -> None:
         """Cancel requests whose client went away; publish the step metrics."""
         while not self._closing.wait(CANCEL_POLL_S):
-            with self._lock:
-                streams = list(self._streams.items())
-            for request_id, stream in streams:
-                if stream.client.is_cancelled():
-                    self._cancel(request_id)
+            self._poll_clients()
             try:
                 self.metrics.update(self.service, self.beam_service)
             except Exception:
                 log.exception("could not update metrics")
+
+    def _poll_clients(self) -> None:
+        """One look at every client, in a frame of its own: see ``_release_senders``."""
+        with self._lock:
+            streams = list(self._streams.items())
+        for request_id, stream in streams:
+            if stream.client.is_cancelled():
+                self._cancel(request_id)
 
     def finalize(self) -> None:
         self._closing.set()
@@ -387,6 +393,7 @@ class EngineModel:
         self._outbox.put(None)
         self._sender.join(5)
         self._watcher.join(5)
+        _release_senders()
 
 
 class _EntryPoint:
@@ -480,24 +487,50 @@ class _EntryPoint:
     def _watch(self) -> None:
         cancelled: set[str] = set()
         while not self._closing.wait(CANCEL_POLL_S):
-            with self._lock:
-                active = list(self._active.items())
-            for engine_id, client in active:
-                if engine_id in cancelled or not client.is_cancelled():
-                    continue
-                cancelled.add(engine_id)
-                try:
-                    cancel = pb_utils.InferenceRequest(
-                        model_name="specdec_engine", requested_output_names=[],
-                        inputs=[pb_utils.Tensor(protocol.CANCEL_REQUEST_ID.name, protocol.as_bytes(engine_id))])
-                    for _ in cancel.exec(decoupled=True):
-                        pass
-                except Exception:
-                    log.exception("could not cancel %s", engine_id)
-            cancelled &= {engine_id for engine_id, _ in active}
+            self._poll_clients(cancelled)
+
+    def _poll_clients(self, cancelled: set[str]) -> None:
+        """Tell the engine about clients gone since the last poll (``cancelled``: already told).
+
+        A frame of its own per poll: a loop variable left in the watcher's frame would keep the
+        last client (and its response sender) alive while the server idles; see ``_release_senders``.
+        """
+        with self._lock:
+            active = list(self._active.items())
+        for engine_id, client in active:
+            if engine_id in cancelled or not client.is_cancelled():
+                continue
+            cancelled.add(engine_id)
+            try:
+                cancel = pb_utils.InferenceRequest(
+                    model_name="specdec_engine", requested_output_names=[],
+                    inputs=[pb_utils.Tensor(protocol.CANCEL_REQUEST_ID.name, protocol.as_bytes(engine_id))])
+                for _ in cancel.exec(decoupled=True):
+                    pass
+            except Exception:
+                log.exception("could not cancel %s", engine_id)
+        cancelled &= {engine_id for engine_id, _ in active}
 
     def finalize(self) -> None:
+        """Stop the watcher and let running requests end (a few seconds at most) before the stub goes."""
         self._closing.set()
+        self._watcher.join(5)
+        deadline = time.monotonic() + 5
+        while self._active and time.monotonic() < deadline:
+            time.sleep(CANCEL_POLL_S)
+        _release_senders()
+
+
+def _release_senders() -> None:
+    """Destroy every response sender that nothing uses any more, before the stub shuts down.
+
+    Why: Triton deletes a decoupled request's response factory only when its Python sender
+    object is destroyed, and the factory holds the model, so one sender still alive when the stub
+    finalizes keeps the model from unloading and ``tritonserver`` fails its exit timeout (seen
+    intermittently for ``specdec_stream``: the watcher's loop variable held the last client).
+    Pollers keep no client past a poll; this collects senders only reachable from cycles.
+    """
+    gc.collect()
 
 
 def _bls(model: str, inputs: dict[str, np.ndarray], outputs: tuple[protocol.TensorSpec, ...]) -> tuple[dict, ...]:
