@@ -9,6 +9,8 @@ SmolLM2). The recipe:
    target's top-``k`` log-probabilities *from the same forward pass that sampled the token*,
    so the teacher costs nothing extra. ``--text FILE`` adds plain documents (one teacher
    prefill per chunk). Written in shards under ``OUT/.work/data``; a rerun skips finished shards.
+   The held-out prompts are also continued greedily (``OUT/.work/heldout-greedy``); with
+   ``--greedy-data`` every prompt is, and those continuations are trained on too.
 2. **Draft** — ``--layers`` LLaMA layers of the target's width initialised from target layers
    (first and last, evenly spaced in between), the target's final norm, the target's
    embeddings reused (not trained, not stored), and an LM head restricted to the ``--head-size``
@@ -17,7 +19,8 @@ SmolLM2). The recipe:
    on the head up to a constant, on every generated position; AdamW; bounded by ``--minutes``
    or ``--steps``; checkpoints so an interrupted run resumes where it stopped.
 4. **Evaluation** on held-out continuations with the full target distribution: greedy agreement
-   (argmax q = argmax p) and expected acceptance Σ min(p, q) at temperature 1.
+   (argmax q = argmax p) and expected acceptance Σ min(p, q) at temperature 1, on the sampled
+   continuations and, separately, on the greedy ones (the contexts greedy speculation meets).
 5. **Output** — ``OUT/model.safetensors`` (the draft's own weights, fp16), ``config.json``,
    ``head_token_ids.json`` and ``specdec_draft.json`` (command, data size, seed, metrics and
    the target's checksum: loading the draft for another target fails clearly).
@@ -174,7 +177,7 @@ def text_records(target: LoadedModel, text: str, *, chunk: int, teacher_k: int) 
 def collect_data(target: LoadedModel, work: Path, prompts: Sequence[str], *, shard_size: int,
                  max_new_tokens: int, temperature: float, teacher_k: int, seed: int,
                  text: str | None = None, text_chunk: int = 256, group: int = 8,
-                 max_batch: int = 64) -> list[Record]:
+                 max_batch: int = 64, subdir: str = "data") -> list[Record]:
     """All records, generating only the shards that are not on disk yet (so a rerun resumes).
 
     Up to ``group`` consecutive missing shards are generated in one continuously batched run of
@@ -183,20 +186,35 @@ def collect_data(target: LoadedModel, work: Path, prompts: Sequence[str], *, sha
     Every continuation keeps its own seed (``seed`` + its prompt's index), so grouping changes
     no sample's law, and each shard is still written whole, so an interrupted run loses at most
     one group. A shard holding fewer continuations than its prompts (the last shard of a
-    smaller earlier ``--samples``) is generated again.
+    smaller earlier ``--samples``) is generated again. ``subdir`` keeps differently generated
+    data apart (the greedy continuations live beside the sampled ones), and its
+    ``settings.json`` makes a rerun with other generation settings fail instead of silently
+    training on stale shards.
     """
-    data = work / "data"
+    from specdec.runtime.text import encode_text
+
+    data = work / subdir
     data.mkdir(parents=True, exist_ok=True)
+    _check_data_settings(data, {"target": target.checksum(), "shard_size": shard_size,
+                                "max_new_tokens": max_new_tokens, "temperature": temperature,
+                                "teacher_k": teacher_k, "seed": seed})
     starts = list(range(0, len(prompts), shard_size))
     paths = [data / f"shard-{n:05d}.pt" for n in range(len(starts))]
 
     def stored(n: int) -> list[Record] | None:
-        """Shard ``n`` from disk if it is there with all its continuations (and no more)."""
+        """Shard ``n`` from disk if it is there with all its continuations (and no more) of its prompts."""
         if not paths[n].is_file():
             return None
         shard = [Record(**r) for r in torch.load(paths[n], weights_only=False)]
-        want = len(prompts[starts[n] : starts[n] + shard_size])
-        return shard[:want] if len(shard) >= want else None  # a longer shard: a larger earlier --samples
+        want = prompts[starts[n] : starts[n] + shard_size]
+        if len(shard) < len(want):
+            return None
+        shard = shard[: len(want)]  # a longer shard: a larger earlier --samples
+        for record, prompt in zip(shard, want):
+            ids = encode_text(target.tokenizer, prompt, chat=True)
+            if record.tokens[: len(ids)] != ids:
+                return None  # continues other prompts (another --prompts file): generate it again
+        return shard
 
     records: list[Record] = []
     bar = tqdm(total=len(starts), desc="target continuations", unit="shard")
@@ -230,6 +248,23 @@ def collect_data(target: LoadedModel, work: Path, prompts: Sequence[str], *, sha
             torch.save([asdict(r) for r in text_records(target, text, chunk=text_chunk, teacher_k=teacher_k)], path)
         records += [Record(**r) for r in torch.load(path, weights_only=False)]
     return records
+
+
+def _check_data_settings(data: Path, settings: dict[str, Any]) -> None:
+    """Refuse cached shards generated with other settings; record the settings of a new cache.
+
+    A cache written before the record existed is adopted as is (it can only have come from
+    the defaults of its day, which a rerun names explicitly if they differ).
+    """
+    path = data / "settings.json"
+    if path.is_file():
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        differ = {k: (saved.get(k), v) for k, v in settings.items() if k in saved and saved[k] != v}
+        if differ:
+            raise DraftLoadError(f"{data} holds data generated with other settings "
+                                 f"({', '.join(f'{k}: {a!r} there, {b!r} now' for k, (a, b) in differ.items())}); "
+                                 f"use another --out or remove {data}")
+    path.write_text(json.dumps(settings, indent=1) + "\n", encoding="utf-8")
 
 
 def select_head(records: Sequence[Record], size: int, vocab_size: int, always: Sequence[int] = ()) -> torch.Tensor:
@@ -388,8 +423,9 @@ def evaluate(net: DraftNet, target: LoadedModel, records: Sequence[Record]) -> d
         p_head = p_head / p_head.sum(-1, keepdim=True)
         kl += float((p_head * (torch.log(p_head.clamp_min(1e-12)) - torch.log(q_head[pos].clamp_min(1e-12)))).sum())
         count += len(pos)
-    return {"greedy_agreement": agree / count, "expected_acceptance": accept / count,
-            "kl_on_head": kl / count, "positions": count}
+    n = max(count, 1)
+    return {"greedy_agreement": agree / n, "expected_acceptance": accept / n, "kl_on_head": kl / n,
+            "positions": count}
 
 
 # --------------------------------------------------------------------------- driver
@@ -418,6 +454,7 @@ class DistillSettings:
     shard_size: int = 32
     prompts_file: str | None = None
     text_file: str | None = None
+    greedy_data: bool = False
     checkpoint_s: float = 60.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -511,11 +548,15 @@ def distill(settings: DistillSettings, command: str = "") -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     target = load_model(settings.target)
     text = Path(settings.text_file).read_text(encoding="utf-8") if settings.text_file else None
-    records = collect_data(target, work, _load_prompts(settings), shard_size=settings.shard_size,
+    prompts = _load_prompts(settings)
+    records = collect_data(target, work, prompts, shard_size=settings.shard_size,
                            max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                            teacher_k=settings.teacher_k, seed=settings.seed, text=text)
     records = [r for r in records if r.positions]
     heldout, valid, train = split_records(records, settings)
+    greedy_held, greedy_valid, greedy_train = _greedy_parts(target, work, prompts, (heldout, valid), settings)
+    valid, train = valid + greedy_valid, train + greedy_train
+    records = records + greedy_held + greedy_valid + greedy_train
     head_ids = select_head(train, settings.head_size, target.vocab_size, target.eos_token_ids)
     draft = init_draft(target, settings.layers, head_ids)
     net = DraftNet(draft)
@@ -526,8 +567,10 @@ def distill(settings: DistillSettings, command: str = "") -> dict[str, Any]:
     best_net: dict[str, torch.Tensor] | None = None
     if ckpt.is_file():  # resume: same data, same head, same draft shape
         saved = torch.load(ckpt, weights_only=False)
-        if saved["head_ids"].tolist() != head_ids.tolist() or saved["layers"] != settings.layers:
-            raise DraftLoadError(f"{ckpt} belongs to a different run (head or layers differ): remove {work}")
+        if (saved["head_ids"].tolist() != head_ids.tolist() or saved["layers"] != settings.layers
+                or saved.get("greedy_data", False) != settings.greedy_data):
+            raise DraftLoadError(f"{ckpt} belongs to a different run (head, layers or --greedy-data differ): "
+                                 f"remove {ckpt}")
         net.load_state_dict(saved["net"])
         optimizer.load_state_dict(saved["optimizer"])
         state = {"best": None, **saved["state"]}
@@ -535,12 +578,15 @@ def distill(settings: DistillSettings, command: str = "") -> dict[str, Any]:
         print(f"resuming at step {state['step']} ({state['elapsed'] / 60:.1f} min trained)", file=sys.stderr)
     if state["before"] is None:
         state["before"] = evaluate(net, target, heldout)
+    if state.get("greedy_before") is None:
+        state["greedy_before"] = evaluate(net, target, greedy_held)
     best_net = _train(net, optimizer, train, valid, settings, state, best_net,
-                      lambda best: _checkpoint(ckpt, net, optimizer, state, head_ids, settings.layers, best))
+                      lambda best: _checkpoint(ckpt, net, optimizer, state, head_ids, settings, best))
     if best_net is not None:
         net.load_state_dict(best_net)  # the step with the lowest validation loss, not merely the last
     net.eval()
     after = evaluate(net, target, heldout)
+    greedy_after = evaluate(net, target, greedy_held)
     trained = net.export(draft)
     manifest = {
         "specdec_draft": FORMAT,
@@ -551,22 +597,55 @@ def distill(settings: DistillSettings, command: str = "") -> dict[str, Any]:
         "data": {"sequences": len(records), "train_sequences": len(train), "heldout_sequences": len(heldout),
                  "validation_sequences": len(valid),
                  "teacher_positions": sum(len(r.positions) for r in records), "teacher_k": settings.teacher_k,
-                 "temperature": settings.temperature, "text_file": settings.text_file},
+                 "temperature": settings.temperature, "text_file": settings.text_file,
+                 "greedy_data": settings.greedy_data, "greedy_train_sequences": len(greedy_train),
+                 "heldout_greedy_sequences": len(greedy_held)},
         "seed": settings.seed, "steps": state["step"], "train_minutes": round(state["elapsed"] / 60, 2),
         "batch": settings.batch, "lr": settings.lr, "warmup": settings.warmup,
         "weight_decay": settings.weight_decay, "kept_step": state["best"]["step"],
         "validation_loss": state["best"]["valid_loss"],
-        "metrics": {"before": state["before"], "after": after},
+        "metrics": {"before": state["before"], "after": after,
+                    "heldout_greedy": {"before": state["greedy_before"], "after": greedy_after}},
     }
     save_draft(trained, out, manifest)
     return manifest
 
 
+def _greedy_parts(target: LoadedModel, work: Path, prompts: Sequence[str],
+                  split: tuple[Sequence[Record], Sequence[Record]], settings: DistillSettings
+                  ) -> tuple[list[Record], list[Record], list[Record]]:
+    """Greedy continuations, as (held-out, validation, training) records that follow their prompt's split.
+
+    Why: greedy speculative decoding meets the target's *greedy* contexts, which differ from
+    samples at temperature 1 (a small target's greedy text repeats itself, and copying is
+    something a draft can learn). The held-out prompts' greedy continuations are always
+    generated and evaluated (the second set of metrics in the manifest); ``--greedy-data``
+    also generates one per training and validation prompt and trains on them. Each follows its
+    prompt into the split of that prompt's sampled continuations, so no held-out prompt is
+    ever trained on.
+    """
+    from specdec.runtime.text import encode_text
+
+    part_of = {tuple(r.tokens[: r.positions[0]]): i for i, part in enumerate(split) for r in part}
+    unique = list(dict.fromkeys(prompts))
+    keys = [tuple(encode_text(target.tokenizer, p, chat=True)) for p in unique]
+    wanted = unique if settings.greedy_data else [p for p, k in zip(unique, keys) if part_of.get(k) == 0]
+    greedy = collect_data(target, work, wanted, shard_size=settings.shard_size,
+                          max_new_tokens=settings.max_new_tokens, temperature=0.0, teacher_k=settings.teacher_k,
+                          seed=settings.seed, subdir="data-greedy" if settings.greedy_data else "heldout-greedy")
+    parts: tuple[list[Record], list[Record], list[Record]] = ([], [], [])
+    for r in greedy:
+        if r.positions:
+            parts[part_of.get(tuple(r.tokens[: r.positions[0]]), 2)].append(r)
+    return parts
+
+
 def _checkpoint(path: Path, net: DraftNet, optimizer: torch.optim.Optimizer, state: dict, head_ids: torch.Tensor,
-                layers: int, best_net: dict[str, torch.Tensor] | None) -> None:
+                settings: DistillSettings, best_net: dict[str, torch.Tensor] | None) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save({"net": net.state_dict(), "optimizer": optimizer.state_dict(), "state": state,
-                "head_ids": head_ids, "layers": layers, "best_net": best_net}, tmp)
+                "head_ids": head_ids, "layers": settings.layers, "greedy_data": settings.greedy_data,
+                "best_net": best_net}, tmp)
     tmp.replace(path)
 
 
@@ -646,6 +725,8 @@ def add_distill_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--prompts", dest="prompts_file", help="JSON list of strings or one prompt per line")
     parser.add_argument("--text", dest="text_file", help="plain documents to add (teacher on every position)")
     parser.add_argument("--samples", type=int, default=d.samples, help="prompts to continue")
+    parser.add_argument("--greedy-data", action="store_true",
+                        help="also train on one greedy continuation per distinct prompt")
     parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     parser.add_argument("--layers", type=int, default=d.layers)
     parser.add_argument("--head-size", type=int, default=d.head_size, help="tokens in the draft's LM head")
@@ -672,6 +753,8 @@ def distill_main(args: argparse.Namespace) -> int:
     print(f"draft written to {settings.out}: {manifest['layers']} layers, head {manifest['head_size']} tokens, "
           f"{manifest['steps']} steps in {manifest['train_minutes']} min on "
           f"{manifest['data']['teacher_positions']} teacher positions")
+    greedy = manifest["metrics"]["heldout_greedy"]
     for name in ("greedy_agreement", "expected_acceptance", "kl_on_head"):
-        print(f"  held-out {name:20s} {before[name]:.4f} -> {after[name]:.4f}")
+        print(f"  held-out {name:20s} {before[name]:.4f} -> {after[name]:.4f}   "
+              f"(greedy continuations: {greedy['before'][name]:.4f} -> {greedy['after'][name]:.4f})")
     return 0

@@ -168,6 +168,66 @@ def test_grouped_generation_keeps_prompts_and_seeds_and_completes_short_shards(t
     assert [r.tokens for r in fewer] == [r.tokens for r in more[:6]]  # a smaller --samples takes a prefix
 
 
+def test_greedy_continuations_follow_their_prompts_split_and_are_evaluated_apart(tiny_target: Path, tmp_path: Path,
+                                                                                 one_thread: None) -> None:
+    """Without ``--greedy-data`` only the held-out prompts are continued greedily, to be evaluated; with it every
+    distinct prompt is, each greedy continuation lands in its prompt's split (no held-out prompt is trained on), and
+    a checkpoint of the other kind of run is refused rather than resumed."""
+    from specdec.runtime.text import encode_text
+
+    settings = _settings(tiny_target, tmp_path / "plain", steps=2)
+    manifest = distill(settings, command="test")
+    greedy = manifest["metrics"]["heldout_greedy"]
+    assert greedy["after"]["positions"] > 0 and greedy["before"]["positions"] == greedy["after"]["positions"]
+    assert manifest["data"]["greedy_train_sequences"] == 0
+    target = load_model(tiny_target)
+    prompts = distill_mod._load_prompts(settings)
+    records = [r for r in distill_mod.collect_data(target, tmp_path / "plain" / ".work", prompts, shard_size=4,
+                                                   max_new_tokens=16, temperature=1.0, teacher_k=16, seed=0)
+               if r.positions]
+    parts = distill_mod.split_records(records, settings)
+    prompt_of = {tuple(encode_text(target.tokenizer, p, chat=True)): p for p in prompts}
+    held_prompts = {prompt_of[tuple(r.tokens[: r.positions[0]])] for r in parts[0]}
+    plain = distill_mod.collect_data(target, tmp_path / "plain" / ".work", sorted(held_prompts, key=prompts.index),
+                                     shard_size=4, max_new_tokens=16, temperature=0.0, teacher_k=16, seed=0,
+                                     subdir="heldout-greedy")
+    assert len(plain) == len(held_prompts) == manifest["data"]["heldout_greedy_sequences"]
+    # a greedy continuation is the target's argmax at every step
+    assert all(r.top_ids[:, 0].tolist() == r.tokens[r.positions[0]:] for r in plain)
+
+    with_greedy = _settings(tiny_target, tmp_path / "greedy", steps=2, greedy_data=True)
+    manifest = distill(with_greedy, command="test")
+    assert manifest["data"]["greedy_train_sequences"] > 0
+    # the same held-out prompts, so the same greedy continuations are evaluated
+    assert manifest["metrics"]["heldout_greedy"]["after"]["positions"] == greedy["after"]["positions"]
+    everything = distill_mod._greedy_parts(target, tmp_path / "greedy" / ".work", prompts, parts[:2], with_greedy)
+    assert sum(map(len, everything)) == len(set(prompts))
+    for part, greedy_part in zip(parts, everything):
+        keys = {tuple(r.tokens[: r.positions[0]]) for r in part}
+        assert {tuple(r.tokens[: r.positions[0]]) for r in greedy_part} <= keys
+    with pytest.raises(DraftLoadError, match="--greedy-data"):
+        distill(_settings(tiny_target, tmp_path / "greedy", steps=3, greedy_data=False), command="test")
+
+
+def test_cached_data_of_other_settings_or_prompts_is_not_reused(tiny_target: Path, tmp_path: Path,
+                                                                one_thread: None) -> None:
+    """A cache generated at another temperature is refused with the difference named; a shard continuing other
+    prompts (another ``--prompts`` file) is generated again instead of being trained on."""
+    target = load_model(tiny_target)
+    kw = dict(shard_size=2, max_new_tokens=6, teacher_k=4, seed=1)
+    prompts = distill_mod.builtin_prompts()[:4]
+    first = distill_mod.collect_data(target, tmp_path, prompts, temperature=1.0, **kw)
+    with pytest.raises(DraftLoadError, match=r"temperature: 1\.0 there, 0\.5 now"):
+        distill_mod.collect_data(target, tmp_path, prompts, temperature=0.5, **kw)
+    other = [prompts[0], prompts[1], "Something else entirely", prompts[3]]
+    again = distill_mod.collect_data(target, tmp_path, other, temperature=1.0, **kw)
+    assert [r.tokens for r in again[:2]] == [r.tokens for r in first[:2]]  # the first shard is reused
+    from specdec.runtime.text import encode_text
+
+    ids = encode_text(target.tokenizer, "Something else entirely", chat=True)
+    assert again[2].tokens[: len(ids)] == ids
+
+
 def test_records_are_split_by_prompt_and_the_schedule_warms_up_then_decays() -> None:
     """A prompt sampled twice lands wholly in one split; the learning-rate factor rises over the warm-up and
     ends the budget at 10%."""
