@@ -607,13 +607,19 @@ def config_from_args(args: argparse.Namespace) -> PairConfig:
 
 def _draft_description(draft: LoadedModel) -> str:
     manifest = draft.extra.get("draft_manifest", {})
-    after = manifest.get("metrics", {}).get("after", {})
+    metrics = manifest.get("metrics", {})
+    after = metrics.get("after", {})
+    greedy = metrics.get("heldout_greedy", {}).get("after")
     head = draft.extra.get("head_token_ids")
-    return (f"{draft.name}, {draft.config.num_hidden_layers} layer(s), LM head of "
+    text = (f"{draft.name}, {draft.config.num_hidden_layers} layer(s), LM head of "
             f"{'all' if head is None else len(head)} tokens, distilled {manifest.get('train_minutes', '?')} min "
-            f"({manifest.get('steps', '?')} steps); held-out greedy agreement "
+            f"({manifest.get('steps', '?')} steps); held-out sampled continuations: greedy agreement "
             f"{_fmt(after.get('greedy_agreement'), 3)}, expected acceptance at T=1 "
             f"{_fmt(after.get('expected_acceptance'), 3)}")
+    if greedy:
+        text += (f"; held-out greedy continuations: {_fmt(greedy.get('greedy_agreement'), 3)} / "
+                 f"{_fmt(greedy.get('expected_acceptance'), 3)}")
+    return text
 
 
 def _workload_text(prompts: dict[str, list[str]], grid: dict[str, dict[str, Any]]) -> dict[str, str]:
