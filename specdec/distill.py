@@ -116,6 +116,11 @@ class Record:
     top_ids: torch.Tensor  # [len(positions), k] int32
     top_logp: torch.Tensor  # [len(positions), k] float16
 
+    @property
+    def prompt_ids(self) -> tuple[int, ...]:
+        """The prompt's tokens (everything before the first teacher row): what splits group by."""
+        return tuple(self.tokens[: self.positions[0]])
+
 
 def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     logp = torch.log_softmax(logits.float(), dim=-1)
@@ -478,7 +483,7 @@ def split_records(records: Sequence[Record], settings: DistillSettings
     """
     by_prompt: dict[tuple[int, ...], list[Record]] = {}
     for r in records:
-        by_prompt.setdefault(tuple(r.tokens[: r.positions[0]]), []).append(r)
+        by_prompt.setdefault(r.prompt_ids, []).append(r)
     keys = list(by_prompt)
     random.Random(settings.seed).shuffle(keys)
     n_held = max(1, int(len(records) * settings.heldout))
@@ -626,7 +631,7 @@ def _greedy_parts(target: LoadedModel, work: Path, prompts: Sequence[str],
     """
     from specdec.runtime.text import encode_text
 
-    part_of = {tuple(r.tokens[: r.positions[0]]): i for i, part in enumerate(split) for r in part}
+    part_of = {r.prompt_ids: i for i, part in enumerate(split) for r in part}
     unique = list(dict.fromkeys(prompts))
     keys = [tuple(encode_text(target.tokenizer, p, chat=True)) for p in unique]
     wanted = unique if settings.greedy_data else [p for p, k in zip(unique, keys) if part_of.get(k) == 0]
@@ -636,7 +641,7 @@ def _greedy_parts(target: LoadedModel, work: Path, prompts: Sequence[str],
     parts: tuple[list[Record], list[Record], list[Record]] = ([], [], [])
     for r in greedy:
         if r.positions:
-            parts[part_of.get(tuple(r.tokens[: r.positions[0]]), 2)].append(r)
+            parts[part_of.get(r.prompt_ids, 2)].append(r)
     return parts
 
 
