@@ -11,6 +11,9 @@ SmolLM2). The recipe:
    prefill per chunk). Written in shards under ``OUT/.work/data``; a rerun skips finished shards.
    The held-out prompts are also continued greedily (``OUT/.work/heldout-greedy``); with
    ``--greedy-data`` every prompt is, and those continuations are trained on too.
+   ``--self-prompts N`` adds N requests that a chat target writes itself (continued from where
+   its chat template puts a user's message), split apart from the other prompts and
+   evaluated apart; a finished run given more data continues from its checkpoint.
 2. **Draft** — ``--layers`` LLaMA layers of the target's width initialised from target layers
    (first and last, evenly spaced in between), the target's final norm, the target's
    embeddings reused (not trained, not stored), and an LM head restricted to the ``--head-size``
@@ -102,6 +105,78 @@ def builtin_prompts() -> list[str]:
     rest = [p for p in rest if p not in seen]
     random.Random(1).shuffle(rest)
     return first + rest
+
+
+def pre_query_ids(tokenizer: Any) -> list[int]:
+    """The chat template up to where a user's message begins (system turn and user header).
+
+    Why: an instruction-tuned target continued from here writes a *user* turn, a question
+    drawn from the kind of requests it was tuned on (the "Magpie" trick, Xu et al. 2024).
+    That gives a prompt set far more varied than topics x templates, on a machine with no
+    chat dataset, in the target's own distribution of requests.
+    """
+    marker = "\x00specdec-user-message\x00"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=False,
+                                             tokenize=False)
+    except (ValueError, AttributeError) as exc:
+        raise ValueError(f"--self-prompts needs a target with a chat template: {exc}") from exc
+    if marker not in text:
+        raise ValueError("the target's chat template does not place the user's message verbatim: "
+                         "--self-prompts cannot find where a user turn starts")
+    return list(tokenizer(text[: text.index(marker)], add_special_tokens=False)["input_ids"])
+
+
+def self_prompts(target: LoadedModel, work: Path, n: int, *, seed: int, max_tokens: int = 96,
+                 block: int = 128, min_words: int = 3) -> list[str]:
+    """``n`` distinct user requests written by the target itself, cached in ``work/self-prompts.json``.
+
+    Candidates are sampled at temperature 1 from :func:`pre_query_ids` in blocks of ``block``
+    (candidate ``i`` has seed ``seed + 10**6 + i``, so an interrupted run that resumes draws
+    the same candidates). A candidate is kept when the target ended the turn itself (EOS
+    within ``max_tokens``: a cut-off turn is no request), it has at least ``min_words`` words,
+    and it is new. Every usable candidate of a block is kept, even past ``n``, so the list is a
+    function of the candidates drawn alone: a later, larger ``n`` extends it exactly as one run
+    would have. The file is rewritten after every block and records its settings; a rerun
+    with other settings is refused rather than mixed.
+    """
+    from specdec.runtime.text import decode_tokens
+
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / "self-prompts.json"
+    settings = {"target": target.checksum(), "seed": seed, "max_tokens": max_tokens, "block": block,
+                "min_words": min_words}
+    state: dict[str, Any] = {"settings": settings, "candidates": 0, "prompts": []}
+    if path.is_file():
+        state = json.loads(path.read_text(encoding="utf-8"))
+        if state.get("settings") != settings:
+            raise DraftLoadError(f"{path} was written with other settings ({state.get('settings')} vs {settings}): "
+                                 "remove it or use the settings it was made with")
+    prefix = pre_query_ids(target.tokenizer)
+    eos = set(target.eos_token_ids)
+    seen = set(state["prompts"])
+    bar = tqdm(total=n, initial=min(n, len(state["prompts"])), desc="self-written prompts", unit="prompt")
+    while len(state["prompts"]) < n:
+        if state["candidates"] > 50 * max(n, block):
+            raise ValueError(f"the target wrote only {len(state['prompts'])} usable requests in "
+                             f"{state['candidates']} tries: is it an instruction-tuned model?")
+        drawn = generate_records(target, [prefix] * block, max_new_tokens=max_tokens, temperature=1.0,
+                                 teacher_k=1, seed=seed + 10**6 + state["candidates"], max_batch=64)
+        for record in drawn:
+            turn = record.tokens[len(prefix):]
+            if not turn or turn[-1] not in eos:
+                continue
+            text = decode_tokens(target.tokenizer, turn).strip()
+            if len(text.split()) >= min_words and text not in seen:  # all of the block: see the docstring
+                seen.add(text)
+                state["prompts"].append(text)
+        bar.update(min(n, len(state["prompts"])) - bar.n)
+        state["candidates"] += block
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=1), encoding="utf-8")
+        tmp.replace(path)
+    bar.close()
+    return state["prompts"][:n]
 
 
 # --------------------------------------------------------------------------- data
@@ -460,6 +535,7 @@ class DistillSettings:
     prompts_file: str | None = None
     text_file: str | None = None
     greedy_data: bool = False
+    self_prompts: int = 0
     checkpoint_s: float = 60.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -546,71 +622,100 @@ def _train(net: DraftNet, optimizer: torch.optim.Optimizer, train: Sequence[Reco
 
 
 def distill(settings: DistillSettings, command: str = "") -> dict[str, Any]:
-    """Run (or resume) the whole recipe; returns the manifest written to ``OUT/specdec_draft.json``."""
+    """Run (or resume, or continue on more data) the recipe; returns the manifest written to ``OUT/specdec_draft.json``.
+
+    A rerun whose data grew (more ``--samples``, ``--self-prompts``) continues the checkpoint
+    it finds: the head chosen by the first run is kept (the weights were trained for it), the
+    "before" metrics are measured again on the new held-out sets with the untrained
+    initialisation, and the best-checkpoint choice starts over, since validation losses on
+    two different validation sets cannot be compared. Every command that trained the draft
+    is listed in the manifest, in order, so the draft can be reproduced.
+    """
     torch.manual_seed(settings.seed)
     out = Path(settings.out)
     work = out / ".work"
     work.mkdir(parents=True, exist_ok=True)
     target = load_model(settings.target)
     text = Path(settings.text_file).read_text(encoding="utf-8") if settings.text_file else None
-    prompts = _load_prompts(settings)
+    base_prompts = _load_prompts(settings)
+    written = self_prompts(target, work, settings.self_prompts, seed=settings.seed) if settings.self_prompts else []
+    prompts = base_prompts + written
     records = collect_data(target, work, prompts, shard_size=settings.shard_size,
                            max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                            teacher_k=settings.teacher_k, seed=settings.seed, text=text)
-    records = [r for r in records if r.positions]
-    heldout, valid, train = split_records(records, settings)
+    # each source is split on its own, so adding self-written prompts never moves a built-in
+    # (or --prompts) prompt from one split to another: a continued run stays uncontaminated
+    own = records[len(base_prompts) : len(prompts)]
+    splits = [split_records([r for r in part if r.positions], settings)
+              for part in (records[: len(base_prompts)] + records[len(prompts):], own) if part]
+    heldout, valid, train = ([r for split in splits for r in split[i]] for i in range(3))
     greedy_held, greedy_valid, greedy_train = _greedy_parts(target, work, prompts, (heldout, valid), settings)
     valid, train = valid + greedy_valid, train + greedy_train
-    records = records + greedy_held + greedy_valid + greedy_train
-    head_ids = select_head(train, settings.head_size, target.vocab_size, target.eos_token_ids)
+    records = heldout + valid + train + greedy_held
+    self_keys = {r.prompt_ids for r in own}
+    held = {"heldout": [r for r in heldout if r.prompt_ids not in self_keys],
+            "heldout_greedy": [r for r in greedy_held if r.prompt_ids not in self_keys]}
+    if self_keys:
+        held["self_prompts"] = [r for r in heldout if r.prompt_ids in self_keys]
+        held["self_prompts_greedy"] = [r for r in greedy_held if r.prompt_ids in self_keys]
+    data_key = [len(train), len(valid), len(heldout), len(greedy_held)]
+    ckpt = work / "checkpoint.pt"
+    saved = torch.load(ckpt, weights_only=False) if ckpt.is_file() else None
+    if saved is not None and (saved["layers"] != settings.layers
+                              or saved.get("greedy_data", False) != settings.greedy_data):
+        raise DraftLoadError(f"{ckpt} belongs to a different run (--layers or --greedy-data differ): remove {ckpt}")
+    head_ids = saved["head_ids"] if saved is not None else select_head(train, settings.head_size, target.vocab_size,
+                                                                        target.eos_token_ids)
     draft = init_draft(target, settings.layers, head_ids)
     net = DraftNet(draft)
     optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=settings.lr,
                                   weight_decay=settings.weight_decay)
-    ckpt = work / "checkpoint.pt"
-    state: dict[str, Any] = {"step": 0, "elapsed": 0.0, "before": None, "best": None}
+    state: dict[str, Any] = {"step": 0, "elapsed": 0.0, "before": None, "best": None, "commands": []}
     best_net: dict[str, torch.Tensor] | None = None
-    if ckpt.is_file():  # resume: same data, same head, same draft shape
-        saved = torch.load(ckpt, weights_only=False)
-        if (saved["head_ids"].tolist() != head_ids.tolist() or saved["layers"] != settings.layers
-                or saved.get("greedy_data", False) != settings.greedy_data):
-            raise DraftLoadError(f"{ckpt} belongs to a different run (head, layers or --greedy-data differ): "
-                                 f"remove {ckpt}")
+    if saved is not None:
+        state = {**state, **saved["state"]}
+        state.pop("greedy_before", None)  # a checkpoint from before the held-out sets were keyed by name
+        if state.get("data_key") != data_key:  # the data grew: see the docstring
+            state.update(before=None, best=None)
+        else:
+            best_net = saved.get("best_net")
+    if state["before"] is None:  # still the untrained initialisation here
+        state["before"] = {name: evaluate(net, target, part) for name, part in held.items()}
+    state["data_key"] = data_key
+    if not state["commands"] or state["commands"][-1] != command:
+        state["commands"].append(command)
+    if saved is not None:
         net.load_state_dict(saved["net"])
         optimizer.load_state_dict(saved["optimizer"])
-        state = {"best": None, **saved["state"]}
-        best_net = saved.get("best_net")
         print(f"resuming at step {state['step']} ({state['elapsed'] / 60:.1f} min trained)", file=sys.stderr)
-    if state["before"] is None:
-        state["before"] = evaluate(net, target, heldout)
-    if state.get("greedy_before") is None:
-        state["greedy_before"] = evaluate(net, target, greedy_held)
     best_net = _train(net, optimizer, train, valid, settings, state, best_net,
                       lambda best: _checkpoint(ckpt, net, optimizer, state, head_ids, settings, best))
     if best_net is not None:
         net.load_state_dict(best_net)  # the step with the lowest validation loss, not merely the last
     net.eval()
-    after = evaluate(net, target, heldout)
-    greedy_after = evaluate(net, target, greedy_held)
+    after = {name: evaluate(net, target, part) for name, part in held.items()}
+    metrics: dict[str, Any] = {name: {"before": state["before"][name], "after": after[name]}
+                               for name in held if name != "heldout"}
     trained = net.export(draft)
     manifest = {
         "specdec_draft": FORMAT,
         "command": command,
+        "commands": state["commands"],
         "target": {"name": target.name, "checksum": target.checksum(), "vocab_size": target.vocab_size},
         "layers": settings.layers, "init_layers": draft.extra.get("init_layers"),
         "head_size": len(head_ids),
-        "data": {"sequences": len(records), "train_sequences": len(train), "heldout_sequences": len(heldout),
+        "data": {"sequences": len(records), "train_sequences": len(train), "heldout_sequences": len(held["heldout"]),
                  "validation_sequences": len(valid),
                  "teacher_positions": sum(len(r.positions) for r in records), "teacher_k": settings.teacher_k,
                  "temperature": settings.temperature, "text_file": settings.text_file,
                  "greedy_data": settings.greedy_data, "greedy_train_sequences": len(greedy_train),
-                 "heldout_greedy_sequences": len(greedy_held)},
+                 "heldout_greedy_sequences": len(held["heldout_greedy"]), "self_prompts": len(written),
+                 "self_prompt_heldout_sequences": len(held.get("self_prompts", []))},
         "seed": settings.seed, "steps": state["step"], "train_minutes": round(state["elapsed"] / 60, 2),
         "batch": settings.batch, "lr": settings.lr, "warmup": settings.warmup,
         "weight_decay": settings.weight_decay, "kept_step": state["best"]["step"],
         "validation_loss": state["best"]["valid_loss"],
-        "metrics": {"before": state["before"], "after": after,
-                    "heldout_greedy": {"before": state["greedy_before"], "after": greedy_after}},
+        "metrics": {"before": state["before"]["heldout"], "after": after["heldout"], **metrics},
     }
     save_draft(trained, out, manifest)
     return manifest
@@ -732,6 +837,8 @@ def add_distill_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--samples", type=int, default=d.samples, help="prompts to continue")
     parser.add_argument("--greedy-data", action="store_true",
                         help="also train on one greedy continuation per distinct prompt")
+    parser.add_argument("--self-prompts", type=int, default=d.self_prompts,
+                        help="add this many requests written by the (chat) target itself to the prompts")
     parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     parser.add_argument("--layers", type=int, default=d.layers)
     parser.add_argument("--head-size", type=int, default=d.head_size, help="tokens in the draft's LM head")
@@ -762,4 +869,9 @@ def distill_main(args: argparse.Namespace) -> int:
     for name in ("greedy_agreement", "expected_acceptance", "kl_on_head"):
         print(f"  held-out {name:20s} {before[name]:.4f} -> {after[name]:.4f}   "
               f"(greedy continuations: {greedy['before'][name]:.4f} -> {greedy['after'][name]:.4f})")
+    if "self_prompts" in manifest["metrics"]:
+        own, own_greedy = manifest["metrics"]["self_prompts"], manifest["metrics"]["self_prompts_greedy"]
+        for name in ("greedy_agreement", "expected_acceptance"):
+            print(f"  self-written prompts {name:20s} {own['before'][name]:.4f} -> {own['after'][name]:.4f}   "
+                  f"(greedy continuations: {own_greedy['before'][name]:.4f} -> {own_greedy['after'][name]:.4f})")
     return 0

@@ -14,8 +14,14 @@ from specdec.export.models import LoadedModel, load_model, save_model, tiny_rand
 from specdec.runtime.engine import Engine
 
 
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _tiny_target(path: Path, eos_boost: float | None = None) -> Path:
+    """A tiny random target with SmolLM2's real tokenizer (see ``tiny_target``), saved at ``path``.
+
+    ``eos_boost``: make it end a turn now and then, as a chat model does. Hidden dimension 0 is held
+    constant (every embedding has 1.0 there and no layer writes to it), so after the final norm it acts as
+    a bias, and EOS's head row reads only that dimension: a fixed EOS logit that, at 2.4, sits just under
+    the typical top logit (measured: the prefix's top logits are 14-16 and the EOS logit is 5.6 per unit).
+    """
     tokenizer = load_model("smollm2-135m").tokenizer
     tiny = tiny_random(seed=11, vocab_size=len(tokenizer), num_layers=3, hidden_size=32, num_heads=4,
                        num_kv_heads=2, intermediate_size=64, tie_word_embeddings=False)
@@ -26,10 +32,27 @@ def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     head = torch.zeros_like(tiny.state_dict["lm_head.weight"])
     common = torch.randperm(len(tokenizer), generator=generator)[:400]
     head[common] = torch.randn(400, head.shape[1], generator=generator)
+    if eos_boost is not None:
+        sd = tiny.state_dict
+        sd["model.embed_tokens.weight"][:, 0] = 1.0
+        for i in range(3):
+            sd[f"model.layers.{i}.self_attn.o_proj.weight"][0] = 0.0
+            sd[f"model.layers.{i}.mlp.down_proj.weight"][0] = 0.0
+        head[tokenizer.eos_token_id] = 0.0
+        head[tokenizer.eos_token_id, 0] = eos_boost
     tiny.state_dict["lm_head.weight"] = head
-    path = tmp_path_factory.mktemp("models") / "tiny-target"
-    save_model(LoadedModel("tiny-target", tiny.config, tiny.state_dict, tokenizer, "test"), path)
+    save_model(LoadedModel(path.name, tiny.config, tiny.state_dict, tokenizer, "test"), path)
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tiny_target(tmp_path_factory.mktemp("models") / "tiny-target")
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tiny_target(tmp_path_factory.mktemp("models") / "tiny-chat-target", eos_boost=2.4)
 
 
 def _settings(target: Path, out: Path, **kw: object) -> DistillSettings:
@@ -245,6 +268,69 @@ def test_records_are_split_by_prompt_and_the_schedule_warms_up_then_decays() -> 
     factor = distill_mod.lr_factor
     assert factor(0, 0.0, 10) == pytest.approx(0.1) and factor(9, 0.0, 10) == pytest.approx(1.0)
     assert factor(500, 0.5, 10) == pytest.approx(0.55) and factor(900, 1.0, 10) == pytest.approx(0.1)
+
+
+def test_the_target_writes_its_own_requests_each_ended_by_it_distinct_and_resumable(tiny_chat_target: Path,
+                                                                                      tmp_path: Path,
+                                                                                      one_thread: None) -> None:
+    """Self-written prompts continue the chat template where a user's message starts; only turns the target
+    ended itself (EOS) with enough words are kept, without repeats; a larger count later extends the same list
+    (candidates are seeded by index, so an interrupted run draws what an uninterrupted one would); other
+    settings, and a tokenizer without a chat template, are refused."""
+    import copy
+
+    from specdec.runtime.text import encode_text
+
+    target = load_model(tiny_chat_target)
+    prefix = distill_mod.pre_query_ids(target.tokenizer)
+    for prompt in ("Hi there", "Tell me about bees"):
+        ids = encode_text(target.tokenizer, prompt, chat=True)
+        assert ids[: len(prefix)] == prefix and len(ids) > len(prefix)
+    kw = dict(seed=0, max_tokens=24, block=16)
+    first = distill_mod.self_prompts(target, tmp_path / "a", 4, **kw)
+    assert len(first) == len(set(first)) == 4 and all(len(p.split()) >= 3 for p in first)
+    more = distill_mod.self_prompts(target, tmp_path / "a", 8, **kw)
+    assert more[:4] == first and len(set(more)) == 8
+    assert distill_mod.self_prompts(target, tmp_path / "b", 8, **kw) == more  # in one go: the same list
+    with pytest.raises(DraftLoadError, match="other settings"):
+        distill_mod.self_prompts(target, tmp_path / "a", 8, seed=1, max_tokens=24, block=16)
+    # a one-token turn is either EOS alone (no words) or cut off: neither is a request
+    with pytest.raises(ValueError, match="wrote only 0 usable requests"):
+        distill_mod.self_prompts(target, tmp_path / "c", 1, seed=0, max_tokens=1, block=16, min_words=1)
+    plain = copy.deepcopy(target.tokenizer)
+    plain.chat_template = None
+    with pytest.raises(ValueError, match="chat template"):
+        distill_mod.pre_query_ids(plain)
+
+
+def test_self_prompts_get_their_own_split_and_a_grown_run_continues_its_checkpoint(
+        tiny_chat_target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_thread: None) -> None:
+    """Adding self-written prompts to a finished run: the built-in prompts keep their split (the same held-out
+    records, so the draft was never trained on them), the new prompts are split on their own and reported apart,
+    the run continues from its checkpoint with its head, the best-step choice starts over on the new validation
+    set, and the manifest lists both commands."""
+    out = tmp_path / "draft"
+    first = distill(_settings(tiny_chat_target, out, steps=4, greedy_data=True), command="first")
+    head = (out / "head_token_ids.json").read_text()
+    real_loss, calls = distill_mod.distill_loss, {"n": 0}
+
+    def counting(*args: object, **kwargs: object) -> object:
+        calls["n"] += 1
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(distill_mod, "distill_loss", counting)
+    grown = distill(_settings(tiny_chat_target, out, steps=8, greedy_data=True, self_prompts=8), command="grown")
+    assert calls["n"] == 4 and grown["steps"] == 8 and grown["kept_step"] == 8
+    assert grown["commands"] == ["first", "grown"] and grown["command"] == "grown"
+    assert (out / "head_token_ids.json").read_text() == head
+    assert grown["data"]["self_prompts"] == 8 and grown["data"]["self_prompt_heldout_sequences"] >= 1
+    for name in ("before", "heldout_greedy"):  # the same built-in held-out records, and the same initialisation
+        old = first["metrics"][name] if name == "before" else first["metrics"][name]["before"]
+        new = grown["metrics"][name] if name == "before" else grown["metrics"][name]["before"]
+        assert new == pytest.approx(old)
+    assert grown["metrics"]["after"]["positions"] == first["metrics"]["after"]["positions"]
+    for name in ("self_prompts", "self_prompts_greedy"):
+        assert grown["metrics"][name]["after"]["positions"] > 0
 
 
 @pytest.mark.slow
