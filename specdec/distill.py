@@ -675,6 +675,8 @@ def distill(settings: DistillSettings, command: str = "") -> dict[str, Any]:
     if saved is not None:
         state = {**state, **saved["state"]}
         state.pop("greedy_before", None)  # a checkpoint from before the held-out sets were keyed by name
+        if not state["commands"] and (out / DRAFT_MANIFEST).is_file():  # nor did it list commands: the manifest
+            state["commands"] = [json.loads((out / DRAFT_MANIFEST).read_text()).get("command", "")]
         if state.get("data_key") != data_key:  # the data grew: see the docstring
             state.update(before=None, best=None)
         else:

@@ -331,6 +331,13 @@ def test_self_prompts_get_their_own_split_and_a_grown_run_continues_its_checkpoi
     assert grown["metrics"]["after"]["positions"] == first["metrics"]["after"]["positions"]
     for name in ("self_prompts", "self_prompts_greedy"):
         assert grown["metrics"][name]["after"]["positions"] > 0
+    # a checkpoint written before commands were recorded takes the command from the manifest it left
+    ckpt = out / ".work" / "checkpoint.pt"
+    saved = torch.load(ckpt, weights_only=False)
+    del saved["state"]["commands"]
+    torch.save(saved, ckpt)
+    again = distill(_settings(tiny_chat_target, out, steps=9, greedy_data=True, self_prompts=8), command="third")
+    assert again["commands"] == ["grown", "third"] and calls["n"] == 5
 
 
 @pytest.mark.slow
@@ -349,8 +356,12 @@ def test_the_shipped_smollm2_draft_is_small_sound_and_made_for_its_target(smollm
         assert all(f.get_tensor(n).dtype == torch.float16 for n in f.keys())
     manifest = json.loads((root / "specdec_draft.json").read_text())
     assert manifest["command"].startswith("specdec distill --target smollm2-135m")
+    assert manifest["commands"][-1] == manifest["command"]  # every command that trained it, in order
+    assert all(c.startswith("specdec distill --target smollm2-135m") for c in manifest["commands"])
     assert manifest["target"]["checksum"] == smollm2.checksum()
-    for after in (manifest["metrics"]["after"], manifest["metrics"]["heldout_greedy"]["after"]):
+    metrics = manifest["metrics"]
+    for after in (metrics["after"], *(metrics[k]["after"] for k in ("heldout_greedy", "self_prompts",
+                                                                    "self_prompts_greedy"))):
         assert after["positions"] > 0 and 0 < after["greedy_agreement"] <= 1
         assert 0 < after["expected_acceptance"] <= 1
     target, draft = load_pair("smollm2-135m", "smollm2-135m-draft")
