@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import shlex
 import sys
 import time
@@ -36,7 +35,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from specdec.bench import build_workload, machine_info
+from specdec.bench import build_workload, machine_info, write_report
 from specdec.distill import DraftNet, generate_records, resolve_draft
 from specdec.export.models import DEFAULT_TARGET, load_model
 
@@ -145,11 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                    "command": shlex.join(["python", "benchmarks/draft_agreement.py", *(argv or sys.argv[1:])]),
                    "target": args.target, "prompts": args.prompts, "max_tokens": args.max_tokens, "seed": args.seed,
                    "elapsed_seconds": time.perf_counter() - start, "machine": machine_info()}
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "draft_agreement.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-    (args.out_dir / "draft_agreement.md").write_text(markdown_report(doc), encoding="utf-8")
-    plot(doc, args.out_dir / "draft_agreement.png")
-    print(markdown_report(doc))
+    print(write_report(doc, args.out_dir, "draft_agreement", markdown_report, plot))
     return 0
 
 

@@ -529,6 +529,20 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str = "") -> Non
     plt.close(fig)
 
 
+def write_report(doc: dict[str, Any], out_dir: Path, stem: str, markdown: Callable[[dict[str, Any]], str],
+                 draw: Callable[[dict[str, Any], Path], None]) -> str:
+    """Write a benchmark's ``<stem>.json``, ``.md`` and ``.png`` into ``out_dir``; returns the markdown.
+
+    One writer, so every committed result comes as the same three files (data, table, plot).
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = markdown(doc)
+    (out_dir / f"{stem}.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    (out_dir / f"{stem}.md").write_text(text, encoding="utf-8")
+    draw(doc, out_dir / f"{stem}.png")
+    return text
+
+
 def write_results(results: dict[str, dict[str, Any]], meta: dict[str, Any], out_dir: Path,
                   stem: str = "ems_vs_vanilla") -> list[Path]:
     """Write ``<stem>.json``, ``<stem>.md`` and ``<stem>.png`` into ``out_dir``."""

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import importlib
-import json
 import re
 import shlex
 import statistics
@@ -52,7 +51,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from specdec.bench import build_workload, machine_info
+from specdec.bench import build_workload, machine_info, write_report
 from specdec.distill import load_pair
 from specdec.export.models import DEFAULT_TARGET
 from specdec.runtime.backends.torch_backend import TorchBackend
@@ -327,11 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "results": rows, "samples": samples,
     }
     doc["pareto"] = pareto(rows)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "dsbd_pareto.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-    (args.out_dir / "dsbd_pareto.md").write_text(markdown(doc), encoding="utf-8")
-    plot(doc, args.out_dir / "dsbd_pareto.png")
-    print(markdown(doc))
+    print(write_report(doc, args.out_dir, "dsbd_pareto", markdown, plot))
     return 0
 
 
