@@ -142,6 +142,8 @@ def self_prompts(target: LoadedModel, work: Path, n: int, *, seed: int, max_toke
     """
     from specdec.runtime.text import decode_tokens
 
+    if n < 0:
+        raise ValueError(f"--self-prompts must be >= 0, got {n}")
     work.mkdir(parents=True, exist_ok=True)
     path = work / "self-prompts.json"
     settings = {"target": target.checksum(), "seed": seed, "max_tokens": max_tokens, "block": block,
@@ -637,6 +639,8 @@ def distill(settings: DistillSettings, command: str = "") -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     target = load_model(settings.target)
     text = Path(settings.text_file).read_text(encoding="utf-8") if settings.text_file else None
+    if settings.self_prompts < 0:
+        raise ValueError(f"--self-prompts must be >= 0, got {settings.self_prompts}")
     base_prompts = _load_prompts(settings)
     written = self_prompts(target, work, settings.self_prompts, seed=settings.seed) if settings.self_prompts else []
     prompts = base_prompts + written

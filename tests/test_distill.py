@@ -297,6 +297,8 @@ def test_the_target_writes_its_own_requests_each_ended_by_it_distinct_and_resuma
     # a one-token turn is either EOS alone (no words) or cut off: neither is a request
     with pytest.raises(ValueError, match="wrote only 0 usable requests"):
         distill_mod.self_prompts(target, tmp_path / "c", 1, seed=0, max_tokens=1, block=16, min_words=1)
+    with pytest.raises(ValueError, match="--self-prompts must be >= 0"):
+        distill_mod.self_prompts(target, tmp_path / "d", -1, seed=0)
     plain = copy.deepcopy(target.tokenizer)
     plain.chat_template = None
     with pytest.raises(ValueError, match="chat template"):
