@@ -349,8 +349,12 @@ def _check_data_settings(data: Path, settings: dict[str, Any]) -> None:
     path.write_text(json.dumps(settings, indent=1) + "\n", encoding="utf-8")
 
 
-def select_head(records: Sequence[Record], size: int, vocab_size: int, always: Sequence[int] = ()) -> torch.Tensor:
-    """The ``size`` most frequent tokens of the data (teacher top-1s and sampled tokens), plus ``always``."""
+def select_head(records: Sequence[Record], size: int, vocab_size: int, always: Sequence[int] = (),
+                within: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``size`` most frequent tokens of the data (teacher top-1s and sampled tokens), plus ``always``.
+
+    ``within``: choose among these tokens only (a grown draft's smaller head is part of its source's).
+    """
     counts = torch.zeros(vocab_size, dtype=torch.float64)
     for r in records:
         counts.index_add_(0, torch.as_tensor(r.tokens, dtype=torch.long),
@@ -358,6 +362,11 @@ def select_head(records: Sequence[Record], size: int, vocab_size: int, always: S
         counts.index_add_(0, r.top_ids[:, 0].long(), torch.ones(len(r.positions), dtype=torch.float64))
     for t in always:
         counts[t] = math.inf
+    if within is not None:
+        outside = torch.ones(vocab_size, dtype=torch.bool)
+        outside[within] = False
+        counts[outside] = -math.inf
+        size = min(size, len(within))
     size = min(size, vocab_size)
     return torch.sort(torch.topk(counts, size).indices).values
 
@@ -365,29 +374,58 @@ def select_head(records: Sequence[Record], size: int, vocab_size: int, always: S
 # --------------------------------------------------------------------------- the draft
 
 
-def init_draft(target: LoadedModel, layers: int, head_ids: torch.Tensor) -> LoadedModel:
-    """``layers`` target layers (first, last and evenly spaced), the target's norm and embeddings, a head of rows."""
+def init_draft(target: LoadedModel, layers: int, head_ids: torch.Tensor, *, share_head: bool = False,
+               grow: LoadedModel | None = None) -> LoadedModel:
+    """``layers`` target layers (first, last and evenly spaced), the target's norm and embeddings, a head of rows.
+
+    ``share_head``: the head *is* the target's LM head restricted to ``head_ids``, frozen, so it
+    is not stored: the bytes it would take buy another layer under a size budget.
+    ``grow``: start from a finished draft instead (``--init-from``): its layers become the first
+    ones and the last, and each new layer sits just before its last, initialised from a target
+    layer with its two output projections (``o_proj``, ``down_proj``) at zero. A zero output
+    adds nothing to the residual stream, so the grown draft computes exactly what the finished
+    one did (with its own head, or the rows of a subset of it) and training starts where that
+    one stopped, not from scratch. A smaller head pays for the new layer's bytes and compute.
+    """
     from specdec.export.models import restrict_head
 
     n = int(target.config.num_hidden_layers)
     if not 1 <= layers <= n:
         raise ValueError(f"--layers must be between 1 and {n} (the target's layers), got {layers}")
     picked = [round(i * (n - 1) / (layers - 1)) for i in range(layers)] if layers > 1 else [0]
+    restricted = restrict_head(target, head_ids)  # checks the ids; stores them ascending
+    head_ids = restricted.head_token_ids
+    old = int(grow.config.num_hidden_layers) if grow is not None else 0
+    if grow is not None and not 1 <= old <= layers:
+        raise ValueError(f"--init-from has {old} layers: it can only grow to as many or more, not {layers}")
+    # slot -> (source state dict, source layer, new?): the grown draft's layers keep their order
+    sources = [(target.state_dict, picked[i], False) for i in range(layers)]
+    if grow is not None:
+        sources[: old - 1] = [(grow.state_dict, i, False) for i in range(old - 1)]
+        sources[old - 1 : layers - 1] = [(target.state_dict, picked[i], True) for i in range(old - 1, layers - 1)]
+        sources[layers - 1] = (grow.state_dict, old - 1, False)
     sd: dict[str, torch.Tensor] = {}
-    for new, old in enumerate(picked):
-        prefix = f"model.layers.{old}."
-        for name, tensor in target.state_dict.items():
+    for new, (source, layer, silent) in enumerate(sources):
+        prefix = f"model.layers.{layer}."
+        for name, tensor in source.items():
             if name.startswith(prefix):
-                sd[f"model.layers.{new}." + name[len(prefix):]] = tensor.detach().clone()
-    sd["model.norm.weight"] = target.state_dict["model.norm.weight"].detach().clone()
+                copy = tensor.detach().clone().float()
+                if silent and name.endswith(("o_proj.weight", "down_proj.weight")):
+                    copy.zero_()
+                sd[f"model.layers.{new}." + name[len(prefix):]] = copy
+    sd["model.norm.weight"] = (grow or target).state_dict["model.norm.weight"].detach().clone().float()
     sd["model.embed_tokens.weight"] = target.state_dict["model.embed_tokens.weight"]  # shared, frozen
-    head = target.state_dict.get("lm_head.weight", target.state_dict["model.embed_tokens.weight"])
-    sd["lm_head.weight"] = head.detach().clone()
+    if grow is not None and not share_head:  # its trained rows (of a subset of its tokens, for a smaller head)
+        head = restrict_head(grow, head_ids).state_dict["lm_head.weight"].float()
+    else:
+        head = restricted.state_dict["lm_head.weight"].float()
     config = target.config.__class__.from_dict({**target.config.to_dict(), "num_hidden_layers": layers,
                                                 "tie_word_embeddings": False})
-    full = LoadedModel(f"{target.name}-draft", config, sd, target.tokenizer, f"distilled from {target.name}",
-                       {"init_layers": picked})
-    return restrict_head(full, head_ids)
+    extra = {"init_layers": picked if grow is None else
+             [f"draft {layer}" if source is grow.state_dict else layer for source, layer, _ in sources],
+             "head_token_ids": head_ids, "shared_head": share_head}
+    return LoadedModel(f"{target.name}-draft", config, {**sd, "lm_head.weight": head}, target.tokenizer,
+                       f"distilled from {target.name}", extra)
 
 
 class DraftNet(torch.nn.Module):
@@ -404,7 +442,8 @@ class DraftNet(torch.nn.Module):
         if unexpected or [m for m in missing if "rotary" not in m]:
             raise ValueError(f"draft weights do not fit: missing={missing} unexpected={unexpected}")
         self.model.embed_tokens.weight.requires_grad_(False)
-        self.head = torch.nn.Parameter(draft.state_dict["lm_head.weight"].detach().clone().float())
+        self.head = torch.nn.Parameter(draft.state_dict["lm_head.weight"].detach().clone().float(),
+                                       requires_grad=not draft.extra.get("shared_head", False))
         self.register_buffer("head_ids", draft.head_token_ids.clone())
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -538,6 +577,8 @@ class DistillSettings:
     text_file: str | None = None
     greedy_data: bool = False
     self_prompts: int = 0
+    share_head: bool = False
+    init_from: str | None = None
     checkpoint_s: float = 60.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -664,17 +705,18 @@ def distill(settings: DistillSettings, command: str = "") -> dict[str, Any]:
         held["self_prompts_greedy"] = [r for r in greedy_held if r.prompt_ids in self_keys]
     data_key = [len(train), len(valid), len(heldout), len(greedy_held)]
     ckpt = work / "checkpoint.pt"
-    saved = torch.load(ckpt, weights_only=False) if ckpt.is_file() else None
-    if saved is not None and (saved["layers"] != settings.layers
-                              or saved.get("greedy_data", False) != settings.greedy_data):
-        raise DraftLoadError(f"{ckpt} belongs to a different run (--layers or --greedy-data differ): remove {ckpt}")
-    head_ids = saved["head_ids"] if saved is not None else select_head(train, settings.head_size, target.vocab_size,
-                                                                        target.eos_token_ids)
-    draft = init_draft(target, settings.layers, head_ids)
+    saved, grow, head_ids = _starting_point(ckpt, settings, target, train)
+    draft = init_draft(target, settings.layers, head_ids, share_head=settings.share_head, grow=grow)
     net = DraftNet(draft)
     optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=settings.lr,
                                   weight_decay=settings.weight_decay)
-    state: dict[str, Any] = {"step": 0, "elapsed": 0.0, "before": None, "best": None, "commands": []}
+    state: dict[str, Any] = {"step": 0, "elapsed": 0.0, "before": None, "best": None, "commands": [],
+                             "grown_from": None}
+    if grow is not None:  # the lineage: whoever reproduces this draft runs the grown one's commands first
+        made = grow.extra["draft_manifest"]
+        state["commands"] = list(made.get("commands") or [made.get("command", "")])
+        state["grown_from"] = {"layers": made.get("layers"), "steps": made.get("steps"),
+                               "train_minutes": made.get("train_minutes_total", made.get("train_minutes"))}
     best_net: dict[str, torch.Tensor] | None = None
     if saved is not None:
         state = {**state, **saved["state"]}
@@ -709,7 +751,7 @@ def distill(settings: DistillSettings, command: str = "") -> dict[str, Any]:
         "commands": state["commands"],
         "target": {"name": target.name, "checksum": target.checksum(), "vocab_size": target.vocab_size},
         "layers": settings.layers, "init_layers": draft.extra.get("init_layers"),
-        "head_size": len(head_ids),
+        "head_size": len(head_ids), "shared_head": settings.share_head, "grown_from": state["grown_from"],
         "data": {"sequences": len(records), "train_sequences": len(train), "heldout_sequences": len(held["heldout"]),
                  "validation_sequences": len(valid),
                  "teacher_positions": sum(len(r.positions) for r in records), "teacher_k": settings.teacher_k,
@@ -718,6 +760,8 @@ def distill(settings: DistillSettings, command: str = "") -> dict[str, Any]:
                  "heldout_greedy_sequences": len(held["heldout_greedy"]), "self_prompts": len(written),
                  "self_prompt_heldout_sequences": len(held.get("self_prompts", []))},
         "seed": settings.seed, "steps": state["step"], "train_minutes": round(state["elapsed"] / 60, 2),
+        "train_minutes_total": round(state["elapsed"] / 60 + ((state["grown_from"] or {}).get("train_minutes") or 0),
+                                     2),
         "batch": settings.batch, "lr": settings.lr, "warmup": settings.warmup,
         "weight_decay": settings.weight_decay, "kept_step": state["best"]["step"],
         "validation_loss": state["best"]["valid_loss"],
@@ -725,6 +769,34 @@ def distill(settings: DistillSettings, command: str = "") -> dict[str, Any]:
     }
     save_draft(trained, out, manifest)
     return manifest
+
+
+def _starting_point(ckpt: Path, settings: DistillSettings, target: LoadedModel, train: Sequence[Record]
+                    ) -> tuple[dict[str, Any] | None, LoadedModel | None, torch.Tensor]:
+    """Where training starts: (this run's checkpoint, the draft to grow, the head's tokens).
+
+    A checkpoint of another architecture is refused, unless ``--init-from`` says to grow a new
+    draft: then it is kept aside under its layers and step, and the draft grows from there.
+    """
+    saved = torch.load(ckpt, weights_only=False) if ckpt.is_file() else None
+    arch = {"layers": settings.layers, "greedy_data": settings.greedy_data, "share_head": settings.share_head}
+    if saved is not None and {k: saved.get(k, False) for k in arch} != arch:
+        if not settings.init_from:
+            raise DraftLoadError(f"{ckpt} belongs to a different run (--layers, --greedy-data or --share-head "
+                                 f"differ): remove {ckpt}, or grow a new draft from a finished one with --init-from")
+        kept = ckpt.with_name(f"checkpoint-{saved['layers']}-layers-step-{saved['state']['step']}.pt")
+        ckpt.replace(kept)  # the finished run's state stays on disk; this run starts from --init-from
+        print(f"{ckpt} belongs to the draft being grown: kept as {kept.name}", file=sys.stderr)
+        saved = None
+    grow = load_draft(settings.init_from, target) if settings.init_from and saved is None else None
+    if saved is not None:
+        head_ids = saved["head_ids"]
+    elif grow is not None:  # its layers were trained for its tokens: keep them, or the most frequent of them
+        head_ids = select_head(train, settings.head_size, target.vocab_size, target.eos_token_ids,
+                               within=grow.head_token_ids)
+    else:
+        head_ids = select_head(train, settings.head_size, target.vocab_size, target.eos_token_ids)
+    return saved, grow, head_ids
 
 
 def _greedy_parts(target: LoadedModel, work: Path, prompts: Sequence[str],
@@ -761,17 +833,18 @@ def _checkpoint(path: Path, net: DraftNet, optimizer: torch.optim.Optimizer, sta
     tmp = path.with_suffix(".tmp")
     torch.save({"net": net.state_dict(), "optimizer": optimizer.state_dict(), "state": state,
                 "head_ids": head_ids, "layers": settings.layers, "greedy_data": settings.greedy_data,
+                "share_head": settings.share_head,
                 "best_net": best_net}, tmp)
     tmp.replace(path)
 
 
 def save_draft(draft: LoadedModel, out: Path, manifest: dict[str, Any]) -> None:
-    """The draft's own weights in fp16 (not the target's embeddings), config, head map, manifest."""
+    """The draft's own weights in fp16 (not the target's embeddings, nor a shared head), config, head map, manifest."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    own = {k: v.detach().to(torch.float16).contiguous() for k, v in draft.state_dict.items()
-           if k != "model.embed_tokens.weight"}
+    target_owned = {"model.embed_tokens.weight"} | ({"lm_head.weight"} if manifest.get("shared_head") else set())
+    own = {k: v.detach().to(torch.float16).contiguous() for k, v in draft.state_dict.items() if k not in target_owned}
     save_file(own, str(out / WEIGHTS))
     draft.config.to_json_file(str(out / "config.json"))
     (out / HEAD_FILE).write_text(json.dumps(draft.head_token_ids.tolist()))
@@ -827,6 +900,12 @@ def load_draft(path: str | Path, target: LoadedModel, dtype: torch.dtype = torch
         )
     sd = {k: v.to(dtype) for k, v in weights.items()}
     sd["model.embed_tokens.weight"] = target.state_dict["model.embed_tokens.weight"].to(dtype)
+    if manifest.get("shared_head"):  # the target's own head rows (``--share-head``): not stored with the draft
+        from specdec.export.models import restrict_head
+
+        sd["lm_head.weight"] = restrict_head(target, head).state_dict["lm_head.weight"].to(dtype)
+    if "lm_head.weight" not in sd:
+        raise DraftLoadError(f"{root} is not a complete distilled draft: its weights have no lm_head.weight")
     return LoadedModel(f"{made_for.get('name')}-draft", config, sd, target.tokenizer, str(root),
                        {"head_token_ids": head, "draft_manifest": manifest})
 
@@ -848,6 +927,11 @@ def add_distill_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     parser.add_argument("--layers", type=int, default=d.layers)
     parser.add_argument("--head-size", type=int, default=d.head_size, help="tokens in the draft's LM head")
+    parser.add_argument("--share-head", action="store_true",
+                        help="use the target's own LM head rows as the draft's head: frozen, and not stored")
+    parser.add_argument("--init-from", metavar="DRAFT_DIR",
+                        help="grow a finished draft (its layers first and last, new layers in between starting as "
+                             "no-ops, its head tokens) instead of starting from target layers")
     parser.add_argument("--teacher-k", type=int, default=d.teacher_k, help="teacher log-probs kept per position")
     parser.add_argument("--batch", type=int, default=d.batch, help="sequences per training step")
     parser.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (warm-up, then cosine to 10%%)")

@@ -342,6 +342,62 @@ def test_self_prompts_get_their_own_split_and_a_grown_run_continues_its_checkpoi
     assert again["commands"] == ["grown", "third"] and calls["n"] == 5
 
 
+def test_a_grown_draft_starts_as_its_source_and_a_shared_head_is_not_stored(tiny_target: Path, tmp_path: Path,
+                                                                           one_thread: None) -> None:
+    """``--init-from``: new layers start as exact no-ops, so the grown draft's logits are its source's; with
+    ``--share-head`` the head is the target's own rows, frozen and not written; the finished run's checkpoint is
+    kept aside, not overwritten or refused; the lineage of commands is kept; and speculation stays exact."""
+    out = tmp_path / "draft"
+    distill(_settings(tiny_target, out, steps=6), command="first")
+    target = load_model(tiny_target)
+    source = load_draft(out, target)
+    ids = torch.as_tensor([[5, 17, 99, 300, 7, 42, 1000, 12]])
+    mask = torch.ones_like(ids)
+    grown = distill_mod.init_draft(target, 3, source.head_token_ids, grow=source)
+    with torch.no_grad():
+        want = distill_mod.DraftNet(source)(ids, mask)
+        assert torch.equal(distill_mod.DraftNet(grown)(ids, mask), want)
+    assert grown.extra["init_layers"] == [0, 1, "draft 0"]  # new layers from the target, the source's last last
+    shared = distill_mod.DraftNet(distill_mod.init_draft(target, 3, source.head_token_ids, share_head=True,
+                                                         grow=source))
+    rows = target.state_dict["lm_head.weight"][source.head_token_ids]
+    assert not shared.head.requires_grad and torch.equal(shared.head.detach(), rows)
+    with pytest.raises(ValueError, match="as many or more"):
+        distill_mod.init_draft(target, 1, source.head_token_ids, grow=grown)
+    fewer = distill_mod.init_draft(target, 2, source.head_token_ids[::2], grow=source)  # a head of half its rows
+    with torch.no_grad():
+        assert torch.equal(distill_mod.DraftNet(fewer)(ids, mask), want[..., ::2])
+
+    with pytest.raises(DraftLoadError, match="--init-from"):  # another architecture without --init-from
+        distill(_settings(tiny_target, out, layers=2, steps=4), command="refused")
+    smaller = distill(_settings(tiny_target, out, layers=2, head_size=400, init_from=str(out), steps=4),
+                      command="smaller head")
+    assert (out / ".work" / "checkpoint-1-layers-step-6.pt").is_file()
+    assert smaller["head_size"] == 400 and not smaller["shared_head"] and smaller["grown_from"]["steps"] == 6
+    assert set(load_draft(out, target).head_token_ids.tolist()) < set(source.head_token_ids.tolist())
+    settings = _settings(tiny_target, out, layers=3, share_head=True, init_from=str(out), steps=4, validate_s=0.0)
+    manifest = distill(settings, command="grow")
+    assert (out / ".work" / "checkpoint-2-layers-step-4.pt").is_file()
+    assert manifest["commands"] == ["first", "smaller head", "grow"] and manifest["shared_head"]
+    assert manifest["layers"] == 3 and manifest["steps"] == 4 and manifest["head_size"] == 400
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in set(f.keys()) and "model.layers.2.mlp.down_proj.weight" in set(f.keys())
+    draft = load_draft(out, target)
+    assert torch.equal(draft.state_dict["lm_head.weight"], target.state_dict["lm_head.weight"][draft.head_token_ids])
+    engine = Engine.from_models(target, draft, max_batch=4, max_len=256, num_draft_tokens=3)
+    reqs = [engine.request(p, chat=True, max_tokens=12) for p in ("Hi there", "Tell me about bees")]
+    got = engine.generate(reqs, "ems")
+    assert [o.token_ids for o in got.outputs] == [o.token_ids for o in engine.generate(reqs, "ar").outputs]
+    assert got.run.summary()["draft_tokens"] > 0
+    # the grown run's own checkpoint now resumes (no second renaming), and --init-from is not read again
+    again = distill(_settings(tiny_target, out, layers=3, share_head=True, init_from=str(tmp_path / "gone"),
+                              steps=5), command="grow")
+    assert again["steps"] == 5 and again["commands"] == ["first", "smaller head", "grow"]
+    assert len(list((out / ".work").glob("checkpoint-*.pt"))) == 2
+
+
 @pytest.mark.slow
 def test_the_shipped_smollm2_draft_is_small_sound_and_made_for_its_target(smollm2: LoadedModel) -> None:
     """The package's draft: at most 25 MB of fp16 weights of its own (no copy of the target's embeddings), a
