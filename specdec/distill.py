@@ -18,6 +18,8 @@ SmolLM2). The recipe:
    (first and last, evenly spaced in between), the target's final norm, the target's
    embeddings reused (not trained, not stored), and an LM head restricted to the ``--head-size``
    tokens most frequent in the data (tokens outside it get q = 0; verification stays lossless).
+   ``--share-head`` makes the head the target's own rows (frozen, not stored); ``--init-from``
+   grows a finished draft by new layers that start as exact no-ops (see :func:`init_draft`).
 3. **Training** — cross-entropy to the teacher restricted to the head, i.e. KL(target ‖ draft)
    on the head up to a constant, on every generated position; AdamW; bounded by ``--minutes``
    or ``--steps``; checkpoints so an interrupted run resumes where it stopped.

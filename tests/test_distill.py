@@ -408,7 +408,7 @@ def test_the_shipped_smollm2_draft_is_small_sound_and_made_for_its_target(smollm
     from specdec.distill import SHIPPED_DRAFTS, load_pair
 
     root = SHIPPED_DRAFTS["smollm2-135m-draft"]
-    assert (root / "model.safetensors").stat().st_size <= 25 * 2**20
+    assert (root / "model.safetensors").stat().st_size <= 25_000_000
     with safe_open(str(root / "model.safetensors"), "pt") as f:
         assert "model.embed_tokens.weight" not in set(f.keys())
         assert all(f.get_tensor(n).dtype == torch.float16 for n in f.keys())
