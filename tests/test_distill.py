@@ -398,6 +398,27 @@ def test_a_grown_draft_starts_as_its_source_and_a_shared_head_is_not_stored(tiny
     assert len(list((out / ".work").glob("checkpoint-*.pt"))) == 2
 
 
+def test_a_fresh_draft_with_a_shared_head_trains_its_layers_only(tiny_target: Path, tmp_path: Path,
+                                                                  one_thread: None) -> None:
+    """``--share-head`` from scratch: the layers learn (held-out KL falls) while the head stays the target's rows,
+    which are neither written nor changed, and the loaded draft drafts exactly."""
+    out = tmp_path / "draft"
+    manifest = distill(_settings(tiny_target, out, share_head=True, validate_s=0.0), command="shared")
+    before, after = manifest["metrics"]["before"], manifest["metrics"]["after"]
+    assert manifest["shared_head"] and after["kl_on_head"] < 0.9 * before["kl_on_head"], (before, after)
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in set(f.keys())
+    target = load_model(tiny_target)
+    draft = load_draft(out, target)
+    assert torch.equal(draft.state_dict["lm_head.weight"], target.state_dict["lm_head.weight"][draft.head_token_ids])
+    engine = Engine.from_models(target, draft, max_batch=2, max_len=256, num_draft_tokens=3)
+    reqs = [engine.request(p, chat=True, max_tokens=12) for p in ("Hi there", "2+2?")]
+    assert [o.token_ids for o in engine.generate(reqs, "ems").outputs] == \
+        [o.token_ids for o in engine.generate(reqs, "ar").outputs]
+
+
 @pytest.mark.slow
 def test_the_shipped_smollm2_draft_is_small_sound_and_made_for_its_target(smollm2: LoadedModel) -> None:
     """The package's draft: at most 25 MB of fp16 weights of its own (no copy of the target's embeddings), a
