@@ -398,8 +398,8 @@ def init_draft(target: LoadedModel, layers: int, head_ids: torch.Tensor, *, shar
     restricted = restrict_head(target, head_ids)  # checks the ids; stores them ascending
     head_ids = restricted.head_token_ids
     old = int(grow.config.num_hidden_layers) if grow is not None else 0
-    if grow is not None and not 1 <= old <= layers:
-        raise ValueError(f"--init-from has {old} layers: it can only grow to as many or more, not {layers}")
+    if grow is not None:
+        _check_growable(old, layers)
     # slot -> (source state dict, source layer, new?): the grown draft's layers keep their order
     sources = [(target.state_dict, picked[i], False) for i in range(layers)]
     if grow is not None:
@@ -428,6 +428,11 @@ def init_draft(target: LoadedModel, layers: int, head_ids: torch.Tensor, *, shar
              "head_token_ids": head_ids, "shared_head": share_head}
     return LoadedModel(f"{target.name}-draft", config, {**sd, "lm_head.weight": head}, target.tokenizer,
                        f"distilled from {target.name}", extra)
+
+
+def _check_growable(old: int, layers: int) -> None:
+    if not 1 <= old <= layers:
+        raise ValueError(f"--init-from has {old} layers: it can only grow to as many or more, not {layers}")
 
 
 class DraftNet(torch.nn.Module):
@@ -682,8 +687,9 @@ def distill(settings: DistillSettings, command: str = "") -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     target = load_model(settings.target)
     text = Path(settings.text_file).read_text(encoding="utf-8") if settings.text_file else None
-    if settings.self_prompts < 0:
-        raise ValueError(f"--self-prompts must be >= 0, got {settings.self_prompts}")
+    # a checkpoint or --init-from that cannot be used fails now, not after hours of data generation
+    ckpt = work / "checkpoint.pt"
+    saved, grow = _starting_point(ckpt, settings, target)
     base_prompts = _load_prompts(settings)
     written = self_prompts(target, work, settings.self_prompts, seed=settings.seed) if settings.self_prompts else []
     prompts = base_prompts + written
@@ -706,8 +712,11 @@ def distill(settings: DistillSettings, command: str = "") -> dict[str, Any]:
         held["self_prompts"] = [r for r in heldout if r.prompt_ids in self_keys]
         held["self_prompts_greedy"] = [r for r in greedy_held if r.prompt_ids in self_keys]
     data_key = [len(train), len(valid), len(heldout), len(greedy_held)]
-    ckpt = work / "checkpoint.pt"
-    saved, grow, head_ids = _starting_point(ckpt, settings, target, train)
+    if saved is not None:
+        head_ids = saved["head_ids"]
+    else:  # a grown draft's layers were trained for its tokens: keep them, or the most frequent of them
+        head_ids = select_head(train, settings.head_size, target.vocab_size, target.eos_token_ids,
+                               within=grow.head_token_ids if grow is not None else None)
     draft = init_draft(target, settings.layers, head_ids, share_head=settings.share_head, grow=grow)
     net = DraftNet(draft)
     optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=settings.lr,
@@ -773,9 +782,9 @@ def distill(settings: DistillSettings, command: str = "") -> dict[str, Any]:
     return manifest
 
 
-def _starting_point(ckpt: Path, settings: DistillSettings, target: LoadedModel, train: Sequence[Record]
-                    ) -> tuple[dict[str, Any] | None, LoadedModel | None, torch.Tensor]:
-    """Where training starts: (this run's checkpoint, the draft to grow, the head's tokens).
+def _starting_point(ckpt: Path, settings: DistillSettings, target: LoadedModel
+                    ) -> tuple[dict[str, Any] | None, LoadedModel | None]:
+    """Where training starts: (this run's checkpoint, or else the draft to grow from, if any).
 
     A checkpoint of another architecture is refused, unless ``--init-from`` says to grow a new
     draft: then it is kept aside under its layers and step, and the draft grows from there.
@@ -791,14 +800,9 @@ def _starting_point(ckpt: Path, settings: DistillSettings, target: LoadedModel, 
         print(f"{ckpt} belongs to the draft being grown: kept as {kept.name}", file=sys.stderr)
         saved = None
     grow = load_draft(settings.init_from, target) if settings.init_from and saved is None else None
-    if saved is not None:
-        head_ids = saved["head_ids"]
-    elif grow is not None:  # its layers were trained for its tokens: keep them, or the most frequent of them
-        head_ids = select_head(train, settings.head_size, target.vocab_size, target.eos_token_ids,
-                               within=grow.head_token_ids)
-    else:
-        head_ids = select_head(train, settings.head_size, target.vocab_size, target.eos_token_ids)
-    return saved, grow, head_ids
+    if grow is not None:
+        _check_growable(int(grow.config.num_hidden_layers), settings.layers)
+    return saved, grow
 
 
 def _greedy_parts(target: LoadedModel, work: Path, prompts: Sequence[str],

@@ -368,6 +368,10 @@ def test_a_grown_draft_starts_as_its_source_and_a_shared_head_is_not_stored(tiny
     with torch.no_grad():
         assert torch.equal(distill_mod.DraftNet(fewer)(ids, mask), want[..., ::2])
 
+    elsewhere = tmp_path / "elsewhere"  # an --init-from that is no draft fails before any data is generated
+    with pytest.raises(DraftLoadError, match="not a complete distilled draft"):
+        distill(_settings(tiny_target, elsewhere, layers=2, init_from=str(tmp_path / "missing")), command="typo")
+    assert not (elsewhere / ".work" / "data").exists()
     with pytest.raises(DraftLoadError, match="--init-from"):  # another architecture without --init-from
         distill(_settings(tiny_target, out, layers=2, steps=4), command="refused")
     smaller = distill(_settings(tiny_target, out, layers=2, head_size=400, init_from=str(out), steps=4),
