@@ -250,3 +250,47 @@ def test_bad_beam_parameters_are_named(pair) -> None:
     assert out.error is not None and "beam_width 5" in out.error
     with pytest.raises(ValueError, match="draft model"):
         engine(target, None).generate([Request([1, 2], 5)], "dsbd")
+
+
+@pytest.mark.parametrize(("method", "memory_mode"), [("beam", "full"), ("dsbd", "full"), ("dsbd", "single")])
+def test_tokens_stream_as_soon_as_every_candidate_shares_them_and_the_answer_is_unchanged(
+        pair, method: str, memory_mode: str) -> None:
+    """After every round a request has emitted exactly the longest prefix common to its live beams and finished
+    candidates (so what streamed is final, and nothing final is held back); the chunks join into the answer that
+    ``generate`` returns, and with several rounds to go some of it streamed before the search ended."""
+    target, draft = pair
+    eos = (0,)
+
+    def requests() -> list[Request]:
+        return [Request(p, 24, SamplingParams(1.0 if i % 2 else 0.0, 0, 1.0, 50 + i), request_id=f"r{i}",
+                        beam=BeamParams(width=3, memory_mode=memory_mode)) for i, p in enumerate(PROMPTS)]
+
+    want = engine(target, draft, eos=eos).generate(requests(), method).outputs
+    eng = engine(target, draft, eos=eos)
+    scheduler = Scheduler(eng.max_batch)
+    for req in requests():
+        scheduler.submit(req)
+    chunks: dict[str, list[tuple[int, list[int]]]] = {}
+    finished: dict[str, int] = {}
+    ctx = eng.context(scheduler, on_tokens=lambda seq, toks: chunks.setdefault(seq.request.request_id, []).append(
+        (len(ctx.run.steps), list(toks))), on_finish=lambda seq: finished.__setitem__(seq.request.request_id,
+                                                                                      len(ctx.run.steps)))
+    decoder = BeamDecoder(ctx, speculative=method == "dsbd")
+    ctx.run.method = method
+    while ctx.has_work(decoder.groups):
+        decoder.admit()
+        if decoder.groups:
+            decoder.round()
+            for group in decoder.groups:
+                hyps, seq = group.beams + group.finished, group.seq
+                shared = 0
+                while all(len(h.tokens) > shared and h.tokens[shared] == hyps[0].tokens[shared] for h in hyps):
+                    shared += 1
+                assert seq.tokens == hyps[0].tokens[:shared] or seq.finished
+        decoder.retire()
+    early = 0
+    for req, out in zip(requests(), want):
+        got = chunks.get(req.request_id, [])
+        assert [t for _, toks in got for t in toks] == out.token_ids
+        early += sum(len(toks) for step, toks in got if step < finished[req.request_id])
+    assert early > 0, "nothing streamed before a search ended"

@@ -287,7 +287,8 @@ def test_other_methods_serve_the_same_tokens(model, offline, method) -> None:
 
 
 def test_a_beam_request_cancelled_mid_run_ends_cancelled_and_frees_its_beams(model) -> None:
-    """Beam loops emit only at the end, so they learn of a cancellation between rounds (``is_cancelled``)."""
+    """Beam loops stream only what every candidate shares, maybe nothing for a long while, so they also learn of
+    a cancellation between rounds (``is_cancelled``)."""
     from specdec.runtime.drafters import ModelDrafter
     from specdec.runtime.request import BeamParams
 

@@ -275,9 +275,9 @@ for result in client.stream("Count from one to five hundred in words.", max_toke
 
 def test_client_killed_during_a_beam_request_is_cancelled_between_rounds(server: TritonServer,
                                                                           reference: dict) -> None:
-    """A beam search streams nothing until it ends; a client killed while it runs is still noticed: the request
-    ends *cancelled* (600 tokens would take far longer than the wait), its beams give back their KV slots, and the
-    server answers the next beam and ems requests."""
+    """A beam search streams only the prefix its beams share; a client killed while it runs is still noticed: the
+    request ends *cancelled* (600 tokens would take far longer than the wait), its beams give back their KV slots,
+    and the server answers the next beam and ems requests."""
     before = scrape(server)
     proc = subprocess.Popen([sys.executable, "-c", BEAM_CLIENT, server.grpc_url], stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
@@ -395,7 +395,8 @@ def test_beam_requests_equal_local_and_run_beside_ems(server: TritonServer, smol
                                                       reference: dict, method: str) -> None:
     """method=beam / dsbd through Triton (unary and streamed, concurrently with an ems request) give the local
     runtime's answer for the same seed (so one request's output does not depend on its batch); the beam widths
-    come back, and dsbd really speculates with the exported draft."""
+    come back, dsbd really speculates with the exported draft, and a streamed request that keeps one beam per
+    round streams its answer round by round."""
     engine = Engine.from_export(smollm2_export, threads=1)
     from specdec.runtime.request import BeamParams
 
@@ -411,7 +412,7 @@ def test_beam_requests_equal_local_and_run_beside_ems(server: TritonServer, smol
     pool = ThreadPoolExecutor(len(BEAM_CASES) + 1)
     ems = pool.submit(lambda: SpecdecClient(server.grpc_url).generate(PROMPTS[5][0], **_params(5, 36)))
     futures = [pool.submit(lambda n=n, i=i, m=m, p=p: getattr(SpecdecClient(server.grpc_url),
-                                                              "generate_stream" if n == 1 else "generate")(
+                                                              "generate_stream" if n in (1, 3) else "generate")(
         PROMPTS[i][0], **_params(i, m, method=method, **p, **extra))) for n, (i, m, p) in enumerate(BEAM_CASES)]
     for (i, _m, p), future, want in zip(BEAM_CASES, futures, local):
         answer = future.result()
@@ -422,6 +423,8 @@ def test_beam_requests_equal_local_and_run_beside_ems(server: TritonServer, smol
             assert max(answer.beam_widths) == p["beam_width"]
         if method == "dsbd":
             assert answer.draft_tokens > 0
+        if p.get("memory_mode") == "single":  # one beam kept per round: each round's tokens are final at once
+            assert answer.responses > 1, "a beam request that keeps one beam streamed nothing before its end"
     _check(ems.result(), reference, 5, 36)
     assert ems.result().beam_widths == []
 

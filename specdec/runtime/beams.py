@@ -170,7 +170,8 @@ class BeamDecoder:
         ranked = sorted(candidates, key=rank, reverse=True)[: params.num_return_sequences]
         best = ranked[0]
         seq.metrics.logprob = best.logprob
-        self.ctx.emit(seq, best.tokens[seq.num_prompt :])
+        if not seq.finished:  # the rest after the streamed prefix (unless a stop string already ended it there)
+            self.ctx.emit(seq, best.tokens[len(seq.tokens) :])
         if not seq.finished:
             seq.finish_reason = best.finish_reason or "length"
         seq.sequences = [BeamCandidate(h.tokens[seq.num_prompt :], h.logprob, rank(h), h.finish_reason or "length")
@@ -207,6 +208,27 @@ class BeamDecoder:
             group.seq.metrics.accepted_draft_tokens += accepted
             ctx.run.steps[-1].accepted_draft_tokens += accepted
             self._advance(group, outputs, tails[gi], mine)
+            self._stream_settled(group)
+
+    def _stream_settled(self, group: Group) -> None:
+        """Emit the output tokens every candidate now shares: whatever the search does next, the answer starts so.
+
+        Why: the answer is chosen only when the search ends, but it is a finished candidate or a
+        descendant of a live beam, so the common prefix of those is final. Streaming it lets a
+        beam request stream like the others; the answer is the same as emitting it whole at the
+        end, since the stopper sees the same tokens in the same order.
+        """
+        seq = group.seq
+        hyps = group.beams + group.finished
+        if seq.finished or not hyps:
+            return
+        first, start = hyps[0].tokens, len(seq.tokens)
+        end = min(len(h.tokens) for h in hyps)
+        settled = start
+        while settled < end and all(h.tokens[settled] == first[settled] for h in hyps[1:]):
+            settled += 1
+        if settled > start:
+            self.ctx.emit(seq, first[start:settled])
 
     def _gamma(self, group: Group) -> int:
         """Draft layers this round: γ, capped by max_tokens and by the room of every beam's slot."""

@@ -42,7 +42,8 @@ class DecodeContext:
     #: ``ar`` only: the target logits each sampled token was drawn from (distillation records them)
     on_logits: Callable[[SeqState, torch.Tensor], None] | None = None
     #: serving: whether a caller gave up on a sequence (loops that stream learn it from on_tokens instead;
-    #: beam loops, which emit only at the end, ask this between rounds)
+    #: beam loops, which emit only what every candidate shares (maybe nothing for a long while), ask this
+    #: between rounds)
     is_cancelled: Callable[[SeqState], bool] | None = None
     run: RunMetrics = field(default_factory=lambda: RunMetrics("?"))
 
