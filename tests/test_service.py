@@ -317,4 +317,4 @@ def test_a_beam_request_cancelled_mid_run_ends_cancelled_and_frees_its_beams(mod
         again = svc.generate(Request((12, 13), max_tokens=5, beam=BeamParams(width=2)), WAIT)
         assert len(again.token_ids) >= 1
         stats = svc.stats()
-        assert stats.active == 0 and stats.cancelled == 1 and stats.finished == 2
+        assert stats.active == 0 and stats.kv_slots == 0 and stats.cancelled == 1 and stats.finished == 2

@@ -285,6 +285,10 @@ def test_client_killed_during_a_beam_request_is_cancelled_between_rounds(server:
         time.sleep(0.2)
     assert scrape(server)["specdec_active_sequences"] == 1, "the beam request never started"
     time.sleep(1.0)  # a few rounds
+    deadline = time.monotonic() + 10  # between rounds (a round frees a slot before it forks one)
+    while scrape(server)["specdec_kv_slots_used"] != 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert scrape(server)["specdec_kv_slots_used"] == 2, "a width-2 beam request holds one KV slot per beam"
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
     deadline = time.monotonic() + 30
@@ -294,7 +298,7 @@ def test_client_killed_during_a_beam_request_is_cancelled_between_rounds(server:
             break
         time.sleep(0.5)
     assert now[CANCELLED] - before[CANCELLED] == 1, "the dead client's beam request was not cancelled"
-    assert now["specdec_active_sequences"] == 0
+    assert now["specdec_active_sequences"] == 0 and now["specdec_kv_slots_used"] == 0
     client = SpecdecClient(server.grpc_url)
     answer = client.generate(PROMPTS[0][0], **_params(0, 8, method="beam", beam_width=2))
     assert answer.output_ids and max(answer.beam_widths) == 2

@@ -66,7 +66,8 @@ class ServiceStats:
     failed: int
     steps: int
     mean_batch_size: float
-    active: int  # sequences holding a KV slot now
+    active: int  # requests admitted and decoding now
+    kv_slots: int  # target KV slots held now: one per ems/ar sequence, one per live beam of a beam request
     queued: int  # requests waiting for a slot
     loop_restarts: int
 
@@ -204,6 +205,7 @@ class EngineService:
     def stats(self) -> ServiceStats:
         with self._lock:
             steps, batch_sum = self._steps_done, self._batch_sum
+            kv = self._ctx.kv if self._ctx is not None else None
             if self._ctx is not None:
                 for record in list(self._ctx.run.steps):
                     steps, batch_sum = steps + 1, batch_sum + record.batch_size
@@ -211,6 +213,7 @@ class EngineService:
                 submitted=self._counts["submitted"], finished=self._counts["finished"],
                 cancelled=self._counts["cancelled"], failed=self._counts["failed"], steps=steps,
                 mean_batch_size=batch_sum / steps if steps else 0.0, active=len(self._live),
+                kv_slots=kv.num_slots - kv.num_free if kv is not None else 0,
                 queued=self.scheduler.pending(), loop_restarts=self._counts["restarts"],
             )
 

@@ -218,6 +218,8 @@ class _Metrics:
                                      "sequences verified, summed over steps (/ steps = mean batch)").Metric(labels={})
         self.active = family("specdec_active_sequences", gauge,
                              "requests decoding (holding KV slots: one, or one per beam)").Metric(labels={})
+        self.kv_slots = family("specdec_kv_slots_used", gauge,
+                               "target KV slots held (one per ems/ar sequence, one per live beam)").Metric(labels={})
         self.queued = family("specdec_queued_requests", gauge, "requests waiting for a KV slot").Metric(labels={})
         self._steps = self._sequences = 0
 
@@ -236,6 +238,7 @@ class _Metrics:
         self.step_sequences.increment(sequences - self._sequences)
         self._steps, self._sequences = steps, sequences
         self.active.set(sum(s.active for s in all_stats))
+        self.kv_slots.set(sum(s.kv_slots for s in all_stats))
         self.queued.set(sum(s.queued for s in all_stats))
 
 
