@@ -13,7 +13,6 @@ A LLaMA-layer draft has no such split: its teacher-forced score holds at every d
 Training batches are the same as ``layers.py``'s (same seed, same record order).
 """
 
-import math
 import os
 import random
 import sys
@@ -21,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import optimizer_step
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from specdec.distill import select_head
@@ -115,9 +115,6 @@ rng = random.Random(0)
 t0 = time.time()
 step = 0
 while step < steps_total:
-    prog = step / steps_total
-    for g in opt.param_groups:
-        g["lr"] = 1e-3 * min(1, (step + 1) / 100) * (0.1 + 0.45 * (1 + math.cos(math.pi * prog)))
     items = rng.sample(train, 8)
     ids, mask, fi, ft, rows, cols, probs = batch(items)
     fi = fi + (torch.rand_like(fi) - 0.5) * 0.2 * (fi != 0)  # EAGLE's feature noise
@@ -128,10 +125,7 @@ while step < steps_total:
     m = mask.bool()
     reg = torch.nn.functional.smooth_l1_loss(normed[m], ft[m])
     loss = ce + w_reg * reg
-    opt.zero_grad()
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-    opt.step()
+    optimizer_step(opt, net, loss, step, steps_total)
     if step % 200 == 0:
         print(f"step {step} {time.time() - t0:.0f}s ce {ce.item():.3f} reg {reg.item():.4f}", flush=True)
     step += 1

@@ -5,7 +5,6 @@ chosen from the same training records, ``DraftNet``'s loss, the same schedule an
 ``eagle.py``, scored with ``specdec.distill.evaluate`` on the same held-out sets.
 """
 
-import math
 import os
 import random
 import sys
@@ -13,6 +12,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import optimizer_step
 
 from specdec.distill import DraftNet, _head_cross_entropy, evaluate, init_draft, select_head
 from specdec.export.models import load_model
@@ -31,13 +31,8 @@ opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-
 rng = random.Random(0)
 t0 = time.time()
 for step in range(steps_total):
-    for g in opt.param_groups:
-        g["lr"] = 1e-3 * min(1, (step + 1) / 100) * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps_total)))
     loss, _ = _head_cross_entropy(net, rng.sample(train, 8), target.vocab_size)
-    opt.zero_grad()
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-    opt.step()
+    optimizer_step(opt, net, loss, step, steps_total)
     if step % 200 == 0:
         print(f"step {step} {time.time() - t0:.0f}s ce {loss.item():.3f}", flush=True)
 print("base2 steps", steps_total, "seconds", round(time.time() - t0))
