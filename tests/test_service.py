@@ -276,6 +276,34 @@ def test_text_streaming_with_real_tokenizer(text_engine) -> None:
         svc.stop(drain=False, timeout=10)
 
 
+@pytest.mark.parametrize("memory_mode", ["single", "full"])
+def test_a_streamed_beam_answer_is_cut_at_a_stop_string_exactly_as_the_whole_answer_would_be(
+        text_engine, memory_mode: str) -> None:
+    """A beam request streams the prefix its candidates share, so a stop string can end it mid-search; its answer
+    is still the search's best candidate cut by the stopper, as if emitted whole at the end (the search itself
+    ignores stop strings), and the stream joins into that answer without ever showing the stop string."""
+    from specdec.runtime.request import BeamParams, SeqState, StopChecker
+
+    def request(stop: list[str]) -> Request:
+        return text_engine.request("Hello there, how are you", max_tokens=30, stop=stop,
+                                   beam=BeamParams(width=2, memory_mode=memory_mode))
+
+    whole = text_engine.generate([request([])], "beam").outputs[0]
+    stop = whole.text[len(whole.text) // 2 :][:3]
+    assert stop.strip(), "the answer's middle has no visible text to stop at"
+    cut = SeqState.start(request([stop]), 0)
+    StopChecker(text_engine.eos_token_ids, MAX_LEN, text_engine.decode).append(cut, whole.token_ids)
+    assert cut.finish_reason == "stop" and len(cut.output_ids) < len(whole.token_ids)
+    offline = text_engine.generate([request([stop])], "beam").outputs[0]
+    assert offline.token_ids == cut.output_ids and offline.finish_reason == "stop"
+    assert [c.token_ids for c in offline.sequences] == [c.token_ids for c in whole.sequences]
+    with EngineService(text_engine, "beam") as svc:
+        rec = Recorder()
+        out = svc.submit(request([stop]), rec).result(WAIT)
+    assert rec.check() == out and out.token_ids == cut.output_ids and stop not in out.text
+    assert all(stop not in e.text_delta for e in rec.events)
+
+
 @pytest.mark.parametrize("method", ["ar", "vanilla"])
 def test_other_methods_serve_the_same_tokens(model, offline, method) -> None:
     requests = prompts(6, seed=11)
