@@ -686,32 +686,11 @@ def distill(settings: DistillSettings, command: str = "") -> dict[str, Any]:
     work = out / ".work"
     work.mkdir(parents=True, exist_ok=True)
     target = load_model(settings.target)
-    text = Path(settings.text_file).read_text(encoding="utf-8") if settings.text_file else None
     # a checkpoint or --init-from that cannot be used fails now, not after hours of data generation
     ckpt = work / "checkpoint.pt"
     saved, grow = _starting_point(ckpt, settings, target)
-    base_prompts = _load_prompts(settings)
-    written = self_prompts(target, work, settings.self_prompts, seed=settings.seed) if settings.self_prompts else []
-    prompts = base_prompts + written
-    records = collect_data(target, work, prompts, shard_size=settings.shard_size,
-                           max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
-                           teacher_k=settings.teacher_k, seed=settings.seed, text=text)
-    # each source is split on its own, so adding self-written prompts never moves a built-in
-    # (or --prompts) prompt from one split to another: a continued run stays uncontaminated
-    own = records[len(base_prompts) : len(prompts)]
-    splits = [split_records([r for r in part if r.positions], settings)
-              for part in (records[: len(base_prompts)] + records[len(prompts):], own) if part]
-    heldout, valid, train = ([r for split in splits for r in split[i]] for i in range(3))
-    greedy_held, greedy_valid, greedy_train = _greedy_parts(target, work, prompts, (heldout, valid), settings)
-    valid, train = valid + greedy_valid, train + greedy_train
-    records = heldout + valid + train + greedy_held
-    self_keys = {r.prompt_ids for r in own}
-    held = {"heldout": [r for r in heldout if r.prompt_ids not in self_keys],
-            "heldout_greedy": [r for r in greedy_held if r.prompt_ids not in self_keys]}
-    if self_keys:
-        held["self_prompts"] = [r for r in heldout if r.prompt_ids in self_keys]
-        held["self_prompts_greedy"] = [r for r in greedy_held if r.prompt_ids in self_keys]
-    data_key = [len(train), len(valid), len(heldout), len(greedy_held)]
+    data = distill_data(settings, target, work)
+    train, valid, held = data.train, data.valid, data.held
     if saved is not None:
         head_ids = saved["head_ids"]
     else:  # a grown draft's layers were trained for its tokens: keep them, or the most frequent of them
@@ -734,13 +713,13 @@ def distill(settings: DistillSettings, command: str = "") -> dict[str, Any]:
         state.pop("greedy_before", None)  # a checkpoint from before the held-out sets were keyed by name
         if not state["commands"] and (out / DRAFT_MANIFEST).is_file():  # nor did it list commands: the manifest
             state["commands"] = [json.loads((out / DRAFT_MANIFEST).read_text()).get("command", "")]
-        if state.get("data_key") != data_key:  # the data grew: see the docstring
+        if state.get("data_key") != data.key:  # the data grew: see the docstring
             state.update(before=None, best=None)
         else:
             best_net = saved.get("best_net")
     if state["before"] is None:  # still the untrained initialisation here
         state["before"] = {name: evaluate(net, target, part) for name, part in held.items()}
-    state["data_key"] = data_key
+    state["data_key"] = data.key
     if not state["commands"] or state["commands"][-1] != command:
         state["commands"].append(command)
     if saved is not None:
@@ -763,12 +742,12 @@ def distill(settings: DistillSettings, command: str = "") -> dict[str, Any]:
         "target": {"name": target.name, "checksum": target.checksum(), "vocab_size": target.vocab_size},
         "layers": settings.layers, "init_layers": draft.extra.get("init_layers"),
         "head_size": len(head_ids), "shared_head": settings.share_head, "grown_from": state["grown_from"],
-        "data": {"sequences": len(records), "train_sequences": len(train), "heldout_sequences": len(held["heldout"]),
-                 "validation_sequences": len(valid),
-                 "teacher_positions": sum(len(r.positions) for r in records), "teacher_k": settings.teacher_k,
+        "data": {"sequences": len(data.records), "train_sequences": len(train),
+                 "heldout_sequences": len(held["heldout"]), "validation_sequences": len(valid),
+                 "teacher_positions": sum(len(r.positions) for r in data.records), "teacher_k": settings.teacher_k,
                  "temperature": settings.temperature, "text_file": settings.text_file,
-                 "greedy_data": settings.greedy_data, "greedy_train_sequences": len(greedy_train),
-                 "heldout_greedy_sequences": len(held["heldout_greedy"]), "self_prompts": len(written),
+                 "greedy_data": settings.greedy_data, "greedy_train_sequences": data.greedy_train,
+                 "heldout_greedy_sequences": len(held["heldout_greedy"]), "self_prompts": data.self_prompts,
                  "self_prompt_heldout_sequences": len(held.get("self_prompts", []))},
         "seed": settings.seed, "steps": state["step"], "train_minutes": round(state["elapsed"] / 60, 2),
         "train_minutes_total": round(state["elapsed"] / 60 + ((state["grown_from"] or {}).get("train_minutes") or 0),
@@ -780,6 +759,58 @@ def distill(settings: DistillSettings, command: str = "") -> dict[str, Any]:
     }
     save_draft(trained, out, manifest)
     return manifest
+
+
+@dataclass
+class DistillData:
+    """The recipe's records, split: what trains, what picks the best checkpoint, what is reported."""
+
+    train: list[Record]  # sampled, then greedy continuations
+    valid: list[Record]
+    held: dict[str, list[Record]]  # the reported held-out sets, by manifest name
+    greedy_train: int  # greedy continuations at the end of ``train``
+    self_prompts: int  # self-written prompts among the data's prompts
+
+    @property
+    def records(self) -> list[Record]:
+        return [*self.train, *self.valid, *(r for part in self.held.values() for r in part)]
+
+    @property
+    def key(self) -> list[int]:
+        """Training, validation, sampled and greedy held-out sizes: a checkpoint trained on other data sees it."""
+        sampled = len(self.held["heldout"]) + len(self.held.get("self_prompts", []))
+        greedy = len(self.held["heldout_greedy"]) + len(self.held.get("self_prompts_greedy", []))
+        return [len(self.train), len(self.valid), sampled, greedy]
+
+
+def distill_data(settings: DistillSettings, target: LoadedModel, work: Path) -> DistillData:
+    """Generate (or read back from ``work``) every continuation the recipe uses, and split it.
+
+    Why one function: the held-out sets must be exactly the ones a draft's manifest reports,
+    also for whoever scores another draft on them (``benchmarks/experiments/feature_draft``).
+    """
+    text = Path(settings.text_file).read_text(encoding="utf-8") if settings.text_file else None
+    base_prompts = _load_prompts(settings)
+    written = self_prompts(target, work, settings.self_prompts, seed=settings.seed) if settings.self_prompts else []
+    prompts = base_prompts + written
+    records = collect_data(target, work, prompts, shard_size=settings.shard_size,
+                           max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+                           teacher_k=settings.teacher_k, seed=settings.seed, text=text)
+    # each source is split on its own, so adding self-written prompts never moves a built-in
+    # (or --prompts) prompt from one split to another: a continued run stays uncontaminated
+    own = records[len(base_prompts) : len(prompts)]
+    splits = [split_records([r for r in part if r.positions], settings)
+              for part in (records[: len(base_prompts)] + records[len(prompts):], own) if part]
+    heldout, valid, train = ([r for split in splits for r in split[i]] for i in range(3))
+    greedy_held, greedy_valid, greedy_train = _greedy_parts(target, work, prompts, (heldout, valid), settings)
+    valid, train = valid + greedy_valid, train + greedy_train
+    self_keys = {r.prompt_ids for r in own}
+    held = {"heldout": [r for r in heldout if r.prompt_ids not in self_keys],
+            "heldout_greedy": [r for r in greedy_held if r.prompt_ids not in self_keys]}
+    if self_keys:
+        held["self_prompts"] = [r for r in heldout if r.prompt_ids in self_keys]
+        held["self_prompts_greedy"] = [r for r in greedy_held if r.prompt_ids in self_keys]
+    return DistillData(train, valid, held, len(greedy_train), len(written))
 
 
 def _starting_point(ckpt: Path, settings: DistillSettings, target: LoadedModel

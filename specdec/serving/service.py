@@ -204,16 +204,16 @@ class EngineService:
 
     def stats(self) -> ServiceStats:
         with self._lock:
-            steps, batch_sum = self._steps_done, self._batch_sum
-            kv = self._ctx.kv if self._ctx is not None else None
+            steps, batch_sum, kv_slots = self._steps_done, self._batch_sum, 0
             if self._ctx is not None:
+                kv_slots = self._ctx.kv.num_slots - self._ctx.kv.num_free
                 for record in list(self._ctx.run.steps):
                     steps, batch_sum = steps + 1, batch_sum + record.batch_size
             return ServiceStats(
                 submitted=self._counts["submitted"], finished=self._counts["finished"],
                 cancelled=self._counts["cancelled"], failed=self._counts["failed"], steps=steps,
                 mean_batch_size=batch_sum / steps if steps else 0.0, active=len(self._live),
-                kv_slots=kv.num_slots - kv.num_free if kv is not None else 0,
+                kv_slots=kv_slots,
                 queued=self.scheduler.pending(), loop_restarts=self._counts["restarts"],
             )
 

@@ -23,7 +23,7 @@ import torch
 from common import optimizer_step
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from specdec.distill import select_head
+from specdec.distill import _batch, select_head
 from specdec.export.models import load_model
 
 torch.set_num_threads(1)
@@ -31,7 +31,6 @@ OUT = Path(os.environ.get("FEATURE_DRAFT_DIR", "/tmp/feature_draft"))
 OUT.mkdir(parents=True, exist_ok=True)
 torch.manual_seed(0)
 steps_total = int(sys.argv[1])
-minutes = 1e9
 w_reg = float(sys.argv[2])
 init_layer = int(sys.argv[3])
 tag = sys.argv[4]
@@ -79,33 +78,16 @@ class Eagle(torch.nn.Module):
         return normed, normed @ self.head.t()
 
 
-column = torch.full((V,), -1, dtype=torch.long)
-column[head_ids] = torch.arange(len(head_ids))
-
-
 def batch(items):
-    w = max(len(r.tokens) for r, _ in items)
-    ids = torch.zeros(len(items), w, dtype=torch.long)
-    mask = torch.zeros(len(items), w)
-    feat_in = torch.zeros(len(items), w, H)
-    feat_tgt = torch.zeros(len(items), w, H)
-    rows, cols, probs = [], [], []
+    """distill's padded batch and head-restricted teacher, plus each position's previous and own target feature."""
+    ids, mask, rows, cols, probs = _batch([r for r, _ in items], head_ids, V)
+    feat_in = torch.zeros(*ids.shape, H)
+    feat_tgt = torch.zeros(*ids.shape, H)
     for b, (r, f) in enumerate(items):
         n = len(r.tokens)
-        ids[b, :n] = torch.tensor(r.tokens)
-        mask[b, :n] = 1
         feat_in[b, 1:n] = f[: n - 1].float()
         feat_tgt[b, :n] = f.float()
-        pos = torch.tensor(r.positions)
-        hc = column[r.top_ids.long()]
-        p = torch.exp(r.top_logp.float()) * (hc >= 0)
-        p = p / p.sum(-1, keepdim=True).clamp_min(1e-12)
-        fr = (b * w + pos - 1).unsqueeze(1).expand_as(hc)
-        keep = hc >= 0
-        rows.append(fr[keep])
-        cols.append(hc[keep])
-        probs.append(p[keep])
-    return ids, mask, feat_in, feat_tgt, torch.cat(rows), torch.cat(cols), torch.cat(probs)
+    return ids, mask, feat_in, feat_tgt, rows, cols, probs
 
 
 net = Eagle()
@@ -131,7 +113,6 @@ while step < steps_total:
     step += 1
 
 # eval: p from target head on true features (teacher-forced), depth 1 (true features) and depth 2 (draft's own)
-emb_full = emb_w
 
 
 @torch.no_grad()
@@ -151,7 +132,7 @@ def evaluate(items):
         fin2[0, 1:] = o1[0, :-1]
         _, l2 = net(ids, fin2, mask)
         pos = torch.tensor(r.positions) - 1
-        p = torch.softmax(f[pos] @ emb_full.t(), -1)
+        p = torch.softmax(f[pos] @ emb_w.t(), -1)
         for key, logits_d in (("d1", l1), ("d2", l2)):
             q = torch.zeros(len(pos), V)
             q[:, head_ids] = torch.softmax(logits_d[0, pos], -1)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaModel
 
-from specdec.distill import DistillSettings, _greedy_parts, _load_prompts, collect_data, self_prompts, split_records
+from specdec.distill import DistillSettings, distill_data
 from specdec.export.models import load_model
 
 torch.set_num_threads(2)
@@ -31,36 +31,10 @@ s = DistillSettings(
     greedy_data=True,
     self_prompts=1500,
 )
-work = Path(s.out) / ".work"
 target = load_model(s.target)
-base = _load_prompts(s)
-written = self_prompts(target, work, s.self_prompts, seed=s.seed)
-prompts = base + written
-records = collect_data(
-    target,
-    work,
-    prompts,
-    shard_size=s.shard_size,
-    max_new_tokens=s.max_new_tokens,
-    temperature=s.temperature,
-    teacher_k=s.teacher_k,
-    seed=s.seed,
-)
-own = records[len(base) : len(prompts)]
-splits = [
-    split_records([r for r in part if r.positions], s)
-    for part in (records[: len(base)] + records[len(prompts) :], own)
-    if part
-]
-heldout, valid, train = ([r for sp in splits for r in sp[i]] for i in range(3))
-gh, gv, gt = _greedy_parts(target, work, prompts, (heldout, valid), s)
-self_keys = {r.prompt_ids for r in own}
-held = {
-    "heldout": [r for r in heldout if r.prompt_ids not in self_keys],
-    "heldout_greedy": [r for r in gh if r.prompt_ids not in self_keys],
-    "self_prompts": [r for r in heldout if r.prompt_ids in self_keys],
-}
-print({k: len(v) for k, v in held.items()}, len(train), len(gt), len(valid), len(gv))
+split = distill_data(s, target, Path(s.out) / ".work")
+train, valid, held = split.train, split.valid, split.held
+print({k: len(v) for k, v in held.items()}, len(train), split.greedy_train, len(valid))
 
 cfg = target.config.__class__.from_dict({**target.config.to_dict(), "_attn_implementation": "sdpa"})
 body = LlamaModel(cfg)
@@ -91,13 +65,13 @@ def feats(recs, desc):
 
 n_train = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
 rng = random.Random(0)
-tr = train + gt
+tr = list(train)  # sampled, then greedy continuations
 rng.shuffle(tr)
 data = {
     "heldout": feats(held["heldout"], "heldout"),
     "heldout_greedy": feats(held["heldout_greedy"], "hg"),
     "self_prompts": feats(held["self_prompts"], "self"),
-    "valid": feats((valid + gv)[:200], "valid"),
+    "valid": feats(valid[:200], "valid"),
     "train": feats(tr[:n_train], "train"),
 }
 torch.save(data, str(OUT / "feats.pt"))
