@@ -151,7 +151,8 @@ def test_bench_beams_quick_writes_its_report(tiny_dir, tmp_path, capsys) -> None
     assert doc["pareto"] and all(r["tokens"] > 0 for r in doc["results"].values())
     assert doc["results"]["dsbd W_S=2 t=0.5"]["acceptance_rate"] > 0.5  # the draft is the target itself
     assert (out / "dsbd_pareto.png").stat().st_size > 0 and "Pareto front" in (out / "dsbd_pareto.md").read_text()
-    assert doc["meta"]["qa_items"] == 2 and all(0 <= r["exact_match"] <= 1 for r in doc["results"].values())
+    assert doc["meta"]["qa_items"] == 2 and all(0 <= r["exact_match"] <= r["qa_accuracy"] <= 1
+                                                for r in doc["results"].values())
     assert all(len(r["qa_answers"]) == 2 for r in doc["results"].values())
 
 
@@ -161,10 +162,26 @@ def test_the_qa_set_is_extractive_and_exact_match_normalises_only_form() -> None
     from specdec.bench_beams import exact_match, qa_set
 
     items = qa_set(12)
-    assert len(items) == 12 and len({a for _, a in items}) >= 10
-    for prompt, answer in items:
-        assert f"- {answer}: " in prompt and prompt.count('"') == 2
+    assert len(items) == 12 and len({item.answer for item in items}) >= 10
+    for item in items:
+        assert f"- {item.answer}: " in item.prompt and item.prompt.count('"') == 2
+        assert item.answer in item.choices and len(set(item.choices)) == 5
+        assert all(f"- {c}: " in item.prompt for c in item.choices)
     for text in ("heapq", "`heapq`.", "The heapq module", " HEAPQ\nbecause it is", '"heapq"', "The answer is: heapq"):
         assert exact_match(text, "heapq"), text
     for text in ("", "bisect", "heapq is the one", "heapqx", "import heapq"):
         assert not exact_match(text, "heapq"), text
+
+
+def test_qa_accuracy_takes_the_first_listed_module_the_answer_names() -> None:
+    """The first choice named as a whole word decides, in any case and quoting; names inside other words,
+    dotted names and unlisted modules do not count."""
+    from specdec.bench_beams import first_choice
+
+    choices = ("heapq", "shutil", "zipfile", "textwrap", "re")
+    for text, want in [("The module named `heapq`", "heapq"), ('It is "Shutil", not heapq.', "shutil"),
+                       ("zipfile", "zipfile"), ("heapq\nshutil", "heapq"), ("The module re handles it", "re"),
+                       ("There are regular modules; textwrap", "textwrap"), ("os.path, not heapq", "heapq"),
+                       ("The module is NumPy", None), ("heapqx and shutilx", None), ("", None),
+                       ("mypkg.shutil is it", None)]:
+        assert first_choice(text, choices) == want, text

@@ -28,8 +28,10 @@ pairs against the target's top-W per layer and outputs exactly what beam search 
 Beams end on EOS (they become candidates) or at ``max_tokens``; a group stops when it has
 ``width`` candidates or no live beam. The answer is the candidate with the best
 ``logprob / length ** length_penalty`` (logprob = the target's log-likelihood at temperature 1).
-Stop strings are applied to the chosen answer, not during the search; nothing streams
-before the group ends, because any beam may still be overtaken.
+After every round a group streams the prefix that all its live beams and finished candidates
+share (final, whatever the search does next); the rest streams when the group ends. Stop
+strings see the streamed tokens in order, so a stopped answer equals the stopper applied to
+the whole chosen answer.
 """
 
 from __future__ import annotations
