@@ -165,7 +165,7 @@ def run(engine: Engine, scorer: TorchBackend, prompts: Sequence[list[int]], conf
     accuracy of the outputs.
     """
     engine.num_draft_tokens = config.gamma
-    beam = None if config.method == "ems" else BeamParams(width=config.width, threshold=config.threshold,
+    beam = None if config.method in ("ems", "ar") else BeamParams(width=config.width, threshold=config.threshold,
                                                           memory_mode=config.memory_mode)
     requests = [engine.request(p, max_tokens=max_tokens, temperature=temperature, seed=seed + i, beam=beam)
                 for i, p in enumerate(prompts)]
@@ -219,7 +219,8 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         f"- Extractive QA: {meta['qa_items']} items ({meta['qa_workload']}), {meta['qa_max_tokens']} new tokens at "
         "most, same method and temperature; exact match = the first line is the bare name, QA accuracy = the first "
-        "listed module the answer names is the right one (a guess scores 0.20)",
+        "listed module the answer names is the right one (a guess scores 0.20); the target at temperature 0 "
+        f"scores {', '.join(f'{k} {v:.2f}' for k, v in meta.get('qa_reference', {}).items()) or '–'}",
         "",
         "| method | tokens/s | log-likelihood / token | exact match | QA accuracy | target calls | tokens / call | "
         "acceptance | mean beams / round | speed vs beam of the same width |",
@@ -340,6 +341,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                "qa_answers": scored["answers"]}
                 samples[config.label].append(sample)
                 bar.update()
+    # the target's own QA accuracy, deterministic: tells a task the model cannot do from a method that loses it
+    references = (Config("greedy", "ar"), Config(f"beam search W={max(widths)}", "beam", max(widths)))
+    qa_reference = {c.label: run(engine, target_backend, qa_prompts, c, args.qa_max_tokens, 0.0, args.seed,
+                                 qa=qa)["qa_accuracy"] for c in references} if qa else {}
     rows = {label: sorted(runs, key=lambda r: r["tokens_per_second"])[len(runs) // 2]
             for label, runs in samples.items()}
     info = machine_info()
@@ -354,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "docstring), chat template applied",
             "qa_items": len(qa), "qa_max_tokens": args.qa_max_tokens,
             "qa_workload": "which of five standard-library modules a quoted docstring line describes",
-            "qa_answers": [item.answer for item in qa],
+            "qa_answers": [item.answer for item in qa], "qa_reference": qa_reference,
             "notes": [*auto_notes(rows), *args.note],
         },
         "results": rows, "samples": samples,

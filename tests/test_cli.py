@@ -154,6 +154,8 @@ def test_bench_beams_quick_writes_its_report(tiny_dir, tmp_path, capsys) -> None
     assert doc["meta"]["qa_items"] == 2 and all(0 <= r["exact_match"] <= r["qa_accuracy"] <= 1
                                                 for r in doc["results"].values())
     assert all(len(r["qa_answers"]) == 2 for r in doc["results"].values())
+    assert set(doc["meta"]["qa_reference"]) == {"greedy", "beam search W=2"}
+    assert all(0 <= v <= 1 for v in doc["meta"]["qa_reference"].values())
 
 
 def test_the_qa_set_is_extractive_and_exact_match_normalises_only_form() -> None:
