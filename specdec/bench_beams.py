@@ -7,8 +7,8 @@ What: the same requests, decoded together as one batch, by
 * ``beam`` — target-only i.i.d. beam sampling with W = 2, 3, 4 (the law DSBD reproduces slot by slot);
 * ``dsbd`` — the draft beam-samples a forest of γ layers of W_S nodes, the target verifies
   every forest of the batch in one call; W_S = 2, 3, 4 with dynamic width (threshold t), with
-  fixed width (t = 0: every layer keeps W_S beams, the quality of beam W = W_S), and once in
-  the single-KV memory mode.
+  fixed width (t = 0: every layer keeps W_S beams, the quality of beam W = W_S), once with the
+  dynamic width held at two beams or more (``W_min = 2``), and once in the single-KV memory mode.
 
 Quality: the target's mean log-likelihood per token (temperature 1) of each returned
 sequence, rescored from scratch by one prefill (``continuation_logprob``), so every method is
@@ -79,6 +79,7 @@ class Config:
     threshold: float = 0.0
     memory_mode: str = "full"
     gamma: int = 3
+    min_width: int = 1
 
 
 def configs(widths: Sequence[int], threshold: float, gamma: int) -> list[Config]:
@@ -86,6 +87,9 @@ def configs(widths: Sequence[int], threshold: float, gamma: int) -> list[Config]
     out += [Config(f"beam W={w}", "beam", w) for w in widths]
     out += [Config(f"dsbd W_S={w} t={threshold}", "dsbd", w, threshold, gamma=gamma) for w in widths]
     out += [Config(f"dsbd W_S={w} t=0", "dsbd", w, 0.0, gamma=gamma) for w in widths]  # fixed width W_S
+    if max(widths) > 2:  # the dynamic width held above one beam: between sampling and beam quality
+        out.append(Config(f"dsbd W_S={max(widths)} t={threshold} W_min=2", "dsbd", max(widths), threshold,
+                          gamma=gamma, min_width=2))
     middle = widths[len(widths) // 2]
     out.append(Config(f"dsbd W_S={middle} t={threshold} single-KV", "dsbd", middle, threshold, "single", gamma))
     return out
@@ -165,8 +169,8 @@ def run(engine: Engine, scorer: TorchBackend, prompts: Sequence[list[int]], conf
     accuracy of the outputs.
     """
     engine.num_draft_tokens = config.gamma
-    beam = None if config.method in ("ems", "ar") else BeamParams(width=config.width, threshold=config.threshold,
-                                                          memory_mode=config.memory_mode)
+    beam = None if config.method in ("ems", "ar") else BeamParams(
+        width=config.width, min_width=config.min_width, threshold=config.threshold, memory_mode=config.memory_mode)
     requests = [engine.request(p, max_tokens=max_tokens, temperature=temperature, seed=seed + i, beam=beam)
                 for i, p in enumerate(prompts)]
     start = time.perf_counter()
