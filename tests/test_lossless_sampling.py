@@ -37,6 +37,7 @@ from scipy.stats import chisquare
 
 from specdec.export.models import LoadedModel, tiny_random
 from specdec.runtime import loops
+from specdec.runtime.draft_length import DraftLength, DraftStats
 from specdec.runtime.engine import Engine
 from specdec.runtime.request import Request
 from specdec.runtime.sampling import SamplingParams, sample, warp
@@ -122,21 +123,23 @@ def _assert_warp_well_conditioned(logits: torch.Tensor, params: SamplingParams) 
 
 
 def generate_samples(target: LoadedModel, draft: LoadedModel | str, method: str, params: SamplingParams,
-                     n: int, seed0: int, num_draft_tokens: int = 2) -> tuple[Counter, float, float]:
+                     n: int, seed0: int, num_draft_tokens: int = 2, draft_length: DraftLength | None = None,
+                     max_tokens: int = NUM_TOKENS) -> tuple[Counter, float, float]:
     """(counts of the first NUM_TOKENS outputs, acceptance rate, seconds) over ``n`` seeded requests."""
-    engine = Engine.from_models(target, draft, max_batch=MAX_BATCH, max_len=32, num_draft_tokens=num_draft_tokens)
+    engine = Engine.from_models(target, draft, max_batch=MAX_BATCH, max_len=32, num_draft_tokens=num_draft_tokens,
+                                draft_length=draft_length)
     requests = [
-        Request(PROMPT, max_tokens=NUM_TOKENS,
+        Request(PROMPT, max_tokens=max_tokens,
                 sampling=SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed0 + i))
         for i in range(n)
     ]
     start = time.perf_counter()
     result = engine.generate(requests, method)
     seconds = time.perf_counter() - start
-    assert all(o.error is None and len(o.token_ids) == NUM_TOKENS for o in result.outputs)
+    assert all(o.error is None and len(o.token_ids) == max_tokens for o in result.outputs)
     drafted = sum(o.metrics.draft_tokens for o in result.outputs)
     accepted = sum(o.metrics.accepted_draft_tokens for o in result.outputs)
-    return Counter(tuple(o.token_ids) for o in result.outputs), accepted / max(drafted, 1), seconds
+    return Counter(tuple(o.token_ids[:NUM_TOKENS]) for o in result.outputs), accepted / max(drafted, 1), seconds
 
 
 def marginal_counts(counts: Counter, keep: slice) -> Counter:
@@ -223,6 +226,33 @@ def test_ems_ngram_sampling_is_lossless(target: LoadedModel, plain_law: np.ndarr
     assert_lossless(counts, plain_law, "ems/ngram T=1")
 
 
+class RecordedLength(DraftLength):
+    """The adaptive policy, counting its (cap, chosen k) decisions in ``CHOSEN``."""
+
+    def choose(self, stats: DraftStats, k_max: int, draft_cost: float) -> int:
+        k = super().choose(stats, k_max, draft_cost)
+        CHOSEN[(k_max, k)] += 1
+        return k
+
+
+CHOSEN: Counter = Counter()
+
+
+def test_ems_adaptive_draft_length_sampling_is_lossless(target: LoadedModel, draft: LoadedModel,
+                                                        plain_law: np.ndarray) -> None:
+    """k chosen from each request's own acceptance so far (which depends on its earlier random draws) keeps
+    the law exact. Requests run 8 tokens so the budget does not fix k inside the first four: the prior
+    gives k = 1 at the first step, then an accepted draft raises the next step's k to 2 and a rejected
+    one keeps 1, so both choices under the same cap occur thousands of times."""
+    CHOSEN.clear()
+    policy = RecordedLength(verify_cost=0.15)  # + the model drafter's 0.1 per draft
+    counts, acceptance, seconds = generate_samples(target, draft, "ems", PLAIN, NUM_SAMPLES, seed0=5 * 10**6,
+                                                   draft_length=policy, max_tokens=2 * NUM_TOKENS)
+    print(f"ems/draft adaptive: {seconds:.1f} s, acceptance {acceptance:.3f}, choices {dict(CHOSEN)}")
+    assert CHOSEN[(2, 1)] > 1000 and CHOSEN[(2, 2)] > 1000
+    assert_lossless(counts, plain_law, "ems/draft adaptive k T=1")
+
+
 def test_vanilla_draft_model_sampling_is_lossless(target: LoadedModel, draft: LoadedModel,
                                                  plain_law: np.ndarray) -> None:
     counts, acceptance, seconds = generate_samples(target, draft, "vanilla", PLAIN, NUM_SAMPLES, seed0=3 * 10**6)
@@ -298,7 +328,16 @@ def _neighbours(count: int, offset: int) -> list[Request]:
     return out
 
 
-def test_seeded_request_output_does_not_depend_on_its_batch(rng_engine: Engine) -> None:
+@pytest.fixture(params=["fixed k", "adaptive k"])
+def rng_engine_k(rng_engine: Engine, request: pytest.FixtureRequest):
+    """The engine with a fixed k, or with the adaptive draft length (k from each request's own history)."""
+    rng_engine.draft_length = DraftLength(verify_cost=0.1) if request.param == "adaptive k" else None
+    yield rng_engine
+    rng_engine.draft_length = None
+
+
+def test_seeded_request_output_does_not_depend_on_its_batch(rng_engine_k: Engine) -> None:
+    rng_engine = rng_engine_k
     alone = rng_engine.generate([_needle()], "ems").outputs[0].token_ids
     assert len(alone) == 20
     first = rng_engine.generate([_needle(), *_neighbours(9, 100)], "ems").outputs[0].token_ids
@@ -312,7 +351,8 @@ def test_seeded_request_output_does_not_depend_on_its_batch(rng_engine: Engine) 
     assert late == alone
 
 
-def test_same_seed_repeats_and_different_seeds_differ(rng_engine: Engine) -> None:
+def test_same_seed_repeats_and_different_seeds_differ(rng_engine_k: Engine) -> None:
+    rng_engine = rng_engine_k
     outs = rng_engine.generate([_needle(7), _needle(7), _needle(8), *_neighbours(3, 500), _needle(7)],
                                "ems").outputs
     assert outs[0].token_ids == outs[1].token_ids == outs[-1].token_ids

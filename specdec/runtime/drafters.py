@@ -40,6 +40,8 @@ class Draft:
 
 class Drafter(Protocol):
     vocab_size: int | None
+    #: one draft token's cost in one-row target steps (what the adaptive draft length charges for it)
+    relative_cost: float
 
     def propose(self, seqs: Sequence[SeqState], ks: Sequence[int]) -> list[Draft]:
         """At most ``ks[i]`` draft tokens continuing ``seqs[i].tokens``."""
@@ -58,6 +60,7 @@ class NgramDrafter:
     """Prompt-lookup drafting: index every n-gram of prompt + output, copy what followed it."""
 
     vocab_size = None
+    relative_cost = 0.0  # a dictionary lookup
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 2) -> None:
         """Match the longest n-gram from ``max_ngram`` down to ``min_ngram`` (LLMA uses 2-grams;
@@ -104,6 +107,9 @@ class NgramDrafter:
 
 class ModelDrafter:
     """A draft LLaMA proposing chains, batched as ragged steps over its own KV slots."""
+
+    #: a 2-layer distilled draft of SmolLM2-135M costs 9-10% of a target step on a CPU (draft_pair.md)
+    relative_cost = 0.1
 
     def __init__(self, backend: Backend, max_batch: int, max_len: int) -> None:
         """``backend`` may have a restricted head (``backend.head_token_ids``); proposals are target ids."""

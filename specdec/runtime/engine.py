@@ -19,6 +19,7 @@ from specdec.export.models import LoadedModel
 from specdec.runtime.backends.base import Backend
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.beams import BEAM_LOOPS
+from specdec.runtime.draft_length import DraftLength
 from specdec.runtime.drafters import Drafter, ModelDrafter, NgramDrafter
 from specdec.runtime.kv import KVCacheManager
 from specdec.runtime.loops import LOOPS, DecodeContext
@@ -84,7 +85,8 @@ class Engine:
 
     def __init__(self, target: Backend, drafter: Drafter | None = None, *, tokenizer: Any = None,
                  eos_token_ids: Sequence[int] = (), max_batch: int = 16, max_len: int = 1024,
-                 num_draft_tokens: int = 4) -> None:
+                 num_draft_tokens: int = 4, draft_length: DraftLength | None = None) -> None:
+        """``num_draft_tokens``: k of every step, or with an adaptive ``draft_length`` the most a sequence drafts."""
         if getattr(target, "head_token_ids", None) is not None:
             raise ValueError("the target backend has a restricted LM head: the verifier needs logits over the "
                              "whole vocabulary (only a draft may restrict its head)")
@@ -97,12 +99,13 @@ class Engine:
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_batch, self.max_len, self.num_draft_tokens = max_batch, max_len, num_draft_tokens
+        self.draft_length = draft_length
         self.storage = target.allocate_cache(max_batch, max_len)
 
     @classmethod
     def from_models(cls, target: LoadedModel, draft: LoadedModel | str | None = "ngram", *,
                     max_batch: int = 16, max_len: int | None = None, num_draft_tokens: int = 4,
-                    ngram: int = 3, min_ngram: int = 2) -> Engine:
+                    ngram: int = 3, min_ngram: int = 2, draft_length: DraftLength | None = None) -> Engine:
         """Torch backends for ``target`` and ``draft`` (a model, ``"ngram"`` or ``None``)."""
         max_len = max_len or min(int(target.config.max_position_embeddings), 2048)
         backend = TorchBackend(target)
@@ -117,12 +120,12 @@ class Engine:
         else:
             raise ValueError(f"draft must be a loaded model, 'ngram' or None, got {draft!r}")
         return cls(backend, drafter, tokenizer=target.tokenizer, eos_token_ids=target.eos_token_ids,
-                   max_batch=max_batch, max_len=max_len, num_draft_tokens=num_draft_tokens)
+                   max_batch=max_batch, max_len=max_len, num_draft_tokens=num_draft_tokens, draft_length=draft_length)
 
     @classmethod
     def from_export(cls, directory: str | Path, *, max_batch: int | None = None, max_len: int | None = None,
                     num_draft_tokens: int = 4, drafter: str | None = None,
-                    threads: int | None = None) -> Engine:
+                    threads: int | None = None, draft_length: DraftLength | None = None) -> Engine:
         """An engine over a ``specdec-export`` directory, on the backend it was exported for.
 
         The manifest's checksums are verified first, so a corrupt graph is refused at load.
@@ -141,7 +144,7 @@ class Engine:
             target = load_model(root)
             draft = drafter or (load_model(root / "draft") if "draft" in manifest else "ngram")
             return cls.from_models(target, draft, max_batch=max_batch, max_len=max_len,
-                                   num_draft_tokens=num_draft_tokens)
+                                   num_draft_tokens=num_draft_tokens, draft_length=draft_length)
         meta = load_export_metadata(root, "target")
         open_backend = _backend_opener(backend_kind, threads)
         target_backend = open_backend(root / manifest["target"]["graph"])
@@ -153,7 +156,7 @@ class Engine:
         else:
             chosen = ModelDrafter(open_backend(root / manifest["draft"]["graph"]), max_batch, max_len)
         return cls(target_backend, chosen, tokenizer=meta.tokenizer, eos_token_ids=meta.eos_token_ids,
-                   max_batch=max_batch, max_len=max_len, num_draft_tokens=num_draft_tokens)
+                   max_batch=max_batch, max_len=max_len, num_draft_tokens=num_draft_tokens, draft_length=draft_length)
 
     def sibling(self) -> Engine:
         """Another engine over the same model backends with its own KV caches (a second decoding loop).
@@ -167,7 +170,8 @@ class Engine:
         elif isinstance(self.drafter, NgramDrafter):
             drafter = NgramDrafter(self.drafter.max_ngram, self.drafter.min_ngram)
         return Engine(self.target, drafter, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
-                      max_batch=self.max_batch, max_len=self.max_len, num_draft_tokens=self.num_draft_tokens)
+                      max_batch=self.max_batch, max_len=self.max_len, num_draft_tokens=self.num_draft_tokens,
+                      draft_length=self.draft_length)
 
     # -- requests ---------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
@@ -215,7 +219,8 @@ class Engine:
             self.drafter.reset()
         stopper = StopChecker(self.eos_token_ids, self.max_len, self.decode if self.tokenizer else None)
         return DecodeContext(self.target, KVCacheManager(self.storage), scheduler, stopper, self.drafter,
-                             self.num_draft_tokens, on_tokens, on_finish, keep_running, on_logits, is_cancelled)
+                             self.num_draft_tokens, on_tokens, on_finish, keep_running, on_logits, is_cancelled,
+                             self.draft_length)
 
     def generate(self, requests: Sequence[Request | Exception], method: str = "ems",
                  progress: bool = False) -> GenerationResult:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.runtime.backends.base import Backend
+from specdec.runtime.draft_length import DraftLength
 from specdec.runtime.drafters import Draft, Drafter
 from specdec.runtime.kv import KVCacheManager
 from specdec.runtime.metrics import RunMetrics, StepRecord
@@ -45,6 +46,8 @@ class DecodeContext:
     #: beam loops, which emit only what every candidate shares (maybe nothing for a long while), ask this
     #: between rounds)
     is_cancelled: Callable[[SeqState], bool] | None = None
+    #: adaptive draft length: each sequence's k from its own acceptance, at most the k above (None: always that k)
+    draft_length: DraftLength | None = None
     run: RunMetrics = field(default_factory=lambda: RunMetrics("?"))
 
     def has_work(self, live: Sequence[SeqState]) -> bool:
@@ -59,13 +62,19 @@ class DecodeContext:
         return self.scheduler.admit(self.kv, len(live))
 
     def draft_lengths(self, seqs: Sequence[SeqState]) -> list[int]:
-        """k_i per sequence: its requested k, capped so it never drafts past max_tokens or the context."""
+        """k_i per sequence: its requested k, capped so it never drafts past max_tokens or the context.
+
+        With an adaptive ``draft_length`` that k is the most a sequence drafts; the policy picks
+        k_i from the sequence's own acceptance so far.
+        """
         ks = []
+        policy, cost = self.draft_length, getattr(self.drafter, "relative_cost", 0.0)
         for seq in seqs:
             k = self.num_draft_tokens if seq.request.num_draft_tokens is None else seq.request.num_draft_tokens
             budget = seq.request.max_tokens - seq.num_generated - 1  # one token always comes from the target
             room = self.kv.room(seq.slot) - 1  # rows written: last token + k drafts
-            ks.append(max(0, min(k, budget, room)))
+            k = max(0, min(k, budget, room))
+            ks.append(k if policy is None else policy.choose(seq.draft_stats, k, cost))
         return ks
 
     def propose(self, seqs: Sequence[SeqState], ks: Sequence[int] | None = None) -> tuple[list[Draft], float]:
@@ -121,6 +130,8 @@ class DecodeContext:
         self.count_call(seq)
         seq.metrics.draft_tokens += len(draft.tokens)
         seq.metrics.accepted_draft_tokens += accepted
+        seq.draft_stats.record(len(draft.tokens), accepted,
+                               1.0 if self.draft_length is None else self.draft_length.memory)
         self.run.steps[-1].accepted_draft_tokens += accepted
         return tokens
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.runtime.draft_length import DraftStats
 from specdec.runtime.sampling import InvalidRequestError, SamplingParams
 
 _ids = itertools.count()
@@ -222,6 +223,7 @@ class SeqState:
     metrics: RequestMetrics
     finish_reason: str | None = None
     sequences: list[BeamCandidate] = field(default_factory=list)  # beam / dsbd: the returned candidates
+    draft_stats: DraftStats = field(default_factory=DraftStats)  # acceptance by depth (adaptive draft length)
 
     @classmethod
     def start(cls, request: Request, slot: int) -> SeqState:

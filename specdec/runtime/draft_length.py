@@ -1,0 +1,131 @@
+"""Adaptive draft length: each sequence drafts the k its own acceptance history says pays most.
+
+Why: a draft token pays only when it is accepted often enough to cover what it costs, its
+draft step and its row in the verification. On a CPU a verified row costs a tenth to a quarter
+of a one-row target step (``benchmarks/results/draft_pair.md``), and acceptance differs from
+request to request: an answer that copies its prompt accepts far more than a free-form one. So
+no fixed k suits every sequence: the best fixed k of that benchmark changes with the workload
+and the batch size, and a k that is too long makes speculation slower than ``ar``. EMS-SD
+already lets every sequence draft its own k_i at no padding cost, so k can be chosen per
+sequence.
+
+The choice: with ``beta_j`` the sequence's rate of acceptance at depth j given the j-1 drafts
+before it were accepted, k drafts yield ``1 + sum_{j<=k} prod_{i<=j} beta_i`` tokens per step
+and cost ``1 + k * (draft_cost + verify_cost)`` one-row target steps; the policy takes the k
+with the most tokens per cost. Each ``beta_j`` is the sequence's own count, shrunk toward the
+rate one depth shallower (``prior_acceptance`` at depth 1), so a short history or a depth never
+drafted yet does not swing k.
+
+Exactness: k is fixed before the drafts are drawn and depends only on the sequence's own past,
+and verification is exact for any such k. Greedy output is unchanged and sampling keeps the
+target's law. Nothing depends on batch-mates, so a seeded request gives the same output alone
+and in any batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DraftStats:
+    """One sequence's verification history by draft depth (index 0 = the first draft of a step).
+
+    ``reached[j]``: drafts at depth j+1 that were verified with every draft before them accepted
+    (the only ones whose fate says something about depth j+1); ``accepted[j]``: those accepted.
+    Counts fade by ``memory`` per verification, so they describe the text the sequence is in now.
+    """
+
+    reached: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+    idle: int = 0  # steps since the last one with a draft
+
+    def record(self, drafted: int, accepted: int, memory: float = 1.0) -> None:
+        """One verification: ``drafted`` drafts, of which the first ``accepted`` were accepted.
+
+        Steps without drafts say nothing about acceptance and fade nothing.
+        """
+        if not 0 <= accepted <= drafted:
+            raise ValueError(f"need 0 <= accepted <= drafted, got {accepted} of {drafted}")
+        self.idle = 0 if drafted else self.idle + 1
+        if not drafted:
+            return
+        if memory != 1.0:
+            self.reached = [memory * n for n in self.reached]
+            self.accepted = [memory * n for n in self.accepted]
+        grow = drafted - len(self.reached)
+        if grow > 0:
+            self.reached.extend([0.0] * grow)
+            self.accepted.extend([0.0] * grow)
+        for j in range(min(drafted, accepted + 1)):
+            self.reached[j] += 1
+        for j in range(accepted):
+            self.accepted[j] += 1
+
+
+@dataclass(frozen=True)
+class DraftLength:
+    """The per-sequence draft-length policy; costs are in units of one one-row target step.
+
+    ``draft_cost``: one draft token (None: the drafter's own ``relative_cost``, 0 for prompt
+    lookup). ``verify_cost``: one more verified row per sequence. ``prior_acceptance`` and
+    ``prior_weight``: the depth-1 rate assumed before any verification, worth that many
+    observations. ``memory``: how much of its history a sequence keeps per verification
+    (0.95: about the last 20 count), so k follows a text that turns from free-form to copied.
+    ``min_k``: the shortest draft (0: a sequence whose drafts do not pay stops drafting).
+    ``probe_every``: a sequence that stopped drafts one token again after that many steps
+    without, so it notices when its text turns predictable (a list it starts to copy);
+    otherwise its estimate, and its k, could never change again.
+    """
+
+    draft_cost: float | None = None
+    verify_cost: float = 0.15
+    prior_acceptance: float = 0.5
+    prior_weight: float = 2.0
+    memory: float = 0.95
+    min_k: int = 0
+    probe_every: int = 8
+
+    def __post_init__(self) -> None:
+        if self.draft_cost is not None and self.draft_cost < 0:
+            raise ValueError(f"draft_cost must be >= 0, got {self.draft_cost}")
+        if self.verify_cost < 0:
+            raise ValueError(f"verify_cost must be >= 0, got {self.verify_cost}")
+        if not 0.0 <= self.prior_acceptance <= 1.0:
+            raise ValueError(f"prior_acceptance must be in [0, 1], got {self.prior_acceptance}")
+        if self.prior_weight <= 0:
+            raise ValueError(f"prior_weight must be > 0, got {self.prior_weight}")
+        if not 0.0 < self.memory <= 1.0:
+            raise ValueError(f"memory must be in (0, 1], got {self.memory}")
+        if self.min_k < 0:
+            raise ValueError(f"min_k must be >= 0, got {self.min_k}")
+        if self.probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
+
+    def rates(self, stats: DraftStats, depth: int) -> list[float]:
+        """``beta_1..beta_depth``, each shrunk toward the one before (the first toward ``prior_acceptance``)."""
+        prior, out = self.prior_acceptance, []
+        for j in range(depth):
+            reached = stats.reached[j] if j < len(stats.reached) else 0
+            accepted = stats.accepted[j] if j < len(stats.accepted) else 0
+            prior = (accepted + self.prior_weight * prior) / (reached + self.prior_weight)
+            out.append(prior)
+        return out
+
+    def choose(self, stats: DraftStats, k_max: int, draft_cost: float) -> int:
+        """The k in ``[min(min_k, k_max), k_max]`` with the most expected tokens per unit of cost (ties: shorter).
+
+        A choice of 0 becomes 1 once the sequence has gone ``probe_every`` steps without a draft.
+        """
+        if k_max <= self.min_k:
+            return max(0, k_max)
+        per_draft = (self.draft_cost if self.draft_cost is not None else draft_cost) + self.verify_cost
+        best_k, best = (0, 1.0) if self.min_k == 0 else (-1, -1.0)
+        expected, survive = 1.0, 1.0
+        for k, beta in enumerate(self.rates(stats, k_max), start=1):
+            survive *= beta
+            expected += survive
+            value = expected / (1.0 + k * per_draft)
+            if k >= self.min_k and value > best * (1 + 1e-9):
+                best_k, best = k, value
+        return 1 if best_k == 0 and stats.idle >= self.probe_every else best_k

@@ -1,0 +1,148 @@
+"""The adaptive draft length: the policy's arithmetic, and that decoding with it stays exact.
+
+Sampling with it is checked in ``test_lossless_sampling.py`` (the enumerated-law test) and its
+batch invariance there too; here: the tokens-per-cost choice, the per-depth counts, and greedy
+identity with ``ar`` while k really moves (a draft equal to the target drives every sequence to
+the cap, an unrelated one to the floor).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.export.models import tiny_random
+from specdec.runtime.backends.torch_backend import TorchBackend
+from specdec.runtime.draft_length import DraftLength, DraftStats
+from specdec.runtime.drafters import ModelDrafter, NgramDrafter
+from specdec.runtime.engine import Engine
+from specdec.runtime.request import Request
+
+
+def test_stats_count_each_depth_only_when_the_drafts_before_it_were_accepted() -> None:
+    stats = DraftStats()
+    stats.record(3, 1)  # depth 1 accepted, depth 2 rejected, depth 3 never judged on its own
+    assert (stats.reached, stats.accepted) == ([1, 1, 0], [1, 0, 0])
+    stats.record(1, 1)
+    stats.record(4, 4)
+    assert (stats.reached, stats.accepted) == ([3, 2, 1, 1], [3, 1, 1, 1])
+    assert stats.idle == 0
+    stats.record(0, 0)
+    stats.record(0, 0)
+    assert stats.reached == [3, 2, 1, 1] and stats.idle == 2
+    stats.record(1, 0)
+    assert stats.idle == 0 and stats.reached == [4, 2, 1, 1]
+    stats.record(2, 2, memory=0.5)  # old counts fade before the new one is added
+    assert (stats.reached, stats.accepted) == ([3.0, 2.0, 0.5, 0.5], [2.5, 1.5, 0.5, 0.5])
+    with pytest.raises(ValueError, match="accepted <= drafted"):
+        stats.record(2, 3)
+
+
+def test_rates_shrink_each_depth_toward_the_one_before() -> None:
+    policy = DraftLength(prior_acceptance=0.5, prior_weight=2.0)
+    stats = DraftStats([8, 0], [6, 0])
+    beta1 = (6 + 2 * 0.5) / (8 + 2)
+    assert policy.rates(stats, 3) == pytest.approx([beta1, beta1, beta1])  # no data at depths 2-3: beta1 itself
+    assert policy.rates(DraftStats(), 1) == [0.5]
+
+
+def expected_value(betas: list[float], cost: float) -> float:
+    tokens, survive = 1.0, 1.0
+    for beta in betas:
+        survive *= beta
+        tokens += survive
+    return tokens / (1 + len(betas) * cost)
+
+
+@pytest.mark.parametrize("accepted,reached", [(0, 40), (10, 40), (20, 40), (30, 40), (39, 40), (40, 40)])
+@pytest.mark.parametrize("cost", [0.0, 0.05, 0.25, 0.6])
+def test_choose_maximises_tokens_per_cost_by_brute_force(accepted: int, reached: int, cost: float) -> None:
+    """Against the formula evaluated for every k (min_k 0 and 1, cap 6)."""
+    stats = DraftStats([reached, accepted, accepted // 2], [accepted, accepted // 2, accepted // 4])
+    for min_k in (0, 1):
+        policy = DraftLength(draft_cost=cost / 2, verify_cost=cost / 2, min_k=min_k)
+        betas = policy.rates(stats, 6)
+        values = {k: expected_value(betas[:k], cost) for k in range(min_k, 7)}
+        best = max(values.values())
+        want = min(k for k, v in values.items() if v >= best * (1 - 1e-9))
+        assert policy.choose(stats, 6, draft_cost=99.0) == want  # the policy's own draft_cost wins
+
+
+def test_choose_follows_acceptance_and_cost() -> None:
+    policy = DraftLength(verify_cost=0.15)
+    good, bad = DraftStats([50, 48, 47], [48, 47, 46]), DraftStats([50, 5], [5, 1])
+    assert policy.choose(good, 6, draft_cost=0.1) == 6
+    assert policy.choose(bad, 6, draft_cost=0.1) == 0  # drafting does not pay: stop
+    assert DraftLength(verify_cost=0.15, min_k=1).choose(bad, 6, draft_cost=0.1) == 1  # a floor keeps measuring
+    assert DraftLength(verify_cost=0.0, min_k=0).choose(bad, 6, draft_cost=0.0) == 6  # free drafts always pay
+    assert policy.choose(good, 2, draft_cost=0.1) == 2  # never above the cap
+    assert policy.choose(good, 0, draft_cost=0.1) == 0
+    assert DraftLength(min_k=3).choose(bad, 2, draft_cost=0.1) == 2  # a cap below the floor wins
+    # an expensive draft is worth fewer tokens than a free one at the same acceptance
+    middling = DraftStats([50, 30, 20], [30, 20, 12])
+    assert policy.choose(middling, 6, draft_cost=0.0) > policy.choose(middling, 6, draft_cost=1.0)
+
+
+def test_a_sequence_that_stopped_drafting_probes_again() -> None:
+    """After ``probe_every`` draft-free steps one draft is tried; its acceptance can bring drafting back."""
+    policy = DraftLength(verify_cost=0.15, probe_every=3)
+    stats = DraftStats([20], [2])
+    chosen = []
+    for _ in range(4):
+        chosen.append(policy.choose(stats, 4, draft_cost=0.1))
+        stats.record(chosen[-1], 0)
+    assert chosen == [0, 0, 0, 1]
+    for _ in range(30):  # the text turned predictable: every probe and draft is accepted
+        k = policy.choose(stats, 4, draft_cost=0.1)
+        stats.record(k, k, policy.memory)
+    assert policy.choose(stats, 4, draft_cost=0.1) == 4
+    # without fading, the 18 early rejections still hold k down
+    stale = DraftStats([20 + 30], [2 + 30])
+    assert policy.choose(stale, 4, draft_cost=0.1) < 4
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"draft_cost": -0.1}, "draft_cost"), ({"verify_cost": -1.0}, "verify_cost"),
+    ({"prior_acceptance": 1.5}, "prior_acceptance"), ({"prior_weight": 0.0}, "prior_weight"),
+    ({"min_k": -1}, "min_k"), ({"probe_every": 0}, "probe_every"), ({"memory": 0.0}, "memory"),
+])
+def test_bad_settings_are_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DraftLength(**kwargs)
+
+
+def test_drafters_state_their_cost() -> None:
+    tiny = tiny_random(seed=3, vocab_size=64, num_layers=1)
+    assert NgramDrafter.relative_cost == 0.0
+    assert 0 < ModelDrafter(TorchBackend(tiny), 1, 16).relative_cost < 1
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    return tiny_random(seed=11, vocab_size=96, num_layers=2, init_std=0.05)
+
+
+@pytest.mark.parametrize("draft_kind", ["same", "random", "ngram"])
+def test_adaptive_ems_equals_ar_while_k_follows_acceptance(tiny_target, draft_kind: str) -> None:
+    """Greedy ems with the policy is token-identical to ar; a draft equal to the target drafts the cap
+    every step after the first, an unrelated one soon drafts the floor."""
+    backend = TorchBackend(tiny_target)
+    draft = {"same": lambda: ModelDrafter(TorchBackend(tiny_target), 4, 256),
+             "random": lambda: ModelDrafter(TorchBackend(tiny_random(seed=12, vocab_size=96, num_layers=1)), 4, 256),
+             "ngram": NgramDrafter}[draft_kind]()
+    engine = Engine(backend, draft, max_batch=4, max_len=256, num_draft_tokens=5,
+                    draft_length=DraftLength(verify_cost=0.2))
+    prompts = [[5, 6, 7], [9] * 20, [1, 2, 3, 4] * 6, [40]]
+    requests = [Request(p, max_tokens=40) for p in prompts]
+    ar = engine.generate(requests, "ar")
+    ems = engine.generate(requests, "ems")
+    assert [o.token_ids for o in ems.outputs] == [o.token_ids for o in ar.outputs]
+    steps = ems.run.steps[1:]  # after the prefill
+    drafted = [s.draft_tokens for s in steps]
+    if draft_kind == "same":
+        assert ems.run.summary()["acceptance_rate"] == 1.0
+        # k grows from the prior's choice to the cap; the last steps are cut by max_tokens
+        assert max(drafted) == 5 * len(prompts) and drafted[0] < drafted[2]
+    elif draft_kind == "random":
+        assert ems.run.summary()["acceptance_rate"] < 0.2
+        # drafting stops (0 drafts) except for a probe every 8 steps
+        assert drafted[-1] <= len(prompts) and drafted.count(0) > len(drafted) // 2
