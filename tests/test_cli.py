@@ -47,6 +47,12 @@ def test_generate_json_in_prompt_order_and_identical_to_ar(tiny_dir, capsys) -> 
                 "mean_accepted_length", "target_rows_padded"):
         assert key in ems["metrics"]
     assert all(isinstance(o["text"], str) for o in ems["outputs"])
+    # the adaptive draft length changes how much is drafted, never the greedy tokens
+    adaptive = run_json(capsys, *common, "--method", "ems", "--draft", str(tiny_dir), "--adaptive-draft",
+                        "--num-draft-tokens", "6")
+    fixed = run_json(capsys, *common, "--method", "ems", "--draft", str(tiny_dir), "--num-draft-tokens", "6")
+    assert [o["token_ids"] for o in adaptive["outputs"]] == [o["token_ids"] for o in ar["outputs"]]
+    assert adaptive["metrics"]["draft_tokens"] != fixed["metrics"]["draft_tokens"]
 
 
 def test_prompts_file_formats_and_compare_ar(tiny_dir, tmp_path, capsys) -> None:
@@ -91,13 +97,18 @@ def test_bad_inputs_exit_nonzero_with_clear_messages(tiny_dir, tmp_path, capsys)
 def test_export_directory_roundtrip_force_and_corruption(tiny_dir, tmp_path, capsys) -> None:
     out = tmp_path / "deploy"
     assert export_main(["--target", str(tiny_dir), "--draft", str(tiny_dir), "--out", str(out),
-                        "--backend", "torch"]) == 0
+                        "--backend", "torch", "--adaptive-draft"]) == 0
+    engine_config = (out / "triton_repo" / "specdec_engine" / "config.pbtxt").read_text()
+    assert 'key: "adaptive_draft" value: { string_value: "1" }' in engine_config
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["drafter"] == "model" and manifest["target"]["vocab_size"] == manifest["draft"]["vocab_size"]
     assert export_main(["--target", str(tiny_dir), "--out", str(out)]) == 2
     assert "--force" in capsys.readouterr().err
     doc = run_json(capsys, "--target", str(out), "--prompt", "hello there", "--max-tokens", "6")
     assert doc["metrics"]["draft_tokens"] > 0  # the exported draft model was used
+    adaptive = run_json(capsys, "--target", str(out), "--prompt", "hello there", "--max-tokens", "6",
+                        "--adaptive-draft")
+    assert adaptive["outputs"][0]["token_ids"] == doc["outputs"][0]["token_ids"]
     assert export_main(["--target", str(tiny_dir), "--out", str(out), "--force", "--backend", "torch"]) == 0
     assert not (out / "draft").exists()
     weights = out / "target" / "model.safetensors"

@@ -30,6 +30,7 @@ except TritonNotFoundError as exc:  # pragma: no cover - depends on the machine
     pytest.skip(f"no tritonserver available: {exc}", allow_module_level=True)
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] (the `serve` extra) not installed")
 
+from specdec.runtime.draft_length import DraftLength  # noqa: E402
 from specdec.runtime.engine import Engine  # noqa: E402
 from specdec.serving.client import Answer, ClientError, SpecdecClient  # noqa: E402
 from specdec.serving.repository import ServingOptions, write_repository  # noqa: E402
@@ -461,5 +462,41 @@ def test_dsbd_on_a_deployment_without_a_draft_model_is_a_named_error(smollm2_exp
         assert beam.result().output_ids == want.token_ids
         again = client.generate(PROMPTS[0][0], **_params(0, 12, method="beam", beam_width=2))
         assert again.output_ids == want.token_ids and again.beam_widths == want.metrics.beam_widths
+    finally:
+        assert srv.stop() == 0, srv.read_log()[-3000:]
+
+
+def test_an_adaptive_draft_deployment_gives_the_same_answers(smollm2_export: Path, reference: dict,
+                                                             tmp_path: Path) -> None:
+    """An export served with ``adaptive_draft`` (each sequence picks its own k up to the served 4): its config
+    says so; 8 concurrent greedy requests, half of them streamed, give the fixed-k runtime's tokens (greedy
+    speculation is exact for any k); a seeded sampled request gives the local adaptive engine's answer (k comes
+    from the request's own history, not from its batch-mates); and the sequences drafted fewer than 4 tokens
+    per step on average, so the policy did choose."""
+    shadow = _shadow_export(smollm2_export, tmp_path, ServingOptions(adaptive_draft=True))
+    config = (shadow / "triton_repo" / "specdec_engine" / "config.pbtxt").read_text()
+    assert 'key: "adaptive_draft" value: { string_value: "1" }' in config
+    local = Engine.from_export(smollm2_export, threads=1, draft_length=DraftLength())
+    sampled = dict(temperature=0.8, seed=3)
+    want = local.generate([local.request(PROMPTS[2][0], chat=PROMPTS[2][1], max_tokens=24, **sampled)],
+                          "ems").outputs[0]
+    grpc, http, metrics = free_ports()
+    srv = TritonServer()
+    srv.start(shadow, grpc_port=grpc, http_port=http, metrics_port=metrics, exit_timeout_s=20)
+    try:
+        srv.wait_ready(300)
+        pool = ThreadPoolExecutor(9)
+        greedy = [pool.submit(lambda i=i, m=m: getattr(SpecdecClient(srv.grpc_url),
+                                                       "generate_stream" if i % 2 else "generate")(
+            PROMPTS[i][0], **_params(i, m))) for i, m in enumerate(CONCURRENT_MAX_TOKENS)]
+        seeded = pool.submit(lambda: SpecdecClient(srv.grpc_url).generate(PROMPTS[2][0],
+                                                                         **_params(2, 24, **sampled)))
+        answers = [f.result() for f in greedy]
+        for i, (answer, m) in enumerate(zip(answers, CONCURRENT_MAX_TOKENS)):
+            _check(answer, reference, i, m)
+        assert seeded.result().output_ids == want.token_ids
+        drafted = sum(a.draft_tokens for a in answers)
+        decode_steps = sum(a.target_calls - 1 for a in answers)
+        assert 0 < drafted < 4 * decode_steps
     finally:
         assert srv.stop() == 0, srv.read_log()[-3000:]

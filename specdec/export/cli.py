@@ -214,12 +214,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
     parser.add_argument("--num-draft-tokens", type=int, default=4, help="served k when a request does not say")
+    parser.add_argument("--adaptive-draft", action="store_true",
+                        help="served ems: each sequence drafts the k (at most the request's or the served k) that "
+                             "its own acceptance says pays most")
     parser.add_argument("--intra-op-threads", type=int, default=0,
                         help="ONNX Runtime threads of the served engine (0 = all cores)")
     args = parser.parse_args(argv)
     draft = None if args.draft in (None, "none", "ngram") else args.draft
     try:
-        serving = ServingOptions(intra_op_threads=args.intra_op_threads, num_draft_tokens=args.num_draft_tokens)
+        serving = ServingOptions(intra_op_threads=args.intra_op_threads, num_draft_tokens=args.num_draft_tokens,
+                                 adaptive_draft=args.adaptive_draft)
         out = export(args.target, draft, Path(args.out), args.force, args.backend, args.dtype, args.max_batch,
                      args.max_len, serving)
     except (ModelResolutionError, ExportDirError, ValueError, RuntimeError) as exc:

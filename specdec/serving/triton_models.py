@@ -246,6 +246,7 @@ class EngineModel:
     """The decoupled engine: one ``EngineService`` for every request of both entry points."""
 
     def initialize(self, args: dict[str, str]) -> None:
+        from specdec.runtime.draft_length import DraftLength
         from specdec.runtime.engine import Engine
 
         _dump_threads_on_sigusr1()
@@ -259,6 +260,7 @@ class EngineModel:
         self.engine = Engine.from_export(
             _export_dir(args), max_batch=number("max_batch") or None, threads=number("intra_op_threads") or None,
             num_draft_tokens=number("num_draft_tokens", 4), drafter=params.get("drafter") or None,
+            draft_length=DraftLength() if number("adaptive_draft", 0) else None,
         )
         self.default_max_tokens = number("default_max_tokens") or 64
         self.service = EngineService(self.engine, "ems").start()
