@@ -7,8 +7,10 @@ What: the same requests, decoded together as one batch, by
 * ``beam`` — target-only i.i.d. beam sampling with W = 2, 3, 4 (the law DSBD reproduces slot by slot);
 * ``dsbd`` — the draft beam-samples a forest of γ layers of W_S nodes, the target verifies
   every forest of the batch in one call; W_S = 2, 3, 4 with dynamic width (threshold t), with
-  fixed width (t = 0: every layer keeps W_S beams, the quality of beam W = W_S), once with the
-  dynamic width held at two beams or more (``W_min = 2``), and once in the single-KV memory mode.
+  fixed width (t = 0: every layer keeps W_S beams, the quality of beam W = W_S), the same with
+  the number of draft layers chosen per request from its own layer passes (adaptive γ, at most
+  γ), once with the dynamic width held at two beams or more (``W_min = 2``), and once in the
+  single-KV memory mode.
 
 Quality: the target's mean log-likelihood per token (temperature 1) of each returned
 sequence, rescored from scratch by one prefill (``continuation_logprob``), so every method is
@@ -62,6 +64,7 @@ from specdec.distill import load_pair
 from specdec.export.models import DEFAULT_TARGET
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.beams import continuation_logprob
+from specdec.runtime.draft_length import DraftLength
 from specdec.runtime.drafters import ModelDrafter
 from specdec.runtime.engine import Engine
 from specdec.runtime.request import BeamParams
@@ -80,6 +83,7 @@ class Config:
     memory_mode: str = "full"
     gamma: int = 3
     min_width: int = 1
+    adaptive: bool = False  # γ per request from its own layer passes (the adaptive draft length), at most gamma
 
 
 def configs(widths: Sequence[int], threshold: float, gamma: int) -> list[Config]:
@@ -87,6 +91,7 @@ def configs(widths: Sequence[int], threshold: float, gamma: int) -> list[Config]
     out += [Config(f"beam W={w}", "beam", w) for w in widths]
     out += [Config(f"dsbd W_S={w} t={threshold}", "dsbd", w, threshold, gamma=gamma) for w in widths]
     out += [Config(f"dsbd W_S={w} t=0", "dsbd", w, 0.0, gamma=gamma) for w in widths]  # fixed width W_S
+    out += [Config(f"dsbd W_S={w} t=0 adaptive γ", "dsbd", w, 0.0, gamma=gamma, adaptive=True) for w in widths]
     if max(widths) > 2:  # the dynamic width held above one beam: between sampling and beam quality
         out.append(Config(f"dsbd W_S={max(widths)} t={threshold} W_min=2", "dsbd", max(widths), threshold,
                           gamma=gamma, min_width=2))
@@ -169,6 +174,7 @@ def run(engine: Engine, scorer: TorchBackend, prompts: Sequence[list[int]], conf
     accuracy of the outputs.
     """
     engine.num_draft_tokens = config.gamma
+    engine.draft_length = DraftLength() if config.adaptive else None
     beam = None if config.method in ("ems", "ar") else BeamParams(
         width=config.width, min_width=config.min_width, threshold=config.threshold, memory_mode=config.memory_mode)
     requests = [engine.request(p, max_tokens=max_tokens, temperature=temperature, seed=seed + i, beam=beam)
@@ -254,7 +260,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     for label, r in doc["results"].items():
         kind = label.split()[0]
         ax.scatter(r["tokens_per_second"], r["logprob_per_token"], color=colors[kind],
-                   marker="s" if "single" in label else "o", s=50)
+                   marker="s" if "single" in label else "^" if "adaptive" in label else "o", s=50)
         ax.annotate(label, (r["tokens_per_second"], r["logprob_per_token"]), textcoords="offset points",
                     xytext=(5, 4), fontsize=7)
     front = [doc["results"][label] for label in doc["pareto"]]

@@ -19,6 +19,7 @@ import torch
 from specdec.export.models import LoadedModel, tiny_random
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.beams import BeamDecoder, continuation_logprob
+from specdec.runtime.draft_length import DraftLength
 from specdec.runtime.drafters import ModelDrafter
 from specdec.runtime.dsbd import dsbd_round
 from specdec.runtime.engine import Engine
@@ -41,11 +42,11 @@ def pair() -> tuple[LoadedModel, LoadedModel]:
 
 
 def engine(target: LoadedModel, draft: LoadedModel | None, gamma: int = 3, max_batch: int = 16,
-           max_len: int = 96, eos: tuple[int, ...] = ()) -> Engine:
+           max_len: int = 96, eos: tuple[int, ...] = (), draft_length: DraftLength | None = None) -> Engine:
     """An engine without EOS by default, so rounds end only by verification (as in the reference simulator)."""
     drafter = None if draft is None else ModelDrafter(TorchBackend(draft), max_batch, max_len)
     return Engine(TorchBackend(target), drafter, tokenizer=None, eos_token_ids=eos, max_batch=max_batch,
-                  max_len=max_len, num_draft_tokens=gamma)
+                  max_len=max_len, num_draft_tokens=gamma, draft_length=draft_length)
 
 
 def full_prefix_probs(model: LoadedModel):
@@ -180,6 +181,29 @@ def test_greedy_dsbd_is_exactly_beam_search(pair) -> None:
             assert all(o.metrics.target_calls < b.metrics.target_calls for o, b in zip(got, base))
 
 
+def test_adaptive_gamma_keeps_greedy_dsbd_beam_search_and_follows_layer_passes(pair) -> None:
+    """γ chosen per request from its own layer passes: greedy DSBD is still exactly beam search; a draft equal
+    to the target keeps drafting every layer (all pass) and saves target calls, a different draft is soon
+    drafting far less than γ = 3 per round."""
+    target, draft = pair
+    reqs = lambda: [Request(p, 24, beam=BeamParams(width=3, num_return_sequences=2)) for p in PROMPTS]  # noqa: E731
+    base = engine(target, None).generate(reqs(), "beam").outputs
+    policy = DraftLength(verify_cost=0.15)
+    for d in (draft, target):
+        got = engine(target, d, gamma=3, draft_length=policy).generate(reqs(), "dsbd").outputs
+        assert [[c.token_ids for c in o.sequences] for o in got] == [[c.token_ids for c in o.sequences] for o in base]
+        fixed = engine(target, d, gamma=3).generate(reqs(), "dsbd").outputs
+        drafted, drafted_fixed = (sum(o.metrics.draft_tokens for o in outs) for outs in (got, fixed))
+        if d is target:
+            assert all(o.metrics.accepted_draft_tokens == o.metrics.draft_tokens for o in got)
+            # every layer passes, so the policy keeps the full γ (the first round, from one root beam, whose
+            # W_S nodes per layer cost three rows each, may skip drafting)
+            assert drafted > 0.8 * drafted_fixed
+            assert all(o.metrics.target_calls < b.metrics.target_calls for o, b in zip(got, base))
+        else:
+            assert drafted < drafted_fixed / 2
+
+
 def test_eos_beams_become_candidates_and_greedy_dsbd_still_equals_beam_search(pair) -> None:
     """With common EOS tokens beams finish at different lengths; a round stops at a layer whose outputs end a
     beam, so greedy DSBD still returns beam search's candidates, best length-normalised first."""
@@ -196,17 +220,20 @@ def test_eos_beams_become_candidates_and_greedy_dsbd_still_equals_beam_search(pa
         assert [c.score for c in out.sequences] == sorted((c.score for c in out.sequences), reverse=True)
 
 
-def test_each_request_of_a_batch_gets_what_it_gets_alone(pair) -> None:
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_each_request_of_a_batch_gets_what_it_gets_alone(pair, adaptive: bool) -> None:
+    """Also with γ chosen per request from its own layer passes (adaptive): batch-mates never change it."""
     target, draft = pair
+    policy = DraftLength(verify_cost=0.05) if adaptive else None
 
     def requests():
         return [Request(p, 18, SamplingParams(0.9, 0, 0.95, 100 + i),
                         beam=BeamParams(width=2 + i % 3, threshold=0.5)) for i, p in enumerate(PROMPTS)]
 
-    together = engine(target, draft).generate(requests(), "dsbd").outputs
+    together = engine(target, draft, draft_length=policy).generate(requests(), "dsbd").outputs
     assert max(o.metrics.mean_batch_size for o in together) > 4  # beams of several requests shared calls
     for i, req in enumerate(requests()):
-        alone = engine(target, draft).generate([req], "dsbd").outputs[0]
+        alone = engine(target, draft, draft_length=policy).generate([req], "dsbd").outputs[0]
         assert alone.token_ids == together[i].token_ids
         assert alone.metrics.beam_widths == together[i].metrics.beam_widths
 

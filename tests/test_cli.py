@@ -158,7 +158,7 @@ def test_bench_beams_quick_writes_its_report(tiny_dir, tmp_path, capsys) -> None
                  "--out-dir", str(out)]) == 0
     doc = json.loads((out / "dsbd_pareto.json").read_text())
     assert set(doc["results"]) == {"ems", "beam W=2", "dsbd W_S=2 t=0.5", "dsbd W_S=2 t=0",
-                                   "dsbd W_S=2 t=0.5 single-KV"}
+                                   "dsbd W_S=2 t=0 adaptive γ", "dsbd W_S=2 t=0.5 single-KV"}
     assert doc["pareto"] and all(r["tokens"] > 0 for r in doc["results"].values())
     assert doc["results"]["dsbd W_S=2 t=0.5"]["acceptance_rate"] > 0.5  # the draft is the target itself
     assert (out / "dsbd_pareto.png").stat().st_size > 0 and "Pareto front" in (out / "dsbd_pareto.md").read_text()

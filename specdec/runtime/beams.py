@@ -21,7 +21,11 @@ One round of a group (``shared/docs/dsbd.md``):
    the slot); beams sharing a root fork its slot (prefix and written tree rows copied); roots
    without children free theirs. The output token itself is the next round's tail.
 
-γ = 0 is exactly the ``beam`` baseline (same calls, same draws from the request's RNG).
+γ = 0 is exactly the ``beam`` baseline (same calls, same draws from the request's RNG). With
+the engine's adaptive draft length, γ is chosen per request and round (at most the requested
+γ) from the request's own record of layer passes, by the policy that chooses EMS-SD's k: a
+layer is to a round what a draft token is to a chain. It depends on the request's past only,
+so every slot keeps its law and a request's output does not depend on its batch.
 Greedy requests run deterministic beam search; greedy DSBD verifies the draft's top-``W_S``
 pairs against the target's top-W per layer and outputs exactly what beam search would.
 
@@ -205,7 +209,9 @@ class BeamDecoder:
         for gi, group in enumerate(self.groups):
             ctx.count_call(group.seq)
             mine = {bi: logits[(gi, bi)] for bi in range(len(group.beams))}
-            outputs, accepted = self._verify(group, mine)
+            outputs, accepted, passed = self._verify(group, mine)
+            group.seq.draft_stats.record(len(group.layers), passed,
+                                         1.0 if ctx.draft_length is None else ctx.draft_length.memory)
             group.seq.metrics.draft_tokens += sum(len(layer.nodes) for layer in group.layers)
             group.seq.metrics.accepted_draft_tokens += accepted
             ctx.run.steps[-1].accepted_draft_tokens += accepted
@@ -233,7 +239,8 @@ class BeamDecoder:
             self.ctx.emit(seq, first[start:settled])
 
     def _gamma(self, group: Group) -> int:
-        """Draft layers this round: γ, capped by max_tokens and by the room of every beam's slot."""
+        """Draft layers this round: γ, capped by max_tokens and by the room of every beam's slot, then (adaptive
+        draft length) lowered to what the request's own layer passes say pays."""
         if not self.speculative:
             return 0
         seq = group.seq
@@ -243,7 +250,13 @@ class BeamDecoder:
         while gamma > 0 and any(len(h.tokens) - kv.length(h.slot) + gamma * group.params.width > kv.room(h.slot)
                                 for h in group.beams):
             gamma -= 1
-        return gamma
+        policy = self.ctx.draft_length
+        if policy is None or self.drafter is None:
+            return gamma
+        # a layer passes or not, as a chain's draft is accepted or not: the same policy, over layers, where one
+        # layer adds W_S draft and verified rows to the round of the group's live beams
+        return policy.choose(seq.draft_stats, gamma, self.drafter.relative_cost,
+                             rows=group.params.width / len(group.beams))
 
     # -- draft forest ---------------------------------------------------------------------
     def _draft(self, gammas: Sequence[int]) -> None:
@@ -321,8 +334,9 @@ class BeamDecoder:
         return SeqWork(hyp.slot, past, tail + [t for t, _ in tree], parents,
                        logits=[n - 1, *range(n, n + len(tree))])
 
-    def _verify(self, group: Group, rows: dict[int, torch.Tensor]) -> tuple[list[tuple[NodeRef, int, float]], int]:
-        """The round's output beams as (parent, token, score), and the number of accepted drafts."""
+    def _verify(self, group: Group,
+                rows: dict[int, torch.Tensor]) -> tuple[list[tuple[NodeRef, int, float]], int, int]:
+        """The round's output beams as (parent, token, score), the accepted drafts, and the layers that passed."""
         params, gen = group.seq.request.sampling, group.seq.generator
         eos = self.ctx.stopper.eos_ids
 
@@ -340,7 +354,7 @@ class BeamDecoder:
         valid = [True] * len(parents)
         scores = [h.score for h in group.beams]
         width, accepted_total = group.width, 0
-        for layer in group.layers:
+        for passed, layer in enumerate(group.layers):
             score_t = masked(scores, valid)
             logits = table(parents, valid)
             if params.greedy:
@@ -349,7 +363,7 @@ class BeamDecoder:
                 found = [layer.nodes.index(x) if x in layer.nodes else -1 for x in wanted]
                 accepted_total += sum(i >= 0 for i in found)
                 if min(found) < 0 or any(t in eos for t in step.tokens):
-                    return _outputs(parents, step), accepted_total
+                    return _outputs(parents, step), accepted_total, passed
                 chosen, new_scores = found, step.scores
             else:
                 pb = beam_distribution(score_t, logits, params, logits=True)
@@ -361,7 +375,7 @@ class BeamDecoder:
                 out = [(parents[x // self.vocab], x % self.vocab, math.log(float(pb[x]))) for x in verdict.outputs]
                 if not verdict.passed or any(t in eos for _, t, _ in out):
                     group.width = width
-                    return out, accepted_total
+                    return out, accepted_total, passed
                 chosen, new_scores = verdict.accepted, [s for _, _, s in out]
             valid = [False] * len(layer.nodes)
             scores = [-math.inf] * len(layer.nodes)
@@ -373,7 +387,7 @@ class BeamDecoder:
         mode = "iid" if group.layers else group.params.mode  # a drafted round reproduces i.i.d. beam sampling
         step = beam_step(score_t, table(parents, valid), params, width if not params.greedy else group.params.width,
                          gen, mode)
-        return _outputs(parents, step), accepted_total
+        return _outputs(parents, step), accepted_total, len(group.layers)
 
     # -- after verification: new beams and their caches -------------------------------------
     def _advance(self, group: Group, outputs: list[tuple[NodeRef, int, float]], tails: list[int],

@@ -112,14 +112,16 @@ class DraftLength:
             out.append(prior)
         return out
 
-    def choose(self, stats: DraftStats, k_max: int, draft_cost: float) -> int:
+    def choose(self, stats: DraftStats, k_max: int, draft_cost: float, rows: float = 1.0) -> int:
         """The k in ``[min(min_k, k_max), k_max]`` with the most expected tokens per unit of cost (ties: shorter).
 
-        A choice of 0 becomes 1 once the sequence has gone ``probe_every`` steps without a draft.
+        ``rows``: draft and verified rows one unit of k adds per sequence of the step (1 for a chain;
+        for a DSBD layer, W_S nodes over the group's live beams). A choice of 0 becomes 1 once the
+        sequence has gone ``probe_every`` steps without a draft.
         """
         if k_max <= self.min_k:
             return max(0, k_max)
-        per_draft = (self.draft_cost if self.draft_cost is not None else draft_cost) + self.verify_cost
+        per_draft = ((self.draft_cost if self.draft_cost is not None else draft_cost) + self.verify_cost) * rows
         best_k, best = (0, 1.0) if self.min_k == 0 else (-1, -1.0)
         expected, survive = 1.0, 1.0
         for k, beta in enumerate(self.rates(stats, k_max), start=1):
