@@ -73,9 +73,14 @@ def decoder_after_admit(eng: Engine, requests: list[Request], speculative: bool 
     return decoder
 
 
-@pytest.mark.parametrize(("threshold", "temperature"), [(0.0, 1.0), (0.6, 0.7)])
-def test_runtime_rounds_make_exactly_the_reference_draws(pair, threshold: float, temperature: float) -> None:
+@pytest.mark.parametrize(("threshold", "temperature", "adaptive"),
+                         [(0.0, 1.0, False), (0.6, 0.7, False), (0.0, 1.0, True), (0.6, 0.7, True)])
+def test_runtime_rounds_make_exactly_the_reference_draws(pair, threshold: float, temperature: float,
+                                                         adaptive: bool) -> None:
     """Three rounds, 12 seeds: same output beams (tokens and scores) as ``dsbd_round`` with the same RNG.
+
+    Adaptive: the runtime chooses each round's γ from the request's layer passes so far; the reference
+    runs the same γ, so every round, whatever its depth (0 included), makes exactly the reference draws.
 
     No top-k / top-p here: i.i.d. beams are often duplicates, whose joint scores tie exactly in
     the reference and differ in the last bits between two slots of the runtime, and a cut that
@@ -85,8 +90,8 @@ def test_runtime_rounds_make_exactly_the_reference_draws(pair, threshold: float,
     target_fn, draft_fn = full_prefix_probs(target), full_prefix_probs(draft)
     params = SamplingParams(temperature=temperature, seed=0)
     width, gamma = 3, 3
-    eng = engine(target, draft, gamma=gamma)
-    widths = set()
+    eng = engine(target, draft, gamma=gamma, draft_length=DraftLength(verify_cost=0.05) if adaptive else None)
+    widths, gammas = set(), set()
     for seed in range(12):
         request = Request(PROMPTS[seed % len(PROMPTS)], 40, SamplingParams(temperature, 0, 1.0, seed),
                           beam=BeamParams(width=width, threshold=threshold, min_width=1))
@@ -95,8 +100,10 @@ def test_runtime_rounds_make_exactly_the_reference_draws(pair, threshold: float,
         reference = torch.Generator().manual_seed(seed)
         beams = [(tuple(request.prompt_ids), 0.0)]
         for _ in range(3):
+            used = decoder._gamma(group)  # what round() drafts now (a pure function of the request's past)
+            gammas.add(used)
             decoder.round()
-            expected = dsbd_round(beams, target_fn, draft_fn, params, width, gamma, width, reference,
+            expected = dsbd_round(beams, target_fn, draft_fn, params, width, used, width, reference,
                                   threshold=threshold if threshold else None, w_min=1)
             got = [(tuple(h.tokens), h.score) for h in group.beams]
             assert [b for b, _ in got] == [b.prefix for b in expected.beams], f"seed {seed}"
@@ -106,6 +113,7 @@ def test_runtime_rounds_make_exactly_the_reference_draws(pair, threshold: float,
             beams = [(b.prefix, b.score) for b in expected.beams]
     if threshold:
         assert len(widths) > 1, "the dynamic width never changed: the test does not exercise it"
+    assert gammas == ({0, 1, 2, 3} if adaptive else {gamma}) or (adaptive and len(gammas) >= 3), gammas
 
 
 def test_one_target_call_per_round_with_exactly_tail_plus_nodes_rows_and_exact_kv(pair) -> None:

@@ -471,8 +471,8 @@ def test_an_adaptive_draft_deployment_gives_the_same_answers(smollm2_export: Pat
     """An export served with ``adaptive_draft`` (each sequence picks its own k up to the served 4): its config
     says so; 8 concurrent greedy requests, half of them streamed, give the fixed-k runtime's tokens (greedy
     speculation is exact for any k); a seeded sampled request gives the local adaptive engine's answer (k comes
-    from the request's own history, not from its batch-mates); and the sequences drafted fewer than 4 tokens
-    per step on average, so the policy did choose."""
+    from the request's own history, not from its batch-mates), as does a seeded dsbd request (γ chosen the same
+    way); and the sequences drafted fewer than 4 tokens per step on average, so the policy did choose."""
     shadow = _shadow_export(smollm2_export, tmp_path, ServingOptions(adaptive_draft=True))
     config = (shadow / "triton_repo" / "specdec_engine" / "config.pbtxt").read_text()
     assert 'key: "adaptive_draft" value: { string_value: "1" }' in config
@@ -480,6 +480,10 @@ def test_an_adaptive_draft_deployment_gives_the_same_answers(smollm2_export: Pat
     sampled = dict(temperature=0.8, seed=3)
     want = local.generate([local.request(PROMPTS[2][0], chat=PROMPTS[2][1], max_tokens=24, **sampled)],
                           "ems").outputs[0]
+    from specdec.runtime.request import BeamParams
+
+    want_dsbd = local.generate([local.request(PROMPTS[4][0], chat=PROMPTS[4][1], max_tokens=16,
+                                                        beam=BeamParams(width=3), **sampled)], "dsbd").outputs[0]
     grpc, http, metrics = free_ports()
     srv = TritonServer()
     srv.start(shadow, grpc_port=grpc, http_port=http, metrics_port=metrics, exit_timeout_s=20)
@@ -491,10 +495,14 @@ def test_an_adaptive_draft_deployment_gives_the_same_answers(smollm2_export: Pat
             PROMPTS[i][0], **_params(i, m))) for i, m in enumerate(CONCURRENT_MAX_TOKENS)]
         seeded = pool.submit(lambda: SpecdecClient(srv.grpc_url).generate(PROMPTS[2][0],
                                                                          **_params(2, 24, **sampled)))
+        dsbd = SpecdecClient(srv.grpc_url).generate(PROMPTS[4][0], **_params(4, 16, method="dsbd", beam_width=3,
+                                                                               **sampled))
         answers = [f.result() for f in greedy]
         for i, (answer, m) in enumerate(zip(answers, CONCURRENT_MAX_TOKENS)):
             _check(answer, reference, i, m)
         assert seeded.result().output_ids == want.token_ids
+        # the beam loop of the deployment chooses γ by the same policy (adaptive γ, at most the served 4)
+        assert dsbd.output_ids == want_dsbd.token_ids and dsbd.beam_widths == want_dsbd.metrics.beam_widths
         drafted = sum(a.draft_tokens for a in answers)
         decode_steps = sum(a.target_calls - 1 for a in answers)
         assert 0 < drafted < 4 * decode_steps

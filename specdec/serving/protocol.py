@@ -50,7 +50,7 @@ PARAMETERS = (
     TensorSpec("top_p", "TYPE_FP32", doc="1 = off"),
     TensorSpec("seed", "TYPE_INT32", doc="sampling seed (>= 0)"),
     TensorSpec("num_draft_tokens", "TYPE_INT32",
-               doc="draft length k per step (ems; with an adaptive-draft export, the most a sequence drafts)"),
+               doc="k per step (ems), γ per round (dsbd); with an adaptive-draft export, the most drafted"),
     TensorSpec("stop", "TYPE_STRING", (-1,), doc="stop strings"),
     TensorSpec("stream", "TYPE_BOOL", doc="partial responses (specdec_stream only)"),
     TensorSpec("beam_width", "TYPE_INT32", doc="beams per step (beam) / draft width W_S (dsbd); 1 for ems and ar"),
