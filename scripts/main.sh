@@ -28,7 +28,7 @@ echo "streamed through specdec_stream:"
 specdec client --url "127.0.0.1:$GRPC" --chat --stream --max-tokens 60 \
   --prompt "Explain in three sentences why the sky is blue."
 echo
-echo "DSBD through specdec (the draft beam-samples 3 layers of 3 nodes, fixed width 3, temperature 1):"
+echo "DSBD through specdec (the draft beam-samples up to 3 layers of 3 nodes, as many as pay; fixed width 3, temperature 1):"
 specdec client --url "127.0.0.1:$GRPC" --chat --method dsbd --beam-width 3 --dsbd-threshold 0 \
   --num-draft-tokens 3 --temperature 1 --seed 0 --max-tokens 48 --prompt "Give me three tips for better sleep."
 echo
