@@ -71,7 +71,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
 
 
 def _draft_length(args: argparse.Namespace) -> DraftLength | None:
-    return DraftLength() if getattr(args, "adaptive_draft", False) else None
+    return DraftLength(verify_cost=args.verify_cost) if getattr(args, "adaptive_draft", False) else None
 
 
 def _beam_params(args: argparse.Namespace, method: str) -> BeamParams | None:
@@ -170,7 +170,10 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--num-draft-tokens", type=int, default=4, help="draft length k (with --adaptive-draft: the most)")
     p.add_argument("--adaptive-draft", action="store_true",
-                   help="ems: each sequence drafts the k (0..--num-draft-tokens) its own acceptance says pays most")
+                   help="each sequence drafts the k (ems) or γ (dsbd), 0..--num-draft-tokens, that its own acceptance "
+                        "says pays most")
+    p.add_argument("--verify-cost", type=float, default=DraftLength.verify_cost,
+                   help="--adaptive-draft: one more verified row per sequence, in target steps (CPU ~0.15, GPU ~0)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)

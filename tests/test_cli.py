@@ -53,6 +53,10 @@ def test_generate_json_in_prompt_order_and_identical_to_ar(tiny_dir, capsys) -> 
     fixed = run_json(capsys, *common, "--method", "ems", "--draft", str(tiny_dir), "--num-draft-tokens", "6")
     assert [o["token_ids"] for o in adaptive["outputs"]] == [o["token_ids"] for o in ar["outputs"]]
     assert adaptive["metrics"]["draft_tokens"] != fixed["metrics"]["draft_tokens"]
+    # rows that cost more are worth fewer drafts
+    dear = run_json(capsys, *common, "--method", "ems", "--draft", str(tiny_dir), "--adaptive-draft",
+                    "--num-draft-tokens", "6", "--verify-cost", "2")
+    assert dear["metrics"]["draft_tokens"] < adaptive["metrics"]["draft_tokens"]
 
 
 def test_prompts_file_formats_and_compare_ar(tiny_dir, tmp_path, capsys) -> None:
@@ -97,9 +101,10 @@ def test_bad_inputs_exit_nonzero_with_clear_messages(tiny_dir, tmp_path, capsys)
 def test_export_directory_roundtrip_force_and_corruption(tiny_dir, tmp_path, capsys) -> None:
     out = tmp_path / "deploy"
     assert export_main(["--target", str(tiny_dir), "--draft", str(tiny_dir), "--out", str(out),
-                        "--backend", "torch", "--adaptive-draft"]) == 0
+                        "--backend", "torch", "--adaptive-draft", "--verify-cost", "0.01"]) == 0
     engine_config = (out / "triton_repo" / "specdec_engine" / "config.pbtxt").read_text()
     assert 'key: "adaptive_draft" value: { string_value: "1" }' in engine_config
+    assert 'key: "verify_cost" value: { string_value: "0.01" }' in engine_config
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["drafter"] == "model" and manifest["target"]["vocab_size"] == manifest["draft"]["vocab_size"]
     assert export_main(["--target", str(tiny_dir), "--out", str(out)]) == 2

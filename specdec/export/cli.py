@@ -38,6 +38,7 @@ from specdec.export.models import (
     load_model,
     save_model,
 )
+from specdec.runtime.draft_length import DraftLength
 from specdec.serving.repository import REPOSITORY_DIR, ServingOptions, write_repository
 
 MANIFEST = "manifest.json"
@@ -215,15 +216,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
     parser.add_argument("--num-draft-tokens", type=int, default=4, help="served k when a request does not say")
     parser.add_argument("--adaptive-draft", action="store_true",
-                        help="served ems: each sequence drafts the k (at most the request's or the served k) that "
-                             "its own acceptance says pays most")
+                        help="served ems and dsbd: each sequence drafts the k or γ (at most the request's or the "
+                             "served k) that its own acceptance says pays most")
+    parser.add_argument("--verify-cost", type=float, default=DraftLength.verify_cost,
+                        help="--adaptive-draft: a verified row per sequence, in target steps (CPU ~0.15, GPU ~0)")
     parser.add_argument("--intra-op-threads", type=int, default=0,
                         help="ONNX Runtime threads of the served engine (0 = all cores)")
     args = parser.parse_args(argv)
     draft = None if args.draft in (None, "none", "ngram") else args.draft
     try:
         serving = ServingOptions(intra_op_threads=args.intra_op_threads, num_draft_tokens=args.num_draft_tokens,
-                                 adaptive_draft=args.adaptive_draft)
+                                 adaptive_draft=args.adaptive_draft, verify_cost=args.verify_cost)
         out = export(args.target, draft, Path(args.out), args.force, args.backend, args.dtype, args.max_batch,
                      args.max_len, serving)
     except (ModelResolutionError, ExportDirError, ValueError, RuntimeError) as exc:

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdec.runtime.draft_length import DraftLength
 from specdec.serving import protocol
 
 REPOSITORY_DIR = "triton_repo"
@@ -39,7 +40,8 @@ class ServingOptions:
 
     intra_op_threads: int = 0  # ONNX Runtime threads of the engine; 0 = all cores
     num_draft_tokens: int = 4  # k when a request does not say
-    adaptive_draft: bool = False  # ems: each sequence drafts the k its acceptance pays for, at most the k above
+    adaptive_draft: bool = False  # each sequence drafts the k (γ) its acceptance pays for, at most the k above
+    verify_cost: float = DraftLength.verify_cost  # adaptive draft: a verified row's cost in target steps
     default_max_tokens: int = 64
     drafter: str = ""  # "" = as exported; "ngram" or "none" overrides
     max_concurrency: int = 64  # requests in flight at once per entry point
@@ -76,7 +78,8 @@ def render_configs(export_dir_from_repo: str, options: ServingOptions) -> dict[s
     common = {"export_dir": export_dir_from_repo}
     engine = {**common, "intra_op_threads": options.intra_op_threads, "num_draft_tokens": options.num_draft_tokens,
               "default_max_tokens": options.default_max_tokens, "drafter": options.drafter,
-              "max_batch": options.max_batch, "adaptive_draft": int(options.adaptive_draft)}
+              "max_batch": options.max_batch, "adaptive_draft": int(options.adaptive_draft),
+              "verify_cost": options.verify_cost}
     post_inputs = protocol.ENGINE_OUTPUTS
     return {
         "preprocessing": _python_model("preprocessing", (protocol.TEXT_INPUT, protocol.APPLY_CHAT_TEMPLATE),
