@@ -11,7 +11,7 @@ from pathlib import Path
 
 from specdec.distill import DraftLoadError, resolve_draft
 from specdec.export.models import DEFAULT_TARGET, ModelResolutionError, load_model
-from specdec.runtime.draft_length import DraftLength
+from specdec.runtime.draft_length import add_draft_length_args, draft_length_from
 from specdec.runtime.engine import METHODS, DraftMismatchError, Engine, GenerationResult
 from specdec.runtime.request import BEAM_MODES, MEMORY_MODES, BeamParams
 from specdec.runtime.sampling import InvalidRequestError
@@ -54,7 +54,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
 
         try:
             return Engine.from_export(args.target, max_batch=args.max_batch, max_len=args.max_len,
-                                      num_draft_tokens=args.num_draft_tokens, draft_length=_draft_length(args),
+                                      num_draft_tokens=args.num_draft_tokens, draft_length=draft_length_from(args),
                                       drafter="none" if args.method == "ar" else args.drafter)
         except ExportDirError as exc:
             raise ModelResolutionError(str(exc)) from exc
@@ -67,11 +67,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
     if args.method in ("ar", "beam"):
         draft = None
     return Engine.from_models(target, draft, max_batch=args.max_batch or 16, max_len=args.max_len or 1024,
-                              num_draft_tokens=args.num_draft_tokens, draft_length=_draft_length(args))
-
-
-def _draft_length(args: argparse.Namespace) -> DraftLength | None:
-    return DraftLength(verify_cost=args.verify_cost) if getattr(args, "adaptive_draft", False) else None
+                              num_draft_tokens=args.num_draft_tokens, draft_length=draft_length_from(args))
 
 
 def _beam_params(args: argparse.Namespace, method: str) -> BeamParams | None:
@@ -169,11 +165,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts-file", help="JSON list of strings, or one prompt per line")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--num-draft-tokens", type=int, default=4, help="draft length k (with --adaptive-draft: the most)")
-    p.add_argument("--adaptive-draft", action="store_true",
-                   help="each sequence drafts the k (ems) or γ (dsbd), 0..--num-draft-tokens, that its own acceptance "
-                        "says pays most")
-    p.add_argument("--verify-cost", type=float, default=DraftLength.verify_cost,
-                   help="--adaptive-draft: one more verified row per sequence, in target steps (CPU ~0.15, GPU ~0)")
+    add_draft_length_args(p)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)

@@ -38,7 +38,7 @@ from specdec.export.models import (
     load_model,
     save_model,
 )
-from specdec.runtime.draft_length import DraftLength
+from specdec.runtime.draft_length import add_draft_length_args
 from specdec.serving.repository import REPOSITORY_DIR, ServingOptions, write_repository
 
 MANIFEST = "manifest.json"
@@ -215,11 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
     parser.add_argument("--num-draft-tokens", type=int, default=4, help="served k when a request does not say")
-    parser.add_argument("--adaptive-draft", action="store_true",
-                        help="served ems and dsbd: each sequence drafts the k or γ (at most the request's or the "
-                             "served k) that its own acceptance says pays most")
-    parser.add_argument("--verify-cost", type=float, default=DraftLength.verify_cost,
-                        help="--adaptive-draft: a verified row per sequence, in target steps (CPU ~0.15, GPU ~0)")
+    add_draft_length_args(parser)
     parser.add_argument("--intra-op-threads", type=int, default=0,
                         help="ONNX Runtime threads of the served engine (0 = all cores)")
     args = parser.parse_args(argv)

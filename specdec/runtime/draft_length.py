@@ -24,6 +24,7 @@ and in any batch.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 
 
@@ -131,3 +132,17 @@ class DraftLength:
             if k >= self.min_k and value > best * (1 + 1e-9):
                 best_k, best = k, value
         return 1 if best_k == 0 and stats.idle >= self.probe_every else best_k
+
+
+def add_draft_length_args(parser: argparse.ArgumentParser) -> None:
+    """``--adaptive-draft`` and ``--verify-cost``, the same on ``specdec generate`` and ``specdec-export``."""
+    parser.add_argument("--adaptive-draft", action="store_true",
+                        help="each sequence drafts the k (ems) or γ (dsbd), at most --num-draft-tokens or the "
+                             "request's, that its own acceptance says pays most")
+    parser.add_argument("--verify-cost", type=float, default=DraftLength.verify_cost,
+                        help="--adaptive-draft: a verified row per sequence, in target steps (CPU ~0.15, GPU ~0)")
+
+
+def draft_length_from(args: argparse.Namespace) -> DraftLength | None:
+    """The policy those options ask for (None: a fixed k)."""
+    return DraftLength(verify_cost=args.verify_cost) if args.adaptive_draft else None
