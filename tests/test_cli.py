@@ -203,3 +203,15 @@ def test_qa_accuracy_takes_the_first_listed_module_the_answer_names() -> None:
                        ("The module is NumPy", None), ("heapqx and shutilx", None), ("", None),
                        ("mypkg.shutil is it", None)]:
         assert first_choice(text, choices) == want, text
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "cheap"])
+def test_a_bad_verify_cost_is_refused_before_any_work(tiny_dir, tmp_path, capsys, value: str) -> None:
+    out = tmp_path / "never"
+    with pytest.raises(SystemExit) as exit_info:
+        export_main(["--target", str(tiny_dir), "--out", str(out), "--adaptive-draft", "--verify-cost", value])
+    assert exit_info.value.code == 2 and "--verify-cost" in capsys.readouterr().err
+    assert not out.exists()
+    with pytest.raises(SystemExit):
+        main(["generate", "--target", str(tiny_dir), "--adaptive-draft", "--verify-cost", value, "--prompt", "x"])
+    assert "--verify-cost" in capsys.readouterr().err

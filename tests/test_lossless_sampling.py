@@ -229,8 +229,8 @@ def test_ems_ngram_sampling_is_lossless(target: LoadedModel, plain_law: np.ndarr
 class RecordedLength(DraftLength):
     """The adaptive policy, counting its (cap, chosen k) decisions in ``CHOSEN``."""
 
-    def choose(self, stats: DraftStats, k_max: int, draft_cost: float) -> int:
-        k = super().choose(stats, k_max, draft_cost)
+    def choose(self, stats: DraftStats, k_max: int, draft_cost: float, rows: float = 1.0) -> int:
+        k = super().choose(stats, k_max, draft_cost, rows)
         CHOSEN[(k_max, k)] += 1
         return k
 

@@ -210,8 +210,7 @@ class BeamDecoder:
             ctx.count_call(group.seq)
             mine = {bi: logits[(gi, bi)] for bi in range(len(group.beams))}
             outputs, accepted, passed = self._verify(group, mine)
-            group.seq.draft_stats.record(len(group.layers), passed,
-                                         1.0 if ctx.draft_length is None else ctx.draft_length.memory)
+            ctx.record_drafts(group.seq, len(group.layers), passed)
             group.seq.metrics.draft_tokens += sum(len(layer.nodes) for layer in group.layers)
             group.seq.metrics.accepted_draft_tokens += accepted
             ctx.run.steps[-1].accepted_draft_tokens += accepted
@@ -250,13 +249,9 @@ class BeamDecoder:
         while gamma > 0 and any(len(h.tokens) - kv.length(h.slot) + gamma * group.params.width > kv.room(h.slot)
                                 for h in group.beams):
             gamma -= 1
-        policy = self.ctx.draft_length
-        if policy is None or self.drafter is None:
-            return gamma
         # a layer passes or not, as a chain's draft is accepted or not: the same policy, over layers, where one
         # layer adds W_S draft and verified rows to the round of the group's live beams
-        return policy.choose(seq.draft_stats, gamma, self.drafter.relative_cost,
-                             rows=group.params.width / len(group.beams))
+        return self.ctx.choose_draft_length(seq, gamma, rows=group.params.width / len(group.beams))
 
     # -- draft forest ---------------------------------------------------------------------
     def _draft(self, gammas: Sequence[int]) -> None:

@@ -134,12 +134,23 @@ class DraftLength:
         return 1 if best_k == 0 and stats.idle >= self.probe_every else best_k
 
 
+def _cost(text: str) -> float:
+    """A cost flag's value: a number >= 0 (refused at parsing, before an export writes anything)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def add_draft_length_args(parser: argparse.ArgumentParser) -> None:
     """``--adaptive-draft`` and ``--verify-cost``, the same on ``specdec generate`` and ``specdec-export``."""
     parser.add_argument("--adaptive-draft", action="store_true",
                         help="each sequence drafts the k (ems) or γ (dsbd), at most --num-draft-tokens or the "
                              "request's, that its own acceptance says pays most")
-    parser.add_argument("--verify-cost", type=float, default=DraftLength.verify_cost,
+    parser.add_argument("--verify-cost", type=_cost, default=DraftLength.verify_cost,
                         help="--adaptive-draft: a verified row per sequence, in target steps (CPU ~0.15, GPU ~0)")
 
 

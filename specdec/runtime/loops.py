@@ -68,14 +68,25 @@ class DecodeContext:
         k_i from the sequence's own acceptance so far.
         """
         ks = []
-        policy, cost = self.draft_length, getattr(self.drafter, "relative_cost", 0.0)
         for seq in seqs:
             k = self.num_draft_tokens if seq.request.num_draft_tokens is None else seq.request.num_draft_tokens
             budget = seq.request.max_tokens - seq.num_generated - 1  # one token always comes from the target
             room = self.kv.room(seq.slot) - 1  # rows written: last token + k drafts
-            k = max(0, min(k, budget, room))
-            ks.append(k if policy is None else policy.choose(seq.draft_stats, k, cost))
+            ks.append(self.choose_draft_length(seq, max(0, min(k, budget, room))))
         return ks
+
+    def choose_draft_length(self, seq: SeqState, k_max: int, rows: float = 1.0) -> int:
+        """``k_max``, or with an adaptive ``draft_length`` what ``seq``'s own history says pays (chains and forests).
+
+        ``rows``: draft and verified rows one unit of k adds per sequence of the step (a DSBD layer: W_S per beam).
+        """
+        if self.draft_length is None:
+            return k_max
+        return self.draft_length.choose(seq.draft_stats, k_max, getattr(self.drafter, "relative_cost", 0.0), rows)
+
+    def record_drafts(self, seq: SeqState, drafted: int, accepted: int) -> None:
+        """``seq``'s verification, for the adaptive draft length: ``accepted`` of ``drafted`` (in order) passed."""
+        seq.draft_stats.record(drafted, accepted, 1.0 if self.draft_length is None else self.draft_length.memory)
 
     def propose(self, seqs: Sequence[SeqState], ks: Sequence[int] | None = None) -> tuple[list[Draft], float]:
         if self.drafter is None or not seqs:
@@ -130,8 +141,7 @@ class DecodeContext:
         self.count_call(seq)
         seq.metrics.draft_tokens += len(draft.tokens)
         seq.metrics.accepted_draft_tokens += accepted
-        seq.draft_stats.record(len(draft.tokens), accepted,
-                               1.0 if self.draft_length is None else self.draft_length.memory)
+        self.record_drafts(seq, len(draft.tokens), accepted)
         self.run.steps[-1].accepted_draft_tokens += accepted
         return tokens
 
