@@ -1,10 +1,13 @@
 """Adaptive draft length vs fixed k: EMS-SD with each sequence choosing its own k, against ar.
 
-What: SmolLM2-135M with its shipped distilled draft and with prompt lookup (n-gram), greedy,
-on the two workloads of ``draft_pair.py`` (*chat*: questions no draft was trained on;
-*extractive*: summarise a standard-library docstring, where answers copy the prompt). Per
-(workload, batch size): ``ar`` once, then ``ems`` with every fixed k of ``--ks`` and with the
-adaptive draft length (``specdec.runtime.draft_length``, at most ``--cap`` drafts) per drafter.
+What: SmolLM2-135M with its shipped distilled draft and with prompt lookup (n-gram), greedy
+(or sampled with ``--temperature``, every request seeded), on the two workloads of
+``draft_pair.py`` (*chat*: questions no draft was trained on; *extractive*: summarise a
+standard-library docstring, where answers copy the prompt). Per (workload, batch size):
+``ar`` once, then ``ems`` with every fixed k of ``--ks`` and with the adaptive draft length
+(``specdec.runtime.draft_length``, at most ``--cap`` drafts) per drafter, and with
+``--calibrate`` the same policy priced by what a draft token and a verified row cost when
+timed on this machine first (``specdec.runtime.costs``, as ``--calibrate`` does for users).
 
 Why: ``draft_pair.md`` shows that the best fixed k changes with the drafter, the workload and
 the batch size, and that a wrong one makes speculation slower than ``ar``. The policy picks
@@ -14,14 +17,16 @@ lands near the best fixed k without being told it, with the same default costs e
 How, as in ``draft_pair.py``: one process, one torch thread, one engine per batch size (the
 drafter, k and the policy are switched between runs), runs interleaved and rotated between
 repeats (median kept), tokens/s with prefill; every output is compared with ``ar``'s token for
-token and a difference is reported (exit status 1), not raised.
+token and a difference is reported (exit status 1), not raised. Sampled runs are not compared:
+their law is the target's (``tests/test_lossless_sampling.py``), not ar's draw.
 
 Run::
 
     python benchmarks/adaptive_k.py                      # about 12 minutes on a 2-core CPU
     python benchmarks/adaptive_k.py --quick --out-dir /tmp/adaptive
+    python benchmarks/adaptive_k.py --temperature 1 --calibrate --stem adaptive_k_sampled
 
-Writes ``<out-dir>/adaptive_k.{json,md,png}`` (default ``benchmarks/results``).
+Writes ``<out-dir>/<stem>.{json,md,png}`` (default ``benchmarks/results/adaptive_k``).
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from specdec.bench import (
 from specdec.distill import load_pair
 from specdec.export.models import DEFAULT_TARGET
 from specdec.runtime.backends.torch_backend import TorchBackend
+from specdec.runtime.costs import calibrate
 from specdec.runtime.draft_length import DraftLength
 from specdec.runtime.drafters import Drafter, ModelDrafter, NgramDrafter
 from specdec.runtime.engine import Engine
@@ -61,36 +67,42 @@ from specdec.runtime.text import encode_text
 sys.path.insert(0, str(Path(__file__).parent))
 from draft_pair import CHAT_PROMPTS, DEFAULT_DRAFT, DRAFTER_LABELS, DRAFTERS, batch_of
 
-Config = tuple[str, int, bool]  # (drafter, k or cap, adaptive)
+Config = tuple[str, int, str]  # (drafter, k or cap, "fixed" | "adaptive" | "calibrated")
+MODE_LABELS = {"fixed": "k=", "adaptive": "adaptive k<=", "calibrated": "calibrated adaptive k<="}
 
 
 def config_name(config: Config) -> str:
-    drafter, k, adaptive = config
-    return f"{drafter} {'adaptive k<=' if adaptive else 'k='}{k}"
+    drafter, k, mode = config
+    return f"{drafter} {MODE_LABELS[mode]}{k}"
 
 
-def plan(ks: Sequence[int], cap: int) -> list[Config | None]:
-    """``None`` (ar) first, then per drafter every fixed k and the adaptive policy."""
-    return [None, *((d, k, False) for d in DRAFTERS for k in ks), *((d, cap, True) for d in DRAFTERS)]
+def plan(ks: Sequence[int], cap: int, calibrated: bool = False) -> list[Config | None]:
+    """``None`` (ar) first, then per drafter every fixed k, the adaptive policy and (``calibrated``) its priced twin."""
+    modes = ("adaptive", "calibrated") if calibrated else ("adaptive",)
+    return [None, *((d, k, "fixed") for d in DRAFTERS for k in ks), *((d, cap, m) for m in modes for d in DRAFTERS)]
 
 
 def measure_cell(engine: Engine, drafters: dict[str, Drafter], prompts: Sequence[str], configs: list[Config | None],
-                 policy: DraftLength, max_tokens: int, repeats: int, bar: tqdm, label: str) -> dict[str, Any]:
-    """Every config of one (workload, batch size): tokens/s, speed-up over ar, acceptance, k used, identity."""
+                 policies: dict[tuple[str, str], DraftLength], max_tokens: int, repeats: int, bar: tqdm, label: str,
+                 temperature: float = 0.0) -> dict[str, Any]:
+    """Every config of one (workload, batch size): tokens/s, speed-up over ar, acceptance, k used, identity.
+
+    ``policies``: the adaptive policy per (mode, drafter), mode "adaptive" or "calibrated".
+    """
     def use(config: Config | None) -> str:
         engine.drafter = None if config is None else drafters[config[0]]
         engine.num_draft_tokens = 0 if config is None else config[1]
-        engine.draft_length = policy if config is not None and config[2] else None
+        engine.draft_length = None if config is None or config[2] == "fixed" else policies[config[2], config[0]]
         return "ar" if config is None else "ems"
 
     for config in configs:  # untimed warm-up of every loop and drafter
-        run_once(engine, prompts[:1], use(config), 4, True)
+        run_once(engine, prompts[:1], use(config), 4, True, temperature)
     runs = {config: MethodRuns() for config in configs}
     for repeat in range(repeats):
         shift = repeat % len(configs)
         for config in configs[shift:] + configs[:shift]:
             bar.set_postfix_str(f"{label} {'ar' if config is None else config_name(config)}")
-            result, cpu = run_once(engine, prompts, use(config), max_tokens, True)
+            result, cpu = run_once(engine, prompts, use(config), max_tokens, True, temperature)
             runs[config].results.append(result)
             runs[config].cpu_seconds.append(cpu)
             bar.update()
@@ -108,7 +120,8 @@ def measure_cell(engine: Engine, drafters: dict[str, Drafter], prompts: Sequence
             "speedup_over_ar": round(tps / ar.tokens_per_second(), 3),
             "acceptance_rate": summary["acceptance_rate"],
             "mean_k": round(summary["draft_tokens"] / max(1, decode_steps), 3),
-            "identical_to_ar": all([o.token_ids for o in r.outputs] == reference for r in runs[config].results),
+            "identical_to_ar": None if temperature > 0 else
+            all([o.token_ids for o in r.outputs] == reference for r in runs[config].results),
         }
     return cell
 
@@ -117,16 +130,20 @@ def markdown(doc: dict[str, Any]) -> str:
     meta, grid = doc["meta"], doc["grid"]
     batches = [str(b) for b in meta["batch_sizes"]]
     lines = [
-        "# Adaptive draft length vs fixed k (EMS-SD, greedy)",
+        f"# Adaptive draft length vs fixed k (EMS-SD, {_decoding(meta)})",
         "",
         f"- Date: {meta['date']}; command: `{meta['command']}` ({meta['elapsed_seconds']:.0f} s)",
         f"- Target {meta['target']}, draft {meta['draft']} and prompt lookup (n-gram); torch, fp32, "
         f"{meta['machine']['torch_threads']} thread; {meta['max_tokens']} new tokens per request; median of "
         f"{meta['repeats']} interleaved repeat(s); load average before {meta['load_before']}, "
         f"after {meta['load_after']}",
-        f"after {meta['load_after']}",
         f"- Policy: `{meta['policy']}`; cap k <= {meta['cap']}; drafter costs: draft model "
         f"{meta['drafter_costs']['draft']}, n-gram {meta['drafter_costs']['ngram']} of a target step",
+        *([f"- Calibrated (timed on this machine before the grid, `specdec.runtime.costs.calibrate`: batch sizes "
+           f"{c['batch_sizes']}, {c['context']} cached tokens, verifying k = {c['k']}): a draft token costs "
+           f"{c['draft_cost']} and a verified row {c['verify_cost']} of a target step; policy "
+           f"`{meta['calibrated_policy']}` (prompt lookup keeps its draft cost of 0)"]
+          if (c := meta.get("calibration")) else []),
         "- Requests per cell: " + ", ".join(f"B={b}: {n}" for b, n in meta["requests"].items()),
         "- Cells: speed-up of tokens/s over ar (prefill included), with the acceptance rate and the mean k "
         "drafted per sequence per step in brackets",
@@ -142,7 +159,7 @@ def markdown(doc: dict[str, Any]) -> str:
             row = []
             for b in batches:
                 r = cells[b][name]
-                mark = "" if r["identical_to_ar"] else " DIFFERS"
+                mark = " DIFFERS" if r["identical_to_ar"] is False else ""
                 row.append(f"{r['speedup_over_ar']:.2f}× ({r['acceptance_rate']:.2f}, k {r['mean_k']:.2f}){mark}")
             lines.append(f"| {DRAFTER_LABELS[drafter]} | {k} | " + " | ".join(row) + " |")
         lines.append("")
@@ -154,19 +171,33 @@ def auto_notes(grid: dict[str, dict[str, Any]]) -> list[str]:
     """Adaptive against the best and the worst fixed k of each (workload, drafter, batch), from the numbers."""
     notes = []
     bad = [f"{w} B={b} {n}" for w, cells in grid.items() for b, cell in cells.items() for n, r in cell.items()
-           if n != "ar" and not r["identical_to_ar"]]
-    notes.append("Every ems output was token-identical to ar's." if not bad else f"OUTPUTS DIFFER: {'; '.join(bad)}.")
+           if n != "ar" and r["identical_to_ar"] is False]
+    sampled = any(r["identical_to_ar"] is None for cells in grid.values() for cell in cells.values()
+                  for n, r in cell.items() if n != "ar")
+    notes.append("Sampled: every output is a seeded draw of the target's law, not compared with ar's." if sampled
+                 else "Every ems output was token-identical to ar's." if not bad else
+                 f"OUTPUTS DIFFER: {'; '.join(bad)}.")
     for workload, cells in grid.items():
         for drafter in DRAFTERS:
-            parts = []
-            for b, cell in cells.items():
-                fixed = {n: r["speedup_over_ar"] for n, r in cell.items() if n.startswith(f"{drafter} k=")}
-                adaptive = next(r for n, r in cell.items() if n.startswith(f"{drafter} adaptive"))
-                best, worst = max(fixed, key=fixed.get), min(fixed, key=fixed.get)
-                parts.append(f"B={b} {adaptive['speedup_over_ar']:.2f}× (best fixed {best.split()[1]} "
-                             f"{fixed[best]:.2f}×, worst {worst.split()[1]} {fixed[worst]:.2f}×)")
-            notes.append(f"{workload}, {DRAFTER_LABELS[drafter]}, adaptive: " + "; ".join(parts) + ".")
+            for mode in ("adaptive", "calibrated"):
+                prefix = f"{drafter} {MODE_LABELS[mode]}"
+                if not any(n.startswith(prefix) for n in cells[next(iter(cells))]):
+                    continue
+                parts = []
+                for b, cell in cells.items():
+                    fixed = {n: r["speedup_over_ar"] for n, r in cell.items() if n.startswith(f"{drafter} k=")}
+                    adaptive = next(r for n, r in cell.items() if n.startswith(prefix))
+                    best, worst = max(fixed, key=fixed.get), min(fixed, key=fixed.get)
+                    parts.append(f"B={b} {adaptive['speedup_over_ar']:.2f}× (best fixed {best.split()[1]} "
+                                 f"{fixed[best]:.2f}×, worst {worst.split()[1]} {fixed[worst]:.2f}×)")
+                notes.append(f"{workload}, {DRAFTER_LABELS[drafter]}, {MODE_LABELS[mode].split(' k')[0]}: "
+                             + "; ".join(parts) + ".")
     return notes
+
+
+def _decoding(meta: dict[str, Any]) -> str:
+    t = meta.get("temperature", 0.0)
+    return "greedy" if not t else f"sampled at T={t}, seeded"
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
@@ -191,7 +222,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
             ax.set(title=f"{workload}, {DRAFTER_LABELS[drafter]}", xlabel="batch size", ylabel="speed-up over ar")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
-    fig.suptitle(f"{doc['meta']['target']}: EMS-SD with adaptive vs fixed draft length (greedy, CPU)")
+    fig.suptitle(f"{doc['meta']['target']}: EMS-SD with adaptive vs fixed draft length ({_decoding(doc['meta'])}, CPU)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -206,6 +237,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--cap", type=int, default=4, help="the most the adaptive policy drafts")
     p.add_argument("--verify-cost", type=float, default=DraftLength().verify_cost,
                    help="the policy's cost of one more verified row, in one-row target steps")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled, every request seeded")
+    p.add_argument("--calibrate", action="store_true",
+                   help="also run the adaptive policy priced by costs timed on this machine first")
+    p.add_argument("--stem", default="adaptive_k", help="output file name without extension")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
@@ -222,9 +257,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     target, draft = load_pair(args.target, args.draft)
     target_backend, draft_backend = TorchBackend(target), TorchBackend(draft)
     policy = DraftLength(verify_cost=args.verify_cost)
+    policies = {("adaptive", d): policy for d in DRAFTERS}
+    calibration = None
+    if args.calibrate:  # the prices a user's --calibrate would measure here; prompt lookup's draft stays free
+        costs = calibrate(target_backend, draft_backend)
+        calibration = costs.as_dict()
+        policies["calibrated", "draft"] = DraftLength(verify_cost=costs.verify_cost, draft_cost=costs.draft_cost)
+        policies["calibrated", "ngram"] = DraftLength(verify_cost=costs.verify_cost)
     workloads = {"chat": list(CHAT_PROMPTS), "extractive": build_workload(len(CHAT_PROMPTS))}
     lens = {w: [len(encode_text(target.tokenizer, t, True)) for t in texts] for w, texts in workloads.items()}
-    configs = plan(args.ks, args.cap)
+    configs = plan(args.ks, args.cap, args.calibrate)
     requests = {str(b): max(4, b) for b in args.batch_sizes}
     grid: dict[str, dict[str, Any]] = {w: {} for w in workloads}
     bar = tqdm(total=len(args.batch_sizes) * len(workloads) * len(configs) * args.repeats, desc="adaptive k",
@@ -238,8 +280,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         drafters: dict[str, Drafter] = {"draft": ModelDrafter(draft_backend, batch, max_len),
                                         "ngram": NgramDrafter(max_ngram=2, min_ngram=2)}
         for workload, texts in workloads.items():
-            grid[workload][str(batch)] = measure_cell(engine, drafters, batch_of(texts, n), configs, policy,
-                                                      args.max_tokens, args.repeats, bar, f"{workload} B={batch}")
+            grid[workload][str(batch)] = measure_cell(engine, drafters, batch_of(texts, n), configs, policies,
+                                                      args.max_tokens, args.repeats, bar, f"{workload} B={batch}",
+                                                      args.temperature)
         del engine, drafters
         gc.collect()
     bar.close()
@@ -252,11 +295,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "requests": requests, "machine": info, "load_before": load_before, "load_after": info.get("load_average"),
             "drafter_costs": {"draft": ModelDrafter.relative_cost, "ngram": NgramDrafter.relative_cost},
             "elapsed_seconds": time.perf_counter() - start, "notes": [*auto_notes(grid), *args.note],
+            "temperature": args.temperature, "calibration": calibration,
+            "calibrated_policy": repr(policies.get(("calibrated", "draft"))),
         },
         "grid": grid,
     }
-    print(write_report(doc, args.out_dir, "adaptive_k", markdown, plot))
-    identical = all(r["identical_to_ar"] for cells in grid.values() for cell in cells.values()
+    print(write_report(doc, args.out_dir, args.stem, markdown, plot))
+    identical = all(r["identical_to_ar"] is not False for cells in grid.values() for cell in cells.values()
                     for n, r in cell.items() if n != "ar")
     return 0 if identical else 1
 

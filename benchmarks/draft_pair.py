@@ -44,7 +44,6 @@ import gc
 import json
 import platform
 import shlex
-import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -69,10 +68,10 @@ from specdec.bench import (
 )
 from specdec.distill import load_pair
 from specdec.export.models import DEFAULT_TARGET, LoadedModel
-from specdec.runtime.backends.torch_backend import TorchBackend, TorchKVStorage
+from specdec.runtime.backends.torch_backend import TorchBackend
+from specdec.runtime.costs import step_costs
 from specdec.runtime.drafters import Drafter, ModelDrafter, NgramDrafter
 from specdec.runtime.engine import Engine
-from specdec.runtime.packed import PackedBatch, SeqWork, pack
 from specdec.runtime.text import encode_text
 
 DEFAULT_DRAFT = "smollm2-135m-draft"
@@ -154,73 +153,14 @@ def batch_of(items: Sequence[Any], batch: int) -> list[Any]:
 # -- cost of a draft token ---------------------------------------------------------------
 
 
-def _timed_step(backend: TorchBackend, batch: PackedBatch, cache: TorchKVStorage) -> float:
-    """Milliseconds of one ragged step (the batch is packed beforehand, outside the timing)."""
-    start = time.perf_counter()
-    backend.step(batch, cache)
-    return (time.perf_counter() - start) * 1000
-
-
-def step_costs(target: TorchBackend, draft: TorchBackend, stream: Sequence[int], batch: int,
-               config: PairConfig) -> dict[str, Any]:
-    """ms per step of the draft and of the target at one decode shape, and of the target verifying k drafts.
-
-    Each sequence's cache holds ``context`` real tokens (one untimed prefill per backend, the
-    sequences cut from ``stream``). Every timed step then writes its new K/V at position
-    ``context`` again, so all repetitions have the same shape. Shapes are interleaved, their
-    order rotated each round, and the median of ``cost_steps`` rounds is kept.
-    """
-    ctx = config.context
-    windows = [[stream[(b * ctx + i) % len(stream)] for i in range(ctx)] for b in range(batch)]
-    nxt = [stream[((b + 1) * ctx) % len(stream)] for b in range(batch)]
-    caches = {}
-    for name, backend in (("draft", draft), ("target", target)):
-        caches[name] = backend.allocate_cache(batch, ctx + max(config.ks) + 1)
-        backend.step(pack([SeqWork(b, 0, w, logits="last") for b, w in enumerate(windows)]), caches[name])
-    one = pack([SeqWork(b, ctx, [t], logits="last") for b, t in enumerate(nxt)])
-    shapes: dict[str, tuple[TorchBackend, PackedBatch, TorchKVStorage]] = {
-        "draft": (draft, one, caches["draft"]),
-        "target": (target, one, caches["target"]),
-    }
-    for k in config.ks:  # verification: the last token + k drafts, logits on all k + 1 rows
-        shapes[f"verify{k}"] = (target, pack([SeqWork(b, ctx, [t] * (k + 1)) for b, t in enumerate(nxt)]),
-                                caches["target"])
-    names = list(shapes)
-    for name in names:  # first touch of each shape, untimed
-        _timed_step(*shapes[name])
-    gc.collect()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for i in range(config.cost_steps):
-        shift = i % len(names)
-        for name in names[shift:] + names[:shift]:
-            times[name].append(_timed_step(*shapes[name]))
-    ms = {name: statistics.median(values) for name, values in times.items()}
-    d, t = ms["draft"], ms["target"]
-    return {
-        "batch_size": batch,
-        "context": ctx,
-        "steps": config.cost_steps,
-        "draft_ms": round(d, 3),
-        "target_ms": round(t, 3),
-        "draft_over_target": round(d / t, 4),
-        "verify_ms": {str(k): round(ms[f"verify{k}"], 3) for k in config.ks},
-        "verify_over_target": {str(k): round(ms[f"verify{k}"] / t, 3) for k in config.ks},
-        # a speculative step costs k draft steps (the n-gram lookup: ~0) + one verification
-        "break_even_accepted_length": {
-            "draft": {str(k): round((k * d + ms[f"verify{k}"]) / t, 3) for k in config.ks},
-            "ngram": {str(k): round(ms[f"verify{k}"] / t, 3) for k in config.ks},
-        },
-        "samples_ms": {name: [round(x, 3) for x in values] for name, values in times.items()},
-    }
-
-
 def measure_costs(target: TorchBackend, draft: TorchBackend, stream: Sequence[int], config: PairConfig,
                   progress: bool = True) -> dict[str, dict[str, Any]]:
     """``step_costs`` at every cost batch size: ``{"<batch>": record}``."""
     batches = config.cost_batch_sizes or config.batch_sizes
     costs = {}
     for batch in tqdm(batches, desc="step cost", unit="batch", disable=not progress):
-        costs[str(batch)] = step_costs(target, draft, stream, batch, config)
+        costs[str(batch)] = step_costs(target, draft, batch, context=config.context, ks=config.ks,
+                                       steps=config.cost_steps, stream=stream)
     return costs
 
 

@@ -220,9 +220,13 @@ def required_max_len(prompt_lens: Sequence[int], config: BenchConfig) -> int:
 
 
 def run_once(engine: Engine, prompts: Sequence[str | Sequence[int]], method: str, max_tokens: int,
-              chat: bool) -> tuple[GenerationResult, float]:
-    """One ``generate`` call; returns its result and the process CPU seconds it used."""
-    requests = [engine.request(p, chat=chat, max_tokens=max_tokens, request_id=f"p{i}")
+              chat: bool, temperature: float = 0.0, seed: int = 0) -> tuple[GenerationResult, float]:
+    """One ``generate`` call; returns its result and the process CPU seconds it used.
+
+    ``temperature`` > 0 samples, prompt i with seed ``seed + i``, so every run draws the same way.
+    """
+    requests = [engine.request(p, chat=chat, max_tokens=max_tokens, request_id=f"p{i}", temperature=temperature,
+                               seed=seed + i if temperature > 0 else None)
                 for i, p in enumerate(prompts)]
     gc.collect()  # a collection inside a timed run would be charged to whichever method hit it
     cpu_start = time.process_time()

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from specdec.distill import DraftLoadError, resolve_draft
 from specdec.export.models import DEFAULT_TARGET, ModelResolutionError, load_model
-from specdec.runtime.draft_length import add_draft_length_args, draft_length_from
+from specdec.runtime.costs import calibrate_engine
+from specdec.runtime.draft_length import add_draft_length_args, check_draft_length_args, draft_length_from
 from specdec.runtime.engine import METHODS, DraftMismatchError, Engine, GenerationResult
 from specdec.runtime.request import BEAM_MODES, MEMORY_MODES, BeamParams
 from specdec.runtime.sampling import InvalidRequestError
@@ -49,12 +50,25 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def build_engine(args: argparse.Namespace) -> Engine:
+    engine = _open_engine(args)
+    if args.calibrate:  # price the adaptive draft length on this machine's backends
+        costs = calibrate_engine(engine)
+        engine.draft_length = draft_length_from(args, costs.as_dict())
+        print(f"calibrated: a draft token costs {costs.draft_cost} and a verified row {costs.verify_cost} "
+              f"of a target step; the policy uses {engine.draft_length}", file=sys.stderr)
+    return engine
+
+
+def _open_engine(args: argparse.Namespace) -> Engine:
     if (Path(args.target) / "manifest.json").is_file() and not args.draft:
-        from specdec.export.cli import ExportDirError
+        from specdec.export.cli import ExportDirError, read_manifest
 
         try:
+            # an export calibrated at export time (--calibrate) carries the costs measured there
+            measured = read_manifest(Path(args.target), verify=False).get("calibration")
             return Engine.from_export(args.target, max_batch=args.max_batch, max_len=args.max_len,
-                                      num_draft_tokens=args.num_draft_tokens, draft_length=draft_length_from(args),
+                                      num_draft_tokens=args.num_draft_tokens,
+                                      draft_length=draft_length_from(args, measured),
                                       drafter="none" if args.method == "ar" else args.drafter)
         except ExportDirError as exc:
             raise ModelResolutionError(str(exc)) from exc
@@ -223,6 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_client_args(cli)
     cli.set_defaults(func=client_main)
     args = parser.parse_args(args_list)
+    if args.command == "generate":
+        check_draft_length_args(gen, args)
     return int(args.func(args))
 
 

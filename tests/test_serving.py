@@ -472,11 +472,17 @@ def test_an_adaptive_draft_deployment_gives_the_same_answers(smollm2_export: Pat
     says so; 8 concurrent greedy requests, half of them streamed, give the fixed-k runtime's tokens (greedy
     speculation is exact for any k); a seeded sampled request gives the local adaptive engine's answer (k comes
     from the request's own history, not from its batch-mates), as does a seeded dsbd request (γ chosen the same
-    way); and the sequences drafted fewer than 4 tokens per step on average, so the policy did choose."""
-    shadow = _shadow_export(smollm2_export, tmp_path, ServingOptions(adaptive_draft=True))
+    way); and the sequences drafted fewer than 4 tokens per step on average, so the policy did choose.
+
+    The deployment is priced (verified row 0.02, draft token 0.3, as ``--calibrate`` or ``--verify-cost`` /
+    ``--draft-cost`` would write them): with either price left at its default, both seeded answers differ
+    (checked on the torch backend), so the equalities show the served engine reads both prices."""
+    shadow = _shadow_export(smollm2_export, tmp_path,
+                            ServingOptions(adaptive_draft=True, verify_cost=0.02, draft_cost=0.3))
     config = (shadow / "triton_repo" / "specdec_engine" / "config.pbtxt").read_text()
     assert 'key: "adaptive_draft" value: { string_value: "1" }' in config
-    local = Engine.from_export(smollm2_export, threads=1, draft_length=DraftLength())
+    assert 'key: "draft_cost" value: { string_value: "0.3" }' in config
+    local = Engine.from_export(smollm2_export, threads=1, draft_length=DraftLength(verify_cost=0.02, draft_cost=0.3))
     sampled = dict(temperature=0.8, seed=3)
     want = local.generate([local.request(PROMPTS[2][0], chat=PROMPTS[2][1], max_tokens=24, **sampled)],
                           "ems").outputs[0]

@@ -38,7 +38,8 @@ from specdec.export.models import (
     load_model,
     save_model,
 )
-from specdec.runtime.draft_length import add_draft_length_args
+from specdec.runtime.costs import DraftCosts, calibrate_engine
+from specdec.runtime.draft_length import add_draft_length_args, check_draft_length_args
 from specdec.serving.repository import REPOSITORY_DIR, ServingOptions, write_repository
 
 MANIFEST = "manifest.json"
@@ -113,8 +114,14 @@ def _export_model(model: LoadedModel, sub: str, tmp: Path, backend: str, dtype: 
 
 def export(target: str, draft: str | None, out: Path, force: bool = False, backend: str = "onnx",
            dtype: str = "float32", max_batch: int = 16, max_len: int = 2048,
-           serving: ServingOptions | None = None) -> Path:
-    """Write ``out`` (see module docstring); refuses an existing directory unless ``force``."""
+           serving: ServingOptions | None = None, calibrate: bool = False) -> Path:
+    """Write ``out`` (see module docstring); refuses an existing directory unless ``force``.
+
+    ``calibrate``: time the exported graphs on this machine and price the adaptive draft length
+    with what they cost (``specdec.runtime.costs``): the manifest keeps the measurement and the
+    served engine's config the prices, except those ``serving`` sets explicitly. Export on the
+    hardware that will serve, or set the prices by hand.
+    """
     if backend not in BACKENDS:
         raise ExportDirError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     if dtype not in VALIDATION_TOLERANCE:
@@ -159,9 +166,24 @@ def export(target: str, draft: str | None, out: Path, force: bool = False, backe
             if part in manifest:
                 manifest[part]["files"] = _checksums(tmp, part)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        if calibrate:
+            stages.set_postfix_str("timing the graphs")
+            costs = _calibrate(tmp, max_batch, serving)
+            manifest["calibration"] = costs.as_dict()
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+            serving = (serving or ServingOptions()).priced(costs)
         write_repository(tmp, tmp / REPOSITORY_DIR, serving)
         stages.close()
     return out
+
+
+def _calibrate(root: Path, max_batch: int, serving: ServingOptions | None) -> DraftCosts:
+    """The draft and verification prices of the graphs in ``root``, on the backend and threads that will serve."""
+    from specdec.runtime.engine import Engine
+
+    threads = (serving.intra_op_threads if serving else 0) or None
+    engine = Engine.from_export(root, max_batch=min(4, max_batch), max_len=256, threads=threads)
+    return calibrate_engine(engine)
 
 
 def _versions() -> dict[str, str]:
@@ -219,12 +241,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--intra-op-threads", type=int, default=0,
                         help="ONNX Runtime threads of the served engine (0 = all cores)")
     args = parser.parse_args(argv)
+    check_draft_length_args(parser, args)
     draft = None if args.draft in (None, "none", "ngram") else args.draft
     try:
         serving = ServingOptions(intra_op_threads=args.intra_op_threads, num_draft_tokens=args.num_draft_tokens,
-                                 adaptive_draft=args.adaptive_draft, verify_cost=args.verify_cost)
+                                 adaptive_draft=args.adaptive_draft, verify_cost=args.verify_cost,
+                                 draft_cost=args.draft_cost)
         out = export(args.target, draft, Path(args.out), args.force, args.backend, args.dtype, args.max_batch,
-                     args.max_len, serving)
+                     args.max_len, serving, calibrate=args.calibrate)
     except (ModelResolutionError, ExportDirError, ValueError, RuntimeError) as exc:
         # RuntimeError: TensorRT unavailable, engine build failure, plugin fallback
         print(f"error: {exc}", file=sys.stderr)
@@ -232,6 +256,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)
         return 130
+    measured = read_manifest(out, verify=False).get("calibration")
+    if measured:
+        print(f"calibrated on this machine: a draft token costs {measured['draft_cost']} and a verified row "
+              f"{measured['verify_cost']} of a target step (the served prices: {out / REPOSITORY_DIR}"
+              "/specdec_engine/config.pbtxt)")
     print(f"exported to {out}; serve it with: specdec serve {out}")
     return 0
 

@@ -25,7 +25,9 @@ and in any batch.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -146,14 +148,39 @@ def _cost(text: str) -> float:
 
 
 def add_draft_length_args(parser: argparse.ArgumentParser) -> None:
-    """``--adaptive-draft`` and ``--verify-cost``, the same on ``specdec generate`` and ``specdec-export``."""
+    """The adaptive draft length's options, the same on ``specdec generate`` and ``specdec-export``."""
     parser.add_argument("--adaptive-draft", action="store_true",
                         help="each sequence drafts the k (ems) or γ (dsbd), at most --num-draft-tokens or the "
                              "request's, that its own acceptance says pays most")
-    parser.add_argument("--verify-cost", type=_cost, default=DraftLength.verify_cost,
-                        help="--adaptive-draft: a verified row per sequence, in target steps (CPU ~0.15, GPU ~0)")
+    parser.add_argument("--verify-cost", type=_cost, default=None,
+                        help="--adaptive-draft: a verified row per sequence, in target steps (default: measured by "
+                             f"--calibrate or at export, else {DraftLength.verify_cost}; CPU ~0.15, GPU ~0)")
+    parser.add_argument("--draft-cost", type=_cost, default=None,
+                        help="--adaptive-draft: a draft token, in target steps (default: measured by --calibrate "
+                             "or at export, else the drafter's estimate: 0.1 for a draft model, 0 for prompt lookup)")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="--adaptive-draft: measure both costs on this machine's backends first (seconds); "
+                             "--verify-cost / --draft-cost still win")
 
 
-def draft_length_from(args: argparse.Namespace) -> DraftLength | None:
-    """The policy those options ask for (None: a fixed k)."""
-    return DraftLength(verify_cost=args.verify_cost) if args.adaptive_draft else None
+def check_draft_length_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse cost options that would be ignored (they price the adaptive draft length only)."""
+    if not args.adaptive_draft:
+        given = [flag for flag, value in (("--calibrate", args.calibrate), ("--verify-cost", args.verify_cost),
+                                          ("--draft-cost", args.draft_cost)) if value not in (None, False)]
+        if given:
+            parser.error(f"{', '.join(given)} price(s) the adaptive draft length: add --adaptive-draft")
+
+
+def draft_length_from(args: argparse.Namespace, measured: Mapping[str, Any] | None = None) -> DraftLength | None:
+    """The policy those options ask for (None: a fixed k); ``measured``: costs calibrated on this hardware.
+
+    A cost given on the command line wins over a measured one, and a measured one over the default.
+    """
+    if not args.adaptive_draft:
+        return None
+    measured = measured or {}
+    verify = args.verify_cost if args.verify_cost is not None else measured.get("verify_cost")
+    draft = args.draft_cost if args.draft_cost is not None else measured.get("draft_cost")
+    return DraftLength(verify_cost=DraftLength.verify_cost if verify is None else float(verify),
+                       draft_cost=None if draft is None else float(draft))

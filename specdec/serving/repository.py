@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from specdec.runtime.draft_length import DraftLength
+from specdec.runtime.costs import DraftCosts
 from specdec.serving import protocol
 
 REPOSITORY_DIR = "triton_repo"
@@ -41,11 +41,19 @@ class ServingOptions:
     intra_op_threads: int = 0  # ONNX Runtime threads of the engine; 0 = all cores
     num_draft_tokens: int = 4  # k when a request does not say
     adaptive_draft: bool = False  # each sequence drafts the k (γ) its acceptance pays for, at most the k above
-    verify_cost: float = DraftLength.verify_cost  # adaptive draft: a verified row's cost in target steps
+    # adaptive draft: a verified row's and a draft token's cost in target steps (None: as calibrated at export,
+    # else DraftLength's default verify cost and the drafter's own draft cost)
+    verify_cost: float | None = None
+    draft_cost: float | None = None
     default_max_tokens: int = 64
     drafter: str = ""  # "" = as exported; "ngram" or "none" overrides
     max_concurrency: int = 64  # requests in flight at once per entry point
     max_batch: int = 0  # sequences the engine decodes together; 0 = the export's KV slots
+
+    def priced(self, measured: DraftCosts) -> ServingOptions:
+        """These options with the costs left unset (None) taken from a calibration: what is set explicitly wins."""
+        return replace(self, verify_cost=measured.verify_cost if self.verify_cost is None else self.verify_cost,
+                       draft_cost=measured.draft_cost if self.draft_cost is None else self.draft_cost)
 
 
 def _tensor(spec: protocol.TensorSpec, optional: bool | None = None) -> str:
@@ -79,7 +87,8 @@ def render_configs(export_dir_from_repo: str, options: ServingOptions) -> dict[s
     engine = {**common, "intra_op_threads": options.intra_op_threads, "num_draft_tokens": options.num_draft_tokens,
               "default_max_tokens": options.default_max_tokens, "drafter": options.drafter,
               "max_batch": options.max_batch, "adaptive_draft": int(options.adaptive_draft),
-              "verify_cost": options.verify_cost}
+              "verify_cost": "" if options.verify_cost is None else options.verify_cost,
+              "draft_cost": "" if options.draft_cost is None else options.draft_cost}
     post_inputs = protocol.ENGINE_OUTPUTS
     return {
         "preprocessing": _python_model("preprocessing", (protocol.TEXT_INPUT, protocol.APPLY_CHAT_TEMPLATE),

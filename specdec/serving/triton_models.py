@@ -257,11 +257,16 @@ class EngineModel:
             text = params.get(name, "").strip()
             return default if not text else int(text)
 
+        def cost(name: str, default: float | None = None) -> float | None:
+            """An adaptive draft cost; empty means ``default`` (0 is a price: a GPU's verified row)."""
+            text = params.get(name, "").strip()
+            return float(text) if text else default
+
         self.engine = Engine.from_export(
             _export_dir(args), max_batch=number("max_batch") or None, threads=number("intra_op_threads") or None,
             num_draft_tokens=number("num_draft_tokens", 4), drafter=params.get("drafter") or None,
-            draft_length=DraftLength(verify_cost=float(params.get("verify_cost") or DraftLength.verify_cost))
-            if number("adaptive_draft", 0) else None,
+            draft_length=DraftLength(verify_cost=cost("verify_cost", DraftLength.verify_cost),
+                                     draft_cost=cost("draft_cost")) if number("adaptive_draft", 0) else None,
         )
         self.default_max_tokens = number("default_max_tokens") or 64
         self.service = EngineService(self.engine, "ems").start()

@@ -1,0 +1,166 @@
+"""What a draft token and a verified row cost on the backends at hand, in one-row target steps.
+
+Why: speculation pays when its accepted tokens cover k draft steps plus the extra rows of the
+verification, and both prices depend on the machine. On this 2-core CPU a draft step of the
+distilled SmolLM2 draft costs ~9% of a target step and each verified row 0.06-0.31 of one
+(``benchmarks/results/draft_pair.md``); on a GPU, where a decode step is bound by reading the
+weights, a verified row costs close to nothing. The adaptive draft length
+(``specdec.runtime.draft_length``) chooses k from these two prices, so a deployment that
+measures them on its own hardware (``specdec-export --adaptive-draft --calibrate``) drafts as
+far as it pays there instead of as far as it paid here.
+
+How: every backend runs one ragged step at a fixed decode shape (B sequences, ``context``
+cached tokens each, one new token each), the target also verifies k drafts (k + 1 tokens per
+sequence, logits on every row). Every timed step writes its K/V at the same positions, so all
+repetitions have the same shape; shapes are interleaved with their order rotated each round,
+and the median of ``steps`` rounds is kept. Token values do not change a step's cost, so the
+cached windows are a fixed pattern of ids.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from specdec.runtime.backends.base import Backend, KVStorage
+from specdec.runtime.drafters import ModelDrafter
+from specdec.runtime.packed import PackedBatch, SeqWork, pack
+
+if TYPE_CHECKING:
+    from specdec.runtime.engine import Engine
+
+
+def _timed_step(backend: Backend, batch: PackedBatch, cache: KVStorage) -> float:
+    """Milliseconds of one ragged step (the batch is packed beforehand, outside the timing)."""
+    start = time.perf_counter()
+    backend.step(batch, cache)
+    return (time.perf_counter() - start) * 1000
+
+
+def _pattern(vocab_size: int, n: int, offset: int) -> list[int]:
+    """``n`` token ids spread over the vocabulary (a step costs the same whatever the ids)."""
+    return [(offset + 7919 * i) % vocab_size for i in range(n)]
+
+
+def step_costs(target: Backend, draft: Backend | None, batch: int, *, context: int = 200,
+               ks: Sequence[int] = (2, 4, 6), steps: int = 20,
+               stream: Sequence[int] | None = None) -> dict[str, Any]:
+    """ms per step of the draft and of the target at one decode shape, and of the target verifying k drafts.
+
+    ``stream``: the tokens the sequences' caches are cut from (default: a fixed pattern of
+    ids). Returns the medians, their ratios, the break-even accepted length of a model draft
+    and of a free one (prompt lookup) for every k, and the samples.
+    """
+    if batch < 1 or context < 1 or steps < 1 or not ks or min(ks) < 1:
+        raise ValueError(f"need batch, context, steps and every k >= 1, got {batch}, {context}, {steps}, {list(ks)}")
+    tokens = list(stream) if stream else _pattern(target.vocab_size, (batch + 1) * context, 0)
+    windows = [[tokens[(b * context + i) % len(tokens)] for i in range(context)] for b in range(batch)]
+    nxt = [tokens[((b + 1) * context) % len(tokens)] for b in range(batch)]
+    one = pack([SeqWork(b, context, [t], logits="last") for b, t in enumerate(nxt)])
+    shapes: dict[str, tuple[Backend, PackedBatch, KVStorage]] = {}
+    for name, backend in (("draft", draft), ("target", target)):
+        if backend is None:
+            continue
+        cache = backend.allocate_cache(batch, context + max(ks) + 1)
+        backend.step(pack([SeqWork(b, 0, w, logits="last") for b, w in enumerate(windows)]), cache)
+        shapes[name] = (backend, one, cache)
+    for k in ks:  # verification: the last token + k drafts, logits on all k + 1 rows
+        shapes[f"verify{k}"] = (target, pack([SeqWork(b, context, [t] * (k + 1)) for b, t in enumerate(nxt)]),
+                                shapes["target"][2])
+    names = list(shapes)
+    for name in names:  # first touch of each shape, untimed
+        _timed_step(*shapes[name])
+    gc.collect()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(steps):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(_timed_step(*shapes[name]))
+    ms = {name: statistics.median(values) for name, values in times.items()}
+    t = ms["target"]
+    d = ms.get("draft")
+    record: dict[str, Any] = {
+        "batch_size": batch,
+        "context": context,
+        "steps": steps,
+        "draft_ms": None if d is None else round(d, 3),
+        "target_ms": round(t, 3),
+        "draft_over_target": None if d is None else round(d / t, 4),
+        "verify_ms": {str(k): round(ms[f"verify{k}"], 3) for k in ks},
+        "verify_over_target": {str(k): round(ms[f"verify{k}"] / t, 3) for k in ks},
+        # a speculative step costs k draft steps (the n-gram lookup: ~0) + one verification
+        "break_even_accepted_length": {
+            "ngram": {str(k): round(ms[f"verify{k}"] / t, 3) for k in ks},
+        },
+        "samples_ms": {name: [round(x, 3) for x in values] for name, values in times.items()},
+    }
+    if d is not None:
+        record["break_even_accepted_length"]["draft"] = {str(k): round((k * d + ms[f"verify{k}"]) / t, 3) for k in ks}
+    return record
+
+
+@dataclass(frozen=True)
+class DraftCosts:
+    """The two prices of the adaptive draft length, measured, with the step timings behind them.
+
+    ``draft_cost``: one draft step over one target step (None: no draft model was measured).
+    ``verify_cost``: one more verified row per sequence, in one-row target steps.
+    """
+
+    draft_cost: float | None
+    verify_cost: float
+    records: tuple[dict[str, Any], ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON form, as an export's manifest keeps it."""
+        return {"draft_cost": self.draft_cost, "verify_cost": self.verify_cost,
+                "batch_sizes": [r["batch_size"] for r in self.records],
+                "k": int(next(iter(self.records[0]["verify_ms"]))) if self.records else None,
+                "context": self.records[0]["context"] if self.records else None,
+                "target_ms": [r["target_ms"] for r in self.records],
+                "draft_ms": [r["draft_ms"] for r in self.records],
+                "verify_ms": [next(iter(r["verify_ms"].values())) for r in self.records]}
+
+
+def draft_costs(records: Sequence[dict[str, Any]]) -> DraftCosts:
+    """The prices from ``step_costs`` records (one k each): medians over the batch sizes measured.
+
+    Per record: verify_cost = (verify_k / target − 1) / k, floored at 0 (timing noise can make a
+    k-row step look cheaper than a one-row one where both are bound by reading the weights);
+    draft_cost = draft / target. One price for every batch size, because the policy's choice
+    must not depend on batch-mates (a seeded request gives the same output in any batch).
+    """
+    if not records:
+        raise ValueError("no step-cost records to price from")
+    verify, draft = [], []
+    for r in records:
+        if len(r["verify_ms"]) != 1:
+            raise ValueError(f"each record must time one k, got {sorted(r['verify_ms'])}")
+        k = int(next(iter(r["verify_ms"])))
+        verify.append(max(0.0, (r["verify_ms"][str(k)] / r["target_ms"] - 1.0) / k))
+        if r["draft_ms"] is not None:
+            draft.append(r["draft_ms"] / r["target_ms"])
+    return DraftCosts(round(statistics.median(draft), 4) if draft else None,
+                      round(statistics.median(verify), 4), tuple(records))
+
+
+def calibrate(target: Backend, draft: Backend | None, *, batch_sizes: Sequence[int] = (1, 4), k: int = 4,
+              context: int = 128, steps: int = 10) -> DraftCosts:
+    """Measure the draft and verification prices of these backends (a few seconds for SmolLM2 on a CPU)."""
+    return draft_costs([step_costs(target, draft, b, context=context, ks=(k,), steps=steps) for b in batch_sizes])
+
+
+def calibrate_engine(engine: Engine, *, batch_sizes: Sequence[int] = (1, 4), k: int = 4, context: int = 128,
+                     steps: int = 10) -> DraftCosts:
+    """``calibrate`` on an engine's own target and draft backends (prompt lookup: no draft step to time).
+
+    Batch sizes above the engine's ``max_batch`` are dropped, since a deployment never runs them.
+    """
+    sizes = sorted({min(b, engine.max_batch) for b in batch_sizes})
+    drafter = engine.drafter
+    draft = drafter.backend if isinstance(drafter, ModelDrafter) else None
+    return calibrate(engine.target, draft, batch_sizes=sizes, k=k, context=context, steps=steps)

@@ -1,0 +1,152 @@
+"""Pricing the adaptive draft length on the hardware at hand: ``specdec.runtime.costs``, and where it reaches users."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from specdec.cli import _open_engine, add_generate_args, build_engine, main
+from specdec.export.cli import main as export_main
+from specdec.export.models import LoadedModel, load_model, save_model, tiny_random
+from specdec.runtime.backends.torch_backend import TorchBackend
+from specdec.runtime.costs import DraftCosts, calibrate, calibrate_engine, draft_costs, step_costs
+from specdec.runtime.draft_length import DraftLength
+from specdec.runtime.engine import Engine
+from specdec.serving.repository import ServingOptions, render_configs
+
+
+def _record(batch: int, target: float, verify: float, draft: float | None, k: int = 4) -> dict:
+    return {"batch_size": batch, "context": 8, "target_ms": target, "draft_ms": draft, "verify_ms": {str(k): verify}}
+
+
+def test_prices_are_per_row_and_per_draft_token_medians_over_batch_sizes() -> None:
+    # B=1: verifying 4 drafts costs 1.4 steps -> 0.1 per row; B=4: 2.2 steps -> 0.3; B=16: 1.8 -> 0.2
+    costs = draft_costs([_record(1, 10.0, 14.0, 1.0), _record(4, 20.0, 44.0, 4.0), _record(16, 50.0, 90.0, 5.0)])
+    assert costs.verify_cost == pytest.approx(0.2)
+    assert costs.draft_cost == pytest.approx(0.1)  # 0.1, 0.2, 0.1
+    assert costs.as_dict()["batch_sizes"] == [1, 4, 16] and costs.as_dict()["k"] == 4
+    # a k-row step timed below a one-row one (both bound by reading the weights) prices a row at 0, not below
+    assert draft_costs([_record(1, 10.0, 9.5, None)]).verify_cost == 0.0
+    assert draft_costs([_record(1, 10.0, 12.0, None, k=2)]).draft_cost is None  # nothing drafted: no price
+    with pytest.raises(ValueError, match="no step-cost records"):
+        draft_costs([])
+    with pytest.raises(ValueError, match="one k"):
+        draft_costs([{**_record(1, 10.0, 14.0, 1.0), "verify_ms": {"2": 12.0, "4": 14.0}}])
+
+
+def test_step_costs_times_every_shape_on_real_backends(tiny_pair) -> None:
+    target, draft = (TorchBackend(m) for m in tiny_pair)
+    record = step_costs(target, draft, 3, context=16, ks=(1, 3), steps=3)
+    assert record["batch_size"] == 3 and set(record["verify_ms"]) == {"1", "3"}
+    assert set(record["samples_ms"]) == {"draft", "target", "verify1", "verify3"}
+    assert all(len(v) == 3 and min(v) > 0 for v in record["samples_ms"].values())
+    assert record["break_even_accepted_length"]["draft"]["3"] > record["break_even_accepted_length"]["ngram"]["3"]
+    alone = step_costs(target, None, 2, context=16, ks=(2,), steps=2)
+    assert alone["draft_ms"] is None and "draft" not in alone["break_even_accepted_length"]
+    with pytest.raises(ValueError, match=">= 1"):
+        step_costs(target, None, 0, ks=(2,))
+    costs = calibrate(target, draft, batch_sizes=(1, 2), k=2, context=16, steps=3)
+    assert isinstance(costs, DraftCosts) and len(costs.records) == 2
+    assert costs.draft_cost is not None and 0 < costs.draft_cost < 50 and math.isfinite(costs.draft_cost)
+    assert 0 <= costs.verify_cost < 50
+
+
+def test_a_prompt_lookup_engine_has_no_draft_step_to_price(tiny_pair) -> None:
+    target, draft = tiny_pair
+    ngram = Engine.from_models(target, "ngram", max_batch=2, max_len=64)
+    costs = calibrate_engine(ngram, batch_sizes=(1, 4), context=16, steps=2)
+    assert costs.draft_cost is None  # the policy then uses the drafter's own price: 0 for a lookup
+    assert [r["batch_size"] for r in costs.records] == [1, 2]  # never above the engine's max_batch
+    model = Engine.from_models(target, draft, max_batch=4, max_len=64)
+    assert calibrate_engine(model, batch_sizes=(2,), context=16, steps=2).draft_cost is not None
+
+
+def test_serving_options_take_measured_prices_only_where_none_was_set() -> None:
+    measured = DraftCosts(draft_cost=0.07, verify_cost=0.02, records=())
+    assert ServingOptions(adaptive_draft=True).priced(measured).verify_cost == 0.02
+    explicit = ServingOptions(adaptive_draft=True, verify_cost=0.0).priced(measured)
+    assert (explicit.verify_cost, explicit.draft_cost) == (0.0, 0.07)  # an explicit 0 (a GPU's row) is kept
+    config = render_configs("..", ServingOptions(adaptive_draft=True))["specdec_engine"]
+    assert 'key: "verify_cost" value: { string_value: "" }' in config  # unset: the engine's default
+    assert 'key: "draft_cost" value: { string_value: "" }' in config
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A tiny random LLaMA with SmolLM2's real tokenizer, saved as a model directory."""
+    tokenizer = load_model("smollm2-135m").tokenizer
+    tiny = tiny_random(seed=7, vocab_size=len(tokenizer), num_layers=1, hidden_size=16, num_heads=2,
+                       num_kv_heads=1, intermediate_size=32, tie_word_embeddings=True)
+    tiny.config.eos_token_id = tokenizer.eos_token_id
+    path = tmp_path_factory.mktemp("models") / "tiny-smol"
+    save_model(LoadedModel("tiny-smol", tiny.config, tiny.state_dict, tokenizer, "test"), path)
+    return path
+
+
+def _engine_prices(config: str) -> tuple[str, str]:
+    def value(key: str) -> str:
+        line = next(line for line in config.splitlines() if f'key: "{key}"' in line)
+        return line.split('string_value: "')[1].split('"')[0]
+
+    return value("verify_cost"), value("draft_cost")
+
+
+@pytest.mark.parametrize("backend", ["torch", "onnx"])
+def test_an_export_calibrated_on_this_machine_serves_and_generates_with_its_prices(tiny_dir, tmp_path, capsys,
+                                                                                 backend: str) -> None:
+    out = tmp_path / "deploy"
+    assert export_main(["--target", str(tiny_dir), "--draft", str(tiny_dir), "--out", str(out), "--backend", backend,
+                        "--max-batch", "2", "--max-len", "256", "--adaptive-draft", "--calibrate"]) == 0
+    assert "calibrated on this machine" in capsys.readouterr().out
+    measured = json.loads((out / "manifest.json").read_text())["calibration"]
+    assert measured["batch_sizes"] == [1, 2] and measured["draft_cost"] > 0 and measured["verify_cost"] >= 0
+    config = (out / "triton_repo" / "specdec_engine" / "config.pbtxt").read_text()
+    assert _engine_prices(config) == (str(measured["verify_cost"]), str(measured["draft_cost"]))
+    # `specdec generate` over the export prices its policy the same way, unless told otherwise
+    parser = argparse.ArgumentParser()
+    add_generate_args(parser)
+    engine = _open_engine(parser.parse_args(["--target", str(out), "--adaptive-draft"]))
+    assert engine.draft_length == DraftLength(verify_cost=measured["verify_cost"], draft_cost=measured["draft_cost"])
+    pinned = _open_engine(parser.parse_args(["--target", str(out), "--adaptive-draft", "--verify-cost", "0"]))
+    assert pinned.draft_length == DraftLength(verify_cost=0.0, draft_cost=measured["draft_cost"])
+    # an explicit price is kept over the measured one in the served config too
+    again = tmp_path / "pinned"
+    assert export_main(["--target", str(tiny_dir), "--draft", str(tiny_dir), "--out", str(again), "--backend",
+                        backend, "--max-batch", "2", "--max-len", "256", "--adaptive-draft", "--calibrate",
+                        "--draft-cost", "0.5"]) == 0
+    measured = json.loads((again / "manifest.json").read_text())["calibration"]
+    verify, draft = _engine_prices((again / "triton_repo" / "specdec_engine" / "config.pbtxt").read_text())
+    assert (verify, draft) == (str(measured["verify_cost"]), "0.5")
+
+
+def test_generate_calibrates_first_and_stays_exact(tiny_dir, capsys) -> None:
+    common = ["generate", "--target", str(tiny_dir), "--draft", str(tiny_dir), "--prompt", "hello there",
+              "--max-tokens", "8", "--json", "--max-batch", "2"]
+    assert main([*common, "--method", "ar"]) == 0
+    ar = json.loads(capsys.readouterr().out)
+    assert main([*common, "--adaptive-draft", "--calibrate"]) == 0
+    captured = capsys.readouterr()
+    assert "calibrated: a draft token costs" in captured.err
+    assert json.loads(captured.out)["outputs"][0]["token_ids"] == ar["outputs"][0]["token_ids"]
+
+
+@pytest.mark.parametrize("flags", [["--calibrate"], ["--verify-cost", "0.1"], ["--draft-cost", "0.1"]])
+def test_prices_without_the_adaptive_draft_length_are_refused(tiny_dir, tmp_path, capsys, flags) -> None:
+    out = tmp_path / "never"
+    with pytest.raises(SystemExit) as exit_info:
+        export_main(["--target", str(tiny_dir), "--out", str(out), *flags])
+    assert exit_info.value.code == 2 and "add --adaptive-draft" in capsys.readouterr().err and not out.exists()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--target", str(tiny_dir), "--prompt", "x", *flags])
+    assert exit_info.value.code == 2 and "add --adaptive-draft" in capsys.readouterr().err
+
+
+def test_build_engine_without_calibrate_keeps_the_defaults(tiny_dir) -> None:
+    parser = argparse.ArgumentParser()
+    add_generate_args(parser)
+    engine = build_engine(parser.parse_args(["--target", str(tiny_dir), "--adaptive-draft"]))
+    assert engine.draft_length == DraftLength()
