@@ -486,12 +486,13 @@ def test_pipeline_passes_only_tensors_the_next_model_declares(configs: dict[str,
 def test_serving_options_reach_the_configs() -> None:
     """Each option lands in the parameters of the model that reads it."""
     options = ServingOptions(intra_op_threads=3, num_draft_tokens=7, default_max_tokens=99, drafter="ngram",
-                             max_concurrency=5, max_batch=6, adaptive_draft=True, verify_cost=0.02)
+                             max_concurrency=5, max_batch=6, adaptive_draft=True, verify_cost=0.02,
+                             draft_cost=0.25)
     rendered = render_configs("../x", options)
     assert parameters(rendered["specdec_engine"]) == {"export_dir": "../x", "intra_op_threads": "3",
                                                       "num_draft_tokens": "7", "default_max_tokens": "99",
                                                       "drafter": "ngram", "max_batch": "6", "adaptive_draft": "1",
-                                                      "verify_cost": "0.02"}
+                                                      "verify_cost": "0.02", "draft_cost": "0.25"}
     assert parameters(render_configs("../x", ServingOptions())["specdec_engine"])["adaptive_draft"] == "0"
     for model in ("specdec", "specdec_stream"):
         assert parameters(rendered[model]) == {"max_concurrency": "5"}, model
