@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.export.models import LoadedModel, load_model, tiny_random
+from specdec.export.models import LoadedModel, load_model, save_model, tiny_random
 
 # Two intra-op threads (the CI machine has 2 cores); SPECDEC_TEST_THREADS overrides it, e.g. =1 on a
 # loaded machine, where two spinning OpenMP threads make every tiny op wait for a free core.
@@ -35,6 +35,19 @@ def tiny_pair() -> tuple[LoadedModel, LoadedModel]:
     target = tiny_random(seed=1, vocab_size=128, name="tiny-target")
     draft = tiny_random(seed=2, vocab_size=128, name="tiny-draft")
     return target, draft
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random LLaMA with SmolLM2's real tokenizer, saved as a model directory (fast, but text in and
+    text out): what the command-line tests load by path."""
+    tokenizer = load_model("smollm2-135m").tokenizer
+    tiny = tiny_random(seed=5, vocab_size=len(tokenizer), num_layers=1, hidden_size=16, num_heads=2,
+                       num_kv_heads=1, intermediate_size=32, tie_word_embeddings=True)
+    tiny.config.eos_token_id = tokenizer.eos_token_id
+    path = tmp_path_factory.mktemp("models") / "tiny-smol"
+    save_model(LoadedModel("tiny-smol", tiny.config, tiny.state_dict, tokenizer, "test"), path)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -12,19 +12,6 @@ import pytest
 
 from specdec.cli import main
 from specdec.export.cli import main as export_main
-from specdec.export.models import LoadedModel, load_model, save_model, tiny_random
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    """A tiny random LLaMA with SmolLM2's real tokenizer (fast, but text in and text out)."""
-    tokenizer = load_model("smollm2-135m").tokenizer
-    tiny = tiny_random(seed=5, vocab_size=len(tokenizer), num_layers=1, hidden_size=16, num_heads=2,
-                       num_kv_heads=1, intermediate_size=32, tie_word_embeddings=True)
-    tiny.config.eos_token_id = tokenizer.eos_token_id
-    path = tmp_path_factory.mktemp("models") / "tiny-smol"
-    save_model(LoadedModel("tiny-smol", tiny.config, tiny.state_dict, tokenizer, "test"), path)
-    return path
 
 
 def run_json(capsys, *args: str) -> dict:

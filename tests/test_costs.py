@@ -5,13 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from pathlib import Path
 
 import pytest
 
 from specdec.cli import _open_engine, add_generate_args, build_engine, main
 from specdec.export.cli import main as export_main
-from specdec.export.models import LoadedModel, load_model, save_model, tiny_random
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.costs import DraftCosts, calibrate, calibrate_engine, draft_costs, step_costs
 from specdec.runtime.draft_length import DraftLength
@@ -73,18 +71,6 @@ def test_serving_options_take_measured_prices_only_where_none_was_set() -> None:
     config = render_configs("..", ServingOptions(adaptive_draft=True))["specdec_engine"]
     assert 'key: "verify_cost" value: { string_value: "" }' in config  # unset: the engine's default
     assert 'key: "draft_cost" value: { string_value: "" }' in config
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    """A tiny random LLaMA with SmolLM2's real tokenizer, saved as a model directory."""
-    tokenizer = load_model("smollm2-135m").tokenizer
-    tiny = tiny_random(seed=7, vocab_size=len(tokenizer), num_layers=1, hidden_size=16, num_heads=2,
-                       num_kv_heads=1, intermediate_size=32, tie_word_embeddings=True)
-    tiny.config.eos_token_id = tokenizer.eos_token_id
-    path = tmp_path_factory.mktemp("models") / "tiny-smol"
-    save_model(LoadedModel("tiny-smol", tiny.config, tiny.state_dict, tokenizer, "test"), path)
-    return path
 
 
 def _engine_prices(config: str) -> tuple[str, str]:
