@@ -69,7 +69,7 @@ def _open_engine(args: argparse.Namespace) -> Engine:
             return Engine.from_export(args.target, max_batch=args.max_batch, max_len=args.max_len,
                                       num_draft_tokens=args.num_draft_tokens,
                                       draft_length=draft_length_from(args, measured),
-                                      drafter="none" if args.method == "ar" else args.drafter)
+                                      drafter="none" if args.method == "ar" else args.drafter, torch_threads=1)
         except ExportDirError as exc:
             raise ModelResolutionError(str(exc)) from exc
     target = load_model(args.target)

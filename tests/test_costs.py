@@ -5,35 +5,49 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Iterator
 
 import pytest
+import torch
 
 from specdec.cli import _open_engine, add_generate_args, build_engine, main
 from specdec.export.cli import main as export_main
 from specdec.runtime.backends.torch_backend import TorchBackend
-from specdec.runtime.costs import DraftCosts, calibrate, calibrate_engine, draft_costs, step_costs
+from specdec.runtime.costs import DraftCosts, calibrate, calibrate_engine, draft_costs, loop_costs, step_costs
 from specdec.runtime.draft_length import DraftLength
 from specdec.runtime.engine import Engine
 from specdec.serving.repository import ServingOptions, render_configs
 
 
-def _record(batch: int, target: float, verify: float, draft: float | None, k: int = 4) -> dict:
-    return {"batch_size": batch, "context": 8, "target_ms": target, "draft_ms": draft, "verify_ms": {str(k): verify}}
+@pytest.fixture(autouse=True)
+def _keep_torch_threads() -> Iterator[None]:
+    """``specdec generate`` on an ONNX export sets the process's torch threads to 1 (as a server does); a test
+    calls it in-process, so the threads the other tests run with are restored."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
 
 
-def test_prices_are_per_row_and_per_draft_token_medians_over_batch_sizes() -> None:
-    # B=1: verifying 4 drafts costs 1.4 steps -> 0.1 per row; B=4: 2.2 steps -> 0.3; B=16: 1.8 -> 0.2
-    costs = draft_costs([_record(1, 10.0, 14.0, 1.0), _record(4, 20.0, 44.0, 4.0), _record(16, 50.0, 90.0, 5.0)])
+def _record(batch: int, plain: float, spec: float, draft: float | None, verify: float, k: int = 4) -> dict:
+    return {"batch_size": batch, "context": 8, "k": k, "plain_ms": plain, "spec_ms": spec, "draft_ms": draft,
+            "verify_ms": verify}
+
+
+def test_prices_are_per_draft_token_medians_over_batch_sizes() -> None:
+    # B=1: 4 drafts add 0.8 plain steps (0.2 each), 0.1 of it the draft step's own -> verify 0.1
+    # B=4: 4 drafts add 1.6 plain steps (0.4 each), draft 0.1 -> verify 0.3; B=16: 0.25 each, draft 0.05 -> 0.2
+    costs = draft_costs([_record(1, 10.0, 18.0, 1.0, 14.0), _record(4, 20.0, 52.0, 2.0, 44.0),
+                         _record(16, 40.0, 80.0, 2.0, 72.0)])
     assert costs.verify_cost == pytest.approx(0.2)
-    assert costs.draft_cost == pytest.approx(0.1)  # 0.1, 0.2, 0.1
+    assert costs.draft_cost == pytest.approx(0.1)  # 0.1, 0.1, 0.05
     assert costs.as_dict()["batch_sizes"] == [1, 4, 16] and costs.as_dict()["k"] == 4
-    # a k-row step timed below a one-row one (both bound by reading the weights) prices a row at 0, not below
-    assert draft_costs([_record(1, 10.0, 9.5, None)]).verify_cost == 0.0
-    assert draft_costs([_record(1, 10.0, 12.0, None, k=2)]).draft_cost is None  # nothing drafted: no price
+    assert costs.as_dict()["plain_ms"] == [10.0, 20.0, 40.0]
+    # a speculative step timed below its draft steps' share (noise) prices the rest at 0, not below
+    assert draft_costs([_record(1, 10.0, 11.0, 1.0, 7.0)]).verify_cost == 0.0
+    lookup = draft_costs([_record(1, 10.0, 12.0, None, 12.0, k=2)])
+    assert lookup.draft_cost is None and lookup.verify_cost == pytest.approx(0.1)  # nothing drafted: no draft price
     with pytest.raises(ValueError, match="no step-cost records"):
         draft_costs([])
-    with pytest.raises(ValueError, match="one k"):
-        draft_costs([{**_record(1, 10.0, 14.0, 1.0), "verify_ms": {"2": 12.0, "4": 14.0}}])
 
 
 def test_step_costs_times_every_shape_on_real_backends(tiny_pair) -> None:
@@ -47,6 +61,12 @@ def test_step_costs_times_every_shape_on_real_backends(tiny_pair) -> None:
     assert alone["draft_ms"] is None and "draft" not in alone["break_even_accepted_length"]
     with pytest.raises(ValueError, match=">= 1"):
         step_costs(target, None, 0, ks=(2,))
+    record = loop_costs(target, draft, 2, k=3, context=16, steps=3)
+    assert record["k"] == 3 and record["draft_ms"] > 0 and record["verify_ms"] > 0
+    assert record["spec_ms"] > record["verify_ms"]  # the whole speculative step holds its draft steps too
+    with pytest.raises(ValueError, match=">= 1"):
+        loop_costs(target, draft, 1, k=0)
+    assert loop_costs(target, None, 1, k=2, context=16, steps=2)["draft_ms"] is None
     costs = calibrate(target, draft, batch_sizes=(1, 2), k=2, context=16, steps=3)
     assert isinstance(costs, DraftCosts) and len(costs.records) == 2
     assert costs.draft_cost is not None and 0 < costs.draft_cost < 50 and math.isfinite(costs.draft_cost)

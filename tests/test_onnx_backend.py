@@ -170,3 +170,23 @@ def test_smollm2_ems_on_ort_equals_ar_on_torch(smollm2_export) -> None:
     got = ort_engine.generate(requests, "ems")
     assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want]
     assert got.run.summary()["accepted_draft_tokens"] > 0
+
+
+def test_a_served_draft_session_does_not_spin_and_the_target_does(tiny_dir, tmp_path) -> None:
+    """The draft's idle workers would hold the cores of the target's next step; the target's own back-to-back
+    steps keep ORT's spinning (see ``OrtBackend``)."""
+    from specdec.runtime.engine import Engine
+
+    out = tmp_path / "deploy"
+    assert export_main(["--target", str(tiny_dir), "--draft", str(tiny_dir), "--out", str(out),
+                        "--max-batch", "2", "--max-len", "64"]) == 0
+    engine = Engine.from_export(out)
+
+    def spinning(backend: OrtBackend) -> bool:
+        options = backend.session.get_session_options()
+        try:
+            return options.get_session_config_entry("session.intra_op.allow_spinning") != "0"
+        except Exception:  # not set: ORT's default, which spins
+            return True
+
+    assert spinning(engine.target) and not spinning(engine.drafter.backend)

@@ -27,6 +27,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from specdec.distill import resolve_draft
@@ -182,8 +183,13 @@ def _calibrate(root: Path, max_batch: int, serving: ServingOptions | None) -> Dr
     from specdec.runtime.engine import Engine
 
     threads = (serving.intra_op_threads if serving else 0) or None
-    engine = Engine.from_export(root, max_batch=min(4, max_batch), max_len=256, threads=threads)
-    return calibrate_engine(engine)
+    before = torch.get_num_threads()  # timed as served (torch on one thread), then restored for the caller
+    try:
+        engine = Engine.from_export(root, max_batch=min(4, max_batch), max_len=256, threads=threads,
+                                    torch_threads=1)
+        return calibrate_engine(engine)
+    finally:
+        torch.set_num_threads(before)
 
 
 def _versions() -> dict[str, str]:

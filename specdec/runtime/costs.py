@@ -9,12 +9,15 @@ weights, a verified row costs close to nothing. The adaptive draft length
 measures them on its own hardware (``specdec-export --adaptive-draft --calibrate``) drafts as
 far as it pays there instead of as far as it paid here.
 
-How: every backend runs one ragged step at a fixed decode shape (B sequences, ``context``
-cached tokens each, one new token each), the target also verifies k drafts (k + 1 tokens per
-sequence, logits on every row). Every timed step writes its K/V at the same positions, so all
-repetitions have the same shape; shapes are interleaved with their order rotated each round,
-and the median of ``steps`` rounds is kept. Token values do not change a step's cost, so the
-cached windows are a fixed pattern of ids.
+How: ``loop_costs`` (what ``calibrate`` prices from) times steps in the order decoding loops
+run them: one-row target steps back to back, as a loop without drafts runs, against k draft
+steps followed by the target verifying them, as EMS-SD runs. The order matters: a step after
+another session's steps can cost far more than the same step after its own (below), and a price
+that leaves that out makes the policy draft where it does not pay. ``step_costs`` times each
+shape on its own (interleaved, rotated, medians), for the benchmark that breaks a step's cost
+down (``benchmarks/draft_pair.py``). Every timed step writes its K/V at the same positions, so
+repetitions have the same shape; token values do not change a step's cost, so the cached
+windows are a fixed pattern of ids.
 """
 
 from __future__ import annotations
@@ -103,12 +106,60 @@ def step_costs(target: Backend, draft: Backend | None, batch: int, *, context: i
     return record
 
 
+def loop_costs(target: Backend, draft: Backend | None, batch: int, *, k: int = 4, context: int = 128,
+               steps: int = 10) -> dict[str, Any]:
+    """ms of a target step as a loop without drafts runs it, and of a speculative step as EMS-SD runs it.
+
+    A loop that does not draft runs one-row target steps back to back; a speculative step is k
+    one-row draft steps, then the target verifying k drafts (k + 1 rows per sequence). The two
+    are timed in those sequences, not as isolated shapes, because what one step costs depends on
+    what ran just before: on the CI machine an ONNX Runtime target step after draft steps took
+    far longer than the same step after another target step (idle worker threads of the other
+    session still spinning, caches holding the other model's weights). ``plain_ms``: the second
+    of two back-to-back one-row steps; ``spec_ms``: a whole speculative step, with its parts
+    ``draft_ms`` (per draft step) and ``verify_ms``. Medians of ``steps`` rounds.
+    """
+    if batch < 1 or context < 1 or steps < 1 or k < 1:
+        raise ValueError(f"need batch, context, steps and k >= 1, got {batch}, {context}, {steps}, {k}")
+    tokens = _pattern(target.vocab_size, (batch + 1) * context, 0)
+    windows = [[tokens[b * context + i] for i in range(context)] for b in range(batch)]
+    nxt = [tokens[(b + 1) * context] for b in range(batch)]
+    one = pack([SeqWork(b, context, [t], logits="last") for b, t in enumerate(nxt)])
+    verify = pack([SeqWork(b, context, [t] * (k + 1)) for b, t in enumerate(nxt)])
+    caches: dict[str, KVStorage] = {}
+    for name, backend in (("draft", draft), ("target", target)):
+        if backend is not None:
+            caches[name] = backend.allocate_cache(batch, context + k + 1)
+            backend.step(pack([SeqWork(b, 0, w, logits="last") for b, w in enumerate(windows)]), caches[name])
+
+    def speculative() -> tuple[float, list[float], float]:
+        drafts = [_timed_step(draft, one, caches["draft"]) for _ in range(k)] if draft is not None else []
+        return sum(drafts) + (v := _timed_step(target, verify, caches["target"])), drafts, v
+
+    speculative()  # first touch of every shape, untimed
+    _timed_step(target, one, caches["target"])
+    gc.collect()
+    plain, spec, draft_ms, verify_ms = [], [], [], []
+    for _ in range(steps):
+        _timed_step(target, one, caches["target"])  # the step before a plain one is a plain one
+        plain.append(_timed_step(target, one, caches["target"]))
+        total, drafts, v = speculative()
+        spec.append(total)
+        draft_ms.extend(drafts)
+        verify_ms.append(v)
+    return {"batch_size": batch, "context": context, "k": k, "steps": steps,
+            "plain_ms": round(statistics.median(plain), 3), "spec_ms": round(statistics.median(spec), 3),
+            "draft_ms": round(statistics.median(draft_ms), 3) if draft_ms else None,
+            "verify_ms": round(statistics.median(verify_ms), 3)}
+
+
 @dataclass(frozen=True)
 class DraftCosts:
     """The two prices of the adaptive draft length, measured, with the step timings behind them.
 
-    ``draft_cost``: one draft step over one target step (None: no draft model was measured).
-    ``verify_cost``: one more verified row per sequence, in one-row target steps.
+    ``draft_cost``: one draft step over one plain target step (None: no draft model was measured).
+    ``verify_cost``: the rest of what one more draft token adds to a speculative step, in plain
+    target steps: its verified row and whatever the draft steps cost the target's step after them.
     """
 
     draft_cost: float | None
@@ -119,39 +170,36 @@ class DraftCosts:
         """JSON form, as an export's manifest keeps it."""
         return {"draft_cost": self.draft_cost, "verify_cost": self.verify_cost,
                 "batch_sizes": [r["batch_size"] for r in self.records],
-                "k": int(next(iter(self.records[0]["verify_ms"]))) if self.records else None,
+                "k": self.records[0]["k"] if self.records else None,
                 "context": self.records[0]["context"] if self.records else None,
-                "target_ms": [r["target_ms"] for r in self.records],
-                "draft_ms": [r["draft_ms"] for r in self.records],
-                "verify_ms": [next(iter(r["verify_ms"].values())) for r in self.records]}
+                **{key: [r[key] for r in self.records] for key in ("plain_ms", "spec_ms", "draft_ms", "verify_ms")}}
 
 
 def draft_costs(records: Sequence[dict[str, Any]]) -> DraftCosts:
-    """The prices from ``step_costs`` records (one k each): medians over the batch sizes measured.
+    """The prices from ``loop_costs`` records: medians over the batch sizes measured.
 
-    Per record: verify_cost = (verify_k / target − 1) / k, floored at 0 (timing noise can make a
-    k-row step look cheaper than a one-row one where both are bound by reading the weights);
-    draft_cost = draft / target. One price for every batch size, because the policy's choice
-    must not depend on batch-mates (a seeded request gives the same output in any batch).
+    Per record, one draft token adds (spec / plain − 1) / k plain steps; draft_cost is the draft
+    step's share (draft / plain) and verify_cost the rest, floored at 0 (timing noise). One price
+    for every batch size, because the policy's choice must not depend on batch-mates (a seeded
+    request gives the same output in any batch).
     """
     if not records:
         raise ValueError("no step-cost records to price from")
     verify, draft = [], []
     for r in records:
-        if len(r["verify_ms"]) != 1:
-            raise ValueError(f"each record must time one k, got {sorted(r['verify_ms'])}")
-        k = int(next(iter(r["verify_ms"])))
-        verify.append(max(0.0, (r["verify_ms"][str(k)] / r["target_ms"] - 1.0) / k))
+        per_draft = (r["spec_ms"] / r["plain_ms"] - 1.0) / r["k"]
+        share = 0.0 if r["draft_ms"] is None else r["draft_ms"] / r["plain_ms"]
+        verify.append(max(0.0, per_draft - share))
         if r["draft_ms"] is not None:
-            draft.append(r["draft_ms"] / r["target_ms"])
+            draft.append(share)
     return DraftCosts(round(statistics.median(draft), 4) if draft else None,
                       round(statistics.median(verify), 4), tuple(records))
 
 
 def calibrate(target: Backend, draft: Backend | None, *, batch_sizes: Sequence[int] = (1, 4), k: int = 4,
               context: int = 128, steps: int = 10) -> DraftCosts:
-    """Measure the draft and verification prices of these backends (a few seconds for SmolLM2 on a CPU)."""
-    return draft_costs([step_costs(target, draft, b, context=context, ks=(k,), steps=steps) for b in batch_sizes])
+    """Measure the draft and verification prices of these backends (seconds for SmolLM2 on a CPU)."""
+    return draft_costs([loop_costs(target, draft, b, context=context, k=k, steps=steps) for b in batch_sizes])
 
 
 def calibrate_engine(engine: Engine, *, batch_sizes: Sequence[int] = (1, 4), k: int = 4, context: int = 128,

@@ -264,6 +264,7 @@ class EngineModel:
 
         self.engine = Engine.from_export(
             _export_dir(args), max_batch=number("max_batch") or None, threads=number("intra_op_threads") or None,
+            torch_threads=1,  # torch runs only the small ops between ORT steps here; its threads would contend
             num_draft_tokens=number("num_draft_tokens", 4), drafter=params.get("drafter") or None,
             draft_length=DraftLength(verify_cost=cost("verify_cost", DraftLength.verify_cost),
                                      draft_cost=cost("draft_cost")) if number("adaptive_draft", 0) else None,
