@@ -13,8 +13,8 @@ greedy, chat template applied on the server, the served default draft length k):
    mismatches are counted (not asserted).
 2. **Added latency of the server path.** With one client, for a few prompts and both methods, the
    server's latency (unary ``infer``; and first response + total over ``specdec_stream``) against the
-   local runtime doing the same single request in this process (``Engine.from_export`` with default
-   threads, like the server's engine; timed from ``engine.request`` to the end of ``engine.generate``,
+   local runtime doing the same single request in this process (``served_engine`` over the same
+   config parameters as the server's engine; timed from ``engine.request`` to the end of ``engine.generate``,
    i.e. tokenization, decoding and detokenization). Server and local alternate per prompt.
 
 How to run it (from the repository root)::
@@ -51,7 +51,9 @@ from tqdm.auto import tqdm
 from specdec.bench import machine_info
 from specdec.runtime.engine import Engine
 from specdec.serving.client import Answer, ClientError, SpecdecClient, run_concurrent
+from specdec.serving.repository import REPOSITORY_DIR, read_parameters
 from specdec.serving.server import TritonServer, free_ports
+from specdec.serving.triton_models import served_engine
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_EXPORT = ROOT / "benchmarks" / ".cache" / "serving-export"
@@ -296,10 +298,10 @@ def markdown(doc: dict[str, Any]) -> str:
                      f"{s['added_unary_ms']:+.0f} | {s['unary_over_local']:.2f}× | {s['stream_first_ms']:.0f} | "
                      f"{s['stream_total_ms']:.0f} | {s['added_stream_ms']:+.0f} | "
                      f"{s['identical_to_local']}/{s['prompts']} |")
-    lines += ["", "Local: `Engine.from_export` in the benchmark process (default threads, like the server's "
-              "engine), timed from `engine.request` to the end of `engine.generate` (tokenize, decode, "
-              "detokenize; local `ar` runs the `ar` loop). Server and local alternate per prompt; means over "
-              "prompts."]
+    lines += ["", "Local: the served engine's twin in the benchmark process (`served_engine` over the same "
+              "config parameters: threads, k, adaptive draft length and its prices), timed from "
+              "`engine.request` to the end of `engine.generate` (tokenize, decode, detokenize; local `ar` "
+              "runs the `ar` loop). Server and local alternate per prompt; means over prompts."]
     return "\n".join(lines) + "\n"
 
 
@@ -378,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with tqdm(total=total, desc="triton serving", unit="run") as bar:
             rows, same = throughput(url, args.concurrency, args.reps, args.max_tokens, bar)
             bar.set_postfix_str("loading the local engine")
-            engine = Engine.from_export(export_dir)
+            engine = served_engine(export_dir, read_parameters(export_dir / REPOSITORY_DIR))
             local_once(engine, PROMPTS[0], "ems", args.max_tokens)  # warm-up
             latency_rows = added_latency(url, engine, args.latency_prompts, args.max_tokens, bar)
         server_info = {"binary": str(server.install.binary), "source": server.install.source,  # type: ignore[union-attr]

@@ -16,7 +16,8 @@ from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.costs import DraftCosts, calibrate, calibrate_engine, draft_costs, loop_costs, step_costs
 from specdec.runtime.draft_length import DraftLength
 from specdec.runtime.engine import Engine
-from specdec.serving.repository import ServingOptions, render_configs
+from specdec.serving.repository import ServingOptions, read_parameters, render_configs
+from specdec.serving.triton_models import served_engine
 
 
 @pytest.fixture(autouse=True)
@@ -112,6 +113,9 @@ def test_an_export_calibrated_on_this_machine_serves_and_generates_with_its_pric
     assert measured["batch_sizes"] == [1, 2] and measured["draft_cost"] > 0 and measured["verify_cost"] >= 0
     config = (out / "triton_repo" / "specdec_engine" / "config.pbtxt").read_text()
     assert _engine_prices(config) == (str(measured["verify_cost"]), str(measured["draft_cost"]))
+    # the engine the server builds from that config (Triton's EngineModel, or a benchmark's local twin)
+    served = served_engine(out, read_parameters(out / "triton_repo"))
+    assert served.draft_length == DraftLength(verify_cost=measured["verify_cost"], draft_cost=measured["draft_cost"])
     # `specdec generate` over the export prices its policy the same way, unless told otherwise
     parser = argparse.ArgumentParser()
     add_generate_args(parser)

@@ -33,7 +33,14 @@ from specdec.serving.protocol import (
     parse_prompt,
     parse_stops,
 )
-from specdec.serving.repository import MODELS, ServingOptions, render_configs, write_repository
+from specdec.serving.repository import (
+    MODELS,
+    ServingOptions,
+    config_parameters,
+    read_parameters,
+    render_configs,
+    write_repository,
+)
 
 MAX_LEN = 2048
 INT32_MAX = 2**31 - 1
@@ -401,10 +408,6 @@ def tensors(config: str, kind: str) -> dict[str, Tensor]:
     return found
 
 
-def parameters(config: str) -> dict[str, str]:
-    return dict(re.findall(r'parameters \{ key: "(\w+)" value: \{ string_value: "([^"]*)" \} \}', config))
-
-
 def decoupled(config: str) -> bool:
     return re.search(r"model_transaction_policy \{ decoupled: true \}", config) is not None
 
@@ -489,15 +492,15 @@ def test_serving_options_reach_the_configs() -> None:
                              max_concurrency=5, max_batch=6, adaptive_draft=True, verify_cost=0.02,
                              draft_cost=0.25)
     rendered = render_configs("../x", options)
-    assert parameters(rendered["specdec_engine"]) == {"export_dir": "../x", "intra_op_threads": "3",
+    assert config_parameters(rendered["specdec_engine"]) == {"export_dir": "../x", "intra_op_threads": "3",
                                                       "num_draft_tokens": "7", "default_max_tokens": "99",
                                                       "drafter": "ngram", "max_batch": "6", "adaptive_draft": "1",
                                                       "verify_cost": "0.02", "draft_cost": "0.25"}
-    assert parameters(render_configs("../x", ServingOptions())["specdec_engine"])["adaptive_draft"] == "0"
+    assert config_parameters(render_configs("../x", ServingOptions())["specdec_engine"])["adaptive_draft"] == "0"
     for model in ("specdec", "specdec_stream"):
-        assert parameters(rendered[model]) == {"max_concurrency": "5"}, model
+        assert config_parameters(rendered[model]) == {"max_concurrency": "5"}, model
     for model in ("preprocessing", "postprocessing"):
-        assert parameters(rendered[model]) == {"export_dir": "../x"}, model
+        assert config_parameters(rendered[model]) == {"export_dir": "../x"}, model
 
 
 #: the Triton Python model class of each model
@@ -523,7 +526,7 @@ def check_repository(repo: Path, export: Path) -> None:
         assert callable(getattr(module.TritonPythonModel, "execute", None)), model
     assert triton_models.StreamModel.streaming and not triton_models.UnaryModel.streaming
     for model in ("preprocessing", "specdec_engine", "postprocessing"):
-        value = parameters((repo / model / "config.pbtxt").read_text())["export_dir"]
+        value = read_parameters(repo, model)["export_dir"]
         assert not Path(value).is_absolute()  # the pair can be moved together
         assert (repo / value).resolve() == export.resolve(), (model, value)
         # what the Python backend resolves at load: model_repository is <repo>/<model>
@@ -563,5 +566,5 @@ def test_write_repository_rewrites_in_place(tmp_path: Path) -> None:
     export.mkdir()
     write_repository(export)
     repo = write_repository(export, options=ServingOptions(num_draft_tokens=9))
-    assert parameters((repo / "specdec_engine" / "config.pbtxt").read_text())["num_draft_tokens"] == "9"
+    assert read_parameters(repo)["num_draft_tokens"] == "9"
     check_repository(repo, export)

@@ -21,6 +21,7 @@ batch is formed by the engine from concurrent requests, not by Triton's batcher.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -102,6 +103,19 @@ def render_configs(export_dir_from_repo: str, options: ServingOptions) -> dict[s
         "specdec": _python_model("specdec", protocol.CLIENT_INPUTS, protocol.CLIENT_OUTPUTS,
                                  {"max_concurrency": options.max_concurrency}),
     }
+
+
+def config_parameters(config: str) -> dict[str, str]:
+    """The ``parameters`` of a config.pbtxt text as ``render_configs`` writes them (plain strings)."""
+    return dict(re.findall(r'parameters \{ key: "([^"]*)" value: \{ string_value: "([^"]*)" \} \}', config))
+
+
+def read_parameters(repository: str | os.PathLike[str], model: str = "specdec_engine") -> dict[str, str]:
+    """The parameters of one model of a written repository.
+
+    Why: a benchmark builds the served engine's local twin from the same parameters the server reads.
+    """
+    return config_parameters((Path(repository) / model / "config.pbtxt").read_text())
 
 
 def write_repository(export_dir: str | os.PathLike[str], repository: str | os.PathLike[str] | None = None,

@@ -31,9 +31,10 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -43,6 +44,9 @@ from specdec.runtime.sampling import InvalidRequestError
 from specdec.runtime.text import decode_tokens, encode_text, text_delta
 from specdec.serving import protocol
 from specdec.serving.service import EngineService, ServiceStoppedError, StreamEvent
+
+if TYPE_CHECKING:
+    from specdec.runtime.engine import Engine
 
 try:  # only inside Triton's Python-backend stub
     import triton_python_backend_utils as pb_utils
@@ -242,34 +246,42 @@ class _Metrics:
         self.queued.set(sum(s.queued for s in all_stats))
 
 
+def served_engine(export_dir: Path, params: Mapping[str, str]) -> Engine:
+    """The engine ``specdec_engine`` serves, from its config parameters (also a benchmark's local twin of it).
+
+    Empty parameters mean the defaults; ``max_batch`` and ``intra_op_threads`` 0 mean "as exported" and
+    "all cores". torch runs on one thread here: it only runs the small ops between ORT steps, and its
+    threads would contend with ORT's (``benchmarks/results/ort_contention.md``).
+    """
+    from specdec.runtime.draft_length import DraftLength
+    from specdec.runtime.engine import Engine
+
+    def number(name: str, default: int | None = None) -> int | None:
+        text = params.get(name, "").strip()
+        return default if not text else int(text)
+
+    def cost(name: str, default: float | None = None) -> float | None:
+        """An adaptive draft cost; empty means ``default`` (0 is a price: a GPU's verified row)."""
+        text = params.get(name, "").strip()
+        return float(text) if text else default
+
+    return Engine.from_export(
+        export_dir, max_batch=number("max_batch") or None, threads=number("intra_op_threads") or None,
+        num_draft_tokens=number("num_draft_tokens", 4), drafter=params.get("drafter") or None, torch_threads=1,
+        draft_length=DraftLength(verify_cost=cost("verify_cost", DraftLength.verify_cost),
+                                 draft_cost=cost("draft_cost")) if number("adaptive_draft", 0) else None,
+    )
+
+
 class EngineModel:
     """The decoupled engine: one ``EngineService`` for every request of both entry points."""
 
     def initialize(self, args: dict[str, str]) -> None:
-        from specdec.runtime.draft_length import DraftLength
-        from specdec.runtime.engine import Engine
-
         _dump_threads_on_sigusr1()
         params = _parameters(args)
-
-        def number(name: str, default: int | None = None) -> int | None:
-            """An integer parameter; empty means ``default``, and 0 means "not set" where 0 is no value."""
-            text = params.get(name, "").strip()
-            return default if not text else int(text)
-
-        def cost(name: str, default: float | None = None) -> float | None:
-            """An adaptive draft cost; empty means ``default`` (0 is a price: a GPU's verified row)."""
-            text = params.get(name, "").strip()
-            return float(text) if text else default
-
-        self.engine = Engine.from_export(
-            _export_dir(args), max_batch=number("max_batch") or None, threads=number("intra_op_threads") or None,
-            torch_threads=1,  # torch runs only the small ops between ORT steps here; its threads would contend
-            num_draft_tokens=number("num_draft_tokens", 4), drafter=params.get("drafter") or None,
-            draft_length=DraftLength(verify_cost=cost("verify_cost", DraftLength.verify_cost),
-                                     draft_cost=cost("draft_cost")) if number("adaptive_draft", 0) else None,
-        )
-        self.default_max_tokens = number("default_max_tokens") or 64
+        self.engine = served_engine(_export_dir(args), params)
+        default_max_tokens = params.get("default_max_tokens", "").strip()
+        self.default_max_tokens = (int(default_max_tokens) if default_max_tokens else 0) or 64
         self.service = EngineService(self.engine, "ems").start()
         # beam requests run in a second loop over the same weights (its own caches): dsbd where the export
         # has a draft model, target-only beam decoding otherwise
