@@ -44,9 +44,23 @@ def _timed_step(backend: Backend, batch: PackedBatch, cache: KVStorage) -> float
     return (time.perf_counter() - start) * 1000
 
 
-def _pattern(vocab_size: int, n: int, offset: int) -> list[int]:
-    """``n`` token ids spread over the vocabulary (a step costs the same whatever the ids)."""
-    return [(offset + 7919 * i) % vocab_size for i in range(n)]
+def _decode_shape(target: Backend, draft: Backend | None, batch: int, context: int, rows: int,
+                  stream: Sequence[int] | None = None) -> tuple[list[int], PackedBatch, dict[str, KVStorage]]:
+    """The fixed decode shape every timing runs: ``batch`` sequences with ``context`` cached tokens each.
+
+    Returns each sequence's next token, the one-row step over them, and a prefilled cache per backend
+    ("draft", "target") with room for ``rows`` more positions. ``stream``: the tokens the caches are cut
+    from (default: ids spread over the vocabulary, since a step costs the same whatever the ids).
+    """
+    tokens = list(stream) if stream else [(7919 * i) % target.vocab_size for i in range((batch + 1) * context)]
+    windows = [[tokens[(b * context + i) % len(tokens)] for i in range(context)] for b in range(batch)]
+    nxt = [tokens[((b + 1) * context) % len(tokens)] for b in range(batch)]
+    caches: dict[str, KVStorage] = {}
+    for name, backend in (("draft", draft), ("target", target)):
+        if backend is not None:
+            caches[name] = backend.allocate_cache(batch, context + rows)
+            backend.step(pack([SeqWork(b, 0, w, logits="last") for b, w in enumerate(windows)]), caches[name])
+    return nxt, pack([SeqWork(b, context, [t], logits="last") for b, t in enumerate(nxt)]), caches
 
 
 def step_costs(target: Backend, draft: Backend | None, batch: int, *, context: int = 200,
@@ -60,17 +74,10 @@ def step_costs(target: Backend, draft: Backend | None, batch: int, *, context: i
     """
     if batch < 1 or context < 1 or steps < 1 or not ks or min(ks) < 1:
         raise ValueError(f"need batch, context, steps and every k >= 1, got {batch}, {context}, {steps}, {list(ks)}")
-    tokens = list(stream) if stream else _pattern(target.vocab_size, (batch + 1) * context, 0)
-    windows = [[tokens[(b * context + i) % len(tokens)] for i in range(context)] for b in range(batch)]
-    nxt = [tokens[((b + 1) * context) % len(tokens)] for b in range(batch)]
-    one = pack([SeqWork(b, context, [t], logits="last") for b, t in enumerate(nxt)])
-    shapes: dict[str, tuple[Backend, PackedBatch, KVStorage]] = {}
-    for name, backend in (("draft", draft), ("target", target)):
-        if backend is None:
-            continue
-        cache = backend.allocate_cache(batch, context + max(ks) + 1)
-        backend.step(pack([SeqWork(b, 0, w, logits="last") for b, w in enumerate(windows)]), cache)
-        shapes[name] = (backend, one, cache)
+    nxt, one, caches = _decode_shape(target, draft, batch, context, max(ks) + 1, stream)
+    shapes: dict[str, tuple[Backend, PackedBatch, KVStorage]] = {
+        name: (backend, one, caches[name]) for name, backend in (("draft", draft), ("target", target)) if name in caches
+    }
     for k in ks:  # verification: the last token + k drafts, logits on all k + 1 rows
         shapes[f"verify{k}"] = (target, pack([SeqWork(b, context, [t] * (k + 1)) for b, t in enumerate(nxt)]),
                                 shapes["target"][2])
@@ -121,16 +128,8 @@ def loop_costs(target: Backend, draft: Backend | None, batch: int, *, k: int = 4
     """
     if batch < 1 or context < 1 or steps < 1 or k < 1:
         raise ValueError(f"need batch, context, steps and k >= 1, got {batch}, {context}, {steps}, {k}")
-    tokens = _pattern(target.vocab_size, (batch + 1) * context, 0)
-    windows = [[tokens[b * context + i] for i in range(context)] for b in range(batch)]
-    nxt = [tokens[(b + 1) * context] for b in range(batch)]
-    one = pack([SeqWork(b, context, [t], logits="last") for b, t in enumerate(nxt)])
+    nxt, one, caches = _decode_shape(target, draft, batch, context, k + 1)
     verify = pack([SeqWork(b, context, [t] * (k + 1)) for b, t in enumerate(nxt)])
-    caches: dict[str, KVStorage] = {}
-    for name, backend in (("draft", draft), ("target", target)):
-        if backend is not None:
-            caches[name] = backend.allocate_cache(batch, context + k + 1)
-            backend.step(pack([SeqWork(b, 0, w, logits="last") for b, w in enumerate(windows)]), caches[name])
 
     def speculative() -> tuple[float, list[float], float]:
         drafts = [_timed_step(draft, one, caches["draft"]) for _ in range(k)] if draft is not None else []

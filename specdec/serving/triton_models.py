@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -246,6 +246,12 @@ class _Metrics:
         self.queued.set(sum(s.queued for s in all_stats))
 
 
+def _param(params: Mapping[str, str], name: str, convert: Callable[[str], Any], default: Any = None) -> Any:
+    """A config parameter converted (``int``, ``float``); empty or absent means ``default``."""
+    text = params.get(name, "").strip()
+    return convert(text) if text else default
+
+
 def served_engine(export_dir: Path, params: Mapping[str, str]) -> Engine:
     """The engine ``specdec_engine`` serves, from its config parameters (also a benchmark's local twin of it).
 
@@ -257,13 +263,11 @@ def served_engine(export_dir: Path, params: Mapping[str, str]) -> Engine:
     from specdec.runtime.engine import Engine
 
     def number(name: str, default: int | None = None) -> int | None:
-        text = params.get(name, "").strip()
-        return default if not text else int(text)
+        return _param(params, name, int, default)
 
     def cost(name: str, default: float | None = None) -> float | None:
-        """An adaptive draft cost; empty means ``default`` (0 is a price: a GPU's verified row)."""
-        text = params.get(name, "").strip()
-        return float(text) if text else default
+        """An adaptive draft cost (0 is a price: a GPU's verified row)."""
+        return _param(params, name, float, default)
 
     return Engine.from_export(
         export_dir, max_batch=number("max_batch") or None, threads=number("intra_op_threads") or None,
@@ -280,8 +284,7 @@ class EngineModel:
         _dump_threads_on_sigusr1()
         params = _parameters(args)
         self.engine = served_engine(_export_dir(args), params)
-        default_max_tokens = params.get("default_max_tokens", "").strip()
-        self.default_max_tokens = (int(default_max_tokens) if default_max_tokens else 0) or 64
+        self.default_max_tokens = _param(params, "default_max_tokens", int, 0) or 64
         self.service = EngineService(self.engine, "ems").start()
         # beam requests run in a second loop over the same weights (its own caches): dsbd where the export
         # has a draft model, target-only beam decoding otherwise
