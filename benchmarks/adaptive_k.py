@@ -54,8 +54,8 @@ from specdec.bench import (
     run_once,
     write_report,
 )
-from specdec.distill import load_pair
-from specdec.export.models import DEFAULT_TARGET
+from specdec.models.drafts import load_pair
+from specdec.models.loading import DEFAULT_TARGET
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.costs import calibrate
 from specdec.runtime.draft_length import DraftLength

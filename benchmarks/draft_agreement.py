@@ -36,8 +36,9 @@ import torch
 from tqdm.auto import tqdm
 
 from specdec.bench import build_workload, machine_info, write_report
-from specdec.distill import DraftNet, generate_records, resolve_draft
-from specdec.export.models import DEFAULT_TARGET, load_model
+from specdec.distill import DraftNet, generate_records
+from specdec.models.drafts import resolve_draft
+from specdec.models.loading import DEFAULT_TARGET, load_model
 
 # a sibling script, not a package
 sys.path.insert(0, str(Path(__file__).parent))

@@ -66,8 +66,8 @@ from specdec.bench import (
     required_max_len,
     run_once,
 )
-from specdec.distill import load_pair
-from specdec.export.models import DEFAULT_TARGET, LoadedModel
+from specdec.models.drafts import load_pair
+from specdec.models.loading import DEFAULT_TARGET, LoadedModel
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.costs import step_costs
 from specdec.runtime.drafters import Drafter, ModelDrafter, NgramDrafter

@@ -39,7 +39,8 @@ import torch
 from tqdm.auto import tqdm
 
 from specdec.bench import machine_info, run_once, write_report
-from specdec.export.cli import export, read_manifest
+from specdec.export.cli import export
+from specdec.models.manifest import read_manifest
 from specdec.runtime.backends.onnxruntime import OrtBackend
 from specdec.runtime.drafters import ModelDrafter
 from specdec.runtime.engine import Engine

@@ -28,8 +28,8 @@ from tqdm.auto import tqdm
 
 from specdec.bench import build_workload, machine_info
 from specdec.export.cli import export
-from specdec.export.models import load_model
 from specdec.export.validate import random_forest
+from specdec.models.loading import load_model
 from specdec.plugins import onnx_op
 from specdec.plugins.reference import ragged_tree_attention
 from specdec.runtime.engine import Engine

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from specdec.export.models import DEFAULT_TARGET, LoadedModel, load_model
+from specdec.models.loading import DEFAULT_TARGET, LoadedModel, load_model
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.drafters import NgramDrafter
 from specdec.runtime.engine import Engine, GenerationResult

@@ -60,8 +60,8 @@ import torch
 from tqdm.auto import tqdm
 
 from specdec.bench import build_workload, machine_info, write_report
-from specdec.distill import load_pair
-from specdec.export.models import DEFAULT_TARGET
+from specdec.models.drafts import load_pair
+from specdec.models.loading import DEFAULT_TARGET
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.beams import continuation_logprob
 from specdec.runtime.draft_length import DraftLength

@@ -9,44 +9,15 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from specdec.distill import DraftLoadError, resolve_draft
-from specdec.export.models import DEFAULT_TARGET, ModelResolutionError, load_model
+from specdec.models.drafts import DraftLoadError, DraftMismatchError, resolve_draft, shipped_draft_for
+from specdec.models.loading import DEFAULT_TARGET, LoadedModel, ModelResolutionError, load_model
 from specdec.runtime.costs import calibrate_engine
 from specdec.runtime.draft_length import add_draft_length_args, check_draft_length_args, draft_length_from
-from specdec.runtime.engine import METHODS, DraftMismatchError, Engine, GenerationResult
+from specdec.runtime.engine import Engine, GenerationResult
+from specdec.runtime.methods import BASELINE_METHOD, DEFAULT_METHOD, METHOD_NAMES, METHODS, Method, get_method
+from specdec.runtime.prompts import read_prompts
 from specdec.runtime.request import BEAM_MODES, MEMORY_MODES, BeamParams
 from specdec.runtime.sampling import InvalidRequestError
-
-DEFAULT_PROMPTS = (
-    "What is the capital of France? Answer in one sentence.",
-    "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the river bank.",
-    "List the first five prime numbers.",
-    "Summarise in one sentence: Speculative decoding lets a small draft model propose tokens that a "
-    "large target model verifies in one pass, so several tokens can be accepted per step.",
-)
-
-
-def read_prompts(args: argparse.Namespace) -> list[str]:
-    """Prompts from --prompt and --prompts-file (a JSON list of strings or one prompt per line)."""
-    prompts = list(args.prompt or [])
-    if args.prompts_file:
-        path = Path(args.prompts_file)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise SystemExit(f"error: cannot read --prompts-file {path}: {exc.strerror}") from exc
-        stripped = text.lstrip()
-        if stripped.startswith("["):
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise SystemExit(f"error: --prompts-file {path} is not valid JSON: {exc}") from exc
-            if not isinstance(data, list) or not all(isinstance(p, str) for p in data):
-                raise SystemExit(f"error: --prompts-file {path} must be a JSON list of strings")
-            prompts.extend(data)
-        else:
-            prompts.extend(line for line in text.splitlines() if line.strip())
-    return prompts or list(DEFAULT_PROMPTS)
 
 
 def build_engine(args: argparse.Namespace) -> Engine:
@@ -61,7 +32,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
 
 def _open_engine(args: argparse.Namespace) -> Engine:
     if (Path(args.target) / "manifest.json").is_file() and not args.draft:
-        from specdec.export.cli import ExportDirError, read_manifest
+        from specdec.models.manifest import ExportDirError, read_manifest
 
         try:
             # an export calibrated at export time (--calibrate) carries the costs measured there
@@ -69,24 +40,37 @@ def _open_engine(args: argparse.Namespace) -> Engine:
             return Engine.from_export(args.target, max_batch=args.max_batch, max_len=args.max_len,
                                       num_draft_tokens=args.num_draft_tokens,
                                       draft_length=draft_length_from(args, measured),
-                                      drafter="none" if args.method == "ar" else args.drafter, torch_threads=1)
+                                      drafter=args.drafter if get_method(args.method).uses_drafter else "none",
+                                      torch_threads=1)
         except ExportDirError as exc:
             raise ModelResolutionError(str(exc)) from exc
     target = load_model(args.target)
     if args.draft and args.drafter not in (None, "model"):
         raise SystemExit("error: pass either --draft PATH or --drafter ngram|none, not both")
-    draft = resolve_draft(args.draft, target) if args.draft else (args.drafter or "ngram")
-    if args.method == "dsbd" and not args.draft:
-        raise ValueError("dsbd needs a draft model that samples the forest: pass --draft (e.g. smollm2-135m-draft)")
-    if args.method in ("ar", "beam"):
-        draft = None
-    return Engine.from_models(target, draft, max_batch=args.max_batch or 16, max_len=args.max_len or 1024,
+    return Engine.from_models(target, _draft_for(get_method(args.method), target, args),
+                              max_batch=args.max_batch or 16, max_len=args.max_len or 1024,
                               num_draft_tokens=args.num_draft_tokens, draft_length=draft_length_from(args))
 
 
+def _draft_for(method: Method, target: LoadedModel, args: argparse.Namespace) -> LoadedModel | str | None:
+    """The drafter ``method`` runs with: ``--draft``, else the target's shipped draft where the method needs a
+    model (dsbd's forests), else ``--drafter`` (prompt lookup by default); nothing for a method that does not draft."""
+    if not method.uses_drafter:
+        return None
+    if args.draft:
+        return resolve_draft(args.draft, target)
+    if not method.needs_draft_model:
+        return args.drafter or "ngram"
+    shipped = shipped_draft_for(target) if args.drafter is None else None
+    if shipped is None:
+        raise ValueError(f"{method.name} needs a draft model that samples the forest, and {target.name!r} has no "
+                         "shipped draft: pass --draft (a preset, a directory or a distilled draft)")
+    return resolve_draft(shipped, target)
+
+
 def _beam_params(args: argparse.Namespace, method: str) -> BeamParams | None:
-    """The beam options, for the beam methods only (ar / vanilla / ems ignore them)."""
-    if method not in ("beam", "dsbd"):
+    """The beam options, for the beam methods only (the others ignore them)."""
+    if not METHODS[method].beams:
         return None
     return BeamParams(width=args.beam_width, min_width=args.dsbd_min_width, threshold=args.dsbd_threshold,
                       mode=args.beam_mode, memory_mode=args.memory_mode,
@@ -148,8 +132,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     baseline = None
-    if args.compare_ar and args.method != "ar":
-        baseline = engine.generate(_requests(engine, prompts, args, "ar"), "ar", progress=not args.json)
+    if args.compare_ar and args.method != BASELINE_METHOD:
+        baseline = engine.generate(_requests(engine, prompts, args, BASELINE_METHOD), BASELINE_METHOD,
+                                   progress=not args.json)
     if args.json:
         doc = {
             "outputs": [
@@ -174,7 +159,8 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="preset, Hugging Face directory or .gguf file")
     p.add_argument("--draft", help="draft model (preset, directory or .gguf); default: the n-gram drafter")
     p.add_argument("--drafter", choices=["ngram", "none"], help="drafter when no --draft is given")
-    p.add_argument("--method", choices=METHODS, default="ems")
+    p.add_argument("--method", choices=METHOD_NAMES, default=DEFAULT_METHOD,
+                   help="; ".join(f"{m.name}: {m.summary}" for m in METHODS.values()))
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="JSON list of strings, or one prompt per line")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -217,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return bench_main(args_list[1:])
     parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="decode prompts locally with ar, vanilla or ems")
+    gen = sub.add_parser("generate", help=f"decode prompts locally ({', '.join(METHOD_NAMES)})")
     add_generate_args(gen)
     gen.set_defaults(func=cmd_generate)
     sub.add_parser("bench", help="the EMS-SD vs vanilla vs ar benchmark (`specdec bench --help`); "

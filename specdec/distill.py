@@ -47,17 +47,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from specdec.export.models import DEFAULT_TARGET, LoadedModel, ModelResolutionError, load_model
-
-DRAFT_MANIFEST = "specdec_draft.json"
-HEAD_FILE = "head_token_ids.json"
-WEIGHTS = "model.safetensors"
-FORMAT = 1
-
-
-class DraftLoadError(ValueError):
-    """A distilled draft directory is incomplete, corrupt, or was made for another target."""
-
+from specdec.models.drafts import DRAFT_MANIFEST, FORMAT, DraftLoadError, load_draft, save_draft
+from specdec.models.loading import DEFAULT_TARGET, LoadedModel, ModelResolutionError, load_model
 
 # --------------------------------------------------------------------------- prompts
 
@@ -211,7 +202,7 @@ def generate_records(target: LoadedModel, prompts: Sequence[str], *, max_new_tok
                      teacher_k: int, seed: int, max_batch: int = 16) -> list[Record]:
     """Sample continuations with the ``ar`` loop, recording the teacher top-k of each sampled token."""
     from specdec.runtime.engine import Engine
-    from specdec.runtime.loops import LOOPS
+    from specdec.runtime.loops import ar
     from specdec.runtime.scheduler import Scheduler
 
     engine = Engine.from_models(target, None, max_batch=max_batch, max_len=1024)
@@ -229,7 +220,7 @@ def generate_records(target: LoadedModel, prompts: Sequence[str], *, max_new_tok
         scheduler.submit(request)
     ctx = engine.context(scheduler, on_logits=on_logits,
                          on_finish=lambda seq: finished.__setitem__(seq.request.request_id, list(seq.tokens)))
-    LOOPS["ar"](ctx)
+    ar(ctx)
     records = []
     for request in requests:
         rows = teacher[request.request_id]
@@ -389,7 +380,7 @@ def init_draft(target: LoadedModel, layers: int, head_ids: torch.Tensor, *, shar
     one did (with its own head, or the rows of a subset of it) and training starts where that
     one stopped, not from scratch. A smaller head pays for the new layer's bytes and compute.
     """
-    from specdec.export.models import restrict_head
+    from specdec.models.loading import restrict_head
 
     n = int(target.config.num_hidden_layers)
     if not 1 <= layers <= n:
@@ -873,78 +864,6 @@ def _checkpoint(path: Path, net: DraftNet, optimizer: torch.optim.Optimizer, sta
                 "share_head": settings.share_head,
                 "best_net": best_net}, tmp)
     tmp.replace(path)
-
-
-def save_draft(draft: LoadedModel, out: Path, manifest: dict[str, Any]) -> None:
-    """The draft's own weights in fp16 (not the target's embeddings, nor a shared head), config, head map, manifest."""
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    target_owned = {"model.embed_tokens.weight"} | ({"lm_head.weight"} if manifest.get("shared_head") else set())
-    own = {k: v.detach().to(torch.float16).contiguous() for k, v in draft.state_dict.items() if k not in target_owned}
-    save_file(own, str(out / WEIGHTS))
-    draft.config.to_json_file(str(out / "config.json"))
-    (out / HEAD_FILE).write_text(json.dumps(draft.head_token_ids.tolist()))
-    (out / DRAFT_MANIFEST).write_text(json.dumps(manifest, indent=2))
-
-
-#: drafts shipped inside the package, by name (``--draft smollm2-135m-draft``)
-SHIPPED_DRAFTS = {"smollm2-135m-draft": Path(__file__).parent / "drafts" / "smollm2-135m"}
-
-
-def is_draft_dir(path: str | Path) -> bool:
-    return (Path(path) / DRAFT_MANIFEST).is_file()
-
-
-def resolve_draft(spec: str | Path, target: LoadedModel) -> LoadedModel:
-    """A draft for ``target`` from a shipped name, a distilled directory, or anything ``load_model`` takes."""
-    path = SHIPPED_DRAFTS.get(str(spec), Path(spec))
-    if is_draft_dir(path):
-        return load_draft(path, target)
-    if str(spec) in SHIPPED_DRAFTS:
-        raise DraftLoadError(f"the shipped draft {spec!r} is missing from this installation ({path})")
-    return load_model(spec)
-
-
-def load_pair(target: str | Path, draft: str | Path) -> tuple[LoadedModel, LoadedModel]:
-    """The target and a draft for it (shipped name, distilled directory or model), checked compatible."""
-    from specdec.runtime.engine import check_draft_compatible
-
-    target_model = load_model(target)
-    draft_model = resolve_draft(draft, target_model)
-    check_draft_compatible(target_model, draft_model)
-    return target_model, draft_model
-
-
-def load_draft(path: str | Path, target: LoadedModel, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """A distilled draft for ``target``: its weights plus the target's embeddings; refuses another target's."""
-    from safetensors.torch import load_file
-    from transformers import LlamaConfig
-
-    root = Path(path)
-    try:
-        manifest = json.loads((root / DRAFT_MANIFEST).read_text())
-        weights = load_file(str(root / WEIGHTS))
-        head = torch.as_tensor(json.loads((root / HEAD_FILE).read_text()), dtype=torch.long)
-        config = LlamaConfig.from_json_file(str(root / "config.json"))
-    except (OSError, ValueError) as exc:
-        raise DraftLoadError(f"{root} is not a complete distilled draft: {exc}") from exc
-    made_for = manifest.get("target", {})
-    if made_for.get("checksum") != target.checksum():
-        raise DraftLoadError(
-            f"draft {root} was distilled for target {made_for.get('name')!r} (checksum {made_for.get('checksum')}), "
-            f"not for {target.name!r} (checksum {target.checksum()}): distill a draft for this target"
-        )
-    sd = {k: v.to(dtype) for k, v in weights.items()}
-    sd["model.embed_tokens.weight"] = target.state_dict["model.embed_tokens.weight"].to(dtype)
-    if manifest.get("shared_head"):  # the target's own head rows (``--share-head``): not stored with the draft
-        from specdec.export.models import restrict_head
-
-        sd["lm_head.weight"] = restrict_head(target, head).state_dict["lm_head.weight"].to(dtype)
-    if "lm_head.weight" not in sd:
-        raise DraftLoadError(f"{root} is not a complete distilled draft: its weights have no lm_head.weight")
-    return LoadedModel(f"{made_for.get('name')}-draft", config, sd, target.tokenizer, str(root),
-                       {"head_token_ids": head, "draft_manifest": manifest})
 
 
 # --------------------------------------------------------------------------- CLI

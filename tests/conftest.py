@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.export.models import LoadedModel, load_model, save_model, tiny_random
+from specdec.models.loading import LoadedModel, load_model, save_model, tiny_random
 
 # Two intra-op threads (the CI machine has 2 cores); SPECDEC_TEST_THREADS overrides it, e.g. =1 on a
 # loaded machine, where two spinning OpenMP threads make every tiny op wait for a free core.

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from specdec.export.models import LoadedModel, tiny_random
+from specdec.models.loading import LoadedModel, tiny_random
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.beams import BeamDecoder, continuation_logprob
 from specdec.runtime.draft_length import DraftLength

@@ -18,7 +18,7 @@ from specdec.bench import (
     run_benchmark,
     write_results,
 )
-from specdec.export.models import tiny_random
+from specdec.models.loading import tiny_random
 
 # Repetitive token-id prompts: the n-gram drafter finds hits in them (and in the loops a
 # random model falls into), so vanilla pads and ems does not.

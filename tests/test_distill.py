@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from specdec import distill as distill_mod
-from specdec.distill import DistillSettings, DraftLoadError, distill, is_draft_dir, load_draft
-from specdec.export.models import LoadedModel, load_model, save_model, tiny_random
+from specdec.distill import DistillSettings, distill
+from specdec.models.drafts import DraftLoadError, is_draft_dir, load_draft
+from specdec.models.loading import LoadedModel, load_model, save_model, tiny_random
 from specdec.runtime.engine import Engine
 
 
@@ -430,7 +431,7 @@ def test_the_shipped_smollm2_draft_is_small_sound_and_made_for_its_target(smollm
     this very target (checksum), and greedy-identical to ar when it drafts."""
     from safetensors import safe_open
 
-    from specdec.distill import SHIPPED_DRAFTS, load_pair
+    from specdec.models.drafts import SHIPPED_DRAFTS, load_pair
 
     root = SHIPPED_DRAFTS["smollm2-135m-draft"]
     assert (root / "model.safetensors").stat().st_size <= 25_000_000

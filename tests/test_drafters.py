@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.export.models import tiny_random
+from specdec.models.loading import tiny_random
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.drafters import ModelDrafter, NgramDrafter
 from specdec.runtime.request import Request, SeqState

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from specdec.export.models import load_model, tiny_random
+from specdec.models.loading import load_model, tiny_random
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.drafters import ModelDrafter, NgramDrafter
 from specdec.runtime.engine import Engine

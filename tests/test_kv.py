@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from specdec.export.models import LoadedModel, tiny_random
+from specdec.models.loading import LoadedModel, tiny_random
 from specdec.runtime.backends.torch_backend import TorchBackend, TorchKVStorage
 from specdec.runtime.kv import ContextOverflowError, KVCacheManager, KVCapacityError
 from specdec.runtime.packed import ROOT, SeqWork, pack

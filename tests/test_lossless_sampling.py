@@ -35,7 +35,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdec.export.models import LoadedModel, tiny_random
+from specdec.models.loading import LoadedModel, tiny_random
 from specdec.runtime import loops
 from specdec.runtime.draft_length import DraftLength, DraftStats
 from specdec.runtime.engine import Engine

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.export.models import PRESETS, LoadedModel, ModelResolutionError, load_model, save_model, tiny_random
+from specdec.models.loading import PRESETS, LoadedModel, ModelResolutionError, load_model, save_model, tiny_random
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.packed import SeqWork, pack
 

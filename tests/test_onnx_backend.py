@@ -11,15 +11,16 @@ import onnx
 import pytest
 import torch
 
-from specdec.export.cli import ExportDirError, read_manifest
 from specdec.export.cli import main as export_main
-from specdec.export.models import load_model, tiny_random
-from specdec.export.onnx import count_attention_nodes, expected_io_names, export_onnx, graph_io_names
+from specdec.export.onnx import count_attention_nodes, export_onnx, graph_io_names
 from specdec.export.validate import max_logit_error, random_packs
+from specdec.models.loading import load_model, tiny_random
+from specdec.models.manifest import ExportDirError, read_manifest
 from specdec.plugins import onnx_op
 from specdec.runtime.backends.onnxruntime import OnnxModelError, OrtBackend
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.engine import Engine
+from specdec.runtime.graph_io import expected_io_names
 from specdec.runtime.packed import pack
 from specdec.runtime.request import Request
 

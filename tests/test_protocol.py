@@ -290,7 +290,7 @@ def test_text_delta_keeps_what_was_sent_when_the_tokenizer_respells() -> None:
 @pytest.fixture(scope="module")
 def tok() -> Any:
     """The real SmolLM2 tokenizer (byte-level BPE, 49,152 ids)."""
-    from specdec.export.models import load_model
+    from specdec.models.loading import load_model
 
     return load_model("smollm2-135m").tokenizer
 

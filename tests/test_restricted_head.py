@@ -28,8 +28,8 @@ from test_lossless_sampling import (
 )
 
 from specdec.export.cli import main as export_main
-from specdec.export.cli import read_manifest
-from specdec.export.models import (
+from specdec.export.validate import max_logit_error
+from specdec.models.loading import (
     HEAD_TOKEN_IDS_FILE,
     LoadedModel,
     ModelResolutionError,
@@ -38,7 +38,7 @@ from specdec.export.models import (
     save_model,
     tiny_random,
 )
-from specdec.export.validate import max_logit_error
+from specdec.models.manifest import read_manifest
 from specdec.runtime.backends.onnxruntime import OrtBackend
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.drafters import ModelDrafter

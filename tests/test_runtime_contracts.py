@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.export.models import ModelResolutionError, load_model, tiny_random
+from specdec.models.drafts import DraftMismatchError
+from specdec.models.loading import ModelResolutionError, load_model, tiny_random
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.drafters import Draft, NgramDrafter
-from specdec.runtime.engine import DraftMismatchError, Engine
+from specdec.runtime.engine import Engine
 from specdec.runtime.kv import KVCacheManager
 from specdec.runtime.request import Request
 from specdec.runtime.sampling import InvalidRequestError, SamplingParams

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from specdec.export.models import LoadedModel, load_model, tiny_random
+from specdec.models.loading import LoadedModel, load_model, tiny_random
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.drafters import NgramDrafter
 from specdec.runtime.engine import Engine

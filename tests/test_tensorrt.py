@@ -33,7 +33,6 @@ import torch
 from onnx import TensorProto, helper
 
 from specdec.export import tensorrt as trt_export
-from specdec.export.onnx import CACHE_INPUT, CACHE_OUTPUT, GRAPH_INPUTS, LOGITS, cache_names
 from specdec.export.tensorrt import (
     DimRange,
     EngineBuildError,
@@ -46,6 +45,7 @@ from specdec.export.tensorrt import (
 )
 from specdec.plugins import onnx_op, trt_plugin
 from specdec.runtime.backends import tensorrt as trt_backend
+from specdec.runtime.graph_io import CACHE_INPUT, CACHE_OUTPUT, GRAPH_INPUTS, LOGITS, cache_names
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -281,8 +281,8 @@ def test_polygraphy_inspect_recipe_registers_the_plugin_first(tmp_path: Path) ->
 @pytest.fixture(scope="module")
 def tiny_graph(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
     """A real 2-layer export (fp32) and its model."""
-    from specdec.export.models import tiny_random
     from specdec.export.onnx import export_onnx
+    from specdec.models.loading import tiny_random
 
     model = tiny_random(seed=5, vocab_size=64, num_layers=2)
     path = export_onnx(model, tmp_path_factory.mktemp("trt_graph") / "model.onnx")
@@ -885,9 +885,9 @@ def test_engine_decodes_like_the_torch_backend(tiny_graph, tiny_engine: Path) ->
 def test_float16_engine_is_close_to_the_float32_reference(tmp_path: Path) -> None:
     import torch as _torch
 
-    from specdec.export.models import tiny_random
     from specdec.export.onnx import export_onnx
     from specdec.export.validate import max_logit_error
+    from specdec.models.loading import tiny_random
     from specdec.runtime.backends.torch_backend import TorchBackend
 
     model = tiny_random(seed=6, vocab_size=64, num_layers=2)
@@ -932,7 +932,8 @@ def test_build_detects_the_silent_function_body_fallback(tiny_graph, tmp_path: P
 
 @needs_trt
 def test_export_cli_writes_an_engine(tmp_path: Path) -> None:
-    from specdec.export.cli import main, read_manifest
+    from specdec.export.cli import main
+    from specdec.models.manifest import read_manifest
     from specdec.runtime.engine import _backend_opener
 
     out = tmp_path / "deploy"

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from specdec.export.models import LoadedModel, tiny_random
+from specdec.models.loading import LoadedModel, tiny_random
 from specdec.runtime.backends.torch_backend import TorchBackend, rope_inv_freq
 from specdec.runtime.engine import Engine
 from specdec.runtime.packed import ROOT, SeqWork, pack

@@ -20,7 +20,7 @@ import sys
 import torch
 
 from specdec.bench import build_workload
-from specdec.distill import load_pair
+from specdec.models.drafts import load_pair
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.beams import continuation_logprob
 from specdec.runtime.draft_length import DraftLength

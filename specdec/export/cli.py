@@ -19,7 +19,6 @@ complete, so an interrupted export never leaves something that looks valid.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import platform
 import sys
@@ -30,8 +29,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from specdec.distill import resolve_draft
-from specdec.export.models import (
+from specdec.models.drafts import check_draft_compatible, resolve_draft
+from specdec.models.loading import (
     DEFAULT_TARGET,
     LoadedModel,
     ModelResolutionError,
@@ -39,24 +38,10 @@ from specdec.export.models import (
     load_model,
     save_model,
 )
+from specdec.models.manifest import FORMAT_VERSION, MANIFEST, ExportDirError, checksums, read_manifest
 from specdec.runtime.costs import DraftCosts, calibrate_engine
 from specdec.runtime.draft_length import add_draft_length_args, check_draft_length_args
 from specdec.serving.repository import REPOSITORY_DIR, ServingOptions, write_repository
-
-MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
-
-
-class ExportDirError(ValueError):
-    """An export directory is missing, incomplete or corrupt."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _describe(model: LoadedModel, sub: str, root: Path, dtype: str) -> dict:
@@ -142,7 +127,6 @@ def export(target: str, draft: str | None, out: Path, force: bool = False, backe
         target_model = load_model(target)
         draft_model = resolve_draft(draft, target_model) if draft else None
         if draft_model is not None:
-            from specdec.runtime.engine import check_draft_compatible
 
             check_draft_compatible(target_model, draft_model)
         stages.update()
@@ -165,7 +149,7 @@ def export(target: str, draft: str | None, out: Path, force: bool = False, backe
         manifest["versions"] = _versions()
         for part in ("target", "draft"):
             if part in manifest:
-                manifest[part]["files"] = _checksums(tmp, part)
+                manifest[part]["files"] = checksums(tmp, part)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         if calibrate:
             stages.set_postfix_str("timing the graphs")
@@ -202,32 +186,6 @@ def _versions() -> dict[str, str]:
         except md.PackageNotFoundError:
             continue
     return found
-
-
-def _checksums(root: Path, sub: str) -> dict[str, str]:
-    return {str(p.relative_to(root)): _sha256(p) for p in sorted((root / sub).rglob("*")) if p.is_file()}
-
-
-def read_manifest(directory: Path, verify: bool = True) -> dict:
-    """Load and (by default) checksum-verify an export directory's manifest."""
-    path = directory / MANIFEST
-    if not path.is_file():
-        raise ExportDirError(f"{directory} is not a specdec export directory (no {MANIFEST})")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ExportDirError(f"{path} is corrupt: {exc}") from exc
-    if not isinstance(manifest, dict) or manifest.get("specdec_export") != FORMAT_VERSION:
-        raise ExportDirError(f"{path} is not a specdec export manifest of format {FORMAT_VERSION}")
-    if verify:
-        for part in ("target", "draft"):
-            for rel, digest in manifest.get(part, {}).get("files", {}).items():
-                file = directory / rel
-                if not file.is_file():
-                    raise ExportDirError(f"{file} is listed in {MANIFEST} but missing")
-                if _sha256(file) != digest:
-                    raise ExportDirError(f"{file} does not match its checksum in {MANIFEST}: the export is corrupt")
-    return manifest
 
 
 def main(argv: Sequence[str] | None = None) -> int:

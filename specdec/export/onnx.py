@@ -6,8 +6,8 @@ attention nodes stay custom nodes carrying ``plugin_namespace="specdec"`` and
 ``plugin_version="1"`` (a TensorRT parser binds them to the plugin); a standard-op
 function body is attached after export so any ONNX Runtime runs the file as it is.
 
-``GRAPH_IO`` is the single table of the graph's tensor names, dtypes and dims; the
-exporter, the ONNX Runtime backend and the tests all read it.
+The graph's tensor names, dtypes and dims are ``specdec.runtime.graph_io``'s table, which the
+exporter, both graph backends and the tests read.
 """
 
 from __future__ import annotations
@@ -15,39 +15,13 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from specdec.export.models import LoadedModel
+from specdec.models.loading import LoadedModel
 from specdec.runtime.backends.torch_backend import TorchBackend
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    dtype: str  # numpy name
-    dims: tuple[str, ...]  # symbolic dims; "layer" tensors are repeated per layer
-
-
-GRAPH_INPUTS = (
-    TensorSpec("input_ids", "int64", ("tokens",)),
-    TensorSpec("position_ids", "int64", ("tokens",)),
-    TensorSpec("cu_seqlens", "int32", ("seqs_plus_1",)),
-    TensorSpec("past_lens", "int32", ("seqs",)),
-    TensorSpec("slot_ids", "int32", ("seqs",)),
-    TensorSpec("tree_mask", "bool", ("tokens", "max_new")),
-    TensorSpec("logits_indices", "int32", ("rows",)),
-)
-CACHE_INPUT = "past_key_values.{layer}.{kind}"  # kind: key | value; [slots, kv_heads, max_len, head_dim]
-CACHE_OUTPUT = "present.{layer}.{kind}"
-LOGITS = "logits"  # float32 [rows, head]: head = vocab, or K for a restricted draft head (head_token_ids.json)
-
-
-def cache_names(num_layers: int, template: str) -> list[str]:
-    """Cache tensor names in graph order: all keys, then all values."""
-    return [template.format(layer=i, kind=kind) for kind in ("key", "value") for i in range(num_layers)]
+from specdec.runtime.graph_io import CACHE_INPUT, CACHE_OUTPUT, GRAPH_INPUTS, LOGITS, cache_names
 
 
 class RaggedStep(torch.nn.Module):
@@ -162,12 +136,6 @@ def graph_io_names(path: str | os.PathLike) -> tuple[list[str], list[str]]:
 
     graph = onnx.load(str(path), load_external_data=False).graph
     return [i.name for i in graph.input], [o.name for o in graph.output]
-
-
-def expected_io_names(num_layers: int) -> tuple[list[str], list[str]]:
-    """The names ``GRAPH_IO`` prescribes for a model with ``num_layers`` layers."""
-    return ([t.name for t in GRAPH_INPUTS] + cache_names(num_layers, CACHE_INPUT),
-            [LOGITS, *cache_names(num_layers, CACHE_OUTPUT)])
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdec.export.onnx import CACHE_INPUT
 from specdec.plugins.onnx_op import DOMAIN, OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION
+from specdec.runtime.graph_io import CACHE_INPUT
 
 #: Oldest TensorRT this path supports: Python Quickly-Deployable Plugins exist since 10.6 and the ONNX
 #: parser prefers a registered plugin over a model-local function of the same name since 10.7 (before,

@@ -227,8 +227,8 @@ def ragged_feeds(inputs: Sequence[tuple[str, Sequence[int | str], int]], vocab_s
     """
     from onnx import helper
 
-    from specdec.export.onnx import GRAPH_INPUTS
     from specdec.export.validate import random_packs
+    from specdec.runtime.graph_io import GRAPH_INPUTS
     from specdec.runtime.packed import pack
 
     rng = np.random.default_rng(seed)

@@ -519,5 +519,3 @@ def dsbd(ctx: DecodeContext) -> RunMetrics:
     ctx.run.method = "dsbd"
     return _run(ctx, speculative=True)
 
-
-BEAM_LOOPS = {"beam": beam, "dsbd": dsbd}

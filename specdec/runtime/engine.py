@@ -16,22 +16,20 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from specdec.export.models import LoadedModel
+from specdec.models.drafts import DraftMismatchError, check_draft_compatible
+from specdec.models.loading import LoadedModel
 from specdec.runtime.backends.base import Backend
 from specdec.runtime.backends.torch_backend import TorchBackend
-from specdec.runtime.beams import BEAM_LOOPS
 from specdec.runtime.draft_length import DraftLength
 from specdec.runtime.drafters import Drafter, ModelDrafter, NgramDrafter
 from specdec.runtime.kv import KVCacheManager
-from specdec.runtime.loops import LOOPS, DecodeContext
+from specdec.runtime.loops import DecodeContext
+from specdec.runtime.methods import DEFAULT_METHOD, get_method
 from specdec.runtime.metrics import RunMetrics
 from specdec.runtime.request import BeamParams, Request, RequestMetrics, RequestOutput, SeqState, StopChecker
 from specdec.runtime.sampling import InvalidRequestError, SamplingParams
 from specdec.runtime.scheduler import Scheduler
 from specdec.runtime.text import cut_at_stop, decode_tokens, encode_text
-
-ALL_LOOPS = {**LOOPS, **BEAM_LOOPS}
-METHODS = tuple(ALL_LOOPS)
 
 
 def _backend_opener(kind: str, threads: int | None = None) -> Callable[[Path, bool], Backend]:
@@ -48,38 +46,10 @@ def _backend_opener(kind: str, threads: int | None = None) -> Callable[[Path, bo
     raise ValueError(f"export backend {kind!r} is not known to this version of specdec")
 
 
-class DraftMismatchError(ValueError):
-    """The draft model cannot propose tokens for this target (different vocabulary)."""
-
-
 @dataclass
 class GenerationResult:
     outputs: list[RequestOutput]  # in request order
     run: RunMetrics
-
-
-def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> None:
-    """A draft must share the target's token ids, or its proposals mean nothing.
-
-    A draft with a restricted-vocabulary head (``draft.head_token_ids``) is compatible: it
-    still reads every target id and proposes only ids inside its head. The target itself
-    must score every token, since the verifier needs p over the whole vocabulary.
-    """
-    if target.head_token_ids is not None:
-        raise ValueError(f"target {target.name!r} has a restricted LM head ({len(target.head_token_ids)} of "
-                         f"{target.vocab_size} tokens): only a draft may restrict its head")
-    if draft.vocab_size != target.vocab_size:
-        raise DraftMismatchError(
-            f"draft {draft.name!r} has a vocabulary of {draft.vocab_size} tokens but target "
-            f"{target.name!r} has {target.vocab_size}: a draft model must use the target's tokenizer"
-        )
-    if target.tokenizer is not None and draft.tokenizer is not None and (
-        target.tokenizer.get_vocab() != draft.tokenizer.get_vocab()
-    ):
-        raise DraftMismatchError(
-            f"draft {draft.name!r} and target {target.name!r} have the same vocabulary size but "
-            "different tokenizers: a draft model must use the target's tokenizer"
-        )
 
 
 class Engine:
@@ -141,8 +111,8 @@ class Engine:
         contend with ORT's for the cores. On the 2-core CI machine (4 sequences, ORT on both cores)
         sampled decoding went from 54 to 74 tokens/s with it, greedy ems at k = 1 from 66 to 72.
         """
-        from specdec.export.cli import read_manifest
-        from specdec.export.models import load_export_metadata, load_model
+        from specdec.models.loading import load_export_metadata, load_model
+        from specdec.models.manifest import read_manifest
 
         root = Path(directory)
         manifest = read_manifest(root)
@@ -233,15 +203,18 @@ class Engine:
                              self.num_draft_tokens, on_tokens, on_finish, keep_running, on_logits, is_cancelled,
                              self.draft_length)
 
-    def generate(self, requests: Sequence[Request | Exception], method: str = "ems",
+    def generate(self, requests: Sequence[Request | Exception], method: str = DEFAULT_METHOD,
                  progress: bool = False) -> GenerationResult:
         """Run ``requests`` to completion with ``method``; outputs come back in request order.
 
         Items that are exceptions (a request that failed to build) or that do not fit the
         context become outputs with ``error`` set; the rest are decoded together.
         """
-        if method not in ALL_LOOPS:
-            raise ValueError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
+        spec = get_method(method)
+        if spec.masks_cache and not getattr(self.target, "supports_cache_mask", False):
+            raise ValueError(f"{spec.name!r} pads the KV cache with masked holes, which the "
+                             f"{type(self.target).__name__} target cannot mask (an exported graph has no cache_mask "
+                             "input): run it on the torch backend, or use 'ems'")
         outputs: dict[int, RequestOutput] = {}
         scheduler = Scheduler(self.max_batch)
         position: dict[str, int] = {}
@@ -249,10 +222,10 @@ class Engine:
             try:
                 if isinstance(req, Exception):
                     raise req
-                if method in BEAM_LOOPS and req.beam is None:
+                if spec.beams and req.beam is None:
                     req = replace(req, beam=BeamParams())
-                if method == "dsbd" and req.beam is not None and req.beam.mode != "iid":
-                    raise InvalidRequestError("dsbd reproduces i.i.d. beam sampling: beam mode must be 'iid'")
+                if spec.needs_draft_model and req.beam is not None and req.beam.mode != "iid":
+                    raise InvalidRequestError(f"{spec.name} reproduces i.i.d. beam sampling: beam mode must be 'iid'")
                 self.check(req)
                 if req.request_id in position:
                     raise InvalidRequestError(f"duplicate request_id {req.request_id!r}")
@@ -264,7 +237,7 @@ class Engine:
             position[req.request_id] = i
             scheduler.submit(req)
         total = sum(r.max_tokens for i, r in enumerate(requests) if i not in outputs)
-        bar = tqdm(total=total, desc=method, unit="tok", disable=not progress, leave=False)
+        bar = tqdm(total=total, desc=spec.name, unit="tok", disable=not progress, leave=False)
 
         def finish(seq: SeqState) -> None:
             outputs[position[seq.request.request_id]] = self._output(seq)
@@ -273,7 +246,7 @@ class Engine:
         ctx = self.context(scheduler, on_tokens=lambda seq, toks: bar.update(len(toks)), on_finish=finish)
         ctx.run.requests = len(position)
         start = time.perf_counter()
-        ALL_LOOPS[method](ctx)
+        spec.loop(ctx)
         ctx.run.wall_seconds = time.perf_counter() - start
         bar.close()
         return GenerationResult([outputs[i] for i in range(len(requests))], ctx.run)

@@ -265,5 +265,3 @@ def _padded(tokens: list[int], width: int) -> list[int]:
     """Pad with copies of the last token; padded rows are computed and discarded."""
     return tokens + [tokens[-1]] * (width - len(tokens))
 
-
-LOOPS: dict[str, Callable[[DecodeContext], RunMetrics]] = {"ar": ar, "vanilla": vanilla, "ems": ems}

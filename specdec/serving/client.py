@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from specdec.runtime.methods import BASELINE_METHOD, DEFAULT_METHOD, SERVED_METHODS, get_method
 from specdec.serving import protocol
 
 UNARY_MODEL, STREAM_MODEL = "specdec", "specdec_stream"
@@ -200,7 +201,8 @@ def add_client_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--url", default="127.0.0.1:8001", help="gRPC address of `specdec serve`")
     parser.add_argument("--prompt", action="append", help="a prompt (repeatable; default: the demo prompts)")
     parser.add_argument("--prompts-file", help="JSON list of strings, or one prompt per line")
-    parser.add_argument("--method", default="ems", help="ems (default), ar, dsbd or beam")
+    parser.add_argument("--method", default=DEFAULT_METHOD, choices=SERVED_METHODS,
+                        help=f"default {DEFAULT_METHOD}")
     parser.add_argument("--beam-width", type=int, help="dsbd / beam: beams per step (draft width W_S for dsbd)")
     parser.add_argument("--dsbd-threshold", type=float, help="dsbd dynamic-width threshold (0 = fixed width)")
     parser.add_argument("--dsbd-min-width", type=int, help="dsbd smallest width")
@@ -223,12 +225,13 @@ def add_client_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _params(args: argparse.Namespace, method: str) -> dict[str, Any]:
+    spec = get_method(method, served=True)
     return {"method": method, "max_tokens": args.max_tokens, "num_draft_tokens": args.num_draft_tokens,
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
             "stop": args.stop, "apply_chat_template": True if args.chat else None,
-            **({"beam_width": args.beam_width, "dsbd_threshold": args.dsbd_threshold if method == "dsbd" else None,
-                "dsbd_min_width": args.dsbd_min_width if method == "dsbd" else None, "memory_mode": args.memory_mode}
-               if method in protocol.BEAM_METHODS else {})}
+            **({"beam_width": args.beam_width, "memory_mode": args.memory_mode} if spec.beams else {}),
+            **({"dsbd_threshold": args.dsbd_threshold, "dsbd_min_width": args.dsbd_min_width}
+               if spec.beams and spec.uses_drafter else {})}
 
 
 def _summary(answers: Sequence[Answer | ClientError], wall: float) -> dict[str, float]:
@@ -243,7 +246,7 @@ def _summary(answers: Sequence[Answer | ClientError], wall: float) -> dict[str, 
 
 
 def client_main(args: argparse.Namespace) -> int:
-    from specdec.cli import read_prompts
+    from specdec.runtime.prompts import read_prompts
 
     prompts = read_prompts(args)
     if args.wait:
@@ -262,14 +265,15 @@ def client_main(args: argparse.Namespace) -> int:
     answers, wall = run_concurrent(args.url, prompts, concurrency, args.stream, **_params(args, args.method))
     summary = _summary(answers, wall)
     baseline = None
-    if args.compare_ar and args.method != "ar":
-        ar_answers, ar_wall = run_concurrent(args.url, prompts, concurrency, args.stream, **_params(args, "ar"))
+    if args.compare_ar and args.method != BASELINE_METHOD:
+        ar_answers, ar_wall = run_concurrent(args.url, prompts, concurrency, args.stream,
+                                             **_params(args, BASELINE_METHOD))
         baseline = _summary(ar_answers, ar_wall)
     if args.json:
         doc: dict[str, Any] = {"answers": [a.__dict__ if isinstance(a, Answer) else {"error": str(a)} for a in answers],
                                "summary": summary}
         if baseline:
-            doc["ar"] = baseline
+            doc[BASELINE_METHOD] = baseline
         print(json.dumps(doc))
     else:
         for i, (prompt, answer) in enumerate(zip(prompts, answers)):

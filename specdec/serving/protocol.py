@@ -14,12 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specdec.runtime.methods import BEAM_METHODS, DEFAULT_METHOD, SERVED_METHODS, Method, get_method
 from specdec.runtime.request import BeamParams
 from specdec.runtime.sampling import InvalidRequestError, SamplingParams
 
-#: methods a client may ask for; the beam methods run in a second decoding loop beside EMS-SD's
-SERVED_METHODS = ("ems", "ar", "dsbd", "beam")
-BEAM_METHODS = ("dsbd", "beam")
 DEFAULT_BEAM_WIDTH = 2
 #: num_draft_tokens above this is refused: verification cost grows with k while acceptance decays
 MAX_DRAFT_TOKENS = 32
@@ -44,7 +42,7 @@ TEXT_INPUT = TensorSpec("text_input", "TYPE_STRING", optional=False, doc="the pr
 APPLY_CHAT_TEMPLATE = TensorSpec("apply_chat_template", "TYPE_BOOL", doc="wrap the prompt in the chat template")
 PARAMETERS = (
     TensorSpec("max_tokens", "TYPE_INT32", doc="new tokens at most (default 64)"),
-    TensorSpec("method", "TYPE_STRING", doc="ems (default), ar, dsbd or beam"),
+    TensorSpec("method", "TYPE_STRING", doc=f"{', '.join(SERVED_METHODS)} (default {DEFAULT_METHOD})"),
     TensorSpec("temperature", "TYPE_FP32", doc="0 = greedy (default)"),
     TensorSpec("top_k", "TYPE_INT32", doc="0 = off"),
     TensorSpec("top_p", "TYPE_FP32", doc="1 = off"),
@@ -154,10 +152,8 @@ def parse_generation(inputs: Mapping[str, np.ndarray], *, max_len: int, default_
     unknown = sorted(set(inputs) - set(_PARAMETER) - {INPUT_IDS.name, TEXT_INPUT.name, APPLY_CHAT_TEMPLATE.name})
     if unknown:
         raise InvalidRequestError(f"unknown input(s) {unknown}")
-    method = str(values["method"] or "ems").strip().lower()
-    if method not in SERVED_METHODS:
-        raise InvalidRequestError(f"unknown method {method!r}: choose one of {', '.join(SERVED_METHODS)}")
-    beam = _beam(values, method)
+    spec = get_method(values["method"] or DEFAULT_METHOD, served=True)
+    beam = _beam(values, spec)
     max_tokens = default_max_tokens if values["max_tokens"] is None else values["max_tokens"]
     if not 1 <= int(max_tokens) < max_len:
         raise InvalidRequestError(f"max_tokens must be between 1 and {max_len - 1} (the context holds {max_len} "
@@ -179,24 +175,26 @@ def parse_generation(inputs: Mapping[str, np.ndarray], *, max_len: int, default_
                                   "'specdec' answers with one complete response")
     stops = parse_stops(inputs.get("stop"))
     # `ar` is EMS-SD with no drafts and `beam` is DSBD with no draft layers: each shares its loop's ragged steps
-    num_draft_tokens = 0 if method in ("ar", "beam") else (None if k is None else int(k))
-    return Generation(int(max_tokens), method, sampling, num_draft_tokens, stops, stream, beam)
+    num_draft_tokens = (None if k is None else int(k)) if spec.uses_drafter else 0
+    return Generation(int(max_tokens), spec.name, sampling, num_draft_tokens, stops, stream, beam)
 
 
-def _beam(values: Mapping[str, object], method: str) -> BeamParams | None:
-    """The beam parameters of a dsbd/beam request; ems and ar accept only their neutral values."""
+def _beam(values: Mapping[str, object], spec: Method) -> BeamParams | None:
+    """The beam parameters of a beam method's request; the others accept only their neutral values."""
     width, threshold, min_width, memory = (values[n] for n in ("beam_width", "dsbd_threshold", "dsbd_min_width",
                                                                 "memory_mode"))
-    if method not in BEAM_METHODS:
+    beam_names = " or ".join(repr(name) for name in BEAM_METHODS)
+    if not spec.beams:
         if width not in (None, 1):
-            raise InvalidRequestError(f"beam_width must be 1 for method {method!r} (got {width}): beam search is "
-                                      "method 'beam' or 'dsbd'")
+            raise InvalidRequestError(f"beam_width must be 1 for method {spec.name!r} (got {width}): beam search is "
+                                      f"method {beam_names}")
         if threshold is not None or min_width is not None or memory is not None:
-            raise InvalidRequestError(f"dsbd_threshold, dsbd_min_width and memory_mode apply to method 'dsbd' and "
-                                      f"'beam', not {method!r}")
+            raise InvalidRequestError(f"dsbd_threshold, dsbd_min_width and memory_mode apply to method {beam_names}, "
+                                      f"not {spec.name!r}")
         return None
-    if method == "beam" and (threshold is not None or min_width is not None):
-        raise InvalidRequestError("dsbd_threshold and dsbd_min_width apply to method 'dsbd' only")
+    if not spec.uses_drafter and (threshold is not None or min_width is not None):
+        speculative = " or ".join(repr(n) for n in BEAM_METHODS if get_method(n).uses_drafter)
+        raise InvalidRequestError(f"dsbd_threshold and dsbd_min_width apply to method {speculative} only")
     return BeamParams(width=DEFAULT_BEAM_WIDTH if width is None else int(width),
                       min_width=1 if min_width is None else int(min_width),
                       threshold=0.0 if threshold is None else float(threshold),

@@ -26,8 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from specdec.runtime.engine import ALL_LOOPS, Engine
+from specdec.runtime.engine import Engine
 from specdec.runtime.loops import DecodeContext
+from specdec.runtime.methods import DEFAULT_METHOD, get_method
 from specdec.runtime.metrics import StepRecord
 from specdec.runtime.request import Request, RequestMetrics, RequestOutput, SeqState
 from specdec.runtime.sampling import InvalidRequestError
@@ -113,10 +114,8 @@ class EngineService:
     ``engine.generate`` concurrently.
     """
 
-    def __init__(self, engine: Engine, method: str = "ems") -> None:
-        if method not in ALL_LOOPS:
-            raise ValueError(f"unknown method {method!r}: choose one of {', '.join(ALL_LOOPS)}")
-        self.engine, self.method = engine, method
+    def __init__(self, engine: Engine, method: str = DEFAULT_METHOD) -> None:
+        self.engine, self.method = engine, get_method(method)
         self._lock = threading.RLock()
         self._handles: dict[str, RequestHandle] = {}  # submitted, no final event yet
         self._live: dict[str, SeqState] = {}  # admitted into the current loop run
@@ -136,7 +135,7 @@ class EngineService:
             if self._stopping:
                 raise ServiceStoppedError("service was stopped: create a new one")
             if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, name=f"specdec-{self.method}", daemon=True)
+                self._thread = threading.Thread(target=self._serve, name=f"specdec-{self.method.name}", daemon=True)
                 self._thread.start()
         return self
 
@@ -226,7 +225,7 @@ class EngineService:
                                           keep_running=lambda: not self._stopping,
                                           is_cancelled=lambda seq: seq.request.request_id in self._cancelled)
             except Exception:  # cannot even build a loop: refuse the queue rather than hang its callers
-                log.exception("could not start decoding loop %r; failing queued requests", self.method)
+                log.exception("could not start decoding loop %r; failing queued requests", self.method.name)
                 for request in self.scheduler.drain():
                     self._finish_unadmitted(request, None, "decoding loop could not start")
                 if self._stopping:
@@ -236,9 +235,10 @@ class EngineService:
             with self._lock:
                 self._ctx = ctx
             try:
-                ALL_LOOPS[self.method](ctx)
+                self.method.loop(ctx)
             except Exception as exc:  # a server must outlive one bad step
-                log.exception("decoding loop %r failed; failing its in-flight requests and restarting", self.method)
+                log.exception("decoding loop %r failed; failing its in-flight requests and restarting",
+                              self.method.name)
                 self._fail_live(f"decoding loop failed: {type(exc).__name__}: {exc}")
                 with self._lock:
                     self._counts["restarts"] += 1

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from specdec.runtime.drafters import ModelDrafter
+from specdec.runtime.methods import DEFAULT_METHOD, beam_method, get_method
 from specdec.runtime.request import Request, RequestMetrics
 from specdec.runtime.sampling import InvalidRequestError
 from specdec.runtime.text import decode_tokens, encode_text, text_delta
@@ -72,7 +73,7 @@ def _export_dir(args: dict[str, str]) -> Path:
 
 
 def _load_tokenizer(args: dict[str, str]) -> Any:
-    from specdec.export.models import load_export_metadata
+    from specdec.models.loading import load_export_metadata
 
     return load_export_metadata(_export_dir(args), "target").tokenizer
 
@@ -285,11 +286,11 @@ class EngineModel:
         params = _parameters(args)
         self.engine = served_engine(_export_dir(args), params)
         self.default_max_tokens = _param(params, "default_max_tokens", int, 0) or 64
-        self.service = EngineService(self.engine, "ems").start()
-        # beam requests run in a second loop over the same weights (its own caches): dsbd where the export
-        # has a draft model, target-only beam decoding otherwise
+        self.service = EngineService(self.engine, DEFAULT_METHOD).start()
+        # beam requests run in a second loop over the same weights (its own caches): the speculative beam method
+        # where the export has a draft model, target-only beam decoding otherwise
         self.has_draft_model = isinstance(self.engine.drafter, ModelDrafter)
-        self.beam_service = EngineService(self.engine.sibling(), "dsbd" if self.has_draft_model else "beam").start()
+        self.beam_service = EngineService(self.engine.sibling(), beam_method(self.has_draft_model)).start()
         self._ids = itertools.count()
         self._streams: dict[str, _Stream] = {}
         self._external: dict[str, str] = {}  # Triton request id (set by the entry points) -> engine request id
@@ -315,12 +316,14 @@ class EngineModel:
                 gen = protocol.parse_generation(inputs, max_len=self.engine.max_len,
                                                 default_max_tokens=self.default_max_tokens)
                 request_id = f"{request.request_id() or 'triton'}#{next(self._ids)}"
-                if gen.method == "dsbd" and not self.has_draft_model:
-                    raise InvalidRequestError("method 'dsbd' needs a draft model and this deployment has none "
-                                              "(export with --draft); use 'beam' for beam decoding without one")
+                method = get_method(gen.method)
+                if method.needs_draft_model and not self.has_draft_model:
+                    raise InvalidRequestError(f"method {method.name!r} needs a draft model and this deployment has "
+                                              f"none (export with --draft); use {self.beam_service.method.name!r} "
+                                              "for beam decoding without one")
                 req = Request(tuple(protocol.parse_input_ids(inputs)), gen.max_tokens, gen.sampling,
                               gen.num_draft_tokens, gen.stop, request_id=request_id, beam=gen.beam)
-                service = self.beam_service if gen.method in protocol.BEAM_METHODS else self.service
+                service = self.beam_service if method.beams else self.service
                 stream = _Stream(client, gen.stream, gen.stop)
                 with self._lock:
                     self._streams[request_id] = stream

@@ -24,7 +24,7 @@ from common import optimizer_step
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from specdec.distill import _batch, select_head
-from specdec.export.models import load_model
+from specdec.models.loading import load_model
 
 torch.set_num_threads(1)
 OUT = Path(os.environ.get("FEATURE_DRAFT_DIR", "/tmp/feature_draft"))

@@ -15,7 +15,7 @@ import torch
 from common import optimizer_step
 
 from specdec.distill import DraftNet, _head_cross_entropy, evaluate, init_draft, select_head
-from specdec.export.models import load_model
+from specdec.models.loading import load_model
 
 torch.set_num_threads(1)
 OUT = Path(os.environ.get("FEATURE_DRAFT_DIR", "/tmp/feature_draft"))

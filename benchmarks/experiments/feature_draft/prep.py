@@ -19,7 +19,7 @@ import torch
 from transformers import LlamaModel
 
 from specdec.distill import DistillSettings, distill_data
-from specdec.export.models import load_model
+from specdec.models.loading import load_model
 
 torch.set_num_threads(2)
 OUT = Path(os.environ.get("FEATURE_DRAFT_DIR", "/tmp/feature_draft"))

@@ -38,6 +38,8 @@ class Backend(Protocol):
     columns: V for a full LM head, or K for a restricted-vocabulary head, whose column j
     means token ``head_token_ids[j]`` (``head_token_ids`` is None for a full head). Only a
     draft may have a restricted head; a target must score every token.
+    ``supports_cache_mask``: whether ``step`` honours ``PackedBatch.cache_mask`` (masked KV holes,
+    which only the padded ``vanilla`` baseline makes); a backend that cannot refuses such a step.
     """
 
     vocab_size: int
@@ -45,6 +47,7 @@ class Backend(Protocol):
     head_token_ids: torch.Tensor | None
     rows_processed: int
     calls: int
+    supports_cache_mask: bool
 
     def allocate_cache(self, num_slots: int, max_len: int) -> KVStorage: ...
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdec.export.models import HEAD_TOKEN_IDS_FILE, ModelResolutionError, read_head_token_ids
-from specdec.export.onnx import CACHE_INPUT, CACHE_OUTPUT, GRAPH_INPUTS, LOGITS, cache_names
+from specdec.models.loading import HEAD_TOKEN_IDS_FILE, ModelResolutionError, read_head_token_ids
 from specdec.runtime.backends.torch_backend import TorchKVStorage
+from specdec.runtime.graph_io import CACHE_INPUT, CACHE_OUTPUT, GRAPH_INPUTS, LOGITS, cache_names, graph_feeds
 from specdec.runtime.packed import PackedBatch
 
 _NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
@@ -57,6 +57,9 @@ def graph_head(graph: Path, head_size: int) -> tuple[torch.Tensor | None, int]:
 
 class OrtBackend:
     """A ``Backend`` over an ONNX Runtime session of a ``specdec-export`` graph."""
+
+    #: the graph has no cache_mask input (``graph_io``): a step with KV holes is refused
+    supports_cache_mask = False
 
     def __init__(self, path: str | os.PathLike, *, providers: list[str] | None = None,
                  intra_op_threads: int | None = None, name: str | None = None, spin: bool = True) -> None:
@@ -112,13 +115,8 @@ class OrtBackend:
         self.calls += 1
         self.rows_processed += batch.num_tokens
         binding = self.session.io_binding()
-        tensors = {
-            "input_ids": batch.input_ids, "position_ids": batch.position_ids, "cu_seqlens": batch.cu_seqlens,
-            "past_lens": batch.past_lens, "slot_ids": batch.slot_ids, "tree_mask": batch.tree_mask,
-            "logits_indices": batch.logits_indices,
-        }
-        for spec in GRAPH_INPUTS:
-            binding.bind_cpu_input(spec.name, np.ascontiguousarray(tensors[spec.name].numpy()))
+        for name, tensor in graph_feeds(batch).items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(tensor.numpy()))
         binding.bind_output(LOGITS)  # first, so it is outputs[0]
         buffers = [*cache.k, *cache.v]
         for in_name, out_name, buf in zip(self._in_names, self._out_names, buffers):

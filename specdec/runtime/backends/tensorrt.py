@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from specdec.export.onnx import CACHE_INPUT, CACHE_OUTPUT, GRAPH_INPUTS, LOGITS, cache_names
 from specdec.runtime.backends.onnxruntime import OnnxModelError, graph_head
 from specdec.runtime.backends.torch_backend import TorchKVStorage
+from specdec.runtime.graph_io import CACHE_INPUT, CACHE_OUTPUT, GRAPH_INPUTS, LOGITS, cache_names, graph_feeds
 from specdec.runtime.packed import PackedBatch
 
 _TORCH_TYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT32": torch.int32,
@@ -50,6 +50,9 @@ class TensorRTBackend:
     other backends (the decoding loops and validation were written against CPU logits);
     ``"cuda"`` keeps them on the GPU and saves the copy.
     """
+
+    #: the engine has no cache_mask input (``graph_io``): a step with KV holes is refused
+    supports_cache_mask = False
 
     def __init__(self, engine_path: str | os.PathLike, *, device: str | torch.device = "cuda",
                  output_device: str | torch.device = "cpu", name: str | None = None) -> None:
@@ -138,9 +141,7 @@ class TensorRTBackend:
         """Logits ``[R, vocab]`` (float32, on ``output_device``); the new K/V are written into ``cache`` in place."""
         self.calls += 1
         self.rows_processed += batch.num_tokens
-        if batch.cache_mask is not None and not bool(batch.cache_mask.all()):
-            raise ValueError("this step masks cached positions (cache_mask, the padded 'vanilla' baseline): the "
-                             "exported graph has no cache_mask input; run that baseline on the torch backend")
+        feeds = graph_feeds(batch)  # refuses a masked cache (vanilla's holes) before touching the GPU
         if not isinstance(cache, TorchKVStorage) or cache.device != self.device:
             raise TypeError(f"cache must come from this backend's allocate_cache() (CUDA storage on {self.device})")
         rows = int(batch.logits_indices.shape[0])
@@ -149,7 +150,6 @@ class TensorRTBackend:
 
         with torch.cuda.device(self.device):
             stream = torch.cuda.current_stream(self.device)
-            feeds = {spec.name: getattr(batch, spec.name) for spec in GRAPH_INPUTS}
             if rows == 0:  # the profile starts at one row: compute one and return none
                 feeds["logits_indices"] = torch.zeros(1, dtype=torch.int32)
             feeds = {name: t.to(device=self.device, dtype=self._torch_dtype(name)).contiguous()

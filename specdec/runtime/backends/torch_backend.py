@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdec.export.models import LoadedModel, check_head_token_ids
+from specdec.models.loading import LoadedModel, check_head_token_ids
 from specdec.plugins.reference import ragged_tree_attention
 from specdec.runtime.packed import PackedBatch
 
@@ -98,6 +98,9 @@ class _Layer:
 
 class TorchBackend:
     """The reference backend: runs ragged steps of a LLaMA-family model on CPU or CUDA."""
+
+    #: its attention takes ``PackedBatch.cache_mask``, so the padded ``vanilla`` baseline runs here
+    supports_cache_mask = True
 
     def __init__(self, model: LoadedModel, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32) -> None:

@@ -469,7 +469,7 @@ def _parse_tiny(spec: str) -> LoadedModel:
 
 def _load_export_dir(path: Path, part: str, dtype: torch.dtype) -> LoadedModel:
     """A model written by ``specdec-export`` (checksums verified, so corruption is caught at load)."""
-    from specdec.export.cli import ExportDirError, read_manifest
+    from specdec.models.manifest import ExportDirError, read_manifest
 
     try:
         manifest = read_manifest(path)
