@@ -143,16 +143,14 @@ class BeamDecoder:
     def retire(self) -> None:
         """Finish the groups that are done, and drop (``"cancelled"``) the ones a caller gave up on."""
         live = []
-        is_cancelled = self.ctx.is_cancelled
         for group in self.groups:
-            cancelled = is_cancelled is not None and is_cancelled(group.seq)
+            cancelled = not group.seq.finished and self.ctx.retire_cancelled(group.seq)
             if not group.done and not cancelled:
                 live.append(group)
                 continue
             for hyp in group.beams:
                 self._free(hyp)
             if cancelled:
-                group.seq.finish_reason = "cancelled"
                 if self.ctx.on_finish is not None:
                     self.ctx.on_finish(group.seq)
             else:
@@ -243,8 +241,7 @@ class BeamDecoder:
         if not self.speculative:
             return 0
         seq = group.seq
-        k = self.ctx.num_draft_tokens if seq.request.num_draft_tokens is None else seq.request.num_draft_tokens
-        gamma = max(0, min(k, seq.request.max_tokens - group.num_generated - 1))
+        gamma = self.ctx.draft_budget(seq, group.num_generated)
         kv = self.ctx.kv
         while gamma > 0 and any(len(h.tokens) - kv.length(h.slot) + gamma * group.params.width > kv.room(h.slot)
                                 for h in group.beams):

@@ -20,7 +20,7 @@ from specdec.runtime.drafters import Draft, Drafter
 from specdec.runtime.kv import KVCacheManager
 from specdec.runtime.metrics import RunMetrics, StepRecord
 from specdec.runtime.packed import SeqWork, pack
-from specdec.runtime.request import SeqState, StopChecker
+from specdec.runtime.request import CANCELLED, SeqState, StopChecker
 from specdec.runtime.sampling import next_token, verify_greedy, verify_sampling, warp
 from specdec.runtime.scheduler import Scheduler
 
@@ -42,9 +42,8 @@ class DecodeContext:
     keep_running: Callable[[], bool] | None = None  # serving: wait for work instead of returning
     #: ``ar`` only: the target logits each sampled token was drawn from (distillation records them)
     on_logits: Callable[[SeqState, torch.Tensor], None] | None = None
-    #: serving: whether a caller gave up on a sequence (loops that stream learn it from on_tokens instead;
-    #: beam loops, which emit only what every candidate shares (maybe nothing for a long while), ask this
-    #: between rounds)
+    #: serving: whether a caller gave up on a sequence; every loop asks it when it retires sequences (after each
+    #: step or round), so a cancelled sequence ends there, whether or not it streamed anything
     is_cancelled: Callable[[SeqState], bool] | None = None
     #: adaptive draft length: each sequence's k from its own acceptance, at most the k above (None: always that k)
     draft_length: DraftLength | None = None
@@ -69,11 +68,26 @@ class DecodeContext:
         """
         ks = []
         for seq in seqs:
-            k = self.num_draft_tokens if seq.request.num_draft_tokens is None else seq.request.num_draft_tokens
-            budget = seq.request.max_tokens - seq.num_generated - 1  # one token always comes from the target
             room = self.kv.room(seq.slot) - 1  # rows written: last token + k drafts
-            ks.append(self.choose_draft_length(seq, max(0, min(k, budget, room))))
+            ks.append(self.choose_draft_length(seq, max(0, min(self.draft_budget(seq, seq.num_generated), room))))
         return ks
+
+    def draft_budget(self, seq: SeqState, generated: int) -> int:
+        """The most ``seq`` may draft now, chain tokens or forest layers alike: its requested k (or the engine's),
+        never past ``max_tokens``, since one token of every step always comes from the target.
+
+        ``generated``: output tokens so far (a beam group counts its beams' common length). Where the drafts
+        must also fit the KV slot, the caller lowers it further by its own shape (k rows, or W_S rows a layer).
+        """
+        k = self.num_draft_tokens if seq.request.num_draft_tokens is None else seq.request.num_draft_tokens
+        return max(0, min(k, seq.request.max_tokens - generated - 1))
+
+    def retire_cancelled(self, seq: SeqState) -> bool:
+        """Whether the caller gave up on ``seq``; if so it ends now with ``CANCELLED`` (the one cancellation path)."""
+        if self.is_cancelled is None or not self.is_cancelled(seq):
+            return False
+        seq.finish_reason = CANCELLED
+        return True
 
     def choose_draft_length(self, seq: SeqState, k_max: int, rows: float = 1.0) -> int:
         """``k_max``, or with an adaptive ``draft_length`` what ``seq``'s own history says pays (chains and forests).
@@ -155,7 +169,7 @@ class DecodeContext:
         """Free the slots of finished sequences; return the live ones."""
         live = []
         for seq in seqs:
-            if not seq.finished:
+            if not seq.finished and not self.retire_cancelled(seq):
                 live.append(seq)
                 continue
             self.kv.free(seq.slot)

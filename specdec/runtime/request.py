@@ -154,11 +154,15 @@ class RequestOutput:
     prompt_ids: list[int]
     token_ids: list[int]
     text: str | None
-    finish_reason: str | None  # "stop" (EOS or stop string), "length", or None on error
+    finish_reason: str | None  # "stop" (EOS or stop string), "length", CANCELLED, or None on error
     metrics: RequestMetrics
     error: str | None = None
     #: beam / dsbd: the ``num_return_sequences`` best candidates, best first (the first is ``token_ids``)
     sequences: list[BeamCandidate] = field(default_factory=list)
+
+
+#: the finish reason of a sequence whose caller gave up on it (``DecodeContext.retire_cancelled``)
+CANCELLED = "cancelled"
 
 
 @dataclass(frozen=True)

@@ -30,14 +30,13 @@ from specdec.runtime.engine import Engine
 from specdec.runtime.loops import DecodeContext
 from specdec.runtime.methods import DEFAULT_METHOD, get_method
 from specdec.runtime.metrics import StepRecord
-from specdec.runtime.request import Request, RequestMetrics, RequestOutput, SeqState
+from specdec.runtime.request import CANCELLED, Request, RequestMetrics, RequestOutput, SeqState
 from specdec.runtime.sampling import InvalidRequestError
 from specdec.runtime.scheduler import Scheduler
 from specdec.runtime.text import streamable
 
 log = logging.getLogger(__name__)
 
-CANCELLED = "cancelled"
 
 
 class ServiceStoppedError(RuntimeError):
@@ -273,8 +272,7 @@ class EngineService:
         if seq.finished:
             return  # these tokens go out with the final event, once the final text is known
         if cancelled:
-            seq.finish_reason = CANCELLED  # retired (slot freed, on_finish) at the end of this step
-            return
+            return  # nothing more goes out: the loop retires it (CANCELLED) at the end of this step
         text_delta = ""
         if self.engine.tokenizer is not None:
             safe = streamable(self.engine.decode(seq.output_ids), seq.request.stop)
