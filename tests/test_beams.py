@@ -125,7 +125,7 @@ def test_one_target_call_per_round_with_exactly_tail_plus_nodes_rows_and_exact_k
                 for i, (p, w) in enumerate(zip(PROMPTS, (1, 2, 3, 4)))]
     decoder = decoder_after_admit(eng, requests)
     assert len(decoder.groups) == 4
-    ctx, kv, dkv = decoder.ctx, decoder.ctx.kv, decoder.dkv
+    ctx, kv, dkv = decoder.ctx, decoder.ctx.kv, decoder.drafter.kv  # white-box: the draft model's own cache
     fresh_target, fresh_draft = TorchBackend(target), TorchBackend(draft)
     for _ in range(4):
         tails = sum(len(h.tokens) - kv.length(h.slot) for g in decoder.groups for h in g.beams)

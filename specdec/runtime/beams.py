@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.runtime.backends.base import Backend
-from specdec.runtime.drafters import ModelDrafter
+from specdec.runtime.drafters import ForestDrafter
 from specdec.runtime.dsbd import (
     BeamStep,
     beam_distribution,
@@ -58,7 +58,6 @@ from specdec.runtime.dsbd import (
     dynamic_width,
     verify_layer,
 )
-from specdec.runtime.kv import KVCacheManager
 from specdec.runtime.loops import DecodeContext
 from specdec.runtime.metrics import RunMetrics
 from specdec.runtime.packed import ROOT, SeqWork, pack
@@ -119,13 +118,12 @@ class BeamDecoder:
 
     def __init__(self, ctx: DecodeContext, speculative: bool) -> None:
         self.ctx, self.speculative = ctx, speculative
-        self.drafter: ModelDrafter | None = None
+        self.drafter: ForestDrafter | None = None
         if speculative:
-            if not isinstance(ctx.drafter, ModelDrafter):
+            if not isinstance(ctx.drafter, ForestDrafter):
                 raise ValueError("dsbd needs a draft model (the draft beam-samples the forest with its q): "
                                  f"got {type(ctx.drafter).__name__ if ctx.drafter else 'no drafter'}")
             self.drafter = ctx.drafter
-        self.dkv: KVCacheManager | None = self.drafter.kv if self.drafter else None
         self.groups: list[Group] = []
         self.vocab = ctx.target.vocab_size
 
@@ -137,7 +135,7 @@ class BeamDecoder:
                                        free=kv.num_free - reserved)
         for seq in new:
             params = _params(seq.request)
-            root = Hyp(list(seq.tokens), 0.0, 0.0, seq.slot, self.dkv.alloc() if self.dkv else None)
+            root = Hyp(list(seq.tokens), 0.0, 0.0, seq.slot, self.drafter.open_slot() if self.drafter else None)
             self.groups.append(Group(seq, params, [root], params.width))
 
     def retire(self) -> None:
@@ -159,8 +157,8 @@ class BeamDecoder:
 
     def _free(self, hyp: Hyp) -> None:
         self.ctx.kv.free(hyp.slot)
-        if hyp.draft_slot is not None and self.dkv is not None:
-            self.dkv.free(hyp.draft_slot)
+        if hyp.draft_slot is not None and self.drafter is not None:
+            self.drafter.close_slot(hyp.draft_slot)
 
     def _finish(self, group: Group) -> None:
         """Rank the candidates, emit the best one's tokens, and report the group."""
@@ -253,7 +251,7 @@ class BeamDecoder:
     # -- draft forest ---------------------------------------------------------------------
     def _draft(self, gammas: Sequence[int]) -> None:
         """Beam-sample every group's forest, one draft ragged step per layer for all groups."""
-        assert self.drafter is not None and self.dkv is not None
+        assert self.drafter is not None
         for group, gamma in zip(self.groups, gammas):
             group.layers = []
             group.trees = [[] for _ in group.beams] if gamma else []
@@ -267,27 +265,27 @@ class BeamDecoder:
                     if item is not None:
                         work.append(item[0])
                         asked.extend((id(group), ref) for ref in item[1])
-            table = dict(zip(asked, self.drafter.backend.step(pack(work), self.dkv.storage)))
+            table = dict(zip(asked, self.drafter.forest_step(work)))
             if depth == 0:  # the tails are the beams' real tokens: keep them in the draft cache
                 for hyp in (h for g in drafting for h in g.beams):
                     assert hyp.draft_slot is not None
-                    self.dkv.commit(hyp.draft_slot, len(hyp.tokens) - self.dkv.length(hyp.draft_slot))
+                    self.drafter.keep(hyp.draft_slot, len(hyp.tokens) - self.drafter.cached_length(hyp.draft_slot))
             for group in drafting:
                 parents, scores = _layer_parents(group, depth)
-                rows = self.drafter.full_vocab_logits(torch.stack([table[(id(group), r)] for r in parents]))
+                rows = torch.stack([table[(id(group), r)] for r in parents])
                 self._draft_layer(group, parents, torch.tensor(scores, dtype=torch.float64), rows)
 
     def _draft_work(self, group: Group, b: int, depth: int,
                     parents: Sequence[NodeRef]) -> tuple[SeqWork, list[NodeRef]] | None:
         """Root ``b``'s draft work: its tail (depth 0) or its tree so far; logits at the layer's parents."""
-        assert self.dkv is not None
+        assert self.drafter is not None
         hyp = group.beams[b]
         slot = hyp.draft_slot
         assert slot is not None
         mine = [ref for ref in parents if ref[0] == b]
         if not mine:
             return None
-        past = self.dkv.length(slot)
+        past = self.drafter.cached_length(slot)
         if depth == 0:
             return SeqWork(slot, past, hyp.tokens[past:], logits="last"), mine
         tree = group.trees[b]
@@ -457,8 +455,8 @@ class BeamDecoder:
             for hyp, offsets in children[1:]:
                 hyp.slot = kv.fork(old.slot, written[b])
                 kv.commit(hyp.slot, offsets)
-                if old.draft_slot is not None and self.dkv is not None:
-                    hyp.draft_slot = self.dkv.fork(old.draft_slot)
+                if old.draft_slot is not None and self.drafter is not None:
+                    hyp.draft_slot = self.drafter.fork_slot(old.draft_slot)
             hyp, offsets = children[0]
             hyp.slot, hyp.draft_slot = old.slot, old.draft_slot
             kv.commit(old.slot, offsets)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -53,6 +53,44 @@ class Drafter(Protocol):
 
     def reset(self) -> None:
         """Forget every sequence (a new run starts with all slots free)."""
+        ...
+
+    def fork(self) -> Drafter:
+        """A drafter of the same kind and settings for a second decoding loop: the same model, its own state."""
+        ...
+
+
+@runtime_checkable
+class ForestDrafter(Drafter, Protocol):
+    """A drafter DSBD can beam-sample forests with: a draft model whose slots the beam decoder steers.
+
+    The beam decoder owns the trees and decides what each draft slot caches (a beam's tail, then
+    its tree layer by layer); the drafter owns the model and its cache, so the decoder never
+    touches a backend or a KV manager of the draft.
+    """
+
+    def open_slot(self) -> int:
+        """A free draft slot for a new root beam."""
+        ...
+
+    def close_slot(self, slot: int) -> None:
+        ...
+
+    def fork_slot(self, slot: int) -> int:
+        """A new slot holding ``slot``'s committed prefix (a beam that forks)."""
+        ...
+
+    def cached_length(self, slot: int) -> int:
+        """Tokens whose K/V ``slot`` holds (committed)."""
+        ...
+
+    def keep(self, slot: int, count: int) -> None:
+        """Commit the next ``count`` rows the last forest step wrote into ``slot``."""
+        ...
+
+    def forest_step(self, work: Sequence[SeqWork]) -> torch.Tensor:
+        """One ragged draft step over ``work``: logits ``[rows, V]`` over the target's vocabulary (-inf off a
+        restricted head), in the order of the work items' logit rows."""
         ...
 
 
@@ -103,6 +141,9 @@ class NgramDrafter:
     def reset(self) -> None:
         self._index.clear()
         self._indexed.clear()
+
+    def fork(self) -> NgramDrafter:
+        return NgramDrafter(self.max_ngram, self.min_ngram)
 
 
 class ModelDrafter:
@@ -195,3 +236,42 @@ class ModelDrafter:
         self.kv = KVCacheManager(self.kv.storage)
         self._slot.clear()
         self._cached.clear()
+
+    def fork(self) -> ModelDrafter:
+        """The same draft model (its weights are shared) with its own KV cache of the same size."""
+        return ModelDrafter(self.backend, self.kv.num_slots, self.kv.max_len)
+
+    # -- forests (``ForestDrafter``, for DSBD) -------------------------------------------
+    def open_slot(self) -> int:
+        return self.kv.alloc()
+
+    def close_slot(self, slot: int) -> None:
+        self.kv.free(slot)
+
+    def fork_slot(self, slot: int) -> int:
+        return self.kv.fork(slot)
+
+    def cached_length(self, slot: int) -> int:
+        return self.kv.length(slot)
+
+    def keep(self, slot: int, count: int) -> None:
+        self.kv.commit(slot, count)
+
+    def forest_step(self, work: Sequence[SeqWork]) -> torch.Tensor:
+        return self.full_vocab_logits(self.backend.step(pack(work), self.kv.storage))
+
+
+def make_drafter(draft: Backend | str | None, *, max_batch: int, max_len: int, ngram: int = 3,
+                 min_ngram: int = 2) -> Drafter | None:
+    """The one place a drafter is built: a draft model's backend, ``"ngram"`` (prompt lookup) or ``None``/``"none"``.
+
+    ``max_batch`` and ``max_len`` size a draft model's own KV cache like the target's, so every
+    target sequence has a draft slot as long as its context.
+    """
+    if draft is None or draft == "none":
+        return None
+    if draft == "ngram":
+        return NgramDrafter(max_ngram=ngram, min_ngram=min_ngram)
+    if isinstance(draft, str):
+        raise ValueError(f"unknown drafter {draft!r}: pass a draft model, 'ngram' or 'none'")
+    return ModelDrafter(draft, max_batch, max_len)

@@ -21,7 +21,7 @@ from specdec.models.loading import LoadedModel
 from specdec.runtime.backends.base import Backend
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.draft_length import DraftLength
-from specdec.runtime.drafters import Drafter, ModelDrafter, NgramDrafter
+from specdec.runtime.drafters import Drafter, make_drafter
 from specdec.runtime.kv import KVCacheManager
 from specdec.runtime.loops import DecodeContext
 from specdec.runtime.methods import DEFAULT_METHOD, get_method
@@ -81,16 +81,12 @@ class Engine:
         """Torch backends for ``target`` and ``draft`` (a model, ``"ngram"`` or ``None``)."""
         max_len = max_len or min(int(target.config.max_position_embeddings), 2048)
         backend = TorchBackend(target)
-        drafter: Drafter | None
-        if draft is None or draft == "none":
-            drafter = None
-        elif draft == "ngram":
-            drafter = NgramDrafter(max_ngram=ngram, min_ngram=min_ngram)
-        elif isinstance(draft, LoadedModel):
+        if isinstance(draft, LoadedModel):
             check_draft_compatible(target, draft)
-            drafter = ModelDrafter(TorchBackend(draft), max_batch, max_len)
-        else:
+        elif draft not in (None, "none", "ngram"):
             raise ValueError(f"draft must be a loaded model, 'ngram' or None, got {draft!r}")
+        drafter = make_drafter(TorchBackend(draft) if isinstance(draft, LoadedModel) else draft,
+                               max_batch=max_batch, max_len=max_len, ngram=ngram, min_ngram=min_ngram)
         return cls(backend, drafter, tokenizer=target.tokenizer, eos_token_ids=target.eos_token_ids,
                    max_batch=max_batch, max_len=max_len, num_draft_tokens=num_draft_tokens, draft_length=draft_length)
 
@@ -129,13 +125,11 @@ class Engine:
         meta = load_export_metadata(root, "target")
         open_backend = _backend_opener(backend_kind, threads)
         target_backend = open_backend(root / manifest["target"]["graph"], False)
-        chosen: Drafter | None
-        if drafter in ("none",):
-            chosen = None
-        elif drafter == "ngram" or "draft" not in manifest:
-            chosen = NgramDrafter()
+        if drafter is None and "draft" in manifest:
+            draft: Backend | str | None = open_backend(root / manifest["draft"]["graph"], True)
         else:
-            chosen = ModelDrafter(open_backend(root / manifest["draft"]["graph"], True), max_batch, max_len)
+            draft = "ngram" if drafter in (None, "model") else drafter
+        chosen = make_drafter(draft, max_batch=max_batch, max_len=max_len)
         return cls(target_backend, chosen, tokenizer=meta.tokenizer, eos_token_ids=meta.eos_token_ids,
                    max_batch=max_batch, max_len=max_len, num_draft_tokens=num_draft_tokens, draft_length=draft_length)
 
@@ -145,11 +139,7 @@ class Engine:
         A server runs its beam loop beside the EMS-SD loop this way: the weights are shared,
         each loop owns its caches, and both may call the backends from their own threads.
         """
-        drafter: Drafter | None = self.drafter
-        if isinstance(self.drafter, ModelDrafter):
-            drafter = ModelDrafter(self.drafter.backend, self.max_batch, self.max_len)
-        elif isinstance(self.drafter, NgramDrafter):
-            drafter = NgramDrafter(self.drafter.max_ngram, self.drafter.min_ngram)
+        drafter = None if self.drafter is None else self.drafter.fork()
         return Engine(self.target, drafter, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
                       max_batch=self.max_batch, max_len=self.max_len, num_draft_tokens=self.num_draft_tokens,
                       draft_length=self.draft_length)
