@@ -3,7 +3,7 @@
 The per-slot law of DSBD is tested on enumerable tables in ``test_dsbd_math.py``. Here the
 runtime is held to that verified reference: one DSBD round of the runtime (draft forest as
 ragged draft steps, all forests in one packed target call, KV compaction and forks) must
-make exactly the draws of :func:`specdec.runtime.dsbd.dsbd_round` run on the same models'
+make exactly the draws of :func:`dsbd_reference.dsbd_round` (tests/dsbd_reference.py) run on the same models'
 full-prefix distributions with the same RNG stream. Then the properties the issue names:
 rows per step, K/V of surviving beams, γ = 0 and draft = target reductions, greedy DSBD =
 beam search, and batch independence.
@@ -15,13 +15,13 @@ import math
 
 import pytest
 import torch
+from dsbd_reference import dsbd_round
 
 from specdec.models.loading import LoadedModel, tiny_random
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.beams import BeamDecoder, continuation_logprob
 from specdec.runtime.draft_length import DraftLength
 from specdec.runtime.drafters import ModelDrafter
-from specdec.runtime.dsbd import dsbd_round
 from specdec.runtime.engine import Engine
 from specdec.runtime.packed import SeqWork, pack
 from specdec.runtime.request import BeamParams, Request

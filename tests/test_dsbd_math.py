@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+from dsbd_reference import RoundResult, dsbd_round
 from scipy.stats import chi2
 from test_lossless_sampling import ALPHA, chi_square_pvalue, total_variation
 
@@ -41,7 +42,6 @@ from specdec.runtime import dsbd
 from specdec.runtime.dsbd import (
     Beam,
     LayerVerdict,
-    RoundResult,
     acceptance_count_distribution,
     acceptance_probability,
     acceptance_tail,
@@ -49,7 +49,6 @@ from specdec.runtime.dsbd import (
     beam_search_step,
     beam_step,
     draft_layer,
-    dsbd_round,
     dynamic_width,
     sample_pairs_iid,
     verify_layer,

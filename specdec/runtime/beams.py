@@ -57,6 +57,7 @@ from specdec.runtime.dsbd import (
     draft_layer,
     dynamic_width,
     verify_layer,
+    verify_layer_greedy,
 )
 from specdec.runtime.loops import DecodeContext
 from specdec.runtime.metrics import RunMetrics
@@ -348,13 +349,11 @@ class BeamDecoder:
             score_t = masked(scores, valid)
             logits = table(parents, valid)
             if params.greedy:
-                step = beam_search_step(score_t, logits, group.params.width, logits=True)
-                wanted = [p * self.vocab + t for p, t in zip(step.parents, step.tokens)]
-                found = [layer.nodes.index(x) if x in layer.nodes else -1 for x in wanted]
-                accepted_total += sum(i >= 0 for i in found)
-                if min(found) < 0 or any(t in eos for t in step.tokens):
-                    return _outputs(parents, step), accepted_total, passed
-                chosen, new_scores = found, step.scores
+                greedy = verify_layer_greedy(score_t, logits, layer.nodes, group.params.width)
+                accepted_total += greedy.accepted
+                if not greedy.passed or any(t in eos for t in greedy.step.tokens):
+                    return _outputs(parents, greedy.step), accepted_total, passed
+                chosen, new_scores = greedy.found, greedy.step.scores
             else:
                 pb = beam_distribution(score_t, logits, params, logits=True)
                 assert layer.q_beam is not None

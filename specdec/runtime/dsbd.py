@@ -21,7 +21,7 @@ goes on to layer l+1 when layer l passed, and passing depends on the slots' valu
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -249,6 +249,41 @@ def verify_layer(pb: torch.Tensor, q_beam: torch.Tensor, nodes: Sequence[int], v
     return LayerVerdict(accepted, False, outputs)
 
 
+@dataclass(frozen=True)
+class GreedyLayerVerdict:
+    """The verification of one greedy forest layer.
+
+    ``step``: the target's own beam-search step over the layer's valid parents (the round's
+    outputs when the layer fails). ``found[i]``: the position in the layer's draft list of the
+    target's i-th pick, or -1 where the draft did not propose it. ``passed``: every pick was drafted.
+    """
+
+    step: BeamStep
+    found: list[int]
+    passed: bool
+
+    @property
+    def accepted(self) -> int:
+        return sum(i >= 0 for i in self.found)
+
+
+def verify_layer_greedy(scores: torch.Tensor, logits: torch.Tensor, nodes: Sequence[int],
+                        width: int) -> GreedyLayerVerdict:
+    """Greedy DSBD's layer check: the layer passes when the draft proposed every pair beam search picks.
+
+    ``scores`` are the parents' cumulative target log-probabilities (-inf for parents that are not
+    target beams), ``logits`` their target logits ``[parents, V]``, ``nodes`` the draft's top pairs
+    as flat ``parent * V + token`` indices. Why this is exact: beam search's next beams are a
+    function of the target alone, so a layer is usable exactly when its drafts contain them, and
+    the round then continues from the target's picks, never from the draft's scores.
+    """
+    step = beam_search_step(scores, logits, width, logits=True)
+    vocab = logits.shape[-1]
+    position = {x: i for i, x in reversed(list(enumerate(nodes)))}  # first occurrence, as list.index
+    found = [position.get(p * vocab + t, -1) for p, t in zip(step.parents, step.tokens)]
+    return GreedyLayerVerdict(step, found, min(found, default=-1) >= 0)
+
+
 # -- dynamic width ---------------------------------------------------------------------------
 
 
@@ -327,119 +362,3 @@ def dynamic_width(pb: torch.Tensor, q: torch.Tensor, w_s: int, threshold: float,
     # a 1e-12 slack so that rounding in the recursion cannot flip a comparison like 1 - 4e-16 >= 1
     best = max(k for k in range(w_s + 1) if float(tail[k]) >= threshold - 1e-12)
     return max(w_min, best)
-
-
-# -- a whole round over table-defined models (the tests' simulator) ---------------------------
-
-
-ProbsFn = Callable[[tuple[int, ...]], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class LayerTrace:
-    """One verified layer of a round: its valid parents (target beams) and its output slots.
-
-    ``slots[j] = (i, v)``: slot j extends ``parents[i]`` by token ``v``. ``drafted`` is 0 for
-    the extra layer sampled directly from the target after all γ layers passed.
-    """
-
-    parents: list[Beam]
-    slots: list[tuple[int, int]]
-    passed: bool
-    drafted: int
-    accepted: int
-
-
-@dataclass(frozen=True)
-class RoundResult:
-    """Output beams of a round (the next round's input) and the trace of its layers."""
-
-    beams: list[Beam]
-    layers: list[LayerTrace]
-
-
-def _memo_beam_distribution(kind: str, beams: Sequence[Beam], absent: Sequence[bool], fn: ProbsFn,
-                            params: SamplingParams, memo: dict | None) -> torch.Tensor:
-    """``p_beam`` of ``beams`` under ``fn`` (absent parents: score -inf), cached in ``memo`` by state.
-
-    The key holds ``fn`` and ``params`` too, so one dict may serve several models and settings,
-    as long as the functions are pure (same prefix, same distribution).
-    """
-    key = (kind, fn, params, tuple(beams), tuple(absent))
-    if memo is not None and key in memo:
-        return memo[key]
-    scores = torch.tensor([-math.inf if gone else b.score for b, gone in zip(beams, absent)], dtype=torch.float64)
-    table = torch.stack([fn(b.prefix) for b in beams])
-    result = beam_distribution(scores, table, params)
-    if memo is not None:
-        memo[key] = result
-    return result
-
-
-def _extend(parents: Sequence[Beam], flat: Sequence[int], dist: torch.Tensor, vocab: int) -> list[Beam]:
-    """New beams for flat pairs, scored ``log dist(pair)``."""
-    return [Beam((*parents[x // vocab].prefix, x % vocab), math.log(float(dist[x]))) for x in flat]
-
-
-def _trace(parents: Sequence[Beam], valid: Sequence[bool], outputs: Sequence[int], vocab: int, passed: bool,
-           drafted: int, accepted: int) -> LayerTrace:
-    """The layer's trace, with slots re-indexed over the valid parents only."""
-    index = {p: i for i, p in enumerate(p for p, ok in enumerate(valid) if ok)}
-    return LayerTrace([b for b, ok in zip(parents, valid) if ok], [(index[x // vocab], x % vocab) for x in outputs],
-                      passed, drafted, accepted)
-
-
-def dsbd_round(input_beams: Sequence[tuple[tuple[int, ...], float]], target_fn: ProbsFn, draft_fn: ProbsFn,
-               params: SamplingParams, w_s: int, gamma: int, width: int, generator: torch.Generator, *,
-               threshold: float | None = None, w_min: int = 1, memo: dict | None = None) -> RoundResult:
-    """One DSBD round over pure table models, for exactness tests (no KV, no batching).
-
-    ``target_fn(prefix)`` / ``draft_fn(prefix)`` give the unwarped next-token distribution
-    ``[V]``. The draft runs beam sampling with width ``w_s`` for ``gamma`` layers (the forest,
-    nodes i.i.d. per layer, each scored with its own ``log q_beam``); the layers are then
-    verified in order with :func:`verify_layer`, the valid parents of layer l+1 being the
-    drafts accepted at layer l, scored ``log p_beam`` by the target. The first failing layer's
-    outputs end the round; if all ``gamma`` pass, one more layer is drawn i.i.d. from the target's
-    ``p_beam`` over the last accepted drafts. Width: ``width`` for every layer, or with
-    ``threshold`` set, :func:`dynamic_width` per layer (the extra layer keeps the last layer's
-    width; ``width`` is then only the extra layer's width when ``gamma == 0``).
-    ``memo`` (a dict reused across rounds) caches ``p_beam`` per state: tens of thousands of
-    test rounds visit a few thousand states.
-    """
-    if gamma < 0 or w_s < 1 or width < 1:
-        raise ValueError(f"need gamma >= 0, w_s >= 1, width >= 1; got {gamma}, {w_s}, {width}")
-    roots = [Beam(tuple(prefix), float(score)) for prefix, score in input_beams]
-    # the forest: per layer, the draft's parents, q_beam over them, and the drafted nodes
-    forest: list[tuple[list[Beam], torch.Tensor, list[int]]] = []
-    parents = roots
-    for _ in range(gamma):
-        q_beam = _memo_beam_distribution("draft", parents, [False] * len(parents), draft_fn, params, memo)
-        nodes = draft_layer(q_beam, w_s, generator)
-        forest.append((parents, q_beam, nodes))
-        parents = _extend(parents, nodes, q_beam, q_beam.numel() // len(parents))
-    # verification: target beams are the valid parents, with the target's scores
-    target_beams, valid = list(roots), [True] * len(roots)
-    layers: list[LayerTrace] = []
-    for draft_parents, q_beam, nodes in forest:
-        vocab = q_beam.numel() // len(draft_parents)
-        pb = _memo_beam_distribution("target", target_beams, [not ok for ok in valid], target_fn, params, memo)
-        layer_width = width if threshold is None else dynamic_width(pb, q_beam, w_s, threshold, w_min)
-        verdict = verify_layer(pb, q_beam, nodes, torch.tensor(valid), layer_width, generator)
-        layers.append(_trace(target_beams, valid, verdict.outputs, vocab, verdict.passed, len(nodes),
-                             len(verdict.accepted)))
-        if not verdict.passed:
-            return RoundResult(_extend(target_beams, verdict.outputs, pb, vocab), layers)
-        width = layer_width
-        # next layer's parents: every draft node of this layer; valid = the accepted ones, scored
-        # log p_beam by the target; the others stay as absent parents (score -inf), so that p_beam
-        # lies on the same parents x vocabulary space as the draft's q_beam.
-        valid = [False] * len(nodes)
-        for i in verdict.accepted:
-            valid[i] = True
-        target_beams = [Beam((*draft_parents[x // vocab].prefix, x % vocab),
-                             math.log(float(pb[x])) if ok else -math.inf) for x, ok in zip(nodes, valid)]
-    pb = _memo_beam_distribution("target", target_beams, [not ok for ok in valid], target_fn, params, memo)
-    vocab = pb.numel() // len(target_beams)
-    outputs = sample_pairs_iid(pb, width, generator).tolist()
-    layers.append(_trace(target_beams, valid, outputs, vocab, True, 0, 0))
-    return RoundResult(_extend(target_beams, outputs, pb, vocab), layers)
