@@ -20,8 +20,8 @@ from specdec.plugins import onnx_op
 from specdec.runtime.backends.onnxruntime import OnnxModelError, OrtBackend
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.engine import Engine
-from specdec.runtime.graph_io import expected_io_names
-from specdec.runtime.packed import pack
+from specdec.runtime.graph_io import CacheMaskUnsupportedError, expected_io_names
+from specdec.runtime.packed import SeqWork, pack
 from specdec.runtime.request import Request
 
 TINY_VARIANTS = {
@@ -88,6 +88,24 @@ def test_ems_on_ort_equals_ar_on_torch_tiny(tmp_path) -> None:
     got = ort_engine.generate(requests, "ems")
     assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want]
     assert got.run.summary()["draft_tokens"] > 0
+    # the padded baseline needs masked KV holes, which the exported graph cannot express: refused up front
+    with pytest.raises(ValueError, match=r"'vanilla' pads the KV cache.*cache_mask"):
+        ort_engine.generate(requests, "vanilla")
+    assert torch_engine.generate(requests, "vanilla").outputs[1].token_ids == want[1].token_ids
+
+
+def test_a_step_with_kv_holes_is_refused_and_a_mask_without_holes_runs(tiny_export) -> None:
+    """The graph has no cache_mask input: a masked position must never be silently attended to."""
+    model, path = tiny_export
+    backend = OrtBackend(path)
+    cache = backend.allocate_cache(2, 32)
+    backend.step(pack([SeqWork(0, 0, [1, 2, 3]), SeqWork(1, 0, [4, 5, 6])]), cache)  # 3 cached positions each
+    work = [SeqWork(0, 3, [7]), SeqWork(1, 3, [8, 9])]
+    holes = torch.ones(2, 32, dtype=torch.bool)
+    holes[1, 1] = False  # slot 1's second cached position is a hole
+    with pytest.raises(CacheMaskUnsupportedError, match="no cache_mask input"):
+        backend.step(pack(work, holes), cache)
+    assert backend.step(pack(work, torch.ones(2, 32, dtype=torch.bool)), cache).shape == (3, model.vocab_size)
 
 
 def test_corrupt_graph_or_manifest_is_detected_at_load(tmp_path) -> None:
