@@ -10,7 +10,7 @@ Hugging Face is only the weight source: the runtime builds its own modules from 
 returned ``state_dict``. Nothing here touches the network; a preset whose weights are not
 on disk fails at once with a message that says what to pass instead.
 
-Converting a GGUF file (de-quantising Q4_1 to fp32) takes ~20 s on a 2-core CPU, so the
+Converting a GGUF file (de-quantising Q4_1 to fp32) takes tens of seconds on a CPU, so the
 result is cached as a plain Hugging Face directory under ``$SPECDEC_CACHE`` (default
 ``~/.cache/specdec``) and later loads take about a second.
 """

@@ -1,10 +1,9 @@
 """What a draft token and a verified row cost on the backends at hand, in one-row target steps.
 
 Why: speculation pays when its accepted tokens cover k draft steps plus the extra rows of the
-verification, and both prices depend on the machine. On this 2-core CPU a draft step of the
-distilled SmolLM2 draft costs ~9% of a target step and each verified row 0.06-0.31 of one
-(``benchmarks/results/draft_pair.md``); on a GPU, where a decode step is bound by reading the
-weights, a verified row costs close to nothing. The adaptive draft length
+verification, and both prices depend on the machine: on a CPU a verified row costs a visible
+share of a step (``benchmarks/results/draft_pair.md``); on a GPU, where a decode step is bound by
+reading the weights, it costs close to nothing. The adaptive draft length
 (``specdec.runtime.draft_length``) chooses k from these two prices, so a deployment that
 measures them on its own hardware (``specdec-export --adaptive-draft --calibrate``) drafts as
 far as it pays there instead of as far as it paid here.

@@ -149,7 +149,7 @@ class NgramDrafter:
 class ModelDrafter:
     """A draft LLaMA proposing chains, batched as ragged steps over its own KV slots."""
 
-    #: a 2-layer distilled draft of SmolLM2-135M costs 9-10% of a target step on a CPU (draft_pair.md)
+    #: the default price of a draft token; the shipped distilled draft's measured one: benchmarks/results/draft_pair.md
     relative_cost = 0.1
 
     def __init__(self, backend: Backend, max_batch: int, max_len: int) -> None:

@@ -1,6 +1,6 @@
 """The engine: a target backend, a drafter, a KV cache, and the decoding loops over them.
 
-This is the object the CLI, the benchmarks and (later) the Triton adapter hold. It owns
+This is the object the CLI, the benchmarks and the served engine model hold. It owns
 tokenisation, request validation and the turning of loop state into ``RequestOutput``.
 A request that fails validation gets an output carrying its error; the others run.
 """
@@ -53,7 +53,7 @@ class GenerationResult:
 
 
 class Engine:
-    """Runs ``ar``, ``vanilla`` or ``ems`` over one target backend and one drafter."""
+    """Runs any method of ``specdec.runtime.methods`` over one target backend and one drafter."""
 
     def __init__(self, target: Backend, drafter: Drafter | None = None, *, tokenizer: Any = None,
                  eos_token_ids: Sequence[int] = (), max_batch: int = 16, max_len: int = 1024,
@@ -104,8 +104,7 @@ class Engine:
         ``torch_threads``: for an ONNX Runtime or TensorRT export, set torch's (process-wide)
         intra-op threads, which then run only the small ops between steps (sampling over the
         vocabulary, argmax, masks). A serving process passes 1: torch's OpenMP workers otherwise
-        contend with ORT's for the cores. On the 2-core CI machine (4 sequences, ORT on both cores)
-        sampled decoding went from 54 to 74 tokens/s with it, greedy ems at k = 1 from 66 to 72.
+        contend with ORT's for the cores (measured: ``benchmarks/results/ort_contention.md``).
         """
         from specdec.models.loading import load_export_metadata, load_model
         from specdec.models.manifest import read_manifest

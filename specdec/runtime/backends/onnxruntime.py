@@ -66,9 +66,8 @@ class OrtBackend:
         """``spin``: let the session's idle worker threads spin-wait for the next run (ORT's default).
 
         Why a draft opens without: its workers spin on after each short draft step and hold the
-        cores the target's next step needs. On the 2-core CI machine that made a target step that
-        follows draft steps 55 ms instead of 40 (4 sequences, 2 rows each; the target's own steps,
-        which run back to back, keep spinning and stay at 32 ms for one row).
+        cores the target's next step needs, while the target's own steps run back to back and gain
+        from spinning (measured: ``benchmarks/results/ort_contention.md``).
         """
         import onnxruntime as ort
 
