@@ -25,7 +25,9 @@ class FakeClient:
         return False
 
 
-def _released(ref: weakref.ref, timeout_s: float = 3.0) -> bool:
+def _released(ref: weakref.ref, timeout_s: float = 30.0) -> bool:
+    """Whether the client is released within ``timeout_s``: generous, as a loaded machine may starve the watcher
+    thread for seconds, and the answer comes as soon as it is released."""
     deadline = time.monotonic() + timeout_s
     while ref() is not None and time.monotonic() < deadline:
         time.sleep(CANCEL_POLL_S)
