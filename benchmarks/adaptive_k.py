@@ -44,16 +44,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from specdec.bench import (
-    BenchConfig,
-    MethodRuns,
-    build_workload,
-    int_list,
-    machine_info,
-    required_max_len,
-    run_once,
-    write_report,
-)
+from specdec.bench.harness import BenchConfig, MethodRuns, int_list, machine_info, required_max_len, run_once
+from specdec.bench.report import write_report
+from specdec.bench.workloads import build_workload
 from specdec.models.drafts import load_pair
 from specdec.models.loading import DEFAULT_TARGET
 from specdec.runtime.backends.torch_backend import TorchBackend

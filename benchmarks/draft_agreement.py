@@ -35,7 +35,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from specdec.bench import build_workload, machine_info, write_report
+from specdec.bench.harness import machine_info
+from specdec.bench.report import write_report
+from specdec.bench.workloads import build_workload
 from specdec.distill import DraftNet, generate_records
 from specdec.models.drafts import resolve_draft
 from specdec.models.loading import DEFAULT_TARGET, load_model

@@ -54,18 +54,16 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from specdec.bench import (
-    MAX_DOC_CHARS,
-    MIN_DOC_CHARS,
+from specdec.bench.harness import (
     BenchConfig,
     MethodRuns,
-    build_workload,
     int_list,
     machine_info,
     mean_accepted_length,
     required_max_len,
     run_once,
 )
+from specdec.bench.workloads import MAX_DOC_CHARS, MIN_DOC_CHARS, build_workload
 from specdec.models.drafts import load_pair
 from specdec.models.loading import DEFAULT_TARGET, LoadedModel
 from specdec.runtime.backends.torch_backend import TorchBackend

@@ -4,6 +4,6 @@ Writes benchmarks/results/ems_vs_vanilla.{json,md,png}. ``--help`` lists the opt
 ``--quick`` is a smoke run of a minute or so.
 """
 
-from specdec.bench import main
+from specdec.bench.ems import main
 
 raise SystemExit(main())

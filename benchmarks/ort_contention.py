@@ -38,7 +38,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from specdec.bench import machine_info, run_once, write_report
+from specdec.bench.harness import machine_info, run_once
+from specdec.bench.report import write_report
 from specdec.export.cli import export
 from specdec.models.manifest import read_manifest
 from specdec.runtime.backends.onnxruntime import OrtBackend

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from specdec.bench import build_workload, machine_info
+from specdec.bench.harness import machine_info
+from specdec.bench.workloads import build_workload
 from specdec.export.cli import export
 from specdec.export.validate import random_forest
 from specdec.models.loading import load_model

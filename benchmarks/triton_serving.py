@@ -48,7 +48,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from specdec.bench import machine_info
+from specdec.bench.harness import machine_info
 from specdec.runtime.engine import Engine
 from specdec.serving.client import Answer, ClientError, SpecdecClient, run_concurrent
 from specdec.serving.repository import REPOSITORY_DIR, read_parameters

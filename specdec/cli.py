@@ -194,11 +194,11 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:2] == ["bench", "beams"]:  # DSBD vs beam vs ems: speed against quality
-        from specdec.bench_beams import main as beams_main
+        from specdec.bench.beams import main as beams_main
 
         return beams_main(args_list[2:])
     if args_list[:1] == ["bench"]:  # its options belong to the benchmark's own parser
-        from specdec.bench import main as bench_main
+        from specdec.bench.ems import main as bench_main
 
         return bench_main(args_list[1:])
     parser = argparse.ArgumentParser(prog="specdec", description=__doc__)

@@ -8,16 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.bench import (
-    METHODS,
-    BenchConfig,
-    build_workload,
-    engine_factory,
-    markdown_report,
-    required_max_len,
-    run_benchmark,
-    write_results,
-)
+from specdec.bench.ems import engine_factory, run_benchmark
+from specdec.bench.harness import METHODS, BenchConfig, required_max_len
+from specdec.bench.report import markdown_report, write_results
+from specdec.bench.workloads import build_workload
 from specdec.models.loading import tiny_random
 
 # Repetitive token-id prompts: the n-gram drafter finds hits in them (and in the loops a

@@ -164,7 +164,7 @@ def test_bench_beams_quick_writes_its_report(tiny_dir, tmp_path, capsys) -> None
 def test_the_qa_set_is_extractive_and_exact_match_normalises_only_form() -> None:
     """Every QA answer is a word of its own prompt (extractive), answers vary, and exact match forgives quoting,
     case, a trailing period and "the ... module" but not a different or longer name."""
-    from specdec.bench_beams import exact_match, qa_set
+    from specdec.bench.workloads import exact_match, qa_set
 
     items = qa_set(12)
     assert len(items) == 12 and len({item.answer for item in items}) >= 10
@@ -181,7 +181,7 @@ def test_the_qa_set_is_extractive_and_exact_match_normalises_only_form() -> None
 def test_qa_accuracy_takes_the_first_listed_module_the_answer_names() -> None:
     """The first choice named as a whole word decides, in any case and quoting; names inside other words,
     dotted names and unlisted modules do not count."""
-    from specdec.bench_beams import first_choice
+    from specdec.bench.workloads import first_choice
 
     choices = ("heapq", "shutil", "zipfile", "textwrap", "re")
     for text, want in [("The module named `heapq`", "heapq"), ('It is "Shutil", not heapq.', "shutil"),

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from specdec.bench import build_workload
+from specdec.bench.workloads import build_workload
 from specdec.models.drafts import load_pair
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.beams import continuation_logprob

@@ -17,17 +17,17 @@ sequence, rescored from scratch by one prefill (``continuation_logprob``), so ev
 measured the same way. Beam methods return the best length-normalised candidate, which is
 what raises this number over plain sampling.
 
-Extractive QA: a small set built from real text (the first lines of standard library module
-docstrings): each prompt lists five modules with their descriptions and asks which module one
-description belongs to; the answer is a word of the context. Two scores, decoded with the same
-method, width and temperature:
+Extractive QA (``specdec.bench.workloads.qa_set``): a small set built from real text (the first
+lines of standard library module docstrings): each prompt lists five modules with their
+descriptions and asks which module one description belongs to; the answer is a word of the
+context. Two scores, decoded with the same method, width and temperature:
 
 * *exact match* — the first line of the output, normalised (case, quotes, backticks, a
   trailing period, "the"/"module"), is the module's name (SQuAD-style, strict);
 * *QA accuracy* — the first of the five listed modules the output names is the right one.
   A 135M chat model rarely answers with the bare name ("The module named `heapq` ..."), so
-  strict exact match is 0 for every method and does not tell them apart; the first-named
-  choice is what the answer says (a uniform guess among the five scores 0.20).
+  strict exact match does not tell the methods apart (benchmarks/results/dsbd_pareto.md); the
+  first-named choice is what the answer says (a uniform guess among the five scores 0.20).
 
 Speed: generated tokens / wall seconds of ``Engine.generate`` for the whole batch (prefill
 included), one process, one torch thread, the runs interleaved and rotated over repeats
@@ -45,8 +45,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import importlib
-import re
 import shlex
 import statistics
 import sys
@@ -54,12 +52,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from specdec.bench import build_workload, machine_info, write_report
+from specdec.bench.harness import machine_info
+from specdec.bench.report import pareto_markdown, pareto_notes, plot_pareto, write_report
+from specdec.bench.workloads import QAItem, build_workload, exact_match, first_choice, qa_set
 from specdec.models.drafts import load_pair
 from specdec.models.loading import DEFAULT_TARGET
 from specdec.runtime.backends.torch_backend import TorchBackend
@@ -87,6 +87,7 @@ class Config:
 
 
 def configs(widths: Sequence[int], threshold: float, gamma: int) -> list[Config]:
+    """Every point of the front, ems first: each dsbd width next to the beam width whose law it keeps."""
     out = [Config("ems", "ems", gamma=gamma)]
     out += [Config(f"beam W={w}", "beam", w) for w in widths]
     out += [Config(f"dsbd W_S={w} t={threshold}", "dsbd", w, threshold, gamma=gamma) for w in widths]
@@ -98,72 +99,6 @@ def configs(widths: Sequence[int], threshold: float, gamma: int) -> list[Config]
     middle = widths[len(widths) // 2]
     out.append(Config(f"dsbd W_S={middle} t={threshold} single-KV", "dsbd", middle, threshold, "single", gamma))
     return out
-
-
-#: standard-library modules whose docstring's first line makes a QA item (those that name themselves are skipped)
-QA_MODULES = ("csv", "re", "heapq", "bisect", "shutil", "zipfile", "gzip", "textwrap", "fractions", "statistics",
-              "tempfile", "glob", "fnmatch", "pickle", "uuid", "random", "struct", "copy", "itertools", "queue",
-              "getpass", "tarfile", "colorsys", "timeit", "shlex", "mimetypes", "inspect", "tokenize", "filecmp",
-              "linecache", "traceback", "codeop", "reprlib", "configparser", "contextlib", "operator")
-QA_GROUP = 5
-
-
-class QAItem(NamedTuple):
-    """One extractive QA item: the prompt, the right module, and the five modules the prompt lists."""
-
-    prompt: str
-    answer: str
-    choices: tuple[str, ...]
-
-
-def qa_set(n: int) -> list[QAItem]:
-    """``n`` QA items: which of five listed modules a quoted description belongs to.
-
-    Deterministic. Item i shows the group of ``QA_GROUP`` consecutive modules that contains its
-    answer, so every context is real documentation text and the answer is extractive.
-    """
-    entries = []
-    for name in QA_MODULES:
-        try:
-            doc = (importlib.import_module(name).__doc__ or "").strip()
-        except ImportError:
-            continue
-        first = doc.splitlines()[0].strip() if doc else ""
-        if first.endswith(".") and len(first) >= 15 and name not in first.lower():
-            entries.append((name, first))
-    groups = [entries[i : i + QA_GROUP] for i in range(0, len(entries) - QA_GROUP + 1, QA_GROUP)]
-    if not groups:
-        raise RuntimeError("too few standard-library docstrings for the QA set: is this a stripped Python build?")
-    items = []
-    for i in range(n):
-        group = groups[(i // QA_GROUP) % len(groups)]
-        name, description = group[i % QA_GROUP]
-        listing = "\n".join(f"- {m}: {d}" for m, d in group)
-        items.append(QAItem(f"Here are Python standard-library modules and what they do:\n{listing}\n\n"
-                            f"Which module is described as \"{description}\"? Answer with the module name only.",
-                            name, tuple(m for m, _ in group)))
-    return items
-
-
-def exact_match(text: str, answer: str) -> bool:
-    """Whether the first line of ``text``, normalised, is ``answer`` (SQuAD-style normalisation)."""
-    lines = text.strip().splitlines()
-    got = lines[0].strip().lower() if lines else ""
-    got = re.sub(r"[`'\"*]", "", got).rstrip(".").strip()
-    got = re.sub(r"^(the\s+)?(answer is\s*:?\s*)?", "", got)
-    got = re.sub(r"\s+module$", "", got).strip()
-    return got == answer.lower()
-
-
-def first_choice(text: str, choices: Sequence[str]) -> str | None:
-    """The first of ``choices`` that ``text`` names as a whole word (any case), or None.
-
-    Why the first: an answer that goes on to mention other modules ("heapq, unlike bisect,
-    ...") has already given its choice; a later mention is not a second answer.
-    """
-    found = [(m.start(), c) for c in choices
-             if (m := re.search(rf"(?<![\w.]){re.escape(c)}(?!\w)", text, flags=re.IGNORECASE))]
-    return min(found)[1] if found else None
 
 
 def run(engine: Engine, scorer: TorchBackend, prompts: Sequence[list[int]], config: Config, max_tokens: int,
@@ -213,95 +148,8 @@ def pareto(points: dict[str, dict[str, Any]]) -> list[str]:
     return sorted(front, key=lambda label: -key(label)[0])
 
 
-def markdown(doc: dict[str, Any]) -> str:
-    meta, rows = doc["meta"], doc["results"]
-    beam = {int(label.split("=")[1]): r for label, r in rows.items() if label.startswith("beam W=")}
-    lines = [
-        "# DSBD vs beam sampling vs EMS-SD sampling: speed and quality",
-        "",
-        f"- Date: {meta['date']}; command: `{meta['command']}` ({meta['elapsed_seconds']:.0f} s)",
-        f"- Target {meta['target']}, draft {meta['draft']}; torch, fp32, {meta['machine']['torch_threads']} thread",
-        f"- {meta['prompts']} requests decoded together (one batch), {meta['max_tokens']} new tokens at most, "
-        f"temperature {meta['temperature']}, seeds fixed; γ = {meta['gamma']} draft layers (ems: k = {meta['gamma']})",
-        f"- Workload: {meta['workload']}",
-        f"- Median of {meta['repeats']} interleaved repeat(s); load average before {meta['load_before']}, after "
-        f"{meta['load_after']}",
-        "",
-        f"- Extractive QA: {meta['qa_items']} items ({meta['qa_workload']}), {meta['qa_max_tokens']} new tokens at "
-        "most, same method and temperature; exact match = the first line is the bare name, QA accuracy = the first "
-        "listed module the answer names is the right one (a guess scores 0.20); the target at temperature 0 "
-        f"scores {', '.join(f'{k} {v:.2f}' for k, v in meta.get('qa_reference', {}).items()) or '–'}",
-        "",
-        "| method | tokens/s | log-likelihood / token | exact match | QA accuracy | target calls | tokens / call | "
-        "acceptance | mean beams / round | speed vs beam of the same width |",
-        "|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for label, r in rows.items():
-        width = next((w for w in beam if f"W_S={w} " in label), None)
-        vs = f"{r['tokens_per_second'] / beam[width]['tokens_per_second']:.2f}×" if width else "–"
-        acc = "–" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
-        mbw = "–" if r["mean_beam_width"] is None else f"{r['mean_beam_width']:.2f}"
-        em, acc_qa = ("–" if r.get(key) is None else f"{r[key]:.2f}" for key in ("exact_match", "qa_accuracy"))
-        lines.append(f"| {label} | {r['tokens_per_second']:.1f} | {r['logprob_per_token']:.3f} | {em} | {acc_qa} "
-                     f"| {r['target_calls']} | {r['tokens_per_call']:.2f} | {acc} | {mbw} | {vs} |")
-    lines += ["", f"Pareto front (fastest first): {', '.join(doc['pareto'])}.", "",
-              "## Notes", "", *(f"- {n}" for n in meta["notes"])]
-    return "\n".join(lines) + "\n"
-
-
-def plot(doc: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 5))
-    colors = {"ems": "tab:gray", "beam": "tab:orange", "dsbd": "tab:blue"}
-    for label, r in doc["results"].items():
-        kind = label.split()[0]
-        ax.scatter(r["tokens_per_second"], r["logprob_per_token"], color=colors[kind],
-                   marker="s" if "single" in label else "^" if "adaptive" in label else "o", s=50)
-        ax.annotate(label, (r["tokens_per_second"], r["logprob_per_token"]), textcoords="offset points",
-                    xytext=(5, 4), fontsize=7)
-    front = [doc["results"][label] for label in doc["pareto"]]
-    ax.plot([r["tokens_per_second"] for r in front], [r["logprob_per_token"] for r in front], "--",
-            color="tab:green", linewidth=1, label="Pareto front")
-    ax.set(xlabel="tokens / s (batch, prefill included)", ylabel="target log-likelihood per token (higher = better)",
-           title=f"{doc['meta']['target']}: DSBD vs beam sampling vs EMS-SD, {doc['meta']['prompts']} requests")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def auto_notes(rows: dict[str, dict[str, Any]]) -> list[str]:
-    """What the table says, stated from the numbers themselves."""
-    notes = []
-    ems = rows["ems"]
-    for label, r in rows.items():
-        if not label.startswith("dsbd") or "single" in label:
-            continue
-        width = int(label.split("W_S=")[1].split()[0])
-        b = rows.get(f"beam W={width}")
-        if b:
-            speed = r["tokens_per_second"] / b["tokens_per_second"]
-            notes.append(f"{label}: {speed:.2f}× the tokens/s of beam W={width} at log-likelihood/token "
-                         f"{r['logprob_per_token']:.3f} vs {b['logprob_per_token']:.3f} "
-                         f"(acceptance {r['acceptance_rate']:.2f}, {r['mean_beam_width']:.2f} beams per round, "
-                         f"{r['tokens_per_call']:.2f} tokens per target call vs {b['tokens_per_call']:.2f}"
-                         + (f"; QA accuracy {r['qa_accuracy']:.2f} vs {b['qa_accuracy']:.2f}"
-                            if r.get("qa_accuracy") is not None and b.get("qa_accuracy") is not None else "")
-                         + ").")
-    best = max(rows, key=lambda label: rows[label]["logprob_per_token"])
-    fastest = max(rows, key=lambda label: rows[label]["tokens_per_second"])
-    notes.append(f"Highest quality: {best} ({rows[best]['logprob_per_token']:.3f} per token) vs ems sampling "
-                 f"{ems['logprob_per_token']:.3f}; fastest: {fastest} ({rows[fastest]['tokens_per_second']:.1f} "
-                 "tokens/s).")
-    return notes
-
-
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run every configuration interleaved over repeats and write ``dsbd_pareto.{json,md,png}``; 0 when done."""
     p = argparse.ArgumentParser(prog="specdec bench beams", description=__doc__.splitlines()[0])
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--draft", default=DEFAULT_DRAFT)
@@ -370,12 +218,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "qa_items": len(qa), "qa_max_tokens": args.qa_max_tokens,
             "qa_workload": "which of five standard-library modules a quoted docstring line describes",
             "qa_answers": [item.answer for item in qa], "qa_reference": qa_reference,
-            "notes": [*auto_notes(rows), *args.note],
+            "notes": [*pareto_notes(rows), *args.note],
         },
         "results": rows, "samples": samples,
     }
     doc["pareto"] = pareto(rows)
-    print(write_report(doc, args.out_dir, "dsbd_pareto", markdown, plot))
+    print(write_report(doc, args.out_dir, "dsbd_pareto", pareto_markdown, plot_pareto))
     return 0
 
 
