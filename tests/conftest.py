@@ -1,19 +1,68 @@
-"""Shared fixtures: a tiny random target/draft pair and the real SmolLM2-135M (slow)."""
+"""Shared fixtures and the test tiers: a tiny random target/draft pair, and the real SmolLM2-135M (slow).
+
+Tiers (markers in pyproject.toml): ``real_model`` loads the real SmolLM2-135M, ``server`` starts a
+tritonserver, ``statistical`` is a Monte-Carlo law check with many samples, ``gpu`` needs CUDA or
+TensorRT. ``slow`` is any of the first three; it is added here, never by hand, so ``-m "not slow"``
+(scripts/test_fast.sh) is the inner loop of a couple of minutes and the full run keeps everything.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 import torch
+from fakes import small_tokenizer
 
+from specdec.models import loading
 from specdec.models.loading import LoadedModel, load_model, save_model, tiny_random
 
 # Two intra-op threads (the CI machine has 2 cores); SPECDEC_TEST_THREADS overrides it, e.g. =1 on a
 # loaded machine, where two spinning OpenMP threads make every tiny op wait for a free core.
 torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "2")))
+
+#: the tiers that make a test slow, each costing tens of seconds to minutes
+SLOW_TIERS = ("real_model", "server", "statistical")
+#: fixtures that load the real SmolLM2: their users are real_model whether or not they say so
+REAL_MODEL_FIXTURES = frozenset({"smollm2", "smollm2_export"})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Derive ``real_model`` from the fixtures a test uses and ``slow`` from its tiers, before ``-m`` selects.
+
+    Why derived: a marker written by hand drifts from what the test does; a test that gains a
+    ``smollm2`` fixture (directly or through another fixture) is slow from that moment on.
+    """
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())) and not item.get_closest_marker("real_model"):
+            item.add_marker(pytest.mark.real_model)
+        if any(item.get_closest_marker(tier) for tier in SLOW_TIERS) and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, object, object]:
+    """Outside ``real_model`` tests, resolving the real SmolLM2 fails the test, naming the marker it lacks.
+
+    The guard wraps the item's whole setup, call and teardown, so a module- or session-scoped
+    fixture that the item is the first to need is caught too (an autouse function fixture would
+    be set up only after them). It raises pytest's ``Failed``, which ``except Exception`` does not
+    swallow. Only in-process loads are caught; a subprocess would need its own guard.
+    """
+    if item.get_closest_marker("real_model"):
+        return (yield)
+
+    def refuse(preset: loading.Preset) -> NoReturn:
+        pytest.fail(f"{item.nodeid} loads the real model {preset.name!r}: mark it real_model "
+                    "(or use the tiny models and tests/fakes.py)", pytrace=False)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loading, "_find_wheel_gguf", refuse)
+        return (yield)
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +88,10 @@ def tiny_pair() -> tuple[LoadedModel, LoadedModel]:
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random LLaMA with SmolLM2's real tokenizer, saved as a model directory (fast, but text in and
-    text out): what the command-line tests load by path."""
-    tokenizer = load_model("smollm2-135m").tokenizer
+    """A tiny random LLaMA with a small byte-level BPE tokenizer (``fakes.small_tokenizer``: ChatML chat
+    template, EOS ``<|im_end|>``), saved as a model directory: text in and text out without loading SmolLM2,
+    which is what the command-line tests load by path."""
+    tokenizer = small_tokenizer()
     tiny = tiny_random(seed=5, vocab_size=len(tokenizer), num_layers=1, hidden_size=16, num_heads=2,
                        num_kv_heads=1, intermediate_size=32, tie_word_embeddings=True)
     tiny.config.eos_token_id = tokenizer.eos_token_id
@@ -52,14 +102,14 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
-    """The real SmolLM2-135M-Instruct (first load ~25 s, cached conversion afterwards). Mark users slow."""
+    """The real SmolLM2-135M-Instruct (first load ~25 s, cached conversion afterwards); its users are real_model."""
     return load_model("smollm2-135m")
 
 
 @pytest.fixture(scope="session")
 def smollm2_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2-135M with its shipped distilled draft, exported to ONNX (graphs + Triton repository), once per
-    session (~1 min). The draft has a restricted LM head, so ORT runs that path too. Mark users slow."""
+    session (~1 min). The draft has a restricted LM head, so ORT runs that path too. Its users are real_model."""
     from specdec.export.cli import main as export_main
 
     out = tmp_path_factory.mktemp("smol") / "deploy"

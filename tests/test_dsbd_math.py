@@ -299,6 +299,7 @@ EXACT_CASES = {
 
 
 @pytest.mark.parametrize("case", list(EXACT_CASES))
+@pytest.mark.statistical
 def test_every_output_slot_is_a_p_beam_draw(case: str) -> None:
     """The acceptance test: γ = 2, 20,000 rounds, every slot of every layer against p_beam."""
     params, w_s, width = EXACT_CASES[case]
@@ -308,6 +309,7 @@ def test_every_output_slot_is_a_p_beam_draw(case: str) -> None:
     assert_slots_exact(counts, params, case)
 
 
+@pytest.mark.statistical
 def test_dynamic_width_rounds_are_exact() -> None:
     """With the width chosen per layer from (pb, q), slots are still p_beam draws."""
     counts = run_rounds(PLAIN, 3, gamma=2, width=3, n=ROUNDS // 2, seed=77, threshold=0.4, w_min=1)
@@ -322,6 +324,7 @@ def _min_pvalue(counts: SlotCounts, params: SamplingParams, label: str) -> float
     return min(v for k, v in pvalues.items() if not k.endswith("TV excess"))
 
 
+@pytest.mark.statistical
 def test_check_rejects_drafts_drawn_without_replacement(monkeypatch: pytest.MonkeyPatch) -> None:
     def without_replacement(q_beam: torch.Tensor, n: int, generator: torch.Generator) -> list[int]:
         return torch.multinomial(q_beam, n, replacement=False, generator=generator).tolist()
@@ -332,6 +335,7 @@ def test_check_rejects_drafts_drawn_without_replacement(monkeypatch: pytest.Monk
     assert pvalue < 1e-6
 
 
+@pytest.mark.statistical
 def test_check_rejects_dropping_invalid_parent_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
     real = dsbd.verify_layer
 
@@ -347,6 +351,7 @@ def test_check_rejects_dropping_invalid_parent_drafts(monkeypatch: pytest.Monkey
     assert pvalue < 1e-6
 
 
+@pytest.mark.statistical
 def test_check_rejects_the_upside_down_ratio(monkeypatch: pytest.MonkeyPatch) -> None:
     """The paper's printed ratio, min(1, q/p'), instead of min(1, p'/q)."""
 
@@ -414,6 +419,7 @@ def _tail(law: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("case", list(RECURSION_CASES))
+@pytest.mark.statistical
 def test_acceptance_recursion_matches_monte_carlo(case: str) -> None:
     """P(>= K accepted among W_S) from the recursion vs 40,000 runs of the accept / residual loop (|diff| < 0.01)."""
     pb, q, m = RECURSION_CASES[case]
@@ -424,6 +430,7 @@ def test_acceptance_recursion_matches_monte_carlo(case: str) -> None:
     assert 0.02 < exact[1] and exact[-1] < 0.98  # not a trivial case
 
 
+@pytest.mark.statistical
 def test_recursion_that_subtracts_twice_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: the reference code's double subtraction disagrees with the simulation."""
     real = dsbd._residual

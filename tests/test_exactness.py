@@ -120,7 +120,7 @@ SMOL_TEXTS = (
 )
 
 
-@pytest.mark.slow
+@pytest.mark.real_model
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_smollm2_ngram_ems_and_vanilla_equal_ar(smollm2, batch: int) -> None:
     engine = Engine.from_models(smollm2, "ngram", max_batch=batch, max_len=1024, num_draft_tokens=5)

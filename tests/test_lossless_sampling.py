@@ -207,10 +207,12 @@ def ems_plain_samples(target: LoadedModel, draft: LoadedModel) -> Counter:
     return counts
 
 
+@pytest.mark.statistical
 def test_ems_draft_model_sampling_is_lossless(ems_plain_samples: Counter, plain_law: np.ndarray) -> None:
     assert_lossless(ems_plain_samples, plain_law, "ems/draft T=1")
 
 
+@pytest.mark.statistical
 def test_ems_draft_model_warped_sampling_is_lossless(target: LoadedModel, draft: LoadedModel) -> None:
     law = exact_joint(target, WARPED)
     counts, acceptance, seconds = generate_samples(target, draft, "ems", WARPED, NUM_SAMPLES, seed0=10**6)
@@ -219,6 +221,7 @@ def test_ems_draft_model_warped_sampling_is_lossless(target: LoadedModel, draft:
     assert_lossless(counts, law, "ems/draft T=1.3 top_k=6 top_p=0.9")
 
 
+@pytest.mark.statistical
 def test_ems_ngram_sampling_is_lossless(target: LoadedModel, plain_law: np.ndarray) -> None:
     counts, acceptance, seconds = generate_samples(target, "ngram", "ems", PLAIN, NUM_SAMPLES, seed0=2 * 10**6)
     print(f"ems/ngram plain: {seconds:.1f} s, acceptance {acceptance:.3f}")
@@ -238,6 +241,7 @@ class RecordedLength(DraftLength):
 CHOSEN: Counter = Counter()
 
 
+@pytest.mark.statistical
 def test_ems_adaptive_draft_length_sampling_is_lossless(target: LoadedModel, draft: LoadedModel,
                                                         plain_law: np.ndarray) -> None:
     """k chosen from each request's own acceptance so far (which depends on its earlier random draws) keeps
@@ -253,6 +257,7 @@ def test_ems_adaptive_draft_length_sampling_is_lossless(target: LoadedModel, dra
     assert_lossless(counts, plain_law, "ems/draft adaptive k T=1")
 
 
+@pytest.mark.statistical
 def test_vanilla_draft_model_sampling_is_lossless(target: LoadedModel, draft: LoadedModel,
                                                  plain_law: np.ndarray) -> None:
     counts, acceptance, seconds = generate_samples(target, draft, "vanilla", PLAIN, NUM_SAMPLES, seed0=3 * 10**6)
@@ -260,6 +265,7 @@ def test_vanilla_draft_model_sampling_is_lossless(target: LoadedModel, draft: Lo
     assert_lossless(counts, plain_law, "vanilla/draft T=1")
 
 
+@pytest.mark.statistical
 def test_check_rejects_the_draft_models_own_law(ems_plain_samples: Counter, draft: LoadedModel,
                                                 plain_law: np.ndarray) -> None:
     """Negative control: the same samples are far from the draft's law, and the check says so."""
@@ -274,6 +280,7 @@ def test_check_rejects_the_draft_models_own_law(ems_plain_samples: Counter, draf
         assert tv > 2 * bound
 
 
+@pytest.mark.statistical
 def test_check_rejects_a_subtly_wrong_verifier(target: LoadedModel, draft: LoadedModel, plain_law: np.ndarray,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control through the real loop: resampling a rejected draft from p instead of

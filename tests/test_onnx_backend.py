@@ -162,7 +162,7 @@ def test_fp16_export_runs_close_to_fp32(tmp_path) -> None:
     assert np.isfinite(error) and error < 0.05
 
 
-@pytest.mark.slow
+@pytest.mark.real_model
 def test_smollm2_export_offline_matches_torch(smollm2_export) -> None:
     manifest = json.loads((smollm2_export / "manifest.json").read_text())
     assert manifest["target"]["num_layers"] == 30 and manifest["drafter"] == "model"
@@ -176,7 +176,7 @@ def test_smollm2_export_offline_matches_torch(smollm2_export) -> None:
     assert error < 1e-3
 
 
-@pytest.mark.slow
+@pytest.mark.real_model
 def test_smollm2_ems_on_ort_equals_ar_on_torch(smollm2_export) -> None:
     ort_engine = Engine.from_export(smollm2_export, num_draft_tokens=5)
     torch_engine = Engine.from_models(load_model("smollm2-135m"), None, max_batch=8, max_len=1024)

@@ -330,6 +330,7 @@ def check_stream(decode: Callable[[Sequence[int]], str], ids: list[int], ends: S
         assert all(REPLACEMENT not in d for d in deltas), deltas  # an incomplete character was sent
 
 
+@pytest.mark.real_model
 def test_multi_byte_text_streams_whole_characters_at_every_split(tok: Any) -> None:
     """Split a multi-byte text after every token: no response carries half a character or text past a stop."""
     def decode(ids: Sequence[int]) -> str:
@@ -361,6 +362,7 @@ def token_streams(draw: st.DrawFn, vocab: int, pieces: list[list[int]]) -> tuple
 
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
+@pytest.mark.real_model
 def test_streamed_deltas_concatenate_to_the_final_text(tok: Any, data: st.DataObject) -> None:
     """Stateless deltas between any responses add up to the unary answer, with or without stop strings."""
     def decode(ids: Sequence[int]) -> str:

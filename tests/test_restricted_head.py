@@ -196,6 +196,7 @@ def lossless_plain_law(lossless_target: LoadedModel) -> np.ndarray:
     return exact_joint(lossless_target, PLAIN)
 
 
+@pytest.mark.statistical
 def test_ems_sampling_with_a_restricted_draft_is_lossless(lossless_target: LoadedModel, lossless_draft: LoadedModel,
                                                           lossless_plain_law: np.ndarray) -> None:
     """The end-to-end check of test_lossless_sampling (same ALPHA and TV bound, same reasoning).
@@ -213,6 +214,7 @@ def test_ems_sampling_with_a_restricted_draft_is_lossless(lossless_target: Loade
     assert_lossless(counts, lossless_plain_law, "ems/restricted draft T=1")
 
 
+@pytest.mark.statistical
 def test_check_rejects_q_scattered_to_the_wrong_columns(lossless_target: LoadedModel, lossless_draft: LoadedModel,
                                                         lossless_plain_law: np.ndarray,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:

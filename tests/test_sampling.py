@@ -349,6 +349,7 @@ def _one_position_draw(p: torch.Tensor, q: torch.Tensor | None, fixed: int | Non
     return draw
 
 
+@pytest.mark.statistical
 def test_verify_sampling_first_token_has_the_target_law() -> None:
     p, q = torch.tensor(P_ONE, dtype=torch.float32), torch.tensor(Q_ONE, dtype=torch.float32)
     counts = _first_token_counts(N_ONE, 10, _one_position_draw(p, q))
@@ -358,6 +359,7 @@ def test_verify_sampling_first_token_has_the_target_law() -> None:
 
 
 @pytest.mark.parametrize("fixed", [1, 3, 4])  # a likely token, a less likely one, an impossible one
+@pytest.mark.statistical
 def test_verify_sampling_point_mass_draft_has_the_target_law(fixed: int) -> None:
     p = torch.tensor(P_ONE, dtype=torch.float32)
     counts = _first_token_counts(N_ONE, 20 + fixed, _one_position_draw(p, None, fixed))
@@ -366,6 +368,7 @@ def test_verify_sampling_point_mass_draft_has_the_target_law(fixed: int) -> None
     assert pvalue > ALPHA
 
 
+@pytest.mark.statistical
 def test_one_position_check_rejects_wrong_samplers() -> None:
     """Negative controls: the same check, on as many draws, fails two wrong samplers."""
     p, q = torch.tensor(P_ONE, dtype=torch.float32), torch.tensor(Q_ONE, dtype=torch.float32)
@@ -447,6 +450,7 @@ def _chain_decode(k: int, n: int, g: torch.Generator, point_mass: bool,
         (3, 3, True),  # deterministic drafts (draft_probs=None)
     ],
 )
+@pytest.mark.statistical
 def test_verify_sampling_chain_joint_law_equals_target(k: int, n: int, point_mass: bool) -> None:
     g = torch.Generator().manual_seed(100 + 10 * k + point_mass)
     counts = Counter(_chain_decode(k, n, g, point_mass) for _ in range(N_CHAIN))
@@ -455,6 +459,7 @@ def test_verify_sampling_chain_joint_law_equals_target(k: int, n: int, point_mas
     assert pvalue > ALPHA
 
 
+@pytest.mark.statistical
 def test_chain_check_rejects_accepting_every_draft() -> None:
     """Negative control: a verifier that accepts every draft fails the same multi-position check."""
 

@@ -88,6 +88,7 @@ NUMPY2_STUB_BUG = pytest.mark.xfail(
 )
 
 
+@pytest.mark.server
 def test_start_ready_stop(tmp_path: Path) -> None:
     repo = make_repo(tmp_path / "repo")
     server = TritonServer(log_file=tmp_path / "server.log")
@@ -111,6 +112,7 @@ def test_start_ready_stop(tmp_path: Path) -> None:
 
 
 @NUMPY2_STUB_BUG
+@pytest.mark.server
 def test_grpc_infer(tmp_path: Path) -> None:
     repo = make_repo(tmp_path / "repo")
     with TritonServer(log_file=tmp_path / "server.log") as server:
@@ -164,6 +166,7 @@ def test_invalid_repositories(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.server
 def test_model_failing_at_import_reports_the_server_error(tmp_path: Path) -> None:
     repo = make_repo(tmp_path / "repo", model_py=BROKEN_MODEL, name="broken")
     server = TritonServer(log_file=tmp_path / "server.log")
@@ -179,6 +182,7 @@ def test_model_failing_at_import_reports_the_server_error(tmp_path: Path) -> Non
     assert processes_mentioning(str(repo.resolve())) == []
 
 
+@pytest.mark.server
 def test_serve_cli_forwards_sigint(tmp_path: Path) -> None:
     """``specdec serve`` in a child process: prints the endpoints, and SIGINT stops it with exit code 0."""
     repo = make_repo(tmp_path / "repo")

@@ -254,6 +254,7 @@ def text_engine() -> Engine:
                   max_batch=MAX_BATCH, max_len=MAX_LEN)
 
 
+@pytest.mark.real_model
 def test_text_streaming_with_real_tokenizer(text_engine) -> None:
     prompts_text = ["Hello there, how are you", "Ünïcödé 日本語 text ✓", "one two three one two three"]
     requests = [text_engine.request(p, max_tokens=40) for p in prompts_text]  # peaky model: varied, multi-byte text
@@ -277,6 +278,7 @@ def test_text_streaming_with_real_tokenizer(text_engine) -> None:
 
 
 @pytest.mark.parametrize("memory_mode", ["single", "full"])
+@pytest.mark.real_model
 def test_a_streamed_beam_answer_is_cut_at_a_stop_string_exactly_as_the_whole_answer_would_be(
         text_engine, memory_mode: str) -> None:
     """A beam request streams the prefix its candidates share, so a stop string can end it mid-search; its answer

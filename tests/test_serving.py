@@ -35,7 +35,7 @@ from specdec.runtime.engine import Engine  # noqa: E402
 from specdec.serving.client import Answer, ClientError, SpecdecClient  # noqa: E402
 from specdec.serving.repository import ServingOptions, write_repository  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.server, pytest.mark.real_model]
 
 TOPICS = ["the moon", "bread", "rivers", "chess", "volcanoes", "bees", "libraries", "glass",
           "trains", "tea", "owls", "maps", "clocks", "salt", "bridges", "snow"]

@@ -810,6 +810,7 @@ def tiny_engine(tiny_graph, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @needs_trt
+@pytest.mark.gpu
 def test_engine_contains_one_plugin_layer_per_attention_layer(tiny_engine: Path) -> None:
     backend = trt_backend.TensorRTBackend(tiny_engine)
     assert backend.num_layers == 2
@@ -818,6 +819,7 @@ def test_engine_contains_one_plugin_layer_per_attention_layer(tiny_engine: Path)
 
 
 @needs_trt
+@pytest.mark.gpu
 def test_engine_matches_torch_reference_and_onnxruntime(tiny_graph, tiny_engine: Path) -> None:
     from specdec.export.validate import max_logit_error
     from specdec.runtime.backends.onnxruntime import OrtBackend
@@ -830,6 +832,7 @@ def test_engine_matches_torch_reference_and_onnxruntime(tiny_graph, tiny_engine:
 
 
 @needs_trt
+@pytest.mark.gpu
 def test_engine_writes_the_cache_in_place(tiny_graph, tiny_engine: Path) -> None:
     from specdec.runtime.backends.torch_backend import TorchBackend
     from specdec.runtime.packed import ROOT, SeqWork, pack
@@ -851,6 +854,7 @@ def test_engine_writes_the_cache_in_place(tiny_graph, tiny_engine: Path) -> None
 
 
 @needs_trt
+@pytest.mark.gpu
 def test_engine_refuses_steps_outside_its_profile(tiny_engine: Path) -> None:
     from specdec.runtime.packed import SeqWork, pack
 
@@ -865,6 +869,7 @@ def test_engine_refuses_steps_outside_its_profile(tiny_engine: Path) -> None:
 
 
 @needs_trt
+@pytest.mark.gpu
 def test_engine_decodes_like_the_torch_backend(tiny_graph, tiny_engine: Path) -> None:
     from specdec.runtime.backends.torch_backend import TorchBackend
     from specdec.runtime.drafters import NgramDrafter
@@ -882,6 +887,7 @@ def test_engine_decodes_like_the_torch_backend(tiny_graph, tiny_engine: Path) ->
 
 
 @needs_trt
+@pytest.mark.gpu
 def test_float16_engine_is_close_to_the_float32_reference(tmp_path: Path) -> None:
     import torch as _torch
 
@@ -915,6 +921,7 @@ else:
 
 
 @needs_trt
+@pytest.mark.gpu
 def test_build_detects_the_silent_function_body_fallback(tiny_graph, tmp_path: Path) -> None:
     """Without the plugin registered, TensorRT imports the function body; build_engine must refuse the result.
 
@@ -931,6 +938,7 @@ def test_build_detects_the_silent_function_body_fallback(tiny_graph, tmp_path: P
 
 
 @needs_trt
+@pytest.mark.gpu
 def test_export_cli_writes_an_engine(tmp_path: Path) -> None:
     from specdec.export.cli import main
     from specdec.models.manifest import read_manifest
@@ -946,6 +954,7 @@ def test_export_cli_writes_an_engine(tmp_path: Path) -> None:
 
 @needs_trt
 @pytest.mark.skipif(shutil.which("polygraphy") is None, reason="polygraphy not installed")
+@pytest.mark.gpu
 def test_polygraphy_recipe_passes(tiny_graph) -> None:
     path, _ = tiny_graph
     recipe = polygraphy_recipe(path, profile=ProfileSpec.derive(4, 64))

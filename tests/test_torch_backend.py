@@ -264,7 +264,7 @@ def _chat_ids(model: LoadedModel, prompt: str) -> list[int]:
     return list(enc["input_ids"])
 
 
-@pytest.mark.slow
+@pytest.mark.real_model
 def test_smollm2_prefill_matches_hf(smollm2: LoadedModel, smollm2_hf: torch.nn.Module) -> None:
     ids = _chat_ids(smollm2, CHAT_PROMPTS[2])
     backend = TorchBackend(smollm2)
@@ -275,7 +275,7 @@ def test_smollm2_prefill_matches_hf(smollm2: LoadedModel, smollm2_hf: torch.nn.M
     assert diff < 1e-3, f"max |Δlogit| {diff}"
 
 
-@pytest.mark.slow
+@pytest.mark.real_model
 def test_smollm2_greedy_ar_equals_hf_generate(smollm2: LoadedModel, smollm2_hf: torch.nn.Module) -> None:
     max_new = 48
     eng = Engine.from_models(smollm2, None, max_batch=8, max_len=1024)

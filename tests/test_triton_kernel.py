@@ -279,6 +279,7 @@ def test_module_imports_without_triton() -> None:
                     "checked on a GPU (benchmarks/gpu_check.sh); the interpreter tests above cover the logic")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("seed", range(4))
+@pytest.mark.gpu
 def test_cuda_matches_reference(seed: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the compiled kernels, not the interpreter
     seqs = _random_seqs(seed, max_n=40, max_past=90)
