@@ -67,6 +67,7 @@ from specdec.runtime.beams import continuation_logprob
 from specdec.runtime.draft_length import DraftLength
 from specdec.runtime.drafters import ModelDrafter
 from specdec.runtime.engine import Engine
+from specdec.runtime.methods import get_method
 from specdec.runtime.request import BeamParams
 
 DEFAULT_DRAFT = "smollm2-135m-draft"
@@ -110,7 +111,7 @@ def run(engine: Engine, scorer: TorchBackend, prompts: Sequence[list[int]], conf
     """
     engine.num_draft_tokens = config.gamma
     engine.draft_length = DraftLength() if config.adaptive else None
-    beam = None if config.method in ("ems", "ar") else BeamParams(
+    beam = None if not get_method(config.method).beams else BeamParams(
         width=config.width, min_width=config.min_width, threshold=config.threshold, memory_mode=config.memory_mode)
     requests = [engine.request(p, max_tokens=max_tokens, temperature=temperature, seed=seed + i, beam=beam)
                 for i, p in enumerate(prompts)]

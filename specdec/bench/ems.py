@@ -36,6 +36,9 @@ import torch
 from tqdm.auto import tqdm
 
 from specdec.bench.harness import (
+    BASELINE,
+    PADDED,
+    RAGGED,
     SPECULATIVE,
     BenchConfig,
     MethodRuns,
@@ -77,21 +80,21 @@ def engine_factory(target: LoadedModel, config: BenchConfig) -> EngineFactory:
 def _ratios(values: dict[str, float]) -> dict[str, Any]:
     """Speed-ups over ar and the ems / vanilla ratio of one family of throughputs."""
     out: dict[str, Any] = {
-        "over_ar": {m: round(values[m] / values["ar"], 3) for m in SPECULATIVE if m in values}
-        if "ar" in values else {},
-        "ems_over_vanilla": round(values["ems"] / values["vanilla"], 3)
-        if {"ems", "vanilla"} <= values.keys() else None,
+        "over_ar": {m: round(values[m] / values[BASELINE], 3) for m in SPECULATIVE if m in values}
+        if BASELINE in values else {},
+        "ems_over_vanilla": round(values[RAGGED] / values[PADDED], 3)
+        if {RAGGED, PADDED} <= values.keys() else None,
     }
     return out
 
 
 def _identical(runs: dict[str, MethodRuns]) -> dict[str, bool]:
     """Per speculative method: did every run reproduce ar's tokens exactly?"""
-    if "ar" not in runs:
+    if BASELINE not in runs:
         return {}
-    reference = [o.token_ids for o in runs["ar"].results[0].outputs]
+    reference = [o.token_ids for o in runs[BASELINE].results[0].outputs]
     return {m: all([o.token_ids for o in r.outputs] == reference for r in mr.results)
-            for m, mr in runs.items() if m != "ar"}
+            for m, mr in runs.items() if m != BASELINE}
 
 
 def _decode_rows(result: GenerationResult) -> tuple[int, int]:

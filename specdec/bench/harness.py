@@ -27,9 +27,12 @@ from typing import Any
 import torch
 
 from specdec.runtime.engine import Engine, GenerationResult
+from specdec.runtime.methods import BASELINE_METHOD, get_method
 
-METHODS = ("ar", "vanilla", "ems")
-SPECULATIVE = ("vanilla", "ems")
+#: what ``specdec bench`` compares: the baseline, the padded multi-sample baseline, and EMS-SD
+BASELINE, PADDED, RAGGED = BASELINE_METHOD, "vanilla", "ems"
+METHODS = (BASELINE, PADDED, RAGGED)
+SPECULATIVE = tuple(name for name in METHODS if get_method(name).uses_drafter)
 
 
 @dataclass

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from specdec.bench.harness import SPECULATIVE
+from specdec.bench.harness import PADDED, RAGGED, SPECULATIVE
 
 # -- the shared writer ------------------------------------------------------------------
 
@@ -210,7 +210,7 @@ def ems_notes(results: dict[str, dict[str, Any]]) -> list[str]:
             behind = [b for b, x in ratios.items() if round(x, 2) < 1.0]  # as printed: 0.996 is a tie
             notes.append(f"ems / vanilla, {label}: " + ", ".join(f"B={b} {x:.2f}×" for b, x in ratios.items())
                          + ("." if not behind else f" (ems behind at B={', '.join(behind)})."))
-    both = {b: r for b, r in results.items() if {"vanilla", "ems"} <= r["decode_rows"].keys()}
+    both = {b: r for b, r in results.items() if {PADDED, RAGGED} <= r["decode_rows"].keys()}
     if both:
         notes.append("Target rows in decode steps, vanilla / ems: " + ", ".join(
             f"B={b} {r['decode_rows']['vanilla']} / {r['decode_rows']['ems']}"
