@@ -1,7 +1,9 @@
 """The DSBD reference simulator: one whole round over pure table-defined models (no KV, no batching).
 
 The exactness tests compare the runtime's beam decoder against it draw for draw and measure its
-per-slot law; it lives with the tests because nothing in the package runs it.
+per-slot law; it lives with the tests because nothing in the package runs it. It calls the core
+through the module (``dsbd.verify_layer``, ...), so the negative controls that patch one of those
+functions see the patched one.
 """
 
 from __future__ import annotations
@@ -12,14 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.runtime.dsbd import (
-    Beam,
-    beam_distribution,
-    draft_layer,
-    dynamic_width,
-    sample_pairs_iid,
-    verify_layer,
-)
+from specdec.runtime import dsbd
+from specdec.runtime.dsbd import Beam
 from specdec.runtime.sampling import SamplingParams
 
 ProbsFn = Callable[[tuple[int, ...]], torch.Tensor]
@@ -60,7 +56,7 @@ def _memo_beam_distribution(kind: str, beams: Sequence[Beam], absent: Sequence[b
         return memo[key]
     scores = torch.tensor([-math.inf if gone else b.score for b, gone in zip(beams, absent)], dtype=torch.float64)
     table = torch.stack([fn(b.prefix) for b in beams])
-    result = beam_distribution(scores, table, params)
+    result = dsbd.beam_distribution(scores, table, params)
     if memo is not None:
         memo[key] = result
     return result
@@ -104,7 +100,7 @@ def dsbd_round(input_beams: Sequence[tuple[tuple[int, ...], float]], target_fn: 
     parents = roots
     for _ in range(gamma):
         q_beam = _memo_beam_distribution("draft", parents, [False] * len(parents), draft_fn, params, memo)
-        nodes = draft_layer(q_beam, w_s, generator)
+        nodes = dsbd.draft_layer(q_beam, w_s, generator)
         forest.append((parents, q_beam, nodes))
         parents = _extend(parents, nodes, q_beam, q_beam.numel() // len(parents))
     # verification: target beams are the valid parents, with the target's scores
@@ -113,8 +109,8 @@ def dsbd_round(input_beams: Sequence[tuple[tuple[int, ...], float]], target_fn: 
     for draft_parents, q_beam, nodes in forest:
         vocab = q_beam.numel() // len(draft_parents)
         pb = _memo_beam_distribution("target", target_beams, [not ok for ok in valid], target_fn, params, memo)
-        layer_width = width if threshold is None else dynamic_width(pb, q_beam, w_s, threshold, w_min)
-        verdict = verify_layer(pb, q_beam, nodes, torch.tensor(valid), layer_width, generator)
+        layer_width = width if threshold is None else dsbd.dynamic_width(pb, q_beam, w_s, threshold, w_min)
+        verdict = dsbd.verify_layer(pb, q_beam, nodes, torch.tensor(valid), layer_width, generator)
         layers.append(_trace(target_beams, valid, verdict.outputs, vocab, verdict.passed, len(nodes),
                              len(verdict.accepted)))
         if not verdict.passed:
@@ -130,6 +126,6 @@ def dsbd_round(input_beams: Sequence[tuple[tuple[int, ...], float]], target_fn: 
                              math.log(float(pb[x])) if ok else -math.inf) for x, ok in zip(nodes, valid)]
     pb = _memo_beam_distribution("target", target_beams, [not ok for ok in valid], target_fn, params, memo)
     vocab = pb.numel() // len(target_beams)
-    outputs = sample_pairs_iid(pb, width, generator).tolist()
+    outputs = dsbd.sample_pairs_iid(pb, width, generator).tolist()
     layers.append(_trace(target_beams, valid, outputs, vocab, True, 0, 0))
     return RoundResult(_extend(target_beams, outputs, pb, vocab), layers)
