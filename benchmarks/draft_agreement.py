@@ -11,7 +11,7 @@ measures the drafts on the prompts the speed benchmarks use, which no draft was 
 
 For each workload the target answers every prompt twice, greedily and sampled at temperature
 1 (``--max-tokens`` tokens each, same seeds for every draft); each draft is then scored on every
-answer position against the target's full distribution there (``specdec.distill.evaluate``):
+answer position against the target's full distribution there (``specdec.distill.objective.evaluate``):
 greedy agreement (argmax q = argmax p, what greedy speculation accepts) and expected acceptance
 Σ min(p, q) at temperature 1 (what sampled speculation accepts per drafted token).
 
@@ -38,7 +38,8 @@ from tqdm.auto import tqdm
 from specdec.bench.harness import machine_info
 from specdec.bench.report import write_report
 from specdec.bench.workloads import build_workload
-from specdec.distill import DraftNet, generate_records
+from specdec.distill.net import DraftNet
+from specdec.distill.records import generate_records
 from specdec.models.drafts import resolve_draft
 from specdec.models.loading import DEFAULT_TARGET, load_model
 
@@ -58,7 +59,7 @@ def _label(spec: str) -> tuple[str, str]:
 def measure(target_spec: str, drafts: list[str], prompts: int, max_tokens: int, seed: int,
             progress: bool = True) -> dict[str, Any]:
     """Agreement and expected acceptance of every draft on every (workload, answer kind)."""
-    from specdec.distill import evaluate
+    from specdec.distill.objective import evaluate
 
     target = load_model(target_spec)
     workloads = {"chat": [CHAT_PROMPTS[i % len(CHAT_PROMPTS)] for i in range(prompts)],

@@ -7,7 +7,7 @@ baseline) and ``ar`` (greedy autoregressive decoding) run at batch sizes 1, 4, 8
 k = 2, 4 and 6 draft tokens, on two workloads:
 
 * *chat*: 24 general questions and instructions written for this benchmark, none of them a
-  prompt the draft was distilled on (``specdec.distill.builtin_prompts``), chat template
+  prompt the draft was distilled on (``specdec.distill.prompts.builtin_prompts``), chat template
   applied. The answers are new text: what a draft model can predict and prompt lookup rarely can.
 * *extractive*: the workload of ``specdec bench`` (summarise or list the points of a
   standard-library docstring, chat template applied): answers copy the prompt, where prompt
@@ -80,7 +80,7 @@ SPECULATIVE = ("ems", "vanilla")
 COST_TARGET = 0.15  # the bound: a draft token costs at most 15 % of a target token
 
 # General questions and instructions, deliberately not in the shapes or topics of the
-# prompts the draft was distilled on (``specdec.distill._TEMPLATES`` x ``_TOPICS``).
+# prompts the draft was distilled on (``specdec.distill.prompts._TEMPLATES`` x ``_TOPICS``).
 CHAT_PROMPTS = (
     "Explain why the sky looks blue during the day and red at sunset.",
     "Write a short email to a colleague asking to move tomorrow's meeting to Friday afternoon.",

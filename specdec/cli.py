@@ -213,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     srv = sub.add_parser("serve", help="run Triton Inference Server on a model repository")
     add_serve_args(srv)
     srv.set_defaults(func=serve_main)
-    from specdec.distill import add_distill_args, distill_main
+    from specdec.distill.cli import add_distill_args, distill_main
     from specdec.serving.client import add_client_args, client_main
 
     dis = sub.add_parser("distill", help="train a cheap draft model for a target (resumable)")

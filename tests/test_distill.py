@@ -1,4 +1,4 @@
-"""``specdec distill`` on a tiny random target with a small trained tokenizer: data, training, resume, loading."""
+"""``specdec distill`` on a tiny random target with SmolLM2's real tokenizer: data, training, resume, loading."""
 
 from __future__ import annotations
 
@@ -8,29 +8,31 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec import distill as distill_mod
-from specdec.distill import DistillSettings, distill
+from specdec.distill import objective
+from specdec.distill.data import greedy_parts, split_records
+from specdec.distill.net import DraftNet, init_draft
+from specdec.distill.prompts import builtin_prompts, load_prompts, pre_query_ids, self_prompts
+from specdec.distill.records import Record, collect_data
+from specdec.distill.settings import DistillSettings
+from specdec.distill.train import distill
 from specdec.models.drafts import DraftLoadError, is_draft_dir, load_draft
 from specdec.models.loading import LoadedModel, load_model, save_model, tiny_random
 from specdec.runtime.engine import Engine
 
 
 def _tiny_target(path: Path, eos_boost: float | None = None) -> Path:
-    """A tiny random target with a small byte-level BPE tokenizer with a chat template (``fakes.small_tokenizer``;
-    no test here needs SmolLM2's own ids), saved at ``path``.
+    """A tiny random target with SmolLM2's real tokenizer (see ``tiny_target``), saved at ``path``.
 
     ``eos_boost``: make it end a turn now and then, as a chat model does. Hidden dimension 0 is held
     constant (every embedding has 1.0 there and no layer writes to it), so after the final norm it acts as
     a bias, and EOS's head row reads only that dimension: a fixed EOS logit that, at 2.4, sits just under
     the typical top logit (measured: the prefix's top logits are 14-16 and the EOS logit is 5.6 per unit).
     """
-    from fakes import small_tokenizer
-
-    tokenizer = small_tokenizer()
+    tokenizer = load_model("smollm2-135m").tokenizer
     tiny = tiny_random(seed=11, vocab_size=len(tokenizer), num_layers=3, hidden_size=32, num_heads=4,
                        num_kv_heads=2, intermediate_size=64, tie_word_embeddings=False)
     tiny.config.eos_token_id = tokenizer.eos_token_id
-    # a random model is nearly uniform over its vocabulary: give it a language of 400 tokens with sharp, context-
+    # a random model is nearly uniform over 49k tokens: give it a language of 400 tokens with sharp, context-
     # dependent preferences, so there is something to teach and a head of the frequent tokens covers it
     generator = torch.Generator().manual_seed(3)
     head = torch.zeros_like(tiny.state_dict["lm_head.weight"])
@@ -115,7 +117,7 @@ def test_a_draft_for_another_target_is_refused(tiny_target: Path, tmp_path: Path
 def test_an_interrupted_run_resumes(tiny_target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                     one_thread: None) -> None:
     out = tmp_path / "draft"
-    real_loss = distill_mod.distill_loss
+    real_loss = objective.distill_loss
     calls = {"n": 0}
 
     def interrupted(*args: object, **kwargs: object) -> object:
@@ -124,7 +126,7 @@ def test_an_interrupted_run_resumes(tiny_target: Path, tmp_path: Path, monkeypat
             raise KeyboardInterrupt
         return real_loss(*args, **kwargs)
 
-    monkeypatch.setattr(distill_mod, "distill_loss", interrupted)
+    monkeypatch.setattr(objective, "distill_loss", interrupted)
     with pytest.raises(KeyboardInterrupt):
         distill(_settings(tiny_target, out, steps=12), command="test")
     shards = sorted((out / ".work" / "data").glob("shard-*.pt"))
@@ -133,14 +135,14 @@ def test_an_interrupted_run_resumes(tiny_target: Path, tmp_path: Path, monkeypat
     saved = torch.load(out / ".work" / "checkpoint.pt", weights_only=False)
     assert saved["state"]["step"] == 5
 
-    monkeypatch.setattr(distill_mod, "distill_loss", real_loss)
+    monkeypatch.setattr(objective, "distill_loss", real_loss)
     calls["resumed"] = 0
 
     def counting(*args: object, **kwargs: object) -> object:
         calls["resumed"] += 1
         return real_loss(*args, **kwargs)
 
-    monkeypatch.setattr(distill_mod, "distill_loss", counting)
+    monkeypatch.setattr(objective, "distill_loss", counting)
     manifest = distill(_settings(tiny_target, out, steps=12), command="test")
     assert calls["resumed"] == 7  # steps 6..12 only
     assert manifest["steps"] == 12
@@ -157,16 +159,16 @@ def test_the_kept_weights_are_the_best_validated_step(tiny_target: Path, tmp_pat
     manifest = distill(settings, command="test")
     assert 0 <= manifest["kept_step"] < 20  # deterministic (seeded, one thread): the last step is not the best
     target = load_model(tiny_target)
-    records = [r for r in distill_mod.collect_data(target, out / ".work", distill_mod._load_prompts(settings),
-                                                   shard_size=4, max_new_tokens=16, temperature=1.0, teacher_k=16,
-                                                   seed=0) if r.positions]
-    _, valid, _ = distill_mod.split_records(records, settings)
-    kept = distill_mod.DraftNet(load_draft(out, target))
-    assert distill_mod.validation_loss(kept, valid, target.vocab_size) == pytest.approx(manifest["validation_loss"],
-                                                                                        rel=1e-3)
-    last = distill_mod.DraftNet(load_draft(out, target))
+    records = [r for r in collect_data(target, out / ".work", load_prompts(settings),
+                                       shard_size=4, max_new_tokens=16, temperature=1.0, teacher_k=16,
+                                       seed=0) if r.positions]
+    _, valid, _ = split_records(records, settings)
+    kept = DraftNet(load_draft(out, target))
+    assert objective.validation_loss(kept, valid, target.vocab_size) == pytest.approx(manifest["validation_loss"],
+                                                                                      rel=1e-3)
+    last = DraftNet(load_draft(out, target))
     last.load_state_dict(torch.load(out / ".work" / "checkpoint.pt", weights_only=False)["net"])
-    assert manifest["validation_loss"] <= distill_mod.validation_loss(last, valid, target.vocab_size) + 1e-6
+    assert manifest["validation_loss"] <= objective.validation_loss(last, valid, target.vocab_size) + 1e-6
 
 
 def test_grouped_generation_keeps_prompts_and_seeds_and_completes_short_shards(tiny_target: Path, tmp_path: Path,
@@ -176,10 +178,10 @@ def test_grouped_generation_keeps_prompts_and_seeds_and_completes_short_shards(t
     generated again when the prompt list grows, and the complete shards are not touched; a smaller
     ``--samples`` later takes exactly its prefix of the data."""
     target = load_model(tiny_target)
-    prompts = distill_mod.builtin_prompts()[:10]
+    prompts = builtin_prompts()[:10]
     kw = dict(shard_size=4, max_new_tokens=12, temperature=1.0, teacher_k=8, seed=5)
-    alone = distill_mod.collect_data(target, tmp_path / "alone", prompts, group=1, **kw)
-    grouped = distill_mod.collect_data(target, tmp_path / "grouped", prompts, group=3, max_batch=3, **kw)
+    alone = collect_data(target, tmp_path / "alone", prompts, group=1, **kw)
+    grouped = collect_data(target, tmp_path / "grouped", prompts, group=3, max_batch=3, **kw)
     assert [len(torch.load(p, weights_only=False)) for p in sorted((tmp_path / "grouped" / "data").glob("*.pt"))] == [
         4, 4, 2]
     assert len({tuple(r.tokens[: r.positions[0]]) for r in alone}) == 10  # ten different prompts, in order:
@@ -187,11 +189,11 @@ def test_grouped_generation_keeps_prompts_and_seeds_and_completes_short_shards(t
     assert [r.tokens for r in grouped] == [r.tokens for r in alone]  # each continuation by its own seed
     shards = sorted((tmp_path / "grouped" / "data").glob("*.pt"))
     stamps = [s.stat().st_mtime_ns for s in shards[:2]]
-    more = distill_mod.collect_data(target, tmp_path / "grouped", distill_mod.builtin_prompts()[:12], group=3, **kw)
+    more = collect_data(target, tmp_path / "grouped", builtin_prompts()[:12], group=3, **kw)
     assert len(more) == 12 and len(torch.load(shards[2], weights_only=False)) == 4
     assert [s.stat().st_mtime_ns for s in shards[:2]] == stamps
     assert [r.tokens for r in more[:10]] == [r.tokens for r in grouped]  # the regenerated shard starts the same
-    fewer = distill_mod.collect_data(target, tmp_path / "grouped", distill_mod.builtin_prompts()[:6], group=3, **kw)
+    fewer = collect_data(target, tmp_path / "grouped", builtin_prompts()[:6], group=3, **kw)
     assert [r.tokens for r in fewer] == [r.tokens for r in more[:6]]  # a smaller --samples takes a prefix
 
 
@@ -208,16 +210,16 @@ def test_greedy_continuations_follow_their_prompts_split_and_are_evaluated_apart
     assert greedy["after"]["positions"] > 0 and greedy["before"]["positions"] == greedy["after"]["positions"]
     assert manifest["data"]["greedy_train_sequences"] == 0
     target = load_model(tiny_target)
-    prompts = distill_mod._load_prompts(settings)
-    records = [r for r in distill_mod.collect_data(target, tmp_path / "plain" / ".work", prompts, shard_size=4,
-                                                   max_new_tokens=16, temperature=1.0, teacher_k=16, seed=0)
+    prompts = load_prompts(settings)
+    records = [r for r in collect_data(target, tmp_path / "plain" / ".work", prompts, shard_size=4,
+                                       max_new_tokens=16, temperature=1.0, teacher_k=16, seed=0)
                if r.positions]
-    parts = distill_mod.split_records(records, settings)
+    parts = split_records(records, settings)
     prompt_of = {tuple(encode_text(target.tokenizer, p, chat=True)): p for p in prompts}
     held_prompts = {prompt_of[tuple(r.tokens[: r.positions[0]])] for r in parts[0]}
-    plain = distill_mod.collect_data(target, tmp_path / "plain" / ".work", sorted(held_prompts, key=prompts.index),
-                                     shard_size=4, max_new_tokens=16, temperature=0.0, teacher_k=16, seed=0,
-                                     subdir="heldout-greedy")
+    plain = collect_data(target, tmp_path / "plain" / ".work", sorted(held_prompts, key=prompts.index),
+                         shard_size=4, max_new_tokens=16, temperature=0.0, teacher_k=16, seed=0,
+                         subdir="heldout-greedy")
     assert len(plain) == len(held_prompts) == manifest["data"]["heldout_greedy_sequences"]
     # a greedy continuation is the target's argmax at every step
     assert all(r.top_ids[:, 0].tolist() == r.tokens[r.positions[0]:] for r in plain)
@@ -227,7 +229,7 @@ def test_greedy_continuations_follow_their_prompts_split_and_are_evaluated_apart
     assert manifest["data"]["greedy_train_sequences"] > 0
     # the same held-out prompts, so the same greedy continuations are evaluated
     assert manifest["metrics"]["heldout_greedy"]["after"]["positions"] == greedy["after"]["positions"]
-    everything = distill_mod._greedy_parts(target, tmp_path / "greedy" / ".work", prompts, parts[:2], with_greedy)
+    everything = greedy_parts(target, tmp_path / "greedy" / ".work", prompts, parts[:2], with_greedy)
     assert sum(map(len, everything)) == len(set(prompts))
     for part, greedy_part in zip(parts, everything):
         keys = {tuple(r.tokens[: r.positions[0]]) for r in part}
@@ -242,12 +244,12 @@ def test_cached_data_of_other_settings_or_prompts_is_not_reused(tiny_target: Pat
     prompts (another ``--prompts`` file) is generated again instead of being trained on."""
     target = load_model(tiny_target)
     kw = dict(shard_size=2, max_new_tokens=6, teacher_k=4, seed=1)
-    prompts = distill_mod.builtin_prompts()[:4]
-    first = distill_mod.collect_data(target, tmp_path, prompts, temperature=1.0, **kw)
+    prompts = builtin_prompts()[:4]
+    first = collect_data(target, tmp_path, prompts, temperature=1.0, **kw)
     with pytest.raises(DraftLoadError, match=r"temperature: 1\.0 there, 0\.5 now"):
-        distill_mod.collect_data(target, tmp_path, prompts, temperature=0.5, **kw)
+        collect_data(target, tmp_path, prompts, temperature=0.5, **kw)
     other = [prompts[0], prompts[1], "Something else entirely", prompts[3]]
-    again = distill_mod.collect_data(target, tmp_path, other, temperature=1.0, **kw)
+    again = collect_data(target, tmp_path, other, temperature=1.0, **kw)
     assert [r.tokens for r in again[:2]] == [r.tokens for r in first[:2]]  # the first shard is reused
     from specdec.runtime.text import encode_text
 
@@ -258,18 +260,18 @@ def test_cached_data_of_other_settings_or_prompts_is_not_reused(tiny_target: Pat
 def test_records_are_split_by_prompt_and_the_schedule_warms_up_then_decays() -> None:
     """A prompt sampled twice lands wholly in one split; the learning-rate factor rises over the warm-up and
     ends the budget at 10%."""
-    def record(prompt: int, n: int) -> distill_mod.Record:
-        return distill_mod.Record([prompt, prompt, 7, 8, 9][: 2 + n], list(range(2, 2 + n)), torch.zeros(n, 1),
-                                  torch.zeros(n, 1))
+    def record(prompt: int, n: int) -> Record:
+        return Record([prompt, prompt, 7, 8, 9][: 2 + n], list(range(2, 2 + n)), torch.zeros(n, 1),
+                      torch.zeros(n, 1))
 
     records = [record(p, 1 + (i % 3)) for i, p in enumerate(list(range(20)) * 3)]  # 20 prompts, 3 samples each
-    held, valid, train = distill_mod.split_records(records, DistillSettings(heldout=0.1, valid=0.1, seed=4))
+    held, valid, train = split_records(records, DistillSettings(heldout=0.1, valid=0.1, seed=4))
     prompts = [{r.tokens[0] for r in part} for part in (held, valid, train)]
     assert not (prompts[0] & prompts[1] or prompts[0] & prompts[2] or prompts[1] & prompts[2])
     assert len(held) + len(valid) + len(train) == 60 and len(held) >= 6 and len(valid) >= 6
     with pytest.raises(ValueError, match="too few"):
-        distill_mod.split_records(records[:2], DistillSettings())
-    factor = distill_mod.lr_factor
+        split_records(records[:2], DistillSettings())
+    factor = objective.lr_factor
     assert factor(0, 0.0, 10) == pytest.approx(0.1) and factor(9, 0.0, 10) == pytest.approx(1.0)
     assert factor(500, 0.5, 10) == pytest.approx(0.55) and factor(900, 1.0, 10) == pytest.approx(0.1)
 
@@ -286,27 +288,27 @@ def test_the_target_writes_its_own_requests_each_ended_by_it_distinct_and_resuma
     from specdec.runtime.text import encode_text
 
     target = load_model(tiny_chat_target)
-    prefix = distill_mod.pre_query_ids(target.tokenizer)
+    prefix = pre_query_ids(target.tokenizer)
     for prompt in ("Hi there", "Tell me about bees"):
         ids = encode_text(target.tokenizer, prompt, chat=True)
         assert ids[: len(prefix)] == prefix and len(ids) > len(prefix)
     kw = dict(seed=0, max_tokens=24, block=16)
-    first = distill_mod.self_prompts(target, tmp_path / "a", 4, **kw)
+    first = self_prompts(target, tmp_path / "a", 4, **kw)
     assert len(first) == len(set(first)) == 4 and all(len(p.split()) >= 3 for p in first)
-    more = distill_mod.self_prompts(target, tmp_path / "a", 8, **kw)
+    more = self_prompts(target, tmp_path / "a", 8, **kw)
     assert more[:4] == first and len(set(more)) == 8
-    assert distill_mod.self_prompts(target, tmp_path / "b", 8, **kw) == more  # in one go: the same list
+    assert self_prompts(target, tmp_path / "b", 8, **kw) == more  # in one go: the same list
     with pytest.raises(DraftLoadError, match="other settings"):
-        distill_mod.self_prompts(target, tmp_path / "a", 8, seed=1, max_tokens=24, block=16)
+        self_prompts(target, tmp_path / "a", 8, seed=1, max_tokens=24, block=16)
     # a one-token turn is either EOS alone (no words) or cut off: neither is a request
     with pytest.raises(ValueError, match="wrote only 0 usable requests"):
-        distill_mod.self_prompts(target, tmp_path / "c", 1, seed=0, max_tokens=1, block=16, min_words=1)
+        self_prompts(target, tmp_path / "c", 1, seed=0, max_tokens=1, block=16, min_words=1)
     with pytest.raises(ValueError, match="--self-prompts must be >= 0"):
-        distill_mod.self_prompts(target, tmp_path / "d", -1, seed=0)
+        self_prompts(target, tmp_path / "d", -1, seed=0)
     plain = copy.deepcopy(target.tokenizer)
     plain.chat_template = None
     with pytest.raises(ValueError, match="chat template"):
-        distill_mod.pre_query_ids(plain)
+        pre_query_ids(plain)
 
 
 def test_self_prompts_get_their_own_split_and_a_grown_run_continues_its_checkpoint(
@@ -318,13 +320,13 @@ def test_self_prompts_get_their_own_split_and_a_grown_run_continues_its_checkpoi
     out = tmp_path / "draft"
     first = distill(_settings(tiny_chat_target, out, steps=4, greedy_data=True), command="first")
     head = (out / "head_token_ids.json").read_text()
-    real_loss, calls = distill_mod.distill_loss, {"n": 0}
+    real_loss, calls = objective.distill_loss, {"n": 0}
 
     def counting(*args: object, **kwargs: object) -> object:
         calls["n"] += 1
         return real_loss(*args, **kwargs)
 
-    monkeypatch.setattr(distill_mod, "distill_loss", counting)
+    monkeypatch.setattr(objective, "distill_loss", counting)
     grown = distill(_settings(tiny_chat_target, out, steps=8, greedy_data=True, self_prompts=8), command="grown")
     assert calls["n"] == 4 and grown["steps"] == 8 and grown["kept_step"] == 8
     assert grown["commands"] == ["first", "grown"] and grown["command"] == "grown"
@@ -357,20 +359,20 @@ def test_a_grown_draft_starts_as_its_source_and_a_shared_head_is_not_stored(tiny
     source = load_draft(out, target)
     ids = torch.as_tensor([[5, 17, 99, 300, 7, 42, 1000, 12]])
     mask = torch.ones_like(ids)
-    grown = distill_mod.init_draft(target, 3, source.head_token_ids, grow=source)
+    grown = init_draft(target, 3, source.head_token_ids, grow=source)
     with torch.no_grad():
-        want = distill_mod.DraftNet(source)(ids, mask)
-        assert torch.equal(distill_mod.DraftNet(grown)(ids, mask), want)
+        want = DraftNet(source)(ids, mask)
+        assert torch.equal(DraftNet(grown)(ids, mask), want)
     assert grown.extra["init_layers"] == [0, 1, "draft 0"]  # new layers from the target, the source's last last
-    shared = distill_mod.DraftNet(distill_mod.init_draft(target, 3, source.head_token_ids, share_head=True,
-                                                         grow=source))
+    shared = DraftNet(init_draft(target, 3, source.head_token_ids, share_head=True,
+                                 grow=source))
     rows = target.state_dict["lm_head.weight"][source.head_token_ids]
     assert not shared.head.requires_grad and torch.equal(shared.head.detach(), rows)
     with pytest.raises(ValueError, match="as many or more"):
-        distill_mod.init_draft(target, 1, source.head_token_ids, grow=grown)
-    fewer = distill_mod.init_draft(target, 2, source.head_token_ids[::2], grow=source)  # a head of half its rows
+        init_draft(target, 1, source.head_token_ids, grow=grown)
+    fewer = init_draft(target, 2, source.head_token_ids[::2], grow=source)  # a head of half its rows
     with torch.no_grad():
-        assert torch.equal(distill_mod.DraftNet(fewer)(ids, mask), want[..., ::2])
+        assert torch.equal(DraftNet(fewer)(ids, mask), want[..., ::2])
 
     elsewhere = tmp_path / "elsewhere"  # an --init-from that is no draft fails before any data is generated
     with pytest.raises(DraftLoadError, match="not a complete distilled draft"):
@@ -427,7 +429,7 @@ def test_a_fresh_draft_with_a_shared_head_trains_its_layers_only(tiny_target: Pa
         [o.token_ids for o in engine.generate(reqs, "ar").outputs]
 
 
-@pytest.mark.real_model
+@pytest.mark.slow
 def test_the_shipped_smollm2_draft_is_small_sound_and_made_for_its_target(smollm2: LoadedModel) -> None:
     """The package's draft: at most 25 MB of fp16 weights of its own (no copy of the target's embeddings), a
     restricted head that always contains EOS, a manifest recording the command and the held-out metrics, made for

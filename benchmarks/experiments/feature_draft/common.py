@@ -2,7 +2,7 @@
 
 import torch
 
-from specdec.distill import lr_factor
+from specdec.distill.objective import lr_factor
 
 
 def optimizer_step(opt: torch.optim.Optimizer, net: torch.nn.Module, loss: torch.Tensor, step: int, total: int) -> None:

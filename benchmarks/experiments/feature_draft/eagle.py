@@ -23,7 +23,8 @@ import torch
 from common import optimizer_step
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from specdec.distill import _batch, select_head
+from specdec.distill.net import select_head
+from specdec.distill.objective import teacher_batch
 from specdec.models.loading import load_model
 
 torch.set_num_threads(1)
@@ -80,7 +81,7 @@ class Eagle(torch.nn.Module):
 
 def batch(items):
     """distill's padded batch and head-restricted teacher, plus each position's previous and own target feature."""
-    ids, mask, rows, cols, probs = _batch([r for r, _ in items], head_ids, V)
+    ids, mask, rows, cols, probs = teacher_batch([r for r, _ in items], head_ids, V)
     feat_in = torch.zeros(*ids.shape, H)
     feat_tgt = torch.zeros(*ids.shape, H)
     for b, (r, f) in enumerate(items):

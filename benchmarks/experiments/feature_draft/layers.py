@@ -2,7 +2,7 @@
 
 ``python layers.py STEPS``: ``init_draft`` with 2 target layers (0 and 29) and an 8192-row head
 chosen from the same training records, ``DraftNet``'s loss, the same schedule and batches as
-``eagle.py``, scored with ``specdec.distill.evaluate`` on the same held-out sets.
+``eagle.py``, scored with ``specdec.distill.objective.evaluate`` on the same held-out sets.
 """
 
 import os
@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from common import optimizer_step
 
-from specdec.distill import DraftNet, _head_cross_entropy, evaluate, init_draft, select_head
+from specdec.distill.net import DraftNet, init_draft, select_head
+from specdec.distill.objective import evaluate, head_cross_entropy
 from specdec.models.loading import load_model
 
 torch.set_num_threads(1)
@@ -31,7 +32,7 @@ opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-
 rng = random.Random(0)
 t0 = time.time()
 for step in range(steps_total):
-    loss, _ = _head_cross_entropy(net, rng.sample(train, 8), target.vocab_size)
+    loss, _ = head_cross_entropy(net, rng.sample(train, 8), target.vocab_size)
     optimizer_step(opt, net, loss, step, steps_total)
     if step % 200 == 0:
         print(f"step {step} {time.time() - t0:.0f}s ce {loss.item():.3f}", flush=True)

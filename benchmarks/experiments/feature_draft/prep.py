@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaModel
 
-from specdec.distill import DistillSettings, distill_data
+from specdec.distill.data import distill_data
+from specdec.distill.settings import DistillSettings
 from specdec.models.loading import load_model
 
 torch.set_num_threads(2)
