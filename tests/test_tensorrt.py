@@ -33,6 +33,7 @@ import torch
 from onnx import TensorProto, helper
 
 from specdec.export import tensorrt as trt_export
+from specdec.export.scripts import polygraphy_glue
 from specdec.export.tensorrt import (
     DimRange,
     EngineBuildError,
@@ -60,8 +61,8 @@ def _gpu_skip_reason() -> str | None:
         return "OpenAI Triton not installed (the plugin runs the Triton kernel)"
     import tensorrt
 
-    if trt_export._parse_version(tensorrt.__version__) < trt_export.MIN_TENSORRT:
-        return f"TensorRT {tensorrt.__version__} is older than {'.'.join(map(str, trt_export.MIN_TENSORRT))}"
+    if trt_plugin._parse_version(tensorrt.__version__) < trt_plugin.MIN_TENSORRT:
+        return f"TensorRT {tensorrt.__version__} is older than {'.'.join(map(str, trt_plugin.MIN_TENSORRT))}"
     return None
 
 
@@ -148,6 +149,7 @@ def test_modules_import_without_tensorrt() -> None:
     code = (
         "import sys; sys.modules['tensorrt'] = None\n"
         "import specdec.export.tensorrt, specdec.plugins.trt_plugin as p, specdec.runtime.backends.tensorrt\n"
+        "import specdec.export.scripts.polygraphy_glue\n"
         "import specdec.export.cli, specdec.runtime.engine\n"
         "assert p.register() is False and 'tensorrt' in p.unavailable_reason()\n"
         "print('ok')\n"
@@ -170,6 +172,14 @@ def test_entry_points_without_tensorrt_raise_the_clear_error(tmp_path: Path, mon
     (tmp_path / "model.engine").write_bytes(b"not an engine")
     with pytest.raises(TensorRTUnavailableError):
         trt_backend.TensorRTBackend(tmp_path / "model.engine")
+
+
+def test_build_and_load_share_one_definition_of_each_check() -> None:
+    """The export re-exports the plugin module's checks and errors: one definition, so one behaviour and one except."""
+    for name in ("MIN_TENSORRT", "EngineBuildError", "PluginFallbackError", "TensorRTUnavailableError",
+                 "assert_plugin_layers", "count_plugin_layers", "require_tensorrt", "tensorrt_problems"):
+        assert getattr(trt_export, name) is getattr(trt_plugin, name), name
+        assert name in trt_export.__all__, name
 
 
 # --------------------------------------------------------------------------------------------- profiles
@@ -254,8 +264,9 @@ def test_polygraphy_recipe_has_the_comparison_flags(tmp_path: Path) -> None:
     recipe = polygraphy_recipe(model, profile=ProfileSpec.derive(4, 64), plugin_library="/opt/lib/libspecdec.so")
     for flag in ("polygraphy run", "--onnxrt --trt", "--plugins /opt/lib/libspecdec.so",
                  "--onnx-flags enable_plugin_override", "--preview-features aliased_plugin_io_10_03",
-                 "--strongly-typed", "--atol 0.001", "--rtol 0.001", "trt_plugin.py:load_data",
-                 "--trt-network-postprocess-script", "trt_plugin.py:postprocess",
+                 "--strongly-typed", "--atol 0.001", "--rtol 0.001",
+                 f"--data-loader-script {trt_export.POLYGRAPHY_SCRIPT}:load_data",
+                 f"--trt-network-postprocess-script {trt_export.POLYGRAPHY_SCRIPT}:postprocess",
                  f"SPECDEC_POLYGRAPHY_MODEL={model}", "SPECDEC_POLYGRAPHY_SLOTS=4", "SPECDEC_POLYGRAPHY_MAX_LEN=64"):
         assert flag in recipe, flag
     argv = shlex.split(recipe.replace("\\\n", " "))
@@ -266,6 +277,7 @@ def test_polygraphy_recipe_has_the_comparison_flags(tmp_path: Path) -> None:
     assert len(mins) == len(GRAPH_INPUTS) + 4
     loose = polygraphy_recipe(model, atol=0.25, rtol=0.05)
     assert "--plugins" not in loose and "--atol 0.25 --rtol 0.05" in loose
+    assert trt_export.POLYGRAPHY_SCRIPT == Path(polygraphy_glue.__file__).resolve()  # the script really is there
 
 
 def test_polygraphy_inspect_recipe_registers_the_plugin_first(tmp_path: Path) -> None:
@@ -298,7 +310,7 @@ def test_polygraphy_data_loader_feeds_run_in_onnxruntime(tiny_graph, monkeypatch
     monkeypatch.setenv("SPECDEC_POLYGRAPHY_SLOTS", "3")
     monkeypatch.setenv("SPECDEC_POLYGRAPHY_MAX_LEN", "32")
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    feeds = list(trt_plugin.load_data())
+    feeds = list(polygraphy_glue.load_data())
     assert len(feeds) == 4  # prefill + 3 mixed rounds
     names = {i.name for i in session.get_inputs()}
     for feed in feeds:
@@ -314,20 +326,57 @@ def test_polygraphy_data_loader_registers_before_it_is_iterated(tiny_graph, monk
     calls = []
     monkeypatch.setattr(trt_plugin, "register", lambda: calls.append("register") or True)
     monkeypatch.setenv("SPECDEC_POLYGRAPHY_MODEL", str(tiny_graph[0]))
-    feeds = trt_plugin.load_data()
+    feeds = polygraphy_glue.load_data()
     assert calls == ["register"]
     assert next(iter(feeds))["input_ids"].dtype == np.int64
 
 
 def test_polygraphy_script_import_registers_the_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
-    """polygraphy imports trt_plugin.py as a top-level module named ``trt_plugin``; that import registers."""
+    """polygraphy imports polygraphy_glue.py as a top-level module named ``polygraphy_glue``; that import registers."""
     calls = []
     monkeypatch.setattr(trt_plugin, "register", lambda: calls.append("register") or True)
-    spec = importlib.util.spec_from_file_location("trt_plugin", trt_plugin.__file__)
+    spec = importlib.util.spec_from_file_location("polygraphy_glue", trt_export.POLYGRAPHY_SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert calls == ["register"]
-    assert module.PLUGIN_ID == trt_plugin.PLUGIN_ID
+    assert module.trt_plugin is trt_plugin  # the package's plugin module, not a second copy
+
+
+_POLYGRAPHY_IMPORT = """
+import importlib, sys
+from pathlib import Path
+from specdec.plugins import trt_plugin
+
+calls, real = [], trt_plugin.register
+trt_plugin.register = lambda: calls.append("register") or real()
+script = Path(sys.argv[1])
+sys.path.insert(0, str(script.parent))  # what polygraphy's import_from_script does around the import
+try:
+    module = importlib.import_module(script.stem)
+finally:
+    del sys.path[0]
+assert calls == ["register"], calls
+package = Path(trt_plugin.__file__).resolve().parents[1]
+strays = sorted(name for name, mod in list(sys.modules.items())
+                if name != script.stem and not name.startswith("specdec")
+                and Path(getattr(mod, "__file__", None) or "/").resolve().is_relative_to(package))
+assert not strays, f"specdec files imported under foreign names (shadowed packages): {strays}"
+print("ok")
+"""
+
+
+def test_polygraphy_script_import_shadows_no_package() -> None:
+    """While polygraphy imports the script, no specdec file may stand in for ``tensorrt`` or ``onnx``.
+
+    polygraphy puts the script's directory first on sys.path during that import, and the import
+    registers the plugin, which imports ``tensorrt``. In a fresh process, so that ``tensorrt`` and
+    the script are imported for the first time, as in polygraphy's.
+    """
+    done = subprocess.run([sys.executable, "-c", _POLYGRAPHY_IMPORT, str(trt_export.POLYGRAPHY_SCRIPT)],
+                          capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.strip() == "ok"
 
 
 class _Tensor:
@@ -397,7 +446,8 @@ def test_polygraphy_runs_onnxruntime_with_the_data_loader(tiny_graph, tmp_path: 
     path, _ = tiny_graph
     env = {**os.environ, "SPECDEC_POLYGRAPHY_MODEL": str(path)}
     done = subprocess.run(["polygraphy", "run", str(path), "--onnxrt", "--data-loader-script",
-                           f"{trt_plugin.__file__}:load_data"], capture_output=True, text=True, env=env, timeout=600)
+                           f"{trt_export.POLYGRAPHY_SCRIPT}:load_data"], capture_output=True, text=True, env=env,
+                          timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 

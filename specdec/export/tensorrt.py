@@ -12,6 +12,10 @@ parser has that flag, (3) checks the parsed network has one plugin layer per att
 step (``ProfileSpec``), and (5) checks the *serialized* engine again with the engine inspector
 (``assert_plugin_layers``), because that is what a later load will run.
 
+The environment check (``require_tensorrt``), the engine check (``assert_plugin_layers``) and
+their errors are defined in :mod:`specdec.plugins.trt_plugin`, because the runtime backend runs
+them too when it loads an engine; they are re-exported here, where a build needs them.
+
 Nothing here imports ``tensorrt`` at module import time: this module must import (and its
 errors must be explainable) on machines without TensorRT or a GPU.
 """
@@ -28,94 +32,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specdec.plugins import trt_plugin
 from specdec.plugins.onnx_op import DOMAIN, OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION
+from specdec.plugins.trt_plugin import (
+    MIN_TENSORRT,
+    EngineBuildError,
+    PluginFallbackError,
+    TensorRTUnavailableError,
+    assert_plugin_layers,
+    count_plugin_layers,
+    require_tensorrt,
+    tensorrt_problems,
+)
 from specdec.runtime.graph_io import CACHE_INPUT
 
-#: Oldest TensorRT this path supports: Python Quickly-Deployable Plugins exist since 10.6 and the ONNX
-#: parser prefers a registered plugin over a model-local function of the same name since 10.7 (before,
-#: the function body always won and the plugin was never used).
-MIN_TENSORRT = (10, 7)
+#: the polygraphy script (data loader + network postprocess): referred to by path, not imported, because it
+#: imports this module; it sits in a directory of its own since polygraphy puts the script's directory first
+#: on sys.path while importing it, and this directory's onnx.py / tensorrt.py would shadow the real packages
+POLYGRAPHY_SCRIPT = Path(__file__).resolve().parent / "scripts" / "polygraphy_glue.py"
 
 DTYPES = ("float32", "float16", "bfloat16")
-
-_WHAT_TO_DO = (
-    "To build or run TensorRT engines use a machine with an NVIDIA GPU and driver, and either run inside an "
-    "NGC container that ships TensorRT >= {min} (e.g. the PyTorch or TensorRT images) or `pip install "
-    "'tensorrt>={min}'` on a machine that can reach NVIDIA's package index (the TensorRT libraries are "
-    "not on PyPI proper), with a CUDA build of torch and OpenAI Triton. The ONNX export "
-    "(`specdec-export --backend onnx`) needs none of this."
-)
-
-
-class TensorRTUnavailableError(RuntimeError, ValueError):
-    """TensorRT cannot be used here; the message says why and what to do.
-
-    It is also a ``ValueError`` so that ``specdec-export`` reports it like any other bad
-    request (exit status 2, one line on stderr) instead of a traceback.
-    """
-
-
-class EngineBuildError(RuntimeError):
-    """The ONNX graph could not be turned into a usable engine (parse, build or plugin check failed)."""
-
-
-class PluginFallbackError(EngineBuildError):
-    """The parser or the engine uses the RaggedTreeAttention function body instead of the plugin."""
-
-
-# --------------------------------------------------------------------------------------------- environment
-
-
-def _parse_version(text: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in re.findall(r"\d+", text)[:3])
-
-
-def tensorrt_problems() -> list[str]:
-    """Every reason TensorRT cannot be used here (empty when it can); no exception, no side effect but imports."""
-    problems: list[str] = []
-    minimum = ".".join(map(str, MIN_TENSORRT))
-    try:
-        trt = importlib.import_module("tensorrt")
-    except Exception as exc:  # ImportError, or OSError when the wheel's shared libraries are missing
-        problems.append(f"the `tensorrt` Python module cannot be imported ({type(exc).__name__}: {exc})")
-    else:
-        version = str(getattr(trt, "__version__", "0"))
-        if _parse_version(version) < MIN_TENSORRT:
-            problems.append(f"TensorRT {version} is too old: specdec needs >= {minimum} (Python plugins, and "
-                            "plugins taking precedence over the ONNX function body)")
-        else:
-            try:
-                importlib.import_module("tensorrt.plugin")
-            except Exception as exc:
-                problems.append(f"TensorRT {version} has no usable `tensorrt.plugin` module ({exc})")
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
-            problems.append(f"no CUDA GPU is visible (torch {torch.__version__}, {build}): a TensorRT builder "
-                            "and the plugin's kernel need an NVIDIA GPU and driver")
-    except Exception as exc:  # a broken torch install
-        problems.append(f"torch cannot be imported ({exc})")
-    from specdec.plugins.triton_kernel import triton_available
-
-    if not triton_available():
-        problems.append("OpenAI Triton cannot be imported: the plugin runs the Triton kernel")
-    return problems
-
-
-def require_tensorrt() -> None:
-    """Raise ``TensorRTUnavailableError`` unless TensorRT (>= 10.7), a CUDA GPU and Triton are usable here.
-
-    Called before anything is written, so an export that cannot build an engine fails at once
-    with every reason listed, rather than after minutes of ONNX export and validation.
-    """
-    problems = tensorrt_problems()
-    if problems:
-        reasons = "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1))
-        raise TensorRTUnavailableError(
-            f"TensorRT is not usable here: {reasons}. " + _WHAT_TO_DO.format(min=".".join(map(str, MIN_TENSORRT)))
-        )
 
 
 def _import_tensorrt() -> Any:
@@ -293,55 +229,6 @@ def attention_nodes(onnx_path: str | os.PathLike) -> tuple[int, list[str]]:
     return total, unbound
 
 
-def count_plugin_layers(engine_information: str) -> int:
-    """Number of RaggedTreeAttention *plugin* layers in an engine inspector JSON (``LayerInformationFormat.JSON``).
-
-    A layer counts when its type is a plugin type (``PluginV3``, ``PluginV2``...) and its record
-    names the op (the engine keeps the layer names this module gives them, and TensorRT's
-    detailed record of a plugin layer names the plugin). Layers imported from the function body
-    are ordinary layers (Scatter, Gather, MatrixMultiply, Myelin regions...), so they never
-    count. The engine must have been built with ``ProfilingVerbosity.DETAILED``: with names only
-    the types are unknown and a ``PluginFallbackError`` says so.
-    """
-    try:
-        info = json.loads(engine_information)
-    except json.JSONDecodeError as exc:
-        raise PluginFallbackError(f"the engine inspector returned no JSON ({exc})") from exc
-    layers = info.get("Layers", []) if isinstance(info, dict) else []
-    if layers and all(isinstance(layer, str) for layer in layers):
-        raise PluginFallbackError("the engine records layer names only (built without ProfilingVerbosity.DETAILED):"
-                                  " its plugin layers cannot be told apart; rebuild with build_engine()")
-    needles = (OP_TYPE.lower(), "ragged_tree_attention")
-    count = 0
-    for layer in layers:
-        if not isinstance(layer, dict):
-            continue
-        kind = f"{layer.get('LayerType', '')} {layer.get('ParameterType', '')}".lower()
-        if "plugin" in kind and any(n in json.dumps(layer).lower() for n in needles):
-            count += 1
-    return count
-
-
-def assert_plugin_layers(engine: Any, expected: int) -> int:
-    """Check ``engine`` runs ``expected`` RaggedTreeAttention plugin layers; return the count.
-
-    The guard against TensorRT's silent fallback: without the plugin registered (or with a
-    TensorRT older than 10.7) the parser imports the function body, and the engine still builds
-    and runs, just slowly and padded. Uses the engine inspector (kDETAILED verbosity).
-    """
-    trt = importlib.import_module("tensorrt")
-    inspector = engine.create_engine_inspector()
-    count = count_plugin_layers(inspector.get_engine_information(trt.LayerInformationFormat.JSON))
-    if count != expected:
-        raise PluginFallbackError(
-            f"the engine has {count} {OP_TYPE} plugin layers, expected {expected} (one per attention layer): "
-            f"TensorRT used the standard-op function body instead of the plugin. Register the plugin before "
-            f"building/loading (specdec.plugins.trt_plugin.register()), use TensorRT >= "
-            f"{'.'.join(map(str, MIN_TENSORRT))}, and check with `polygraphy inspect model model.engine --show layers`."
-        )
-    return count
-
-
 # --------------------------------------------------------------------------------------------- build
 
 
@@ -397,8 +284,6 @@ def _check_graph(onnx_path: Path) -> int:
 
 def _parse(trt: Any, network: Any, logger: Any, onnx_path: Path, expected: int) -> None:
     """Parse ``onnx_path`` into ``network``, check every attention node became a plugin layer, prepare those."""
-    from specdec.plugins import trt_plugin
-
     parser = trt.OnnxParser(network, logger)
     if hasattr(trt, "OnnxParserFlag") and hasattr(trt.OnnxParserFlag, "ENABLE_PLUGIN_OVERRIDE"):
         parser.set_flag(trt.OnnxParserFlag.ENABLE_PLUGIN_OVERRIDE)
@@ -449,8 +334,6 @@ def build_engine(onnx_path: str | os.PathLike, engine_path: str | os.PathLike, d
     failure nothing is left at ``engine_path``.
     """
     trt = _import_tensorrt()
-    from specdec.plugins import trt_plugin
-
     onnx_path, engine_path = Path(onnx_path), Path(engine_path)
     expected = _check_graph(onnx_path)
     if not trt_plugin.register():
@@ -499,23 +382,22 @@ def polygraphy_recipe(onnx_path: str | os.PathLike, *, profile: ProfileSpec | No
                       slots: int = 4, max_len: int = 64) -> str:
     """The ``polygraphy run`` command comparing ONNX Runtime (function body) with TensorRT (plugin).
 
-    Both runners get the same ragged packs from ``specdec.plugins.trt_plugin``'s ``load_data``
-    (random index inputs would crash any ragged kernel), chosen through environment variables
-    on the command line; importing that script also registers the Python plugin before
-    TensorRT parses the graph, so ``--plugins`` is only needed for a compiled plugin library
-    (``plugin_library``). Its ``postprocess`` applies ``build_engine``'s network edits (int32
-    mask for the plugin, layer names). ``--strongly-typed`` keeps the graph's precision; loosen
-    ``atol``/``rtol`` for float16 graphs (the export validates those at 0.25 on logits).
+    Both runners get the same ragged packs from ``POLYGRAPHY_SCRIPT``'s ``load_data``
+    (:mod:`specdec.export.scripts.polygraphy_glue`; random index inputs would crash any ragged
+    kernel), chosen through environment variables on the command line; importing that script
+    also registers the Python plugin before TensorRT parses the graph, so ``--plugins`` is only
+    needed for a compiled plugin library (``plugin_library``). Its ``postprocess`` applies
+    ``build_engine``'s network edits (int32 mask for the plugin, layer names). ``--strongly-typed``
+    keeps the graph's precision; loosen ``atol``/``rtol`` for float16 graphs (the export validates
+    those at 0.25 on logits).
     """
-    from specdec.plugins import trt_plugin
-
     profile = profile or ProfileSpec.derive()
     onnx_path = Path(onnx_path)
     inputs = onnx_inputs(onnx_path)
     shapes = profile.shapes_for((name, dims) for name, dims, _ in inputs)
     slots = max(profile.slots.min, min(slots, profile.slots.max))
     max_len = max(profile.max_len.min, min(max_len, profile.max_len.max))
-    script = shlex.quote(str(Path(trt_plugin.__file__).resolve()))
+    script = shlex.quote(str(POLYGRAPHY_SCRIPT))
     env = (f"SPECDEC_POLYGRAPHY_MODEL={shlex.quote(str(onnx_path))} SPECDEC_POLYGRAPHY_SLOTS={slots} "
            f"SPECDEC_POLYGRAPHY_MAX_LEN={max_len}")
     parts = [
@@ -553,7 +435,7 @@ def polygraphy_inspect_recipe(engine_path: str | os.PathLike) -> str:
 
 
 __all__: Sequence[str] = (
-    "DimRange", "EngineBuildError", "PluginFallbackError", "ProfileSpec", "TensorRTUnavailableError",
-    "assert_plugin_layers", "attention_nodes", "build_engine", "count_plugin_layers", "polygraphy_inspect_recipe",
-    "polygraphy_recipe", "require_tensorrt",
+    "MIN_TENSORRT", "POLYGRAPHY_SCRIPT", "DimRange", "EngineBuildError", "PluginFallbackError", "ProfileSpec",
+    "TensorRTUnavailableError", "assert_plugin_layers", "attention_nodes", "build_engine", "count_plugin_layers",
+    "polygraphy_inspect_recipe", "polygraphy_recipe", "require_tensorrt", "tensorrt_problems",
 )

@@ -16,9 +16,9 @@
 * No ``@trtp.autotune``: the plugin runs in the I/O types the network gives it (the graph's
   precision, int32 indices) and linear formats. The tree mask is the exception: TensorRT's
   plugin documentation does not promise BOOL plugin I/O (``PluginTensorDesc``: "kBOOL ... not
-  supported"), so ``cast_bool_inputs`` (called by ``build_engine``, and by polygraphy through
-  ``postprocess``) feeds the plugin an int32 copy of the mask, made once per step and shared by
-  every layer; the kernel accepts any integer mask.
+  supported"), so ``cast_bool_inputs`` (called by ``build_engine``, and by polygraphy through the
+  export layer's ``polygraphy_glue.postprocess``) feeds the plugin an int32 copy of the mask,
+  made once per step and shared by every layer; the kernel accepts any integer mask.
 
 Why there is no ``@trtp.aot_impl`` (ahead-of-time PTX, no Python at run time): an AOT plugin is
 exactly one kernel launch whose grid TensorRT computes from symbolic shapes. This plugin
@@ -35,27 +35,44 @@ so ``run_attention`` first checks them *on the device* (``sanitize_indices``): w
 of range the kernel sees an empty pack (nothing is read or written) and ``out`` becomes NaN,
 so bad inputs are visible rather than memory corruption.
 
-Everything touching ``tensorrt`` is imported lazily: this module imports without it, and
-``register()`` answers False (``unavailable_reason()`` says why).
+The checks that building an engine (the export layer's ``build_engine``) and loading one (the
+runtime's ``TensorRTBackend``) both run live here, at the bottom layer, so that the runtime
+needs nothing from the export layer above it: the environment check (``require_tensorrt``: TensorRT >=
+``MIN_TENSORRT`` with ``tensorrt.plugin``, a CUDA GPU, Triton) and the guard against the silent
+function-body fallback (``assert_plugin_layers`` on an engine's inspector records).
 
-The module is also polygraphy's data loader (``load_data``) for the ORT-vs-TRT comparison in
-``specdec.export.tensorrt.polygraphy_recipe``. Deliberately no ``from __future__ import
-annotations`` here: ``tensorrt.plugin`` validates the decorated functions' annotations as classes.
+Everything touching ``tensorrt`` is imported lazily: this module imports without it, and
+``register()`` answers False (``unavailable_reason()`` says why). Deliberately no ``from
+__future__ import annotations`` here: ``tensorrt.plugin`` validates the decorated functions'
+annotations as classes.
 """
 
 import importlib
+import json
 import math
-import os
+import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from specdec.plugins.onnx_op import OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION
 
 PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{OP_TYPE}"
+
+#: Oldest TensorRT this path supports: Python Quickly-Deployable Plugins exist since 10.6 and the ONNX
+#: parser prefers a registered plugin over a model-local function of the same name since 10.7 (before,
+#: the function body always won and the plugin was never used).
+MIN_TENSORRT = (10, 7)
+
+_WHAT_TO_DO = (
+    "To build or run TensorRT engines use a machine with an NVIDIA GPU and driver, and either run inside an "
+    "NGC container that ships TensorRT >= {min} (e.g. the PyTorch or TensorRT images) or `pip install "
+    "'tensorrt>={min}'` on a machine that can reach NVIDIA's package index (the TensorRT libraries are "
+    "not on PyPI proper), with a CUDA build of torch and OpenAI Triton. The ONNX export "
+    "(`specdec-export --backend onnx`) needs none of this."
+)
 
 _lock = threading.Lock()
 _registered = False
@@ -83,7 +100,7 @@ def register() -> bool:
         except Exception as exc:  # ImportError, or OSError for missing TensorRT shared libraries
             _reason = f"`tensorrt.plugin` cannot be imported ({type(exc).__name__}: {exc}); TensorRT >= 10.6 needed"
             return False
-        if not _creator_registered(trt):  # another copy of this module (polygraphy's script import) may have done it
+        if not _creator_registered(trt):  # another copy of this module (loaded from its file path) may have done it
             _define(trtp)
         _registered, _reason = True, None
         return True
@@ -214,70 +231,6 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
     out.copy_(torch.where(ok, result, float("nan")))
 
 
-# --------------------------------------------------------------------------------------------- polygraphy
-
-
-def ragged_feeds(inputs: Sequence[tuple[str, Sequence[int | str], int]], vocab_size: int, *, num_slots: int = 4,
-                 max_len: int = 64, seed: int = 0) -> Iterator[dict[str, np.ndarray]]:
-    """Feeds (name -> array) of random ragged steps for a specdec graph with inputs ``inputs`` (``onnx_inputs``).
-
-    Each feed is self-contained (polygraphy does not carry caches between iterations): random
-    caches stand for the committed history, and the packs mix prefill, decode, chains, forests
-    and an idle slot, as ``specdec.export.validate`` does.
-    """
-    from onnx import helper
-
-    from specdec.export.validate import random_packs
-    from specdec.runtime.graph_io import GRAPH_INPUTS
-    from specdec.runtime.packed import pack
-
-    rng = np.random.default_rng(seed)
-    caches = [(name, dims, elem) for name, dims, elem in inputs if name not in {t.name for t in GRAPH_INPUTS}]
-    for work in random_packs(vocab_size, num_slots, max_len, seed=seed):
-        batch = pack(work)
-        feed = {spec.name: getattr(batch, spec.name).numpy().astype(spec.dtype) for spec in GRAPH_INPUTS}
-        for name, dims, elem in caches:
-            shape = (num_slots, int(dims[1]), max_len, int(dims[3]))
-            feed[name] = (0.5 * rng.standard_normal(shape)).astype(helper.tensor_dtype_to_np_dtype(elem))
-        yield feed
-
-
-def load_data() -> Iterator[dict[str, np.ndarray]]:
-    """Polygraphy ``--data-loader-script`` entry point; registers the plugin in polygraphy's process first.
-
-    Not a generator on purpose: polygraphy calls it before it builds the TensorRT engine and
-    iterates it later, so the registration must happen in the call. The model comes from
-    ``SPECDEC_POLYGRAPHY_MODEL``; ``SPECDEC_POLYGRAPHY_SLOTS`` and ``SPECDEC_POLYGRAPHY_MAX_LEN``
-    size the caches (defaults 4 and 64; they must lie in the engine's profile).
-    """
-    import onnx
-
-    from specdec.export.tensorrt import onnx_inputs
-
-    _canonical().register()
-    model = os.environ.get("SPECDEC_POLYGRAPHY_MODEL")
-    if not model:
-        raise RuntimeError("set SPECDEC_POLYGRAPHY_MODEL to the model.onnx being compared (see polygraphy_recipe())")
-    graph = onnx.load(model, load_external_data=False).graph
-    logits = next(o for o in graph.output if o.name == "logits")
-    vocab = int(logits.type.tensor_type.shape.dim[-1].dim_value)
-    return ragged_feeds(onnx_inputs(model), vocab, num_slots=int(os.environ.get("SPECDEC_POLYGRAPHY_SLOTS", 4)),
-                        max_len=int(os.environ.get("SPECDEC_POLYGRAPHY_MAX_LEN", 64)))
-
-
-def postprocess(network: Any) -> None:
-    """Polygraphy ``--trt-network-postprocess-script`` entry point: what ``build_engine`` does to the parsed network."""
-    canonical = _canonical()
-    layers = canonical.plugin_layers(network)
-    canonical.cast_bool_inputs(network, layers)
-    canonical.name_plugin_layers(layers)
-
-
-def _canonical() -> Any:
-    """This module as the package knows it (polygraphy imports this file a second time, as ``trt_plugin``)."""
-    return importlib.import_module("specdec.plugins.trt_plugin")
-
-
 # --------------------------------------------------------------------------------------------- network helpers
 
 
@@ -312,5 +265,123 @@ def name_plugin_layers(layers: Sequence[Any]) -> None:
             layer.name = f"{OP_TYPE}.{i}:{layer.name}"
 
 
-if __name__ == "trt_plugin":  # imported by polygraphy as a script: register before it parses the graph
-    _canonical().register()
+# --------------------------------------------------------------------------------------------- environment
+
+
+class TensorRTUnavailableError(RuntimeError, ValueError):
+    """TensorRT cannot be used here; the message says why and what to do.
+
+    It is also a ``ValueError`` so that ``specdec-export`` reports it like any other bad
+    request (exit status 2, one line on stderr) instead of a traceback.
+    """
+
+
+class EngineBuildError(RuntimeError):
+    """The ONNX graph could not be turned into a usable engine (parse, build or plugin check failed)."""
+
+
+class PluginFallbackError(EngineBuildError):
+    """The parser or the engine uses the RaggedTreeAttention function body instead of the plugin."""
+
+
+def _parse_version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", text)[:3])
+
+
+def tensorrt_problems() -> list[str]:
+    """Every reason TensorRT cannot be used here (empty when it can); no exception, no side effect but imports."""
+    problems: list[str] = []
+    minimum = ".".join(map(str, MIN_TENSORRT))
+    try:
+        trt = importlib.import_module("tensorrt")
+    except Exception as exc:  # ImportError, or OSError when the wheel's shared libraries are missing
+        problems.append(f"the `tensorrt` Python module cannot be imported ({type(exc).__name__}: {exc})")
+    else:
+        version = str(getattr(trt, "__version__", "0"))
+        if _parse_version(version) < MIN_TENSORRT:
+            problems.append(f"TensorRT {version} is too old: specdec needs >= {minimum} (Python plugins, and "
+                            "plugins taking precedence over the ONNX function body)")
+        else:
+            try:
+                importlib.import_module("tensorrt.plugin")
+            except Exception as exc:
+                problems.append(f"TensorRT {version} has no usable `tensorrt.plugin` module ({exc})")
+    try:
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            problems.append(f"no CUDA GPU is visible (torch {torch.__version__}, {build}): a TensorRT builder "
+                            "and the plugin's kernel need an NVIDIA GPU and driver")
+    except Exception as exc:  # a broken torch install
+        problems.append(f"torch cannot query CUDA ({exc})")
+    from specdec.plugins.triton_kernel import triton_available
+
+    if not triton_available():
+        problems.append("OpenAI Triton cannot be imported: the plugin runs the Triton kernel")
+    return problems
+
+
+def require_tensorrt() -> None:
+    """Raise ``TensorRTUnavailableError`` unless TensorRT (>= 10.7), a CUDA GPU and Triton are usable here.
+
+    Called before anything is written, so an export that cannot build an engine fails at once
+    with every reason listed, rather than after minutes of ONNX export and validation; and
+    before an engine is loaded, so a machine without a GPU gets the same explanation.
+    """
+    problems = tensorrt_problems()
+    if problems:
+        reasons = "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1))
+        raise TensorRTUnavailableError(
+            f"TensorRT is not usable here: {reasons}. " + _WHAT_TO_DO.format(min=".".join(map(str, MIN_TENSORRT)))
+        )
+
+
+# --------------------------------------------------------------------------------------------- engine checks
+
+
+def count_plugin_layers(engine_information: str) -> int:
+    """Number of RaggedTreeAttention *plugin* layers in an engine inspector JSON (``LayerInformationFormat.JSON``).
+
+    A layer counts when its type is a plugin type (``PluginV3``, ``PluginV2``...) and its record
+    names the op (the engine keeps the layer names ``name_plugin_layers`` gives them, and TensorRT's
+    detailed record of a plugin layer names the plugin). Layers imported from the function body
+    are ordinary layers (Scatter, Gather, MatrixMultiply, Myelin regions...), so they never
+    count. The engine must have been built with ``ProfilingVerbosity.DETAILED``: with names only
+    the types are unknown and a ``PluginFallbackError`` says so.
+    """
+    try:
+        info = json.loads(engine_information)
+    except json.JSONDecodeError as exc:
+        raise PluginFallbackError(f"the engine inspector returned no JSON ({exc})") from exc
+    layers = info.get("Layers", []) if isinstance(info, dict) else []
+    if layers and all(isinstance(layer, str) for layer in layers):
+        raise PluginFallbackError("the engine records layer names only (built without ProfilingVerbosity.DETAILED):"
+                                  " its plugin layers cannot be told apart; rebuild with build_engine()")
+    needles = (OP_TYPE.lower(), "ragged_tree_attention")
+    count = 0
+    for layer in layers:
+        if not isinstance(layer, dict):
+            continue
+        kind = f"{layer.get('LayerType', '')} {layer.get('ParameterType', '')}".lower()
+        if "plugin" in kind and any(n in json.dumps(layer).lower() for n in needles):
+            count += 1
+    return count
+
+
+def assert_plugin_layers(engine: Any, expected: int) -> int:
+    """Check ``engine`` runs ``expected`` RaggedTreeAttention plugin layers; return the count.
+
+    The guard against TensorRT's silent fallback: without the plugin registered (or with a
+    TensorRT older than 10.7) the parser imports the function body, and the engine still builds
+    and runs, just slowly and padded. Uses the engine inspector (kDETAILED verbosity).
+    """
+    trt = importlib.import_module("tensorrt")
+    inspector = engine.create_engine_inspector()
+    count = count_plugin_layers(inspector.get_engine_information(trt.LayerInformationFormat.JSON))
+    if count != expected:
+        raise PluginFallbackError(
+            f"the engine has {count} {OP_TYPE} plugin layers, expected {expected} (one per attention layer): "
+            f"TensorRT used the standard-op function body instead of the plugin. Register the plugin before "
+            f"building/loading (specdec.plugins.trt_plugin.register()), use TensorRT >= "
+            f"{'.'.join(map(str, MIN_TENSORRT))}, and check with `polygraphy inspect model model.engine --show layers`."
+        )
+    return count

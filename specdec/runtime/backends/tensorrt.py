@@ -3,7 +3,9 @@
 The engine's attention layers are the Python plugin of ``specdec.plugins.trt_plugin``, so the
 plugin is registered before the engine is deserialised, and the engine is checked to really
 contain one plugin layer per attention layer (an engine built while the plugin was missing
-runs the standard-op function body instead: correct, slow, and not what was asked for).
+runs the standard-op function body instead: correct, slow, and not what was asked for). The
+environment check and that engine check come from the plugin module, the same ones
+``build_engine`` runs, so loading an engine needs nothing from the export layer.
 
 Caches are torch CUDA tensors (``TorchKVStorage``, the torch backend's storage allocated on the
 GPU), so the KV manager's compaction and forks run on them directly. Every step binds each
@@ -56,14 +58,13 @@ class TensorRTBackend:
 
     def __init__(self, engine_path: str | os.PathLike, *, device: str | torch.device = "cuda",
                  output_device: str | torch.device = "cpu", name: str | None = None) -> None:
-        from specdec.export.tensorrt import assert_plugin_layers, require_tensorrt
         from specdec.plugins import trt_plugin
 
         self.path = Path(engine_path)
         self.name = name or self.path.parent.name or self.path.stem
         if not self.path.is_file():
             raise EngineLoadError(f"{self.path} does not exist (build it with specdec-export --backend tensorrt)")
-        require_tensorrt()
+        trt_plugin.require_tensorrt()
         trt = importlib.import_module("tensorrt")
         if not trt_plugin.register():
             raise EngineLoadError(f"cannot register the attention plugin: {trt_plugin.unavailable_reason()}")
@@ -86,7 +87,7 @@ class TensorRTBackend:
         if shape_io:
             raise EngineLoadError(f"{self.path} takes {shape_io} as shape tensors: not built from the plugin graph")
         self.num_layers = sum(1 for n in self._inputs if n.startswith("past_key_values.") and n.endswith(".key"))
-        assert_plugin_layers(self.engine, expected=self.num_layers)
+        trt_plugin.assert_plugin_layers(self.engine, expected=self.num_layers)
 
         first = CACHE_INPUT.format(layer=0, kind="key")
         cache_shape = tuple(self.engine.get_tensor_shape(first))
