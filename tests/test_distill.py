@@ -1,4 +1,4 @@
-"""``specdec distill`` on a tiny random target with SmolLM2's real tokenizer: data, training, resume, loading."""
+"""``specdec distill`` on a tiny random target with a small trained tokenizer: data, training, resume, loading."""
 
 from __future__ import annotations
 
@@ -21,18 +21,21 @@ from specdec.runtime.engine import Engine
 
 
 def _tiny_target(path: Path, eos_boost: float | None = None) -> Path:
-    """A tiny random target with SmolLM2's real tokenizer (see ``tiny_target``), saved at ``path``.
+    """A tiny random target with a small byte-level BPE tokenizer with a chat template (``fakes.small_tokenizer``;
+    no test here needs SmolLM2's own ids), saved at ``path``.
 
     ``eos_boost``: make it end a turn now and then, as a chat model does. Hidden dimension 0 is held
     constant (every embedding has 1.0 there and no layer writes to it), so after the final norm it acts as
     a bias, and EOS's head row reads only that dimension: a fixed EOS logit that, at 2.4, sits just under
     the typical top logit (measured: the prefix's top logits are 14-16 and the EOS logit is 5.6 per unit).
     """
-    tokenizer = load_model("smollm2-135m").tokenizer
+    from fakes import small_tokenizer
+
+    tokenizer = small_tokenizer()
     tiny = tiny_random(seed=11, vocab_size=len(tokenizer), num_layers=3, hidden_size=32, num_heads=4,
                        num_kv_heads=2, intermediate_size=64, tie_word_embeddings=False)
     tiny.config.eos_token_id = tokenizer.eos_token_id
-    # a random model is nearly uniform over 49k tokens: give it a language of 400 tokens with sharp, context-
+    # a random model is nearly uniform over its vocabulary: give it a language of 400 tokens with sharp, context-
     # dependent preferences, so there is something to teach and a head of the frequent tokens covers it
     generator = torch.Generator().manual_seed(3)
     head = torch.zeros_like(tiny.state_dict["lm_head.weight"])
@@ -429,7 +432,7 @@ def test_a_fresh_draft_with_a_shared_head_trains_its_layers_only(tiny_target: Pa
         [o.token_ids for o in engine.generate(reqs, "ar").outputs]
 
 
-@pytest.mark.slow
+@pytest.mark.real_model
 def test_the_shipped_smollm2_draft_is_small_sound_and_made_for_its_target(smollm2: LoadedModel) -> None:
     """The package's draft: at most 25 MB of fp16 weights of its own (no copy of the target's embeddings), a
     restricted head that always contains EOS, a manifest recording the command and the held-out metrics, made for
