@@ -115,7 +115,7 @@ def export(target: str, draft: str | None, out: Path, force: bool = False, backe
     if out.exists() and not force:
         raise ExportDirError(f"{out} already exists: pass --force to overwrite it")
     if backend == "tensorrt":
-        from specdec.export.tensorrt import require_tensorrt
+        from specdec.plugins.trt_plugin import require_tensorrt
 
         require_tensorrt()
     from specdec import __version__
