@@ -232,6 +232,45 @@ def test_parse_input_ids() -> None:
             parse_input_ids(inputs)
 
 
+def test_engine_and_client_responses_are_exactly_the_declared_tensors() -> None:
+    """A response is built from the tables alone: every declared output, in order, with its numpy type and shape,
+    each metric read from ``RequestMetrics`` by its tensor's name; postprocessing reads back what the engine sent
+    and passes the metrics on untouched."""
+    from specdec.runtime.request import RequestMetrics
+
+    metrics = RequestMetrics(prompt_tokens=3, generated_tokens=5, draft_tokens=8, accepted_draft_tokens=6,
+                             target_calls=4, batch_size_sum=10, beam_widths=[2, 2, 1])
+    engine = protocol.engine_response([7, 8, 9, 10, 11], 2, True, ("\n", "你好"), "stop", metrics)
+    assert list(engine) == [s.name for s in protocol.ENGINE_OUTPUTS]
+    for spec in protocol.ENGINE_OUTPUTS:
+        array = engine[spec.name]
+        assert array.dtype == protocol.NUMPY_OF[spec.dtype], spec.name
+        assert array.ndim == 1 and (spec.dims != (1,) or array.shape == (1,)), spec.name
+    assert engine["acceptance_rate"][0] == np.float32(0.75) and engine["mean_batch_size"][0] == np.float32(2.5)
+    assert engine["beam_widths"].tolist() == [2, 2, 1] and engine["target_calls"].tolist() == [4]
+    response = protocol.parse_engine_response(engine)
+    assert response == protocol.EngineResponse([7, 8, 9, 10, 11], 2, True, ("\n", "你好"))
+    client = protocol.client_response("delta", engine, response)
+    assert list(client) == [s.name for s in protocol.CLIENT_OUTPUTS]
+    assert client["text_output"].tolist() == [b"delta"] and client["output_ids"].tolist() == [9, 10, 11]
+    assert client["output_ids"].dtype == np.int32
+    assert all(client[s.name] is engine[s.name] for s in protocol.METRICS)
+    empty = protocol.engine_response([], 0, False, (), "", RequestMetrics())
+    assert empty["output_ids"].shape == (0,) and empty["stop_strings"].shape == (0,)
+    assert empty["beam_widths"].dtype == np.int32 and empty["stop_strings"].dtype == object
+
+
+def test_every_declared_type_has_a_wire_name_and_a_numpy_type() -> None:
+    """The client names each input's type on the wire from the same table the configs are rendered from."""
+    specs = {*protocol.CLIENT_INPUTS, *protocol.ENGINE_OUTPUTS, *protocol.CLIENT_OUTPUTS, protocol.INPUT_IDS,
+             protocol.CANCEL_REQUEST_ID}
+    assert {s.dtype for s in specs} == set(protocol.NUMPY_OF) == set(protocol.WIRE_DTYPE)
+    assert {s.name: s.wire_dtype for s in protocol.CLIENT_INPUTS}["text_input"] == "BYTES"
+    assert protocol.array(protocol.STOP, "\n").tolist() == [b"\n"]  # one stop string is one element
+    assert protocol.array(protocol.STOP, ["a", "b"]).tolist() == [b"a", b"b"]
+    assert protocol.array(protocol.STREAM, True).dtype == np.bool_
+
+
 def test_as_bytes_round_trips_through_the_parsers() -> None:
     """What the server sends as BYTES is what a client-side parser (same rules) reads back."""
     text = "héllo 你好 🙂"

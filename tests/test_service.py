@@ -18,7 +18,9 @@ from specdec.runtime.text import streamable
 from specdec.serving.service import EngineService, ServiceStoppedError, StreamEvent
 
 MAX_BATCH, MAX_LEN, EOS = 4, 128, 3
-WAIT = 30.0
+#: how long a test waits for an event that must come: generous, because a passing test never waits it out and
+#: a loaded CI machine may take many times the usual second; a request that never finishes still fails
+WAIT = 120.0
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -275,6 +277,43 @@ def test_text_streaming_with_real_tokenizer(text_engine) -> None:
             assert out.token_ids == exp.token_ids and out.text == exp.text
     finally:
         svc.stop(drain=False, timeout=10)
+
+
+@pytest.mark.real_model
+def test_a_caller_that_wants_no_text_gets_the_same_tokens_and_the_loop_never_detokenizes(text_engine) -> None:
+    """The Triton engine model works from token ids (postprocessing re-decodes the text): submitted with
+    ``text=False``, a request costs the decoding thread no detokenization at all, its events carry no text and
+    its output none, and its tokens, finish reasons and stream contract are those of a request that wants text."""
+    engine = text_engine.sibling()  # same weights and tokenizer, its own caches, and a decode of its own to count
+    decoded: list[int] = []
+    real_decode = engine.decode
+
+    def counting_decode(ids) -> str:
+        decoded.append(len(ids))
+        return real_decode(ids)
+
+    engine.decode = counting_decode
+
+    def requests() -> list[Request]:  # no stop strings: only they make the stopper itself read text
+        return [text_engine.request(p, max_tokens=24) for p in ("Hello there, how are you", "Ünïcödé 日本語")]
+
+    with EngineService(engine, "ems") as svc:
+        recs = [Recorder() for _ in range(2)]
+        silent = [h.result(WAIT) for h in [svc.submit(r, rec, text=False) for r, rec in zip(requests(), recs)]]
+        assert decoded == [], "the loop detokenized for callers that want no text"
+        for out, rec in zip(silent, recs):
+            assert rec.check() == out and out.text is None and len(rec.events) > 1
+            assert all(e.text_delta == "" for e in rec.events)
+        texts = [svc.generate(r, WAIT) for r in requests()]
+        assert decoded, "a caller that wants text gets it decoded"
+    assert [o.token_ids for o in silent] == [o.token_ids for o in texts]
+    assert [o.finish_reason for o in silent] == [o.finish_reason for o in texts]
+    assert all(isinstance(o.text, str) for o in texts)
+    queued = EngineService(engine, "ems")  # never started: its requests end cancelled, unadmitted
+    quiet, spoken = (queued.submit(r, Recorder(), text=t) for r, t in zip(requests(), (False, True)))
+    assert quiet.cancel() and spoken.cancel()
+    assert quiet.result(WAIT).text is None and spoken.result(WAIT).text == ""
+    queued.stop()
 
 
 @pytest.mark.parametrize("memory_mode", ["single", "full"])

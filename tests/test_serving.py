@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -47,6 +48,21 @@ PROMPTS = [
 ]
 CONCURRENT_MAX_TOKENS = [16, 40, 24, 32, 20, 36, 28, 12]  # the 8-concurrent test: different lengths
 LOAD_MAX_TOKENS = 24
+#: how long a test waits for what must happen (a request admitted, cancelled, a server gone): a passing run never
+#: waits it out, a loaded CI machine may need many times the usual seconds, and what never happens still fails
+WAIT_S = 120.0
+#: --exit-timeout-secs of the servers started here: the engine's finalize may take tens of seconds on a busy machine
+EXIT_S = 120
+
+
+def eventually(condition: Callable[[], bool], timeout: float = WAIT_S, poll_s: float = 0.2) -> bool:
+    """Whether ``condition`` holds within ``timeout`` s, polled (what a fixed sleep would only hope for)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
 
 
 def _local_reference(export: Path) -> dict[tuple[int, int], list[int]]:
@@ -71,14 +87,14 @@ def server(smollm2_export: Path, reference: dict) -> TritonServer:
     """One server for the module, started after the local references (so they do not compete for the CPU)."""
     grpc, http, metrics = free_ports()
     srv = TritonServer()
-    srv.start(smollm2_export, grpc_port=grpc, http_port=http, metrics_port=metrics, exit_timeout_s=20)
+    srv.start(smollm2_export, grpc_port=grpc, http_port=http, metrics_port=metrics, exit_timeout_s=EXIT_S)
     try:
         srv.wait_ready(300)
         yield srv
     finally:
         code = srv.stop()
         assert code == 0, f"server did not stop cleanly (exit {code})\n{srv.read_log()[-3000:]}"
-        assert processes_mentioning(str(smollm2_export)) == []
+        assert eventually(lambda: processes_mentioning(str(smollm2_export)) == []), "a stub outlived the server"
 
 
 def _params(i: int, max_tokens: int, **extra: object) -> dict:
@@ -87,7 +103,7 @@ def _params(i: int, max_tokens: int, **extra: object) -> dict:
 
 def scrape(server: TritonServer) -> dict[str, float]:
     """specdec_* samples of the Prometheus endpoint, keyed by name{labels}."""
-    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+    with urllib.request.urlopen(server.metrics_url, timeout=WAIT_S) as response:
         text = response.read().decode()
     samples = {}
     for line in text.splitlines():
@@ -226,7 +242,8 @@ def test_bad_inputs_get_named_errors_while_a_stream_completes(server: TritonServ
     # the streaming entry point reports bad input the same way, in the stream
     with pytest.raises(ClientError, match=r"unknown method 'magic'"):
         SpecdecClient(server.grpc_url).generate_stream("Say hi.", method="magic")
-    thread.join(120)
+    thread.join(600)  # the client's own timeout
+    assert not thread.is_alive(), "the stream sent beside the bad requests never finished"
     _check(in_flight["answer"], reference, i, m)
     assert client.generate("Say hi.", max_tokens=4).output_ids
 
@@ -250,18 +267,14 @@ def test_client_killed_mid_stream_is_cancelled_and_does_not_wedge_the_engine(ser
     for _ in range(3):  # it is streaming
         assert proc.stdout.readline().startswith("response")
     proc.send_signal(signal.SIGKILL)
-    proc.wait(10)
+    proc.wait(WAIT_S)
     i = 0
     answer = SpecdecClient(server.grpc_url).generate(PROMPTS[i][0], **_params(i, CONCURRENT_MAX_TOKENS[i]))
     _check(answer, reference, i, CONCURRENT_MAX_TOKENS[i])
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        now = scrape(server)
-        cancelled = now[CANCELLED] - before[CANCELLED]
-        if cancelled >= 1 and now["specdec_active_sequences"] == 0:
-            break
-        time.sleep(0.5)
-    assert cancelled == 1, "the dead client's request was not cancelled"
+    eventually(lambda: (now := scrape(server))[CANCELLED] - before[CANCELLED] >= 1
+               and now["specdec_active_sequences"] == 0, poll_s=0.5)
+    now = scrape(server)
+    assert now[CANCELLED] - before[CANCELLED] == 1, "the dead client's request was not cancelled"
     assert now["specdec_active_sequences"] == 0
 
 
@@ -281,23 +294,19 @@ def test_client_killed_during_a_beam_request_is_cancelled_between_rounds(server:
     and the server answers the next beam and ems requests."""
     before = scrape(server)
     proc = subprocess.Popen([sys.executable, "-c", BEAM_CLIENT, server.grpc_url], stdout=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while scrape(server)["specdec_active_sequences"] < 1 and time.monotonic() < deadline:  # admitted, decoding
-        time.sleep(0.2)
+    eventually(lambda: scrape(server)["specdec_active_sequences"] >= 1)  # admitted, decoding
     assert scrape(server)["specdec_active_sequences"] == 1, "the beam request never started"
-    time.sleep(1.0)  # a few rounds
-    deadline = time.monotonic() + 10  # between rounds (a round frees a slot before it forks one)
-    while scrape(server)["specdec_kv_slots_used"] != 2 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert scrape(server)["specdec_kv_slots_used"] == 2, "a width-2 beam request holds one KV slot per beam"
+    # a few rounds: it decodes alone, so the target steps counted from now are its rounds
+    started = scrape(server)["specdec_target_steps_total"]
+    assert eventually(lambda: scrape(server)["specdec_target_steps_total"] >= started + 3), "no rounds ran"
+    # between rounds (a round frees a slot before it forks one)
+    assert eventually(lambda: scrape(server)["specdec_kv_slots_used"] == 2, poll_s=0.1), \
+        "a width-2 beam request holds one KV slot per beam"
     proc.send_signal(signal.SIGKILL)
-    proc.wait(10)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        now = scrape(server)
-        if now[CANCELLED] - before[CANCELLED] >= 1 and now["specdec_active_sequences"] == 0:
-            break
-        time.sleep(0.5)
+    proc.wait(WAIT_S)
+    eventually(lambda: (now := scrape(server))[CANCELLED] - before[CANCELLED] >= 1
+               and now["specdec_active_sequences"] == 0 and now["specdec_kv_slots_used"] == 0, poll_s=0.5)
+    now = scrape(server)
     assert now[CANCELLED] - before[CANCELLED] == 1, "the dead client's beam request was not cancelled"
     assert now["specdec_active_sequences"] == 0 and now["specdec_kv_slots_used"] == 0
     client = SpecdecClient(server.grpc_url)
@@ -310,29 +319,44 @@ def test_client_killed_during_a_beam_request_is_cancelled_between_rounds(server:
 def test_sigusr1_dumps_every_stub_thread_and_no_request_thread_outlives_its_request(
         server: TritonServer, smollm2_export: Path, reference: dict) -> None:
     """``kill -USR1`` on a Python-backend stub writes all its threads' stacks to the log and the stub keeps serving.
-    Run after the killed-client tests, the dump of the idle server shows each stub's own threads and no request
-    thread (``_answer``) still running: a killed client's request thread returned."""
+    Run after the killed-client tests, the dump of the idle server shows each stub's own threads and, within a
+    deadline, no request thread (``_answer``) still running: a killed client's request thread returned."""
     stubs = [pid for pid in processes_mentioning(str(smollm2_export))
              if b"triton_python_backend_stub" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     assert len(stubs) == 5  # preprocessing, postprocessing, specdec_engine, specdec, specdec_stream
-    deadline = time.monotonic() + 30
-    while scrape(server)["specdec_active_sequences"] > 0 and time.monotonic() < deadline:
+    assert eventually(lambda: scrape(server)["specdec_active_sequences"] == 0, poll_s=0.5)
+    # a killed client's request thread returns once its entry point has heard the engine's cancelled answer: dump
+    # until no request thread shows (or the deadline passes: one that never returns still fails below)
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        dump = "".join(_stacks(server, pid) for pid in stubs)  # one at a time: their stacks do not interleave
+        if " in _answer" not in dump or time.monotonic() >= deadline:
+            break
         time.sleep(0.5)
-    time.sleep(2 * 0.5)  # two cancel polls: an entry point's last request thread has returned
-    dump = ""
-    for pid in stubs:  # one at a time, so that their stacks do not interleave in the log
-        offset = len(server.read_log())
-        os.kill(pid, signal.SIGUSR1)
-        deadline = time.monotonic() + 20
-        while "Current thread" not in server.read_log()[offset:] and time.monotonic() < deadline:
-            time.sleep(0.2)
-        time.sleep(0.2)
-        dump += server.read_log()[offset:]
     assert dump.count("Current thread") == len(stubs), dump[-3000:]
     assert "in _send_loop" in dump and "in _watch" in dump  # the engine's sender and the watchers
     assert " in _answer" not in dump, "a request thread outlived its request:\n" + dump[-3000:]
     _check(SpecdecClient(server.grpc_url).generate(PROMPTS[1][0], **_params(1, CONCURRENT_MAX_TOKENS[1])),
            reference, 1, CONCURRENT_MAX_TOKENS[1])
+
+
+def _stacks(server: TritonServer, pid: int) -> str:
+    """What ``kill -USR1 pid`` writes to the server log: that stub's dump of its threads' stacks, whole.
+
+    The stub writes the dump from one signal handler, so once it has begun, the log stops growing when it is
+    complete; waiting for that, instead of a fixed moment, keeps a descheduled stub from cutting it short.
+    """
+    offset = len(server.read_log())
+    os.kill(pid, signal.SIGUSR1)
+    assert eventually(lambda: "Current thread" in server.read_log()[offset:]), f"stub {pid} dumped no stacks"
+    sizes = [-1]
+
+    def settled() -> bool:
+        sizes.append(len(server.read_log()))
+        return sizes[-1] == sizes[-2]
+
+    eventually(settled, poll_s=0.5)
+    return server.read_log()[offset:]
 
 
 # --------------------------------------------------------------------------- `specdec serve` refusing to start
@@ -442,7 +466,7 @@ def test_dsbd_on_a_deployment_without_a_draft_model_is_a_named_error(smollm2_exp
     shadow = _shadow_export(smollm2_export, tmp_path, ServingOptions(drafter="ngram"))
     grpc, http, metrics = free_ports()
     srv = TritonServer()
-    srv.start(shadow, grpc_port=grpc, http_port=http, metrics_port=metrics, exit_timeout_s=20)
+    srv.start(shadow, grpc_port=grpc, http_port=http, metrics_port=metrics, exit_timeout_s=EXIT_S)
     try:
         srv.wait_ready(300)
         engine = Engine.from_export(smollm2_export, threads=1)
@@ -492,7 +516,7 @@ def test_an_adaptive_draft_deployment_gives_the_same_answers(smollm2_export: Pat
                                                         beam=BeamParams(width=3), **sampled)], "dsbd").outputs[0]
     grpc, http, metrics = free_ports()
     srv = TritonServer()
-    srv.start(shadow, grpc_port=grpc, http_port=http, metrics_port=metrics, exit_timeout_s=20)
+    srv.start(shadow, grpc_port=grpc, http_port=http, metrics_port=metrics, exit_timeout_s=EXIT_S)
     try:
         srv.wait_ready(300)
         pool = ThreadPoolExecutor(9)

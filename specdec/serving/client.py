@@ -19,13 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from specdec.runtime.methods import BASELINE_METHOD, DEFAULT_METHOD, SERVED_METHODS, get_method
 from specdec.serving import protocol
+from specdec.serving.protocol import STREAM_MODEL, UNARY_MODEL
 
-UNARY_MODEL, STREAM_MODEL = "specdec", "specdec_stream"
-_TRITON_DTYPE = {"TYPE_STRING": "BYTES", "TYPE_INT32": "INT32", "TYPE_FP32": "FP32", "TYPE_BOOL": "BOOL"}
 _SPEC = {s.name: s for s in protocol.CLIENT_INPUTS}
 
 
@@ -35,7 +32,8 @@ class ClientError(RuntimeError):
 
 @dataclass
 class Answer:
-    """One request's result as the client assembled it."""
+    """One request's result as the client assembled it (from ``text_output``, ``output_ids`` and the fields of
+    ``protocol.METRICS``, each named as its tensor)."""
 
     text: str
     output_ids: list[int]
@@ -52,44 +50,40 @@ class Answer:
     chunks: list[str] = field(default_factory=list)
 
 
-def _array(name: str, value: Any) -> np.ndarray:
-    spec = _SPEC[name]
-    if spec.dtype == "TYPE_STRING":
-        values = value if isinstance(value, (list, tuple)) else [value]
-        return np.array([v.encode("utf-8") if isinstance(v, str) else v for v in values], dtype=np.object_)
-    return np.array([value], dtype=protocol.NUMPY_OF[spec.dtype])
-
-
 def make_inputs(prompt: str, **params: Any) -> list[Any]:
     """``InferInput``s for ``prompt`` and the given parameters (None values are not sent)."""
     import tritonclient.grpc as grpcclient
 
     inputs = []
-    for name, value in {"text_input": prompt, **params}.items():
+    for name, value in {protocol.TEXT_INPUT.name: prompt, **params}.items():
         if value is None:
             continue
         if name not in _SPEC:
             raise ValueError(f"unknown parameter {name!r}: choose from {', '.join(_SPEC)}")
-        array = _array(name, value)
-        tensor = grpcclient.InferInput(name, list(array.shape), _TRITON_DTYPE[_SPEC[name].dtype])
+        array = protocol.array(_SPEC[name], value)
+        tensor = grpcclient.InferInput(name, list(array.shape), _SPEC[name].wire_dtype)
         tensor.set_data_from_numpy(array)
         inputs.append(tensor)
     return inputs
 
 
-def _scalar(result: Any, name: str) -> Any:
-    value = result.as_numpy(name).reshape(-1)[0]
-    return value.decode("utf-8") if isinstance(value, bytes) else value.item()
+def _value(result: Any, spec: protocol.TensorSpec) -> Any:
+    """An output of a result as Python values: one for a ``[1]`` tensor, else a list (BYTES decoded)."""
+    values = [v.decode("utf-8") if isinstance(v, bytes) else v.item() for v in result.as_numpy(spec.name).reshape(-1)]
+    return values[0] if spec.dims == (1,) else values
+
+
+def text_of(result: Any) -> str:
+    """The ``text_output`` of one response (a delta when streaming)."""
+    return _value(result, protocol.TEXT_OUTPUT)
 
 
 def _answer(results: Sequence[Any], seconds: float, first: float) -> Answer:
-    last = results[-1]
-    chunks = [r.as_numpy("text_output").reshape(-1)[0].decode("utf-8") for r in results]
-    ids = [int(t) for r in results for t in r.as_numpy("output_ids").reshape(-1)]
-    return Answer("".join(chunks), ids, _scalar(last, "finish_reason"), float(_scalar(last, "acceptance_rate")),
-                  int(_scalar(last, "accepted_draft_tokens")), int(_scalar(last, "draft_tokens")),
-                  int(_scalar(last, "target_calls")), float(_scalar(last, "mean_batch_size")),
-                  [int(w) for w in last.as_numpy("beam_widths").reshape(-1)], len(results), seconds, first, chunks)
+    chunks = [text_of(r) for r in results]
+    ids = [t for r in results for t in _value(r, protocol.OUTPUT_IDS)]
+    metrics = {spec.name: _value(results[-1], spec) for spec in protocol.METRICS}
+    return Answer("".join(chunks), ids, **metrics, responses=len(results), seconds=seconds,
+                  first_response_seconds=first, chunks=chunks)
 
 
 class SpecdecClient:
@@ -256,7 +250,7 @@ def client_main(args: argparse.Namespace) -> int:
         client = SpecdecClient(args.url)
         try:
             for result in client.stream(prompts[0], **_params(args, args.method)):
-                print(result.as_numpy("text_output").reshape(-1)[0].decode("utf-8"), end="", flush=True)
+                print(text_of(result), end="", flush=True)
         except ClientError as exc:
             print(f"\nerror: {exc}", file=sys.stderr)
             return 1

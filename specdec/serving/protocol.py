@@ -1,22 +1,33 @@
-"""The endpoint's tensors: names, types, shapes, defaults, and the validation of what clients send.
+"""The endpoint's models and tensors: names, types, shapes, defaults, and the validation of what clients send.
 
 Pure numpy, no Triton: the model repository writer renders the ``config.pbtxt`` files from
-these tables, the Triton models parse their inputs with ``parse_generation``, and the tests
-check the rules without a server. Names follow what Triton LLM users know (TensorRT-LLM's
+these tables, the Triton models parse their inputs with ``parse_generation`` and build their
+responses with ``array`` / ``engine_response`` / ``client_response``, the client types its
+inputs with ``array`` and ``TensorSpec.wire_dtype``, and the tests check the rules without a
+server. Each name and its type is written here once, so a model cannot send a tensor its
+config does not declare, or with another type. Names follow what Triton LLM users know (TensorRT-LLM's
 and vLLM's backends): ``text_input``, ``max_tokens``, ``stream``, ``text_output``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from specdec.runtime.methods import BEAM_METHODS, DEFAULT_METHOD, SERVED_METHODS, Method, get_method
-from specdec.runtime.request import BeamParams
+from specdec.runtime.request import BeamParams, RequestMetrics
 from specdec.runtime.sampling import InvalidRequestError, SamplingParams
+
+# -- the models of the repository (what clients and the BLS calls between the models address) ------------
+PREPROCESSING_MODEL, ENGINE_MODEL, POSTPROCESSING_MODEL = "preprocessing", "specdec_engine", "postprocessing"
+STREAM_MODEL, UNARY_MODEL = "specdec_stream", "specdec"
+MODELS = (PREPROCESSING_MODEL, ENGINE_MODEL, POSTPROCESSING_MODEL, STREAM_MODEL, UNARY_MODEL)
+STREAM_NEEDS_DECOUPLED = (f"stream=true needs the decoupled model '{STREAM_MODEL}' (gRPC streaming); "
+                          f"'{UNARY_MODEL}' answers with one complete response")
 
 DEFAULT_BEAM_WIDTH = 2
 #: num_draft_tokens above this is refused: verification cost grows with k while acceptance decays
@@ -33,9 +44,16 @@ class TensorSpec:
     optional: bool = True
     doc: str = ""
 
+    @property
+    def wire_dtype(self) -> str:
+        """The type's name on the wire (what a client's ``InferInput`` says): BYTES, INT32, FP32, BOOL."""
+        return WIRE_DTYPE[self.dtype]
+
 
 #: numpy kind each Triton type must arrive as (BYTES arrives as an object array of bytes)
 NUMPY_OF = {"TYPE_STRING": np.object_, "TYPE_INT32": np.int32, "TYPE_FP32": np.float32, "TYPE_BOOL": np.bool_}
+#: the wire name of each config type (the data types of Triton's inference protocol)
+WIRE_DTYPE = {"TYPE_STRING": "BYTES", "TYPE_INT32": "INT32", "TYPE_FP32": "FP32", "TYPE_BOOL": "BOOL"}
 
 # -- client-facing inputs (the `specdec` and `specdec_stream` models) ----------------------------
 TEXT_INPUT = TensorSpec("text_input", "TYPE_STRING", optional=False, doc="the prompt")
@@ -50,7 +68,7 @@ PARAMETERS = (
     TensorSpec("num_draft_tokens", "TYPE_INT32",
                doc="k per step (ems), γ per round (dsbd); with an adaptive-draft export, the most drafted"),
     TensorSpec("stop", "TYPE_STRING", (-1,), doc="stop strings"),
-    TensorSpec("stream", "TYPE_BOOL", doc="partial responses (specdec_stream only)"),
+    TensorSpec("stream", "TYPE_BOOL", doc=f"partial responses ({STREAM_MODEL} only)"),
     TensorSpec("beam_width", "TYPE_INT32", doc="beams per step (beam) / draft width W_S (dsbd); 1 for ems and ar"),
     TensorSpec("dsbd_threshold", "TYPE_FP32", doc="dsbd dynamic width threshold t in [0, 1] (0 = fixed width)"),
     TensorSpec("dsbd_min_width", "TYPE_INT32", doc="dsbd smallest width W_min (default 1)"),
@@ -58,7 +76,7 @@ PARAMETERS = (
 )
 CLIENT_INPUTS = (TEXT_INPUT, APPLY_CHAT_TEMPLATE, *PARAMETERS)
 _PARAMETER = {s.name: s for s in PARAMETERS}
-STOP = _PARAMETER["stop"]
+STOP, STREAM = _PARAMETER["stop"], _PARAMETER["stream"]
 
 # -- between the models ---------------------------------------------------------------------------
 INPUT_IDS = TensorSpec("input_ids", "TYPE_INT32", (-1,))
@@ -67,8 +85,9 @@ CANCEL_REQUEST_ID = TensorSpec("cancel_request_id", "TYPE_STRING")
 OUTPUT_IDS = TensorSpec("output_ids", "TYPE_INT32", (-1,), optional=False)
 SENT_TOKENS = TensorSpec("sent_tokens", "TYPE_INT32", optional=False, doc="tokens covered by earlier responses")
 FINISHED = TensorSpec("finished", "TYPE_BOOL", optional=False)
-METRICS = (
-    TensorSpec("finish_reason", "TYPE_STRING", optional=False, doc="stop | length | cancelled"),
+FINISH_REASON = TensorSpec("finish_reason", "TYPE_STRING", optional=False, doc="stop | length | cancelled")
+#: what a response reports of its request's metrics, each named as the ``RequestMetrics`` attribute it is
+REQUEST_METRICS = (
     TensorSpec("acceptance_rate", "TYPE_FP32", optional=False),
     TensorSpec("accepted_draft_tokens", "TYPE_INT32", optional=False),
     TensorSpec("draft_tokens", "TYPE_INT32", optional=False),
@@ -76,6 +95,7 @@ METRICS = (
     TensorSpec("mean_batch_size", "TYPE_FP32", optional=False, doc="sequences sharing this request's steps"),
     TensorSpec("beam_widths", "TYPE_INT32", (-1,), optional=False, doc="dsbd/beam: output beams of each round"),
 )
+METRICS = (FINISH_REASON, *REQUEST_METRICS)
 #: the engine passes the request's stop strings on: in a decoupled ensemble a step may only take inputs that
 #: originate from one decoupled model, so postprocessing cannot read them from the ensemble's inputs
 STOP_STRINGS = TensorSpec("stop_strings", "TYPE_STRING", (-1,), optional=False)
@@ -171,9 +191,8 @@ def parse_generation(inputs: Mapping[str, np.ndarray], *, max_len: int, default_
         raise InvalidRequestError(f"num_draft_tokens must be between 0 and {MAX_DRAFT_TOKENS}, got {k}")
     stream = bool(values["stream"]) if values["stream"] is not None else allow_stream
     if stream and not allow_stream:
-        raise InvalidRequestError("stream=true needs the decoupled model 'specdec_stream' (gRPC streaming); "
-                                  "'specdec' answers with one complete response")
-    stops = parse_stops(inputs.get("stop"))
+        raise InvalidRequestError(STREAM_NEEDS_DECOUPLED)
+    stops = parse_stops(inputs.get(STOP.name))
     # `ar` is EMS-SD with no drafts and `beam` is DSBD with no draft layers: each shares its loop's ragged steps
     num_draft_tokens = (None if k is None else int(k)) if spec.uses_drafter else 0
     return Generation(int(max_tokens), spec.name, sampling, num_draft_tokens, stops, stream, beam)
@@ -236,3 +255,49 @@ def parse_input_ids(inputs: Mapping[str, np.ndarray]) -> list[int]:
 def as_bytes(text: str) -> np.ndarray:
     """A BYTES tensor of shape [1]."""
     return np.array([text.encode("utf-8")], dtype=np.object_)
+
+
+def array(spec: TensorSpec, value: Any) -> np.ndarray:
+    """``value`` as the tensor ``spec`` declares: its numpy type, one element for a ``[1]`` tensor.
+
+    A list, tuple or array is the tensor's elements; anything else (a str too) is its one
+    element. Strings go out as UTF-8 bytes, as BYTES tensors travel.
+    """
+    values = list(value) if isinstance(value, (list, tuple, np.ndarray)) else [value]
+    if spec.dtype == "TYPE_STRING":
+        return np.array([v.encode("utf-8") if isinstance(v, str) else v for v in values], dtype=np.object_)
+    return np.array(values, dtype=NUMPY_OF[spec.dtype])
+
+
+def engine_response(output_ids: Sequence[int], sent_tokens: int, finished: bool, stops: Sequence[str],
+                    finish_reason: str, metrics: RequestMetrics) -> dict[str, np.ndarray]:
+    """Every tensor of ``ENGINE_OUTPUTS`` for one engine response, in that order and typed by its spec."""
+    values = {OUTPUT_IDS.name: output_ids, SENT_TOKENS.name: sent_tokens, FINISHED.name: finished,
+              STOP_STRINGS.name: stops, FINISH_REASON.name: finish_reason,
+              **{spec.name: getattr(metrics, spec.name) for spec in REQUEST_METRICS}}
+    return {spec.name: array(spec, values[spec.name]) for spec in ENGINE_OUTPUTS}
+
+
+@dataclass(frozen=True)
+class EngineResponse:
+    """What postprocessing needs of an engine response to compute its text."""
+
+    output_ids: list[int]  # every token so far
+    sent_tokens: int  # how many of them earlier responses covered
+    finished: bool
+    stops: tuple[str, ...]
+
+
+def parse_engine_response(tensors: Mapping[str, np.ndarray]) -> EngineResponse:
+    """The ids, coverage, end flag and stop strings of one engine response (``engine_response``'s tensors)."""
+    sent, finished = _scalar(tensors, SENT_TOKENS), _scalar(tensors, FINISHED)
+    return EngineResponse([int(t) for t in np.asarray(tensors[OUTPUT_IDS.name]).reshape(-1)], int(sent),
+                          bool(finished), parse_stops(tensors.get(STOP_STRINGS.name)))
+
+
+def client_response(text: str, engine: Mapping[str, np.ndarray], response: EngineResponse) -> dict[str, np.ndarray]:
+    """Every tensor of ``CLIENT_OUTPUTS``: ``text``, the ids this response adds, the engine's metrics as sent."""
+    values = {TEXT_OUTPUT.name: array(TEXT_OUTPUT, text),
+              OUTPUT_IDS.name: array(OUTPUT_IDS, response.output_ids[response.sent_tokens :]),
+              **{spec.name: engine[spec.name] for spec in METRICS}}
+    return {spec.name: values[spec.name] for spec in CLIENT_OUTPUTS}

@@ -30,9 +30,11 @@ from specdec.runtime.costs import DraftCosts
 from specdec.serving import protocol
 
 REPOSITORY_DIR = "triton_repo"
-MODELS = ("preprocessing", "specdec_engine", "postprocessing", "specdec_stream", "specdec")
-_CLASS_OF = {"preprocessing": "Preprocessing", "specdec_engine": "EngineModel", "postprocessing": "Postprocessing",
-             "specdec_stream": "StreamModel", "specdec": "UnaryModel"}
+MODELS = protocol.MODELS
+#: the class of ``specdec.serving.triton_models`` each model's ``model.py`` serves
+_CLASS_OF = {protocol.PREPROCESSING_MODEL: "Preprocessing", protocol.ENGINE_MODEL: "EngineModel",
+             protocol.POSTPROCESSING_MODEL: "Postprocessing", protocol.STREAM_MODEL: "StreamModel",
+             protocol.UNARY_MODEL: "UnaryModel"}
 
 
 @dataclass(frozen=True)
@@ -90,19 +92,18 @@ def render_configs(export_dir_from_repo: str, options: ServingOptions) -> dict[s
               "max_batch": options.max_batch, "adaptive_draft": int(options.adaptive_draft),
               "verify_cost": "" if options.verify_cost is None else options.verify_cost,
               "draft_cost": "" if options.draft_cost is None else options.draft_cost}
-    post_inputs = protocol.ENGINE_OUTPUTS
-    return {
-        "preprocessing": _python_model("preprocessing", (protocol.TEXT_INPUT, protocol.APPLY_CHAT_TEMPLATE),
-                                       (protocol.INPUT_IDS,), common),
-        "specdec_engine": _python_model("specdec_engine",
-                                        (protocol.INPUT_IDS, *protocol.PARAMETERS, protocol.CANCEL_REQUEST_ID),
-                                        protocol.ENGINE_OUTPUTS, engine, decoupled=True),
-        "postprocessing": _python_model("postprocessing", post_inputs, protocol.CLIENT_OUTPUTS, common),
-        "specdec_stream": _python_model("specdec_stream", protocol.CLIENT_INPUTS, protocol.CLIENT_OUTPUTS,
-                                        {"max_concurrency": options.max_concurrency}, decoupled=True),
-        "specdec": _python_model("specdec", protocol.CLIENT_INPUTS, protocol.CLIENT_OUTPUTS,
-                                 {"max_concurrency": options.max_concurrency}),
+    entry = {"max_concurrency": options.max_concurrency}
+    models = {
+        protocol.PREPROCESSING_MODEL: ((protocol.TEXT_INPUT, protocol.APPLY_CHAT_TEMPLATE), (protocol.INPUT_IDS,),
+                                       common, False),
+        protocol.ENGINE_MODEL: ((protocol.INPUT_IDS, *protocol.PARAMETERS, protocol.CANCEL_REQUEST_ID),
+                                protocol.ENGINE_OUTPUTS, engine, True),
+        protocol.POSTPROCESSING_MODEL: (protocol.ENGINE_OUTPUTS, protocol.CLIENT_OUTPUTS, common, False),
+        protocol.STREAM_MODEL: (protocol.CLIENT_INPUTS, protocol.CLIENT_OUTPUTS, entry, True),
+        protocol.UNARY_MODEL: (protocol.CLIENT_INPUTS, protocol.CLIENT_OUTPUTS, entry, False),
     }
+    return {name: _python_model(name, inputs, outputs, params, decoupled)
+            for name, (inputs, outputs, params, decoupled) in models.items()}
 
 
 def config_parameters(config: str) -> dict[str, str]:
@@ -110,7 +111,7 @@ def config_parameters(config: str) -> dict[str, str]:
     return dict(re.findall(r'parameters \{ key: "([^"]*)" value: \{ string_value: "([^"]*)" \} \}', config))
 
 
-def read_parameters(repository: str | os.PathLike[str], model: str = "specdec_engine") -> dict[str, str]:
+def read_parameters(repository: str | os.PathLike[str], model: str = protocol.ENGINE_MODEL) -> dict[str, str]:
     """The parameters of one model of a written repository.
 
     Why: a benchmark builds the served engine's local twin from the same parameters the server reads.

@@ -302,6 +302,7 @@ class TritonServer:
     grpc_port: int = field(default=8001, init=False)
     http_port: int = field(default=8000, init=False)
     metrics_port: int = field(default=8002, init=False)
+    exit_timeout_s: int = field(default=30, init=False)
     _log_handle: object = field(default=None, init=False, repr=False)
 
     def command(self, model_repository: Path, *, log_verbose: int, exit_timeout_s: int,
@@ -365,6 +366,7 @@ class TritonServer:
         if self.install is None:
             self.install = find_tritonserver()
         self.host, self.grpc_port, self.http_port, self.metrics_port = host, grpc_port, http_port, metrics_port
+        self.exit_timeout_s = exit_timeout_s
         if self.log_file is None:
             fd, name = tempfile.mkstemp(prefix="specdec-tritonserver-", suffix=".log")
             os.close(fd)
@@ -446,14 +448,19 @@ class TritonServer:
             raise TritonError("server not started")
         return self.process.wait(timeout)
 
-    def stop(self, timeout: float = 30.0) -> int | None:
+    def stop(self, timeout: float | None = None) -> int | None:
         """Graceful stop: SIGINT (Triton drains in-flight requests), then SIGTERM, then SIGKILL.
 
-        Afterwards anything left in the server's process group (Python-backend stubs) is killed, so no
-        process outlives the server. Returns the server's exit code (None if it was never started).
+        ``timeout`` is how long SIGINT may take; by default the server's own ``--exit-timeout-secs``
+        and a margin, so that an exit Triton still allows itself (unloading models on a loaded
+        machine) is not cut short by SIGTERM into a failure exit code. Afterwards anything left in
+        the server's process group (Python-backend stubs) is killed, so no process outlives the
+        server. Returns the server's exit code (None if it was never started).
         """
         if self.process is None:
             return None
+        if timeout is None:
+            timeout = self.exit_timeout_s + 30.0
         proc = self.process
         code = proc.poll()
         if code is None:

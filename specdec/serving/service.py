@@ -15,6 +15,12 @@ tokens, then exactly one event with ``finished=True`` carrying the final ``Reque
 (or ``error``); nothing follows it. Events of one request are delivered in order from
 the loop thread (or, for a request cancelled while still queued, from the cancelling
 thread), so callbacks must be quick and must not block on the service.
+
+Text is computed only for callers that ask for it (``submit(..., text=True)``, the default):
+streaming text means detokenizing the whole answer at every event on the loop thread, which
+delays every sequence's next step. A caller that works from token ids (the Triton engine
+model, whose postprocessing re-decodes from ids) submits with ``text=False`` and gets the same
+tokens, events and metrics with ``text_delta`` empty and ``output.text`` None.
 """
 
 from __future__ import annotations
@@ -38,7 +44,6 @@ from specdec.runtime.text import streamable
 log = logging.getLogger(__name__)
 
 
-
 class ServiceStoppedError(RuntimeError):
     """The service is stopping or stopped: it accepts no new requests."""
 
@@ -49,7 +54,7 @@ class StreamEvent:
 
     request_id: str
     new_token_ids: list[int]
-    text_delta: str = ""
+    text_delta: str = ""  # always empty for a request submitted with text=False
     finished: bool = False
     output: RequestOutput | None = None
     error: str | None = None
@@ -76,12 +81,14 @@ class RequestHandle:
     """The caller's view of a submitted request: wait for it, or cancel it."""
 
     def __init__(self, service: EngineService, request: Request,
-                 on_event: Callable[[StreamEvent], None]) -> None:
+                 on_event: Callable[[StreamEvent], None], text: bool = True) -> None:
         self.request = request
         self._service = service
         self._on_event = on_event
         self._done = threading.Event()
         self.output: RequestOutput | None = None
+        #: whether this request's events and output carry text (the caller asked, and the engine can decode)
+        self.wants_text = text and service.engine.tokenizer is not None
         # streaming state, touched only by the thread that emits this request's events
         self._streamed = 0  # output tokens already sent
         self._text_sent = ""
@@ -165,23 +172,28 @@ class EngineService:
         self.stop(drain=exc[0] is None)
 
     # -- requests -----------------------------------------------------------------------
-    def submit(self, request: Request, on_event: Callable[[StreamEvent], None]) -> RequestHandle:
-        """Queue ``request``; its events go to ``on_event``. Bad requests raise here, queue nothing."""
+    def submit(self, request: Request, on_event: Callable[[StreamEvent], None], *,
+               text: bool = True) -> RequestHandle:
+        """Queue ``request``; its events go to ``on_event``. Bad requests raise here, queue nothing.
+
+        ``text=False``: the events carry no text and the output's ``text`` is None, and the loop
+        never detokenizes for this request (see the module docstring).
+        """
         self.engine.check(request)
         with self._lock:
             if self._stopping:
                 raise ServiceStoppedError("service is stopping: it accepts no new requests")
             if request.request_id in self._handles:
                 raise InvalidRequestError(f"request_id {request.request_id!r} is already in flight")
-            handle = RequestHandle(self, request, on_event)
+            handle = RequestHandle(self, request, on_event, text)
             self._handles[request.request_id] = handle
             self._counts["submitted"] += 1
             self.scheduler.submit(request)
         return handle
 
-    def generate(self, request: Request, timeout: float | None = None) -> RequestOutput:
+    def generate(self, request: Request, timeout: float | None = None, *, text: bool = True) -> RequestOutput:
         """Submit and wait: the blocking form for callers that do not stream."""
-        return self.submit(request, lambda event: None).result(timeout)
+        return self.submit(request, lambda event: None, text=text).result(timeout)
 
     def cancel(self, request_id: str) -> bool:
         """Best effort: True if the request was still running and will end "cancelled".
@@ -274,7 +286,7 @@ class EngineService:
         if cancelled:
             return  # nothing more goes out: the loop retires it (CANCELLED) at the end of this step
         text_delta = ""
-        if self.engine.tokenizer is not None:
+        if handle.wants_text:
             safe = streamable(self.engine.decode(seq.output_ids), seq.request.stop)
             if safe.startswith(handle._text_sent):
                 text_delta, handle._text_sent = safe[len(handle._text_sent) :], safe
@@ -291,13 +303,17 @@ class EngineService:
             return
         if seq.finish_reason == CANCELLED:
             tokens = seq.output_ids[: handle._streamed]  # what the caller saw; the rest was never sent
-            text = self.engine.decode(tokens) if self.engine.tokenizer is not None else None
+            text = self.engine.decode(tokens) if handle.wants_text else None
             metrics = dataclasses.replace(seq.metrics, generated_tokens=len(tokens))
             output = RequestOutput(request_id, list(seq.request.prompt_ids), tokens, text, CANCELLED, metrics)
             new_tokens: list[int] = []
         else:
-            output = self.engine._output(seq)
             new_tokens = seq.output_ids[handle._streamed :]
+            if handle.wants_text:
+                output = self.engine._output(seq)
+            else:  # the engine's output less its text, which Engine._output would decode
+                output = RequestOutput(request_id, list(seq.request.prompt_ids), seq.output_ids, None,
+                                       seq.finish_reason, seq.metrics, sequences=seq.sequences)
         self._finish(handle, output, new_tokens)
 
     def _finish(self, handle: RequestHandle, output: RequestOutput, new_tokens: list[int]) -> None:
@@ -327,7 +343,7 @@ class EngineService:
         if handle is None:
             return
         metrics = RequestMetrics(prompt_tokens=len(request.prompt_ids))
-        text = "" if self.engine.tokenizer is not None else None
+        text = "" if handle.wants_text else None
         output = RequestOutput(request.request_id, list(request.prompt_ids), [], text, reason, metrics, error)
         self._finish(handle, output, [])
 
@@ -340,7 +356,7 @@ class EngineService:
             if handle is None:
                 continue
             tokens = seq.output_ids[: handle._streamed]
-            text = self.engine.decode(tokens) if self.engine.tokenizer is not None else None
+            text = self.engine.decode(tokens) if handle.wants_text else None
             output = RequestOutput(seq.request.request_id, list(seq.request.prompt_ids), tokens, text, None,
                                    seq.metrics, error=error)
             self._finish(handle, output, [])

@@ -11,7 +11,8 @@ Thin adapters: tensors in, ``specdec.serving.protocol`` validates, ``EngineServi
   ``dsbd``/``beam`` request lands in the beam loop's batch (``beam`` = DSBD with no draft
   layers), which runs beside it over the same weights with its own KV caches.
 - ``Postprocessing``: stateless incremental detokenizer. Engine responses carry all ids so far
-  and how many earlier responses covered; the text delta is computed from ids alone.
+  and how many earlier responses covered; the text delta is computed from ids alone, so the
+  engine asks its service for no text and never detokenizes on its decoding thread.
 - ``StreamModel`` (``specdec_stream``, decoupled) and ``UnaryModel`` (``specdec``): the entry
   points. Both run preprocessing → engine → postprocessing over BLS from a worker thread, so
   one instance serves any number of concurrent requests, and both watch their clients so a
@@ -40,7 +41,7 @@ import numpy as np
 
 from specdec.runtime.drafters import ModelDrafter
 from specdec.runtime.methods import DEFAULT_METHOD, beam_method, get_method
-from specdec.runtime.request import Request, RequestMetrics
+from specdec.runtime.request import CANCELLED, Request, RequestMetrics
 from specdec.runtime.sampling import InvalidRequestError
 from specdec.runtime.text import decode_tokens, encode_text, text_delta
 from specdec.serving import protocol
@@ -56,7 +57,6 @@ except ImportError:  # pragma: no cover - imported for documentation or tests wi
 
 log = logging.getLogger(__name__)
 
-STREAM_MODEL = "specdec_stream"
 CANCEL_POLL_S = 0.1
 
 
@@ -105,10 +105,6 @@ def _dump_threads_on_sigusr1() -> None:
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
 
 
-def _int32(value: int) -> np.ndarray:
-    return np.array([value], dtype=np.int32)
-
-
 class Preprocessing:
     """``text_input`` → ``input_ids``."""
 
@@ -125,7 +121,7 @@ class Preprocessing:
                 if not ids:
                     raise InvalidRequestError("input 'text_input' tokenizes to nothing")
                 responses.append(pb_utils.InferenceResponse(
-                    [pb_utils.Tensor(protocol.INPUT_IDS.name, np.asarray(ids, dtype=np.int32))]))
+                    [pb_utils.Tensor(protocol.INPUT_IDS.name, protocol.array(protocol.INPUT_IDS, ids))]))
             except InvalidRequestError as exc:
                 responses.append(_error(str(exc)))
         return responses
@@ -145,15 +141,10 @@ class Postprocessing:
         responses = []
         for request in requests:
             inputs = _read(request, protocol.ENGINE_OUTPUTS)
-            ids = [int(t) for t in inputs["output_ids"].reshape(-1)]
-            sent = int(inputs["sent_tokens"].reshape(-1)[0])
-            finished = bool(inputs["finished"].reshape(-1)[0])
-            stops = protocol.parse_stops(inputs.get(protocol.STOP_STRINGS.name))
-            delta = text_delta(self._decode, ids, sent, finished, stops)
-            outputs = [pb_utils.Tensor(protocol.TEXT_OUTPUT.name, protocol.as_bytes(delta)),
-                       pb_utils.Tensor(protocol.OUTPUT_IDS.name, np.asarray(ids[sent:], dtype=np.int32))]
-            outputs += [pb_utils.Tensor(spec.name, inputs[spec.name]) for spec in protocol.METRICS]
-            responses.append(pb_utils.InferenceResponse(outputs))
+            engine = protocol.parse_engine_response(inputs)
+            delta = text_delta(self._decode, engine.output_ids, engine.sent_tokens, engine.finished, engine.stops)
+            outputs = protocol.client_response(delta, inputs, engine)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()]))
         return responses
 
 
@@ -213,7 +204,7 @@ class _Metrics:
 
         counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
         requests = family("specdec_requests_total", counter, "requests answered, by outcome")
-        self.outcome = {o: requests.Metric(labels={"outcome": o}) for o in ("finished", "cancelled", "failed")}
+        self.outcome = {o: requests.Metric(labels={"outcome": o}) for o in ("finished", CANCELLED, "failed")}
         self.tokens = family("specdec_generated_tokens_total", counter, "tokens generated").Metric(labels={})
         self.drafts = family("specdec_draft_tokens_total", counter, "draft tokens verified").Metric(labels={})
         self.accepted = family("specdec_accepted_draft_tokens_total", counter,
@@ -330,7 +321,8 @@ class EngineModel:
                     if request.request_id():
                         self._external[request.request_id()] = request_id
                 try:
-                    service.submit(req, lambda event, s=stream: self._outbox.put((s, event)))
+                    # no text: postprocessing re-decodes it from the ids, off the decoding thread
+                    service.submit(req, lambda event, s=stream: self._outbox.put((s, event)), text=False)
                 except Exception:
                     with self._lock:
                         self._streams.pop(request_id, None)
@@ -374,7 +366,7 @@ class EngineModel:
                 del self._external[external]
         output = event.output
         assert output is not None
-        outcome = "failed" if output.error else "cancelled" if output.finish_reason == "cancelled" else "finished"
+        outcome = "failed" if output.error else CANCELLED if output.finish_reason == CANCELLED else "finished"
         self.metrics.request_done(outcome, output.metrics)
         if output.error:
             stream.client.send(_error(output.error, invalid=False), final=True)
@@ -383,19 +375,8 @@ class EngineModel:
         self._respond(stream, output.metrics, output.finish_reason or "", finished=True)
 
     def _respond(self, stream: _Stream, metrics: RequestMetrics, finish_reason: str, finished: bool) -> None:
-        tensors = [
-            pb_utils.Tensor("output_ids", np.asarray(stream.ids, dtype=np.int32)),
-            pb_utils.Tensor("sent_tokens", _int32(stream.sent)),
-            pb_utils.Tensor("finished", np.array([finished], dtype=np.bool_)),
-            pb_utils.Tensor("stop_strings", np.array([s.encode() for s in stream.stops], dtype=np.object_)),
-            pb_utils.Tensor("finish_reason", protocol.as_bytes(finish_reason)),
-            pb_utils.Tensor("acceptance_rate", np.array([metrics.acceptance_rate], dtype=np.float32)),
-            pb_utils.Tensor("accepted_draft_tokens", _int32(metrics.accepted_draft_tokens)),
-            pb_utils.Tensor("draft_tokens", _int32(metrics.draft_tokens)),
-            pb_utils.Tensor("target_calls", _int32(metrics.target_calls)),
-            pb_utils.Tensor("mean_batch_size", np.array([metrics.mean_batch_size], dtype=np.float32)),
-            pb_utils.Tensor("beam_widths", np.asarray(metrics.beam_widths, dtype=np.int32)),
-        ]
+        outputs = protocol.engine_response(stream.ids, stream.sent, finished, stream.stops, finish_reason, metrics)
+        tensors = [pb_utils.Tensor(name, value) for name, value in outputs.items()]
         stream.client.send(pb_utils.InferenceResponse(tensors), final=finished)
         stream.sent = len(stream.ids)
 
@@ -487,21 +468,20 @@ class _EntryPoint:
 
     def _stream_flag(self, inputs: dict[str, np.ndarray]) -> bool:
         protocol.parse_prompt(inputs)  # the cheap checks first, before any model is called
-        value = protocol.parse_flag(inputs, "stream")
+        value = protocol.parse_flag(inputs, protocol.STREAM.name)
         stream = self.streaming if value is None else value
         if stream and not self.streaming:
-            raise InvalidRequestError("stream=true needs the decoupled model 'specdec_stream' (gRPC streaming); "
-                                      "'specdec' answers with one complete response")
-        inputs["stream"] = np.array([stream], dtype=np.bool_)
+            raise InvalidRequestError(protocol.STREAM_NEEDS_DECOUPLED)
+        inputs[protocol.STREAM.name] = protocol.array(protocol.STREAM, stream)
         return stream
 
     def _pipeline(self, inputs: dict[str, np.ndarray], stream: bool, engine_id: str) -> Any:
         """Yield (client tensors, finished) per engine response."""
         prompt = {k: v for k, v in inputs.items() if k in (protocol.TEXT_INPUT.name, protocol.APPLY_CHAT_TEMPLATE.name)}
-        (pre,) = _bls("preprocessing", prompt, (protocol.INPUT_IDS,))
+        (pre,) = _bls(protocol.PREPROCESSING_MODEL, prompt, (protocol.INPUT_IDS,))
         params = {k: v for k, v in inputs.items() if k not in prompt}
         engine = pb_utils.InferenceRequest(
-            model_name="specdec_engine", request_id=engine_id,
+            model_name=protocol.ENGINE_MODEL, request_id=engine_id,
             requested_output_names=[s.name for s in protocol.ENGINE_OUTPUTS],
             inputs=[pb_utils.Tensor(k, v) for k, v in {**pre, **params}.items()],
         )
@@ -511,8 +491,8 @@ class _EntryPoint:
             if not response.output_tensors():
                 continue  # the empty final flag
             outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
-            (post,) = _bls("postprocessing", outputs, protocol.CLIENT_OUTPUTS)
-            yield [pb_utils.Tensor(k, v) for k, v in post.items()], bool(outputs["finished"].reshape(-1)[0])
+            (post,) = _bls(protocol.POSTPROCESSING_MODEL, outputs, protocol.CLIENT_OUTPUTS)
+            yield [pb_utils.Tensor(k, v) for k, v in post.items()], protocol.parse_engine_response(outputs).finished
 
     def _watch(self) -> None:
         cancelled: set[str] = set()
@@ -533,7 +513,7 @@ class _EntryPoint:
             cancelled.add(engine_id)
             try:
                 cancel = pb_utils.InferenceRequest(
-                    model_name="specdec_engine", requested_output_names=[],
+                    model_name=protocol.ENGINE_MODEL, requested_output_names=[],
                     inputs=[pb_utils.Tensor(protocol.CANCEL_REQUEST_ID.name, protocol.as_bytes(engine_id))])
                 for _ in cancel.exec(decoupled=True):
                     pass
