@@ -3,11 +3,26 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from specdec.serving.server import free_ports
 
-__all__ = ["free_ports", "processes_mentioning"]
+__all__ = ["eventually", "free_ports", "processes_mentioning"]
+
+
+def eventually(condition: Callable[[], bool], timeout: float = 120.0, poll_s: float = 0.1) -> bool:
+    """Whether ``condition`` holds within ``timeout`` s, polled: what a fixed sleep would only hope for, e.g. what
+    a process's end makes true a moment later (SIGKILLed stubs leaving /proc, their sockets closing), which a check
+    made at once would race. The deadline is generous because a loaded machine is slow; the answer comes as soon as
+    the condition holds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
 
 
 def processes_mentioning(text: str) -> list[int]:

@@ -13,12 +13,11 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
-from servers import free_ports, processes_mentioning
+from servers import eventually, free_ports, processes_mentioning
 
 from specdec.serving.server import (
     InvalidRepositoryError,
@@ -84,17 +83,6 @@ def start_kwargs(ports: list[int]) -> dict:
     grpc, http, metrics = ports
     return {"host": "127.0.0.1", "grpc_port": grpc, "http_port": http, "metrics_port": metrics,
             "exit_timeout_s": EXIT_S}
-
-
-def eventually(condition: Callable[[], bool], timeout: float = 60.0) -> bool:
-    """Whether ``condition`` holds within ``timeout`` s, polled: for what a process's end makes true a moment
-    later (SIGKILLed stubs leaving /proc, their sockets closing), which a check made at once would race."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 def gone(repo: Path) -> bool:

@@ -15,13 +15,12 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
-from servers import free_ports, processes_mentioning
+from servers import eventually, free_ports, processes_mentioning
 
 from specdec.serving.server import TritonNotFoundError, TritonServer, find_tritonserver, serve_main
 
@@ -53,16 +52,6 @@ LOAD_MAX_TOKENS = 24
 WAIT_S = 120.0
 #: --exit-timeout-secs of the servers started here: the engine's finalize may take tens of seconds on a busy machine
 EXIT_S = 120
-
-
-def eventually(condition: Callable[[], bool], timeout: float = WAIT_S, poll_s: float = 0.2) -> bool:
-    """Whether ``condition`` holds within ``timeout`` s, polled (what a fixed sleep would only hope for)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(poll_s)
-    return True
 
 
 def _local_reference(export: Path) -> dict[tuple[int, int], list[int]]:

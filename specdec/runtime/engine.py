@@ -229,7 +229,7 @@ class Engine:
         bar = tqdm(total=total, desc=spec.name, unit="tok", disable=not progress, leave=False)
 
         def finish(seq: SeqState) -> None:
-            outputs[position[seq.request.request_id]] = self._output(seq)
+            outputs[position[seq.request.request_id]] = self.output(seq)
             bar.update(seq.request.max_tokens - seq.num_generated)
 
         ctx = self.context(scheduler, on_tokens=lambda seq, toks: bar.update(len(toks)), on_finish=finish)
@@ -240,7 +240,8 @@ class Engine:
         bar.close()
         return GenerationResult([outputs[i] for i in range(len(requests))], ctx.run)
 
-    def _output(self, seq: SeqState) -> RequestOutput:
-        text = cut_at_stop(self.decode(seq.output_ids), seq.request.stop) if self.tokenizer is not None else None
-        return RequestOutput(seq.request.request_id, list(seq.request.prompt_ids), seq.output_ids, text,
+    def output(self, seq: SeqState, text: bool = True) -> RequestOutput:
+        """A finished sequence as the caller's answer; ``text=False`` skips detokenising (for callers of ids)."""
+        decoded = cut_at_stop(self.decode(seq.output_ids), seq.request.stop) if text and self.tokenizer else None
+        return RequestOutput(seq.request.request_id, list(seq.request.prompt_ids), seq.output_ids, decoded,
                              seq.finish_reason, seq.metrics, sequences=seq.sequences)

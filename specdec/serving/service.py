@@ -309,11 +309,7 @@ class EngineService:
             new_tokens: list[int] = []
         else:
             new_tokens = seq.output_ids[handle._streamed :]
-            if handle.wants_text:
-                output = self.engine._output(seq)
-            else:  # the engine's output less its text, which Engine._output would decode
-                output = RequestOutput(request_id, list(seq.request.prompt_ids), seq.output_ids, None,
-                                       seq.finish_reason, seq.metrics, sequences=seq.sequences)
+            output = self.engine.output(seq, text=handle.wants_text)
         self._finish(handle, output, new_tokens)
 
     def _finish(self, handle: RequestHandle, output: RequestOutput, new_tokens: list[int]) -> None:
