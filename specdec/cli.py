@@ -13,6 +13,7 @@ from specdec.models.drafts import DraftLoadError, DraftMismatchError, resolve_dr
 from specdec.models.loading import DEFAULT_TARGET, LoadedModel, ModelResolutionError, load_model
 from specdec.runtime.costs import calibrate_engine
 from specdec.runtime.draft_length import add_draft_length_args, check_draft_length_args, draft_length_from
+from specdec.runtime.drafters import DRAFTER_NAMES
 from specdec.runtime.engine import Engine, GenerationResult
 from specdec.runtime.methods import BASELINE_METHOD, DEFAULT_METHOD, METHOD_NAMES, METHODS, Method, get_method
 from specdec.runtime.prompts import read_prompts
@@ -45,26 +46,31 @@ def _open_engine(args: argparse.Namespace) -> Engine:
         except ExportDirError as exc:
             raise ModelResolutionError(str(exc)) from exc
     target = load_model(args.target)
-    if args.draft and args.drafter not in (None, "model"):
-        raise SystemExit("error: pass either --draft PATH or --drafter ngram|none, not both")
-    return Engine.from_models(target, _draft_for(get_method(args.method), target, args),
-                              max_batch=args.max_batch or 16, max_len=args.max_len or 1024,
-                              num_draft_tokens=args.num_draft_tokens, draft_length=draft_length_from(args))
+    if args.draft and args.drafter not in (None, "model", "hybrid"):
+        raise SystemExit("error: --draft PATH goes with no --drafter or --drafter hybrid, not ngram|none")
+    draft = _draft_for(get_method(args.method), target, args)
+    return Engine.from_models(target, draft, max_batch=args.max_batch or 16, max_len=args.max_len or 1024,
+                              num_draft_tokens=args.num_draft_tokens, draft_length=draft_length_from(args),
+                              hybrid=args.drafter == "hybrid" and isinstance(draft, LoadedModel))
 
 
 def _draft_for(method: Method, target: LoadedModel, args: argparse.Namespace) -> LoadedModel | str | None:
-    """The drafter ``method`` runs with: ``--draft``, else the target's shipped draft where the method needs a
-    model (dsbd's forests), else ``--drafter`` (prompt lookup by default); nothing for a method that does not draft."""
+    """The drafter ``method`` runs with: ``--draft``, else the target's shipped draft where a model is needed
+    (dsbd's forests, the hybrid drafter), else ``--drafter`` (prompt lookup by default); nothing for a method that
+    does not draft."""
     if not method.uses_drafter:
         return None
     if args.draft:
         return resolve_draft(args.draft, target)
-    if not method.needs_draft_model:
+    hybrid = args.drafter == "hybrid"
+    if not method.needs_draft_model and not hybrid:
         return args.drafter or "ngram"
-    shipped = shipped_draft_for(target) if args.drafter is None else None
+    shipped = shipped_draft_for(target) if args.drafter in (None, "hybrid") else None
     if shipped is None:
-        raise ValueError(f"{method.name} needs a draft model that samples the forest, and {target.name!r} has no "
-                         "shipped draft: pass --draft (a preset, a directory or a distilled draft)")
+        needs = "the hybrid drafter needs a draft model" if hybrid else f"{method.name} needs a draft model that " \
+            "samples the forest"
+        raise ValueError(f"{needs}, and {target.name!r} has no shipped draft: pass --draft (a preset, a directory "
+                         "or a distilled draft)")
     return resolve_draft(shipped, target)
 
 
@@ -158,7 +164,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="preset, Hugging Face directory or .gguf file")
     p.add_argument("--draft", help="draft model (preset, directory or .gguf); default: the n-gram drafter")
-    p.add_argument("--drafter", choices=["ngram", "none"], help="drafter when no --draft is given")
+    p.add_argument("--drafter", choices=DRAFTER_NAMES,
+                   help="ngram: prompt lookup (the default without --draft); hybrid: prompt lookup where the context "
+                   "matches, the draft model (--draft, or the target's shipped one) elsewhere; none")
     p.add_argument("--method", choices=METHOD_NAMES, default=DEFAULT_METHOD,
                    help="; ".join(f"{m.name}: {m.summary}" for m in METHODS.values()))
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")

@@ -13,6 +13,9 @@
   ``[k, V]`` row so the verifier sees q over the full vocabulary. Such a q is exactly the
   law the draft sampled from, so verification stays lossless: tokens the draft can never
   propose reach the output through the residual max(0, p - q).
+* ``HybridDrafter``: prompt lookup where the sequence's context offers a match, the draft model
+  elsewhere, chosen per sequence and step, so requests that quote their prompt and free-form
+  ones in one batch each get the drafter that pays for them.
 """
 
 from __future__ import annotations
@@ -121,18 +124,18 @@ class NgramDrafter:
         return index
 
     def propose(self, seqs: Sequence[SeqState], ks: Sequence[int]) -> list[Draft]:
-        drafts = []
-        for seq, k in zip(seqs, ks):
-            index = self._update(seq)
-            toks, proposal = seq.tokens, []
-            if k > 0:
-                for n in range(min(self.max_ngram, len(toks)), self.min_ngram - 1, -1):
-                    end = index.get(tuple(toks[-n:]))
-                    if end is not None:
-                        proposal = toks[end + 1 : end + 1 + k]
-                        break
-            drafts.append(Draft(list(proposal)))
-        return drafts
+        return [Draft(self.lookup(seq, k)) for seq, k in zip(seqs, ks)]
+
+    def lookup(self, seq: SeqState, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of ``seq``'s longest matching n-gram."""
+        index = self._update(seq)
+        toks = seq.tokens
+        if k > 0:
+            for n in range(min(self.max_ngram, len(toks)), self.min_ngram - 1, -1):
+                end = index.get(tuple(toks[-n:]))
+                if end is not None:
+                    return list(toks[end + 1 : end + 1 + k])
+        return []
 
     def release(self, seq: SeqState) -> None:
         self._index.pop(id(seq), None)
@@ -261,9 +264,74 @@ class ModelDrafter:
         return self.full_vocab_logits(self.backend.step(pack(work), self.kv.storage))
 
 
+class HybridDrafter:
+    """Prompt lookup where it finds a match, the draft model elsewhere: per sequence, per step.
+
+    Why: copying from the context is free and long when an answer quotes or reworks its prompt,
+    and finds nothing in free-form text, where a draft model still agrees with the target. The
+    choice depends only on the sequence's own tokens, so a request's drafts, and with them its
+    output (greedy, or seeded sampling), do not depend on its batch-mates; verification is the
+    same lossless rule for either proposal (a lookup's q is a point mass, the model's is its
+    law). The model's cache simply lags while lookup drafts and catches up (a longer uncached
+    tail) the next time the model drafts. Forests (DSBD) come from the draft model alone.
+    """
+
+    def __init__(self, lookup: NgramDrafter, model: ModelDrafter) -> None:
+        self.lookup, self.model = lookup, model
+        self.vocab_size = model.vocab_size
+
+    @property
+    def relative_cost(self) -> float:
+        """Priced as the model: a conservative k where lookup drafts (free), the right one where the model does."""
+        return self.model.relative_cost
+
+    def propose(self, seqs: Sequence[SeqState], ks: Sequence[int]) -> list[Draft]:
+        drafts = [Draft(self.lookup.lookup(seq, k)) for seq, k in zip(seqs, ks)]
+        by_model = [i for i, (d, k) in enumerate(zip(drafts, ks)) if k > 0 and not d.tokens]
+        if by_model:
+            for i, draft in zip(by_model, self.model.propose([seqs[i] for i in by_model], [ks[i] for i in by_model])):
+                drafts[i] = draft
+        return drafts
+
+    def release(self, seq: SeqState) -> None:
+        self.lookup.release(seq)
+        self.model.release(seq)
+
+    def reset(self) -> None:
+        self.lookup.reset()
+        self.model.reset()
+
+    def fork(self) -> HybridDrafter:
+        return HybridDrafter(self.lookup.fork(), self.model.fork())
+
+    # -- forests: the draft model's (``ForestDrafter``) -----------------------------------
+    def open_slot(self) -> int:
+        return self.model.open_slot()
+
+    def close_slot(self, slot: int) -> None:
+        self.model.close_slot(slot)
+
+    def fork_slot(self, slot: int) -> int:
+        return self.model.fork_slot(slot)
+
+    def cached_length(self, slot: int) -> int:
+        return self.model.cached_length(slot)
+
+    def keep(self, slot: int, count: int) -> None:
+        self.model.keep(slot, count)
+
+    def forest_step(self, work: Sequence[SeqWork]) -> torch.Tensor:
+        return self.model.forest_step(work)
+
+
+#: the drafters ``make_drafter`` builds by name (a draft model's backend builds a ``ModelDrafter``)
+DRAFTER_NAMES = ("ngram", "hybrid", "none")
+
+
 def make_drafter(draft: Backend | str | None, *, max_batch: int, max_len: int, ngram: int = 3,
-                 min_ngram: int = 2) -> Drafter | None:
-    """The one place a drafter is built: a draft model's backend, ``"ngram"`` (prompt lookup) or ``None``/``"none"``.
+                 min_ngram: int = 2, model: Backend | None = None) -> Drafter | None:
+    """The one place a drafter is built: a draft model's backend, ``"ngram"`` (prompt lookup), ``"hybrid"``
+    (prompt lookup, else the draft ``model``) or ``None``/``"none"``.
 
     ``max_batch`` and ``max_len`` size a draft model's own KV cache like the target's, so every
     target sequence has a draft slot as long as its context.
@@ -272,6 +340,11 @@ def make_drafter(draft: Backend | str | None, *, max_batch: int, max_len: int, n
         return None
     if draft == "ngram":
         return NgramDrafter(max_ngram=ngram, min_ngram=min_ngram)
+    if draft == "hybrid":
+        if model is None:
+            raise ValueError("the hybrid drafter needs a draft model (prompt lookup first, the model elsewhere)")
+        return HybridDrafter(NgramDrafter(max_ngram=ngram, min_ngram=min_ngram),
+                             ModelDrafter(model, max_batch, max_len))
     if isinstance(draft, str):
-        raise ValueError(f"unknown drafter {draft!r}: pass a draft model, 'ngram' or 'none'")
+        raise ValueError(f"unknown drafter {draft!r}: pass a draft model or one of {', '.join(DRAFTER_NAMES)}")
     return ModelDrafter(draft, max_batch, max_len)

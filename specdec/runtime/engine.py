@@ -77,16 +77,24 @@ class Engine:
     @classmethod
     def from_models(cls, target: LoadedModel, draft: LoadedModel | str | None = "ngram", *,
                     max_batch: int = 16, max_len: int | None = None, num_draft_tokens: int = 4,
-                    ngram: int = 3, min_ngram: int = 2, draft_length: DraftLength | None = None) -> Engine:
-        """Torch backends for ``target`` and ``draft`` (a model, ``"ngram"`` or ``None``)."""
+                    ngram: int = 3, min_ngram: int = 2, draft_length: DraftLength | None = None,
+                    hybrid: bool = False) -> Engine:
+        """Torch backends for ``target`` and ``draft`` (a model, ``"ngram"`` or ``None``).
+
+        ``hybrid``: with a draft model, draft by prompt lookup where the context has a match and by
+        the model elsewhere (``HybridDrafter``).
+        """
         max_len = max_len or min(int(target.config.max_position_embeddings), 2048)
         backend = TorchBackend(target)
         if isinstance(draft, LoadedModel):
             check_draft_compatible(target, draft)
         elif draft not in (None, "none", "ngram"):
             raise ValueError(f"draft must be a loaded model, 'ngram' or None, got {draft!r}")
-        drafter = make_drafter(TorchBackend(draft) if isinstance(draft, LoadedModel) else draft,
-                               max_batch=max_batch, max_len=max_len, ngram=ngram, min_ngram=min_ngram)
+        if hybrid and not isinstance(draft, LoadedModel):
+            raise ValueError("the hybrid drafter needs a draft model")
+        model = TorchBackend(draft) if isinstance(draft, LoadedModel) else None
+        drafter = make_drafter("hybrid" if hybrid else model or draft, max_batch=max_batch, max_len=max_len,
+                               ngram=ngram, min_ngram=min_ngram, model=model)
         return cls(backend, drafter, tokenizer=target.tokenizer, eos_token_ids=target.eos_token_ids,
                    max_batch=max_batch, max_len=max_len, num_draft_tokens=num_draft_tokens, draft_length=draft_length)
 
@@ -98,7 +106,7 @@ class Engine:
         """An engine over a ``specdec-export`` directory, on the backend it was exported for.
 
         The manifest's checksums are verified first, so a corrupt graph is refused at load.
-        ``drafter`` overrides the exported choice ("ngram", "none"); ``threads`` sets ONNX
+        ``drafter`` overrides the exported choice ("ngram", "hybrid", "none"); ``threads`` sets ONNX
         Runtime's intra-op threads (default: all cores).
 
         ``torch_threads``: for an ONNX Runtime or TensorRT export, set torch's (process-wide)
@@ -116,19 +124,23 @@ class Engine:
         backend_kind = manifest.get("backend", "torch")
         if backend_kind == "torch":
             target = load_model(root)
-            draft = drafter or (load_model(root / "draft") if "draft" in manifest else "ngram")
+            wants_model = drafter in (None, "model", "hybrid") and "draft" in manifest
+            model = load_model(root / "draft") if wants_model else None
+            draft = model if model is not None else "ngram" if drafter in (None, "model") else drafter
             return cls.from_models(target, draft, max_batch=max_batch, max_len=max_len,
-                                   num_draft_tokens=num_draft_tokens, draft_length=draft_length)
+                                   num_draft_tokens=num_draft_tokens, draft_length=draft_length,
+                                   hybrid=drafter == "hybrid")
         if torch_threads:
             torch.set_num_threads(torch_threads)
         meta = load_export_metadata(root, "target")
         open_backend = _backend_opener(backend_kind, threads)
         target_backend = open_backend(root / manifest["target"]["graph"], False)
-        if drafter is None and "draft" in manifest:
-            draft: Backend | str | None = open_backend(root / manifest["draft"]["graph"], True)
-        else:
-            draft = "ngram" if drafter in (None, "model") else drafter
-        chosen = make_drafter(draft, max_batch=max_batch, max_len=max_len)
+        if drafter == "hybrid" and "draft" not in manifest:
+            raise ValueError(f"{root} has no draft model for the hybrid drafter (export it with --draft)")
+        wants_model = drafter in (None, "model", "hybrid") and "draft" in manifest
+        model = open_backend(root / manifest["draft"]["graph"], True) if wants_model else None
+        draft: Backend | str | None = drafter if drafter in ("hybrid", "none", "ngram") else model or "ngram"
+        chosen = make_drafter(draft, max_batch=max_batch, max_len=max_len, model=model)
         return cls(target_backend, chosen, tokenizer=meta.tokenizer, eos_token_ids=meta.eos_token_ids,
                    max_batch=max_batch, max_len=max_len, num_draft_tokens=num_draft_tokens, draft_length=draft_length)
 

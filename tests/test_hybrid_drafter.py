@@ -1,0 +1,87 @@
+"""The hybrid drafter: prompt lookup where the context matches, the draft model elsewhere, per sequence and step.
+
+Scripted backends (``tests/fakes.py``) make every count exact: which sequences the draft model saw, what each
+proposal was, and that the answers are the target's own.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fakes import ScriptedBackend, counting
+from test_cli import run_json
+
+from specdec.models.loading import tiny_random
+from specdec.runtime.drafters import HybridDrafter, ModelDrafter, NgramDrafter, make_drafter
+from specdec.runtime.engine import Engine
+from specdec.runtime.request import Request, SeqState
+
+VOCAB = 64
+
+
+def _seq(tokens: list[int], slot: int = 0) -> SeqState:
+    return SeqState.start(Request(tuple(tokens), max_tokens=16), slot)
+
+
+def test_lookup_drafts_where_the_context_repeats_and_the_model_elsewhere() -> None:
+    draft = ScriptedBackend(counting(VOCAB, stride=2), VOCAB)  # the model proposes +2 steps: recognisable
+    hybrid = HybridDrafter(NgramDrafter(max_ngram=2, min_ngram=2), ModelDrafter(draft, 4, 64))
+    quoting = _seq([7, 8, 9, 10, 30, 7, 8], slot=0)  # "7 8" occurred before, followed by "9 10 30"
+    fresh = _seq([1, 2, 3], slot=1)  # no repeated 2-gram
+    drafts = hybrid.propose([quoting, fresh], [3, 3])
+    assert drafts[0].tokens == [9, 10, 30] and drafts[0].probs is None  # copied from the context
+    assert drafts[1].tokens == [5, 7, 9]  # the model's
+    assert all(b.num_seqs == 1 for b in draft.batches)  # the model ran for the fresh sequence only
+    assert hybrid.propose([quoting, fresh], [0, 0])[0].tokens == []  # k = 0 drafts nothing, from either
+    assert draft.calls == 3
+
+
+def test_greedy_hybrid_ems_equals_ar_and_uses_both_drafters() -> None:
+    target = ScriptedBackend(lambda c: c[-3] if len(c) >= 3 and c[-1] == c[-2] else (c[-1] + 1) % VOCAB, VOCAB)
+    draft = ScriptedBackend(counting(VOCAB), VOCAB)
+    hybrid = make_drafter("hybrid", max_batch=4, max_len=96, ngram=2, min_ngram=2, model=draft)
+    engine = Engine(target, hybrid, max_batch=4, max_len=96, num_draft_tokens=4)
+    prompts = [[5, 6, 7, 5, 6], [40, 41], [9, 9, 1, 2, 9, 9]]
+    requests = [engine.request(p, max_tokens=20) for p in prompts]
+    ar = engine.generate(requests, "ar").outputs
+    ems = engine.generate(requests, "ems")
+    assert [o.token_ids for o in ems.outputs] == [o.token_ids for o in ar]
+    assert draft.calls > 0 and ems.run.summary()["draft_tokens"] > 0
+
+
+def test_a_hybrid_needs_a_draft_model_and_forks_both_halves() -> None:
+    with pytest.raises(ValueError, match="needs a draft model"):
+        make_drafter("hybrid", max_batch=2, max_len=16)
+    draft = ScriptedBackend(counting(VOCAB), VOCAB)
+    hybrid = make_drafter("hybrid", max_batch=2, max_len=16, model=draft)
+    twin = hybrid.fork()
+    assert isinstance(twin, HybridDrafter) and twin.model.backend is draft and twin.model.kv is not hybrid.model.kv
+    assert twin.lookup is not hybrid.lookup
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_seeded_hybrid_answers_do_not_depend_on_the_batch(temperature: float) -> None:
+    """The choice of drafter depends on a sequence's own tokens only, so its answer is the same alone and in a
+    batch (greedy, and seeded sampling on a tiny torch model)."""
+    target, draft = tiny_random(seed=1, vocab_size=64), tiny_random(seed=2, vocab_size=64)
+    torch.manual_seed(0)
+    engine = Engine.from_models(target, draft, max_batch=4, max_len=96, num_draft_tokens=3, hybrid=True)
+    assert isinstance(engine.drafter, HybridDrafter)
+    prompts = [[3, 4, 5, 3, 4], [10, 11, 12], [7, 7, 7, 7]]
+    together = engine.generate([engine.request(p, max_tokens=12, temperature=temperature, seed=i)
+                                for i, p in enumerate(prompts)], "ems").outputs
+    for i, p in enumerate(prompts):
+        alone = engine.generate([engine.request(p, max_tokens=12, temperature=temperature, seed=i)], "ems")
+        assert alone.outputs[0].token_ids == together[i].token_ids
+    if temperature == 0.0:
+        ar = engine.generate([engine.request(p, max_tokens=12) for p in prompts], "ar").outputs
+        assert [o.token_ids for o in together] == [o.token_ids for o in ar]
+
+
+def test_generate_takes_the_hybrid_drafter_and_stays_exact(tiny_dir, capsys) -> None:
+    common = ["--target", str(tiny_dir), "--prompt", "one two three one two three", "--prompt", "Hello there",
+              "--max-tokens", "10"]
+    hybrid = run_json(capsys, *common, "--method", "ems", "--draft", str(tiny_dir), "--drafter", "hybrid")
+    ar = run_json(capsys, *common, "--method", "ar")
+    assert [o["token_ids"] for o in hybrid["outputs"]] == [o["token_ids"] for o in ar["outputs"]]
+    assert hybrid["metrics"]["draft_tokens"] > 0
