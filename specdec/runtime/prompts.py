@@ -6,12 +6,17 @@ import argparse
 import json
 from pathlib import Path
 
+#: the demo mix: short chat answers, and requests that quote or rework their prompt (where prompt lookup
+#: pays), as a deployment sees them side by side
 DEFAULT_PROMPTS = (
     "What is the capital of France? Answer in one sentence.",
-    "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the river bank.",
     "List the first five prime numbers.",
+    "Give me two tips for staying focused while studying.",
+    "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the river bank.",
     "Summarise in one sentence: Speculative decoding lets a small draft model propose tokens that a "
     "large target model verifies in one pass, so several tokens can be accepted per step.",
+    "Rewrite this as a numbered list: buy milk, call the bank about the card, book the dentist, water the "
+    "plants, send the report to Anna.",
 )
 
 
