@@ -124,10 +124,10 @@ def _assert_warp_well_conditioned(logits: torch.Tensor, params: SamplingParams) 
 
 def generate_samples(target: LoadedModel, draft: LoadedModel | str, method: str, params: SamplingParams,
                      n: int, seed0: int, num_draft_tokens: int = 2, draft_length: DraftLength | None = None,
-                     max_tokens: int = NUM_TOKENS) -> tuple[Counter, float, float]:
+                     max_tokens: int = NUM_TOKENS, hybrid: bool = False) -> tuple[Counter, float, float]:
     """(counts of the first NUM_TOKENS outputs, acceptance rate, seconds) over ``n`` seeded requests."""
     engine = Engine.from_models(target, draft, max_batch=MAX_BATCH, max_len=32, num_draft_tokens=num_draft_tokens,
-                                draft_length=draft_length)
+                                draft_length=draft_length, hybrid=hybrid)
     requests = [
         Request(PROMPT, max_tokens=max_tokens,
                 sampling=SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed0 + i))
@@ -210,6 +210,18 @@ def ems_plain_samples(target: LoadedModel, draft: LoadedModel) -> Counter:
 @pytest.mark.statistical
 def test_ems_draft_model_sampling_is_lossless(ems_plain_samples: Counter, plain_law: np.ndarray) -> None:
     assert_lossless(ems_plain_samples, plain_law, "ems/draft T=1")
+
+
+@pytest.mark.statistical
+def test_ems_hybrid_drafter_sampling_is_lossless(target: LoadedModel, draft: LoadedModel,
+                                                 plain_law: np.ndarray) -> None:
+    """Prompt lookup where the prompt's 2-grams recur (always at the first step: the prompt ends with its first
+    2-gram), the draft model elsewhere: a point-mass q and the model's q mixed within one request's steps."""
+    counts, acceptance, seconds = generate_samples(target, draft, "ems", PLAIN, NUM_SAMPLES, seed0=50_000,
+                                                   hybrid=True)
+    print(f"ems/hybrid plain: {NUM_SAMPLES} requests in {seconds:.1f} s, acceptance {acceptance:.3f}")
+    assert 0.05 < acceptance < 0.95
+    assert_lossless(counts, plain_law, "ems/hybrid T=1")
 
 
 @pytest.mark.statistical
