@@ -2,27 +2,39 @@
 
 The caches are ordinary torch tensors (so the KV manager's moves and forks work on them
 directly); each step binds every ``past_key_values.*`` input and its ``present.*`` output
-to the same buffer through IOBinding, so the graph's scatter writes the new K/V rows into
+to the same buffer through IOBinding, so the graph's attention writes the new K/V rows into
 the cache itself and no full-cache copy happens per step. ``inplace_ok`` records whether
 ORT really wrote through the bound buffer (checked by pointer on every step).
+
+The session runs the graph as ``ort_fuse`` lowers it for ONNX Runtime (GroupQueryAttention,
+fused RMSNorm and RoPE; the file itself is unchanged). A step that GroupQueryAttention's padded
+layout cannot hold is split into sub-steps by sequence (``ort_fuse.gqa_groups``), which is the
+same computation: only attention mixes rows, and only within a sequence.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from specdec.models.loading import HEAD_TOKEN_IDS_FILE, ModelResolutionError, read_head_token_ids
+from specdec.runtime.backends import ort_fuse
 from specdec.runtime.backends.torch_backend import TorchKVStorage
 from specdec.runtime.graph_io import CACHE_INPUT, CACHE_OUTPUT, GRAPH_INPUTS, LOGITS, cache_names, graph_feeds
 from specdec.runtime.packed import PackedBatch
 
+if TYPE_CHECKING:
+    import onnxruntime
+
 _NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 _TORCH_DTYPES = {np.float32: torch.float32, np.float16: torch.float16}
+FUSE_ENV = "SPECDEC_ORT_FUSE"  # "0": run the exported graph as it is; "a,b": only these ort_fuse rewrites
 
 
 class OnnxModelError(RuntimeError):
@@ -62,12 +74,17 @@ class OrtBackend:
     supports_cache_mask = False
 
     def __init__(self, path: str | os.PathLike, *, providers: list[str] | None = None,
-                 intra_op_threads: int | None = None, name: str | None = None, spin: bool = True) -> None:
+                 intra_op_threads: int | None = None, name: str | None = None, spin: bool = True,
+                 fuse: bool | Sequence[str] | None = None, profile_prefix: str | None = None) -> None:
         """``spin``: let the session's idle worker threads spin-wait for the next run (ORT's default).
 
         Why a draft opens without: its workers spin on after each short draft step and hold the
         cores the target's next step needs, while the target's own steps run back to back and gain
         from spinning (measured: ``benchmarks/results/ort_contention.md``).
+
+        ``fuse``: the ``ort_fuse`` rewrites to apply (True: all, False: none, or their names);
+        None reads ``$SPECDEC_ORT_FUSE`` and defaults to all. Off is for comparison and debugging.
+        ``profile_prefix`` turns on ORT's per-node profiler (``end_profiling`` writes the JSON).
         """
         import onnxruntime as ort
 
@@ -75,18 +92,12 @@ class OrtBackend:
         self.name = name or self.path.stem
         if not self.path.is_file():
             raise OnnxModelError(f"{self.path} does not exist")
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if intra_op_threads:
-            options.intra_op_num_threads = intra_op_threads
-        if not spin:
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self._options = dict(intra_op_threads=intra_op_threads, spin=spin, profile_prefix=profile_prefix)
         available = ort.get_available_providers()
-        wanted = providers or [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
-        try:
-            self.session = ort.InferenceSession(str(self.path), options, providers=wanted)
-        except Exception as exc:  # ORT raises its own Fail/InvalidGraph/... types
-            raise OnnxModelError(f"cannot load {self.path}: {exc}") from exc
+        self._providers = providers or [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+        self.fuse_report: ort_fuse.FuseReport | None = None
+        self.session = self._open(_rewrites(fuse, self._providers))
+        self._unfused = None  # opened on the first step the fused graph cannot run (see step)
         inputs = {i.name: i for i in self.session.get_inputs()}
         outputs = {o.name: o for o in self.session.get_outputs()}
         missing = [t.name for t in GRAPH_INPUTS if t.name not in inputs] + [n for n in (LOGITS,) if n not in outputs]
@@ -104,7 +115,35 @@ class OrtBackend:
         self.device = "cuda" if "CUDAExecutionProvider" in self.session.get_providers() else "cpu"
         self.rows_processed = 0
         self.calls = 0
+        self.split_steps = 0  # steps run as several fused sub-steps (GQA's padded layout could not hold them)
+        self.unfused_steps = 0  # steps run on the unfused graph (no split could hold them)
         self.inplace_ok = True
+
+    def _open(self, rewrites: Sequence[str]) -> onnxruntime.InferenceSession:
+        """A session of the graph with ``rewrites`` applied in memory (the weights stay external data)."""
+        import onnx
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if self._options["intra_op_threads"]:
+            options.intra_op_num_threads = self._options["intra_op_threads"]
+        if not self._options["spin"]:
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if self._options["profile_prefix"]:
+            options.enable_profiling = True
+            options.profile_file_prefix = self._options["profile_prefix"]
+        try:
+            model: str | bytes = str(self.path)
+            if rewrites:
+                proto = onnx.load(str(self.path), load_external_data=False)
+                self.fuse_report = ort_fuse.fuse_model(proto, rewrites)
+                model = proto.SerializeToString()
+                options.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                                 str(self.path.parent.resolve()))
+            return ort.InferenceSession(model, options, providers=self._providers)
+        except Exception as exc:  # ORT raises its own Fail/InvalidGraph/... types, onnx a DecodeError
+            raise OnnxModelError(f"cannot load {self.path}: {exc}") from exc
 
     def allocate_cache(self, num_slots: int, max_len: int) -> TorchKVStorage:
         return TorchKVStorage(self.num_layers, num_slots, int(self.num_kv_heads), max_len, int(self.head_dim),
@@ -113,8 +152,32 @@ class OrtBackend:
     def step(self, batch: PackedBatch, cache: TorchKVStorage) -> torch.Tensor:
         self.calls += 1
         self.rows_processed += batch.num_tokens
-        binding = self.session.io_binding()
-        for name, tensor in graph_feeds(batch).items():
+        feeds = graph_feeds(batch)
+        if self.fuse_report is None or not self.fuse_report.attention:
+            return self._run(self.session, feeds, cache)
+        past, new = batch.past_lens.tolist(), batch.cu_seqlens.diff().tolist()
+        groups = ort_fuse.gqa_groups(past, new, cache.max_len, cache.num_slots)
+        if groups is None:  # one sequence fills the whole context next to idle slots: GQA cannot pad it
+            if self._unfused is None:
+                self._unfused = self._open(())
+            self.unfused_steps += 1
+            return self._run(self._unfused, feeds, cache)
+        if len(groups) == 1:
+            return self._run(self.session, feeds, cache)
+        self.split_steps += 1
+        logits = None
+        for seqs in groups:
+            part, rows = split_batch(batch, seqs)
+            out = self._run(self.session, graph_feeds(part), cache)
+            if logits is None:
+                logits = out.new_empty((batch.logits_indices.shape[0], out.shape[1]))
+            logits[rows] = out
+        return logits
+
+    def _run(self, session: onnxruntime.InferenceSession, feeds: dict[str, torch.Tensor],
+             cache: TorchKVStorage) -> torch.Tensor:
+        binding = session.io_binding()
+        for name, tensor in feeds.items():
             binding.bind_cpu_input(name, np.ascontiguousarray(tensor.numpy()))
         binding.bind_output(LOGITS)  # first, so it is outputs[0]
         buffers = [*cache.k, *cache.v]
@@ -122,8 +185,49 @@ class OrtBackend:
             shape = list(buf.shape)
             binding.bind_input(in_name, "cpu", 0, self.np_dtype, shape, buf.data_ptr())
             binding.bind_output(out_name, "cpu", 0, self.np_dtype, shape, buf.data_ptr())
-        self.session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding)
         outputs = binding.get_outputs()
         self.inplace_ok = self.inplace_ok and all(
             o.data_ptr() == b.data_ptr() for o, b in zip(outputs[1:], buffers))
         return torch.from_numpy(outputs[0].numpy())
+
+
+def _rewrites(fuse: bool | Sequence[str] | None, providers: Sequence[str]) -> tuple[str, ...]:
+    """The ort_fuse rewrites an ``OrtBackend(fuse=...)`` applies.
+
+    By default all of them on the CPU EP; with the CUDA EP all but ``attention``, whose exactness
+    (GQA's CUDA kernel with ``query_seqlens`` and a bias) no test here has checked. A list names
+    them explicitly, also on CUDA.
+    """
+    if fuse is None:
+        env = os.environ.get(FUSE_ENV, "1").strip().lower()
+        if env in ("0", "false", "off", "none", ""):
+            return ()
+        fuse = True if env in ("1", "true", "on", "all") else [r.strip() for r in env.split(",") if r.strip()]
+    if fuse is True:
+        return tuple(r for r in ort_fuse.REWRITES if r != "attention" or "CUDAExecutionProvider" not in providers)
+    return tuple(fuse or ())
+
+
+def split_batch(batch: PackedBatch, seqs: Sequence[int]) -> tuple[PackedBatch, torch.Tensor]:
+    """The sub-step of sequences ``seqs`` (indices into the batch) and where its logits go in the batch's.
+
+    Every operator but attention works row by row and attention within a sequence, so running
+    the sub-steps one after another computes exactly the whole step.
+    """
+    cu = batch.cu_seqlens.long()
+    seq_idx = torch.as_tensor(list(seqs), dtype=torch.long)
+    lens = cu[seq_idx + 1] - cu[seq_idx]
+    rows = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in seq_idx.tolist()])
+    new_row = torch.full((batch.num_tokens,), -1, dtype=torch.long)
+    new_row[rows] = torch.arange(rows.numel())
+    mapped = new_row[batch.logits_indices.long()]
+    where = torch.nonzero(mapped >= 0).flatten()
+    sub_cu = torch.zeros(len(seq_idx) + 1, dtype=torch.int32)
+    sub_cu[1:] = torch.cumsum(lens, 0)
+    part = PackedBatch(
+        input_ids=batch.input_ids[rows], position_ids=batch.position_ids[rows], cu_seqlens=sub_cu,
+        past_lens=batch.past_lens[seq_idx], slot_ids=batch.slot_ids[seq_idx],
+        tree_mask=batch.tree_mask[rows][:, : max(int(lens.max()), 1)].contiguous(),
+        logits_indices=mapped[where].to(torch.int32))
+    return part, where

@@ -1,0 +1,249 @@
+"""Where one ONNX Runtime target step spends its time, per operator, before and after ``ort_fuse``.
+
+What: SmolLM2-135M-Instruct exported with ``specdec-export`` (fp32), run by ``OrtBackend`` with 2
+intra-op threads on three steps over a cache of 16 slots x 1024 positions, context about 200:
+
+* ``B=1 decode``: one sequence, one row (past 199);
+* ``B=8 decode``: eight sequences, one row each (past 190..211);
+* ``B=8 verify 8x5``: eight sequences, a chain of 5 rows each, logits for all 40 rows.
+
+Why: to see which operators dominate a step, and whether a lowering removed them without
+changing the logits.
+
+Two graph variants in the same process: *before* is the exported graph as ORT inlines it
+(``OrtBackend(fuse=False)``: the RaggedTreeAttention function body, the exporter's RMSNorm and
+RoPE ops), *after* the load-time lowering (``fuse=True``: GroupQueryAttention, fused RMSNorm /
+skip-RMSNorm, RotaryEmbedding; ``specdec/runtime/backends/ort_fuse.py``).
+
+How: (1) wall time per ``OrtBackend.step`` with the profiler off, the variants interleaved and
+alternated for ``--rounds`` rounds of ``--steps`` steps per shape, median kept (the machine is
+shared, so any single run is noisy); (2) a second pair of sessions with ORT's profiler
+(``SessionOptions.enable_profiling``) run the same steps, interleaved too, and every node's
+kernel time is summed per op type and per node and divided by the steps. The profiler's
+per-node timestamps add overhead of their own, so the ``model_run`` totals are above the wall
+times of (1); shares are read from (2), speed from (1). Before timing, each variant's logits
+are compared with the torch reference on the same three steps after the same prefill.
+
+Run::
+
+    python benchmarks/step_profile.py            # ~6 minutes on a 2-core CPU (+1 min export once)
+    python benchmarks/step_profile.py --graph deploy/target/model.onnx --rounds 3
+
+Writes ``<out-dir>/step_profile.{json,md}`` (default ``benchmarks/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import onnxruntime as ort
+import torch
+
+from specdec.bench.harness import machine_info
+from specdec.export.onnx import export_onnx
+from specdec.models.loading import load_model
+from specdec.runtime.backends.onnxruntime import OrtBackend
+from specdec.runtime.backends.torch_backend import TorchBackend, TorchKVStorage
+from specdec.runtime.packed import PackedBatch, SeqWork, pack
+
+DEFAULT_GRAPH = Path(__file__).parent / ".cache" / "step-profile" / "model.onnx"
+VARIANTS = {"before": False, "after": True}  # OrtBackend(fuse=...)
+SLOTS, MAX_LEN, CONTEXT = 16, 1024, 200
+
+
+PAST = [CONTEXT - 10 + 3 * s for s in range(8)]  # committed length of slots 0..7
+
+
+def shapes() -> dict[str, PackedBatch]:
+    """The three steps profiled (token ids are arbitrary: the cost does not depend on them)."""
+    return {
+        "B=1 decode": pack([SeqWork(3, PAST[3], [42])]),
+        "B=8 decode": pack([SeqWork(s, PAST[s], [100 + s]) for s in range(8)]),
+        "B=8 verify 8x5": pack([SeqWork(s, PAST[s], [100 + s + j for j in range(5)]) for s in range(8)]),
+    }
+
+
+def prefilled_cache(backend: OrtBackend | TorchBackend) -> TorchKVStorage:
+    """A cache whose slots 0..7 hold the K/V of ``PAST[s]`` prompt tokens (the same tokens for every backend)."""
+    cache = backend.allocate_cache(SLOTS, MAX_LEN)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in PAST]
+    for s, tokens in enumerate(prompts):
+        backend.step(pack([SeqWork(s, 0, tokens, logits="last")]), cache)
+    return cache
+
+
+def check_exact(backends: dict[str, OrtBackend], steps: dict[str, PackedBatch]) -> dict[str, float]:
+    """max |logit - torch reference| of each variant on the profiled steps, after the same prefill."""
+    ref = TorchBackend(load_model("smollm2-135m"))
+    ref_cache = prefilled_cache(ref)
+    want = {name: ref.step(batch, ref_cache) for name, batch in steps.items()}
+    errors: dict[str, float] = {}
+    for variant, backend in backends.items():
+        cache = prefilled_cache(backend)
+        errors[variant] = max(float((want[name] - backend.step(batch, cache)).abs().max())
+                              for name, batch in steps.items())
+    return errors
+
+
+def time_steps(backends: dict[str, OrtBackend], steps: dict[str, PackedBatch], cache: TorchKVStorage,
+               rounds: int, n: int) -> dict[str, dict[str, list[float]]]:
+    """ms per step for every (shape, variant), ``rounds`` interleaved samples each (order alternates)."""
+    samples: dict[str, dict[str, list[float]]] = {s: {v: [] for v in backends} for s in steps}
+    names = list(backends)
+    for r in range(rounds):
+        for shape, batch in steps.items():
+            for variant in names if r % 2 == 0 else names[::-1]:
+                backend = backends[variant]
+                backend.step(batch, cache)  # warm this shape
+                start = time.perf_counter()
+                for _ in range(n):
+                    backend.step(batch, cache)
+                samples[shape][variant].append((time.perf_counter() - start) / n * 1e3)
+        print(f"  round {r + 1}/{rounds}: " + ", ".join(
+            f"{s} {'/'.join(f'{samples[s][v][-1]:.1f}' for v in names)}" for s in steps), flush=True)
+    return samples
+
+
+def profile_steps(graph: Path, steps: dict[str, PackedBatch], cache: TorchKVStorage, n: int,
+                  threads: int, prefix: Path) -> dict[str, dict[str, Any]]:
+    """Per-op and per-node kernel ms per step of each (shape, variant), from ORT's profiler."""
+    backends = {v: OrtBackend(graph, fuse=f, intra_op_threads=threads, profile_prefix=str(prefix / v))
+                for v, f in VARIANTS.items()}
+    windows: dict[str, list[tuple[str, int]]] = {v: [] for v in backends}  # (shape, index of its first timed run)
+    runs = dict.fromkeys(backends, 0)
+    for shape, batch in steps.items():
+        for variant, backend in backends.items():
+            for _ in range(3):  # warm-up runs, not counted
+                backend.step(batch, cache)
+            windows[variant].append((shape, runs[variant] + 3))
+            for _ in range(n):
+                backend.step(batch, cache)
+            runs[variant] += 3 + n
+    out: dict[str, dict[str, Any]] = {s: {} for s in steps}
+    for variant, backend in backends.items():
+        events = json.loads(Path(backend.session.end_profiling()).read_text())
+        model_runs = [e for e in events if e.get("name") == "model_run"]
+        kernels = [e for e in events if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")]
+        for shape, first in windows[variant]:
+            chosen = model_runs[first : first + n]
+            lo, hi = chosen[0]["ts"], chosen[-1]["ts"] + chosen[-1]["dur"]
+            by_op: Counter[str] = Counter()
+            by_node: Counter[str] = Counter()
+            nodes = set()
+            for e in kernels:
+                if lo <= e["ts"] <= hi:
+                    op = e["args"].get("op_name", "?")
+                    by_op[op] += e["dur"]
+                    by_node[f"{e['name'][: -len('_kernel_time')]} ({op})"] += e["dur"]
+                    nodes.add(e["name"])
+            out[shape][variant] = {
+                "model_run_ms": statistics.mean(r["dur"] for r in chosen) / 1e3,
+                "kernel_ms": sum(by_op.values()) / n / 1e3,
+                "nodes_run": len(nodes),
+                "by_op_ms": {op: d / n / 1e3 for op, d in by_op.most_common()},
+                "top_nodes_ms": {k: d / n / 1e3 for k, d in by_node.most_common(8)},
+            }
+    return out
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    lines = ["# One ONNX Runtime target step per operator: before / after `ort_fuse`", "",
+             f"SmolLM2-135M-Instruct, fp32, ORT {doc['onnxruntime']}, {doc['threads']} intra-op threads, cache "
+             f"{SLOTS} slots x {MAX_LEN}, context ~{CONTEXT}. *before*: the exported graph as ORT inlines it "
+             "(`OrtBackend(fuse=False)`); *after*: `ort_fuse`'s lowering (GroupQueryAttention, "
+             "SimplifiedLayerNormalization / SkipSimplifiedLayerNormalization, RotaryEmbedding). "
+             f"Command: `{doc['command']}`. Machine: {doc['machine'].get('processor')}, "
+             f"load average at start {doc['machine'].get('load_average')} (shared machine: other users' jobs ran "
+             "during the measurement, so read medians, not single numbers).", "",
+             "Wall time: median over interleaved rounds of `OrtBackend.step` with the profiler off. Kernel "
+             "time: the profiler's sum over nodes (its own overhead makes `model_run` longer than the wall time).", "",
+             "Logit error vs the torch reference on these steps: "
+             + ", ".join(f"{v} {e:.2e}" for v, e in doc["max_abs_logit_error"].items()) + ".", "",
+             "| step | before ms (wall) | after ms (wall) | speed-up | before nodes run | after nodes run |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for shape, row in doc["shapes"].items():
+        b, a = row["wall_ms"]["before"], row["wall_ms"]["after"]
+        lines.append(f"| {shape} | {b:.1f} | {a:.1f} | {b / a:.2f}x | {row['profile']['before']['nodes_run']} | "
+                     f"{row['profile']['after']['nodes_run']} |")
+    for shape, row in doc["shapes"].items():
+        before, after = row["profile"]["before"], row["profile"]["after"]
+        ops = list(dict.fromkeys([*before["by_op_ms"], *after["by_op_ms"]]))
+        ops.sort(key=lambda op: -max(before["by_op_ms"].get(op, 0.0), after["by_op_ms"].get(op, 0.0)))
+        lines += ["", f"## {shape}", "", "| op type | before ms/step | before share | after ms/step | after share |",
+                  "|---|---:|---:|---:|---:|"]
+        for op in ops[:18]:
+            cells = []
+            for prof in (before, after):
+                ms = prof["by_op_ms"].get(op)
+                cells.append("–|–" if ms is None else f"{ms:.2f}|{100 * ms / prof['kernel_ms']:.1f}%")
+            lines.append(f"| {op} | " + " | ".join(c.replace("|", " | ") for c in cells) + " |")
+        rest = ops[18:]
+        if rest:
+            cells = [f"{sum(p['by_op_ms'].get(op, 0.0) for op in rest):.2f} | "
+                     f"{100 * sum(p['by_op_ms'].get(op, 0.0) for op in rest) / p['kernel_ms']:.1f}%"
+                     for p in (before, after)]
+            lines.append(f"| {len(rest)} other op types | {cells[0]} | {cells[1]} |")
+        lines.append(f"| **kernels, total** | **{before['kernel_ms']:.2f}** | 100% | **{after['kernel_ms']:.2f}** "
+                     "| 100% |")
+        lines.append(f"| profiled `model_run` | {before['model_run_ms']:.2f} | | {after['model_run_ms']:.2f} | |")
+        lines.append(f"| wall, profiler off (median) | {row['wall_ms']['before']:.2f} | | "
+                     f"{row['wall_ms']['after']:.2f} | |")
+        lines += ["", "Slowest nodes after: " + ", ".join(f"`{k}` {v:.2f} ms" for k, v in
+                                                          list(after["top_nodes_ms"].items())[:5]) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--graph", type=Path, default=None,
+                        help=f"an exported target graph (default: export smollm2-135m to {DEFAULT_GRAPH})")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (median kept)")
+    parser.add_argument("--steps", type=int, default=8, help="steps per shape per round and in the profile")
+    parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # only the cache fills and the reference run in torch
+    graph = args.graph or DEFAULT_GRAPH
+    if not graph.is_file():
+        print(f"exporting smollm2-135m to {graph} ...", flush=True)
+        export_onnx(load_model("smollm2-135m"), graph)
+    steps = shapes()
+    backends = {v: OrtBackend(graph, fuse=f, intra_op_threads=args.threads) for v, f in VARIANTS.items()}
+    print("fused:", backends["after"].fuse_report, flush=True)
+    errors = check_exact(backends, steps)
+    print("max |logit error| vs torch:", errors, flush=True)
+    cache = prefilled_cache(backends["after"])
+    wall = time_steps(backends, steps, cache, args.rounds, args.steps)
+    del backends
+    with tempfile.TemporaryDirectory() as tmp:
+        profile = profile_steps(graph, steps, cache, args.steps, args.threads, Path(tmp))
+    doc = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join(["python", "benchmarks/step_profile.py", *(argv if argv is not None else sys.argv[1:])]),
+        "machine": machine_info(), "onnxruntime": ort.__version__, "threads": args.threads,
+        "cache": {"slots": SLOTS, "max_len": MAX_LEN, "context": CONTEXT}, "max_abs_logit_error": errors,
+        "shapes": {s: {"rows": steps[s].num_tokens, "seqs": steps[s].num_seqs,
+                       "wall_ms": {v: statistics.median(x) for v, x in wall[s].items()},
+                       "wall_ms_samples": wall[s], "profile": profile[s]} for s in steps},
+    }
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "step_profile.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    text = markdown(doc)
+    (args.out_dir / "step_profile.md").write_text(text, encoding="utf-8")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,586 @@
+"""ONNX Runtime-only lowering of a ragged-step graph: fused kernels where ORT has an exact one.
+
+The exported file stays what TensorRT needs (a ``specdec::RaggedTreeAttention`` node per layer,
+standard-op body attached); ``fuse_model`` rewrites an in-memory copy when ``OrtBackend`` opens a
+session. Why at load time, not as a second file written by the exporter: the kernels depend on
+the ORT that *runs* the graph (GroupQueryAttention's ``query_seqlens``: ORT >= 1.32), and the
+export directory keeps one graph, one checksum, one validation. Only the graph is read (weights
+stay external data), so it costs milliseconds. Rewrites (the exactness argument of each, and the
+measurements: docs/export.md, "The ONNX Runtime lowering"; ``benchmarks/results/step_profile.md``):
+
+* **attention** -> ``com.microsoft.GroupQueryAttention`` over a right-padded ``[slots, S, H*D]``
+  layout whose batch is the cache's slots (GQA's cache is batch-major, without slot indirection):
+  slot ``slot_b`` holds sequence b's rows (``query_seqlens = n_b``, ``seqlens_k = past_b + n_b - 1``,
+  new K/V appended in place), other slots are idle entries (``query_seqlens = 0``); the tree mask
+  is an additive ``attention_bias``; RoPE stays outside GQA. GQA needs ``past + S <= max_len`` for
+  every slot, which the reference does not: ``gqa_groups`` says how the backend splits a step.
+* **rmsnorm** -> ``SimplifiedLayerNormalization`` (ORT's own fusion wants ``Div``, the exporter
+  emits ``Reciprocal``/``Mul``); **skip_rmsnorm** -> ``SkipSimplifiedLayerNormalization`` for a
+  residual ``Add`` feeding a norm (ORT does not fuse it: the sum has other consumers).
+* **rotary** -> ``com.microsoft.RotaryEmbedding`` with per-token tables ``Cos(f)``/``Sin(f)`` (the
+  first halves of the graph's own ``Cos/Sin(Concat(f, f))``), on the padded rows of fused attention.
+
+Nothing here touches MatMul/Gemm nodes, so the rewrites compose with weight quantization
+(``MatMulNBits``) whichever runs first.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from specdec.plugins import onnx_op
+
+MS_DOMAIN = "com.microsoft"
+REWRITES = ("attention", "rmsnorm", "skip_rmsnorm", "rotary")
+_FLOATS = {TensorProto.FLOAT: "float32", TensorProto.FLOAT16: "float16"}
+_LOWEST = {TensorProto.FLOAT: -3.4028234663852886e38, TensorProto.FLOAT16: -65504.0}
+
+
+@functools.cache
+def _ort_schemas() -> frozenset[tuple[str, str, str]]:
+    """(domain, op, input name) of every operator this onnxruntime registers; empty without onnxruntime."""
+    try:
+        from onnxruntime.capi import onnxruntime_pybind11_state as capi
+    except ImportError:
+        return frozenset()
+    return frozenset((s.domain, s.name, i.name) for s in capi.get_all_operator_schema() for i in s.inputs)
+
+
+#: what each rewrite needs from the running onnxruntime: (domain, op, an input it must have)
+_NEEDS = {
+    "attention": (MS_DOMAIN, "GroupQueryAttention", "query_seqlens"),  # ragged batched chunks: ORT >= 1.32
+    "rmsnorm": ("", "SimplifiedLayerNormalization", "scale"),
+    "skip_rmsnorm": (MS_DOMAIN, "SkipSimplifiedLayerNormalization", "skip"),
+    "rotary": (MS_DOMAIN, "RotaryEmbedding", "position_ids"),
+}
+
+
+def supported(rewrite: str) -> bool:
+    """Whether this onnxruntime has the kernel ``rewrite`` lowers to (GQA: with ``query_seqlens``, ORT >= 1.32)."""
+    return _NEEDS[rewrite] in _ort_schemas()
+
+
+def gqa_supported() -> bool:
+    """Whether this ONNX Runtime's GroupQueryAttention takes ``query_seqlens`` (ragged batched steps)."""
+    return supported("attention")
+
+
+def gqa_groups(past_lens: Sequence[int], new_lens: Sequence[int], max_len: int,
+               num_slots: int) -> list[list[int]] | None:
+    """Sequences grouped into sub-steps that GQA accepts, ``[all]`` when the whole step does; None if none exists.
+
+    GQA pads every slot's chunk to ``S = max(new_lens)`` and needs ``P + S <= max_len`` for each
+    slot (``P`` = past of an active slot, 1 for an idle one). A sequence near the end of its
+    context fails that next to a long prefill, although its own rows fit; such sequences go to a
+    later group with its own, smaller ``S``. None: one sequence fills the whole context while
+    other slots are idle (the fused graph cannot run it; the caller runs the unfused graph).
+    """
+    pending = list(range(len(new_lens)))
+    groups: list[list[int]] = []
+    while pending:
+        width = max(new_lens[i] for i in pending)
+        fit = [i for i in pending if past_lens[i] + width <= max_len]
+        if not fit or (width + 1 > max_len and len(fit) < num_slots):  # an idle slot (P = 1) cannot hold S
+            return None
+        groups.append(fit)
+        pending = [i for i in pending if past_lens[i] + width > max_len]
+    return groups
+
+
+@dataclass
+class FuseReport:
+    """What ``fuse_model`` rewrote (counts per rewrite) and what it left alone, with the reason."""
+
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REWRITES, 0))
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def attention(self) -> bool:
+        return self.counts["attention"] > 0
+
+
+class _Graph:
+    """Node-list editing with fresh names: ``g.add(op, *inputs, **attrs)`` returns the new node's output."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        self.model = model
+        self.graph = model.graph
+        self.consts = {i.name: i for i in self.graph.initializer}
+        self.producer: dict[str, onnx.NodeProto] = {}
+        self.consumers: dict[str, list[onnx.NodeProto]] = {}
+        for node in self.graph.node:
+            for out in node.output:
+                self.producer[out] = node
+            for inp in node.input:
+                self.consumers.setdefault(inp, []).append(node)
+        self._count = 0
+        self.new_nodes: list[onnx.NodeProto] = []
+        self.shared: dict[tuple, object] = {}  # tensors built once and used by several rewrites
+
+    def name(self, tag: str) -> str:
+        self._count += 1
+        return f"ort_fuse/{tag}/{self._count}"
+
+    def add(self, op: str, *inputs: str, outputs: Sequence[str] | None = None, domain: str = "", n_out: int = 1,
+            **attrs: object) -> str:
+        outs = list(outputs) if outputs is not None else [self.name(op) for _ in range(n_out)]
+        self.new_nodes.append(helper.make_node(op, list(inputs), outs, name=self.name(op + "_node"), domain=domain,
+                                               **attrs))
+        return outs[0]
+
+    def ints(self, *values: int) -> str:
+        return self.add("Constant", value=helper.make_tensor(self.name("c"), TensorProto.INT64, [len(values)],
+                                                               list(values)))
+
+    def scalar(self, value: float, dtype: int) -> str:
+        return self.add("Constant", value=helper.make_tensor(self.name("c"), dtype, [], [value]))
+
+    def const_value(self, name: str) -> list[float] | None:
+        """The values of a constant tensor (initializer or Constant node), flattened; None if not constant."""
+        if name in self.consts:
+            return numpy_helper.to_array(self.consts[name]).reshape(-1).tolist()
+        node = self.producer.get(name)
+        if node is not None and node.op_type == "Constant" and node.domain == "":
+            for attr in node.attribute:
+                if attr.name == "value":
+                    return numpy_helper.to_array(attr.t).reshape(-1).tolist()
+        return None
+
+    def node_of(self, name: str, op: str) -> onnx.NodeProto | None:
+        node = self.producer.get(name)
+        return node if node is not None and node.op_type == op and node.domain == "" else None
+
+    def attr(self, node: onnx.NodeProto, name: str, default: object = None) -> object:
+        for a in node.attribute:
+            if a.name == name:
+                return helper.get_attribute_value(a)
+        return default
+
+
+# --------------------------------------------------------------------------------------------- attention
+
+
+@dataclass
+class _Prelude:
+    """Per-step tensors shared by every fused attention node with the same index inputs."""
+
+    num_slots: str  # [1]
+    width: str  # [1] S = max new tokens of a sequence
+    pad_index: str  # [slots, S] packed row of slot e's chunk row s (clamped onto its last row)
+    pad_shape: str  # [3] = (slots, S, -1)
+    unpad_index: str  # [T] flat row slot * S + offset of each packed token
+    seqlens_k: str  # [slots] int32
+    query_seqlens: str  # [slots] int32
+    total: str  # [] int32
+    allowed: str  # bool [slots, 1, S, L]
+    bias: dict[int, str] = field(default_factory=dict)  # dtype -> additive [slots, 1, S, L]
+
+
+def _prelude(g: _Graph, cu_seqlens: str, past_lens: str, slot_ids: str, tree_mask: str, k_cache: str) -> _Prelude:
+    i64 = TensorProto.INT64
+    c0, c1, cm1 = g.ints(0), g.ints(1), g.ints(-1)
+    cu = g.add("Cast", cu_seqlens, to=i64)
+    past = g.add("Cast", past_lens, to=i64)
+    slots = g.add("Cast", slot_ids, to=i64)
+    n_cu = g.add("Shape", cu)
+    starts = g.add("Slice", cu, c0, cm1)  # [B]
+    ends = g.add("Slice", cu, c1, n_cu)  # [B]
+    new = g.add("Sub", ends, starts)  # [B]
+    width = g.add("Max", g.add("ReduceMax", new, keepdims=1), c1)  # [1] = S
+    n_slots = g.add("Shape", k_cache, start=0, end=1)  # [1]
+    zeros = g.add("ConstantOfShape", n_slots, value=helper.make_tensor(g.name("z"), i64, [1], [0]))  # [slots]
+
+    def per_slot(values: str) -> str:
+        return g.add("ScatterElements", zeros, slots, values, axis=0)
+
+    q_len = per_slot(new)  # [slots] 0 for an idle slot
+    start = per_slot(starts)
+    past_s = per_slot(past)
+    seq_total = g.add("Add", past, new)  # [B]
+    seqlens_k = per_slot(g.add("Max", g.add("Sub", seq_total, c1), c0))  # idle: 0 (= one cached token, unread)
+    total = g.add("Max", g.add("ReduceMax", seq_total, keepdims=1), c1)  # [1] = L
+
+    # slot e's chunk row s reads packed row start_e + min(s, n_e - 1) (padding repeats a real row)
+    j = g.add("Range", g.add("Squeeze", g.ints(0)), g.add("Squeeze", width), g.add("Squeeze", g.ints(1)))  # [S]
+    last = g.add("Max", g.add("Sub", q_len, c1), c0)
+    offset = g.add("Min", g.add("Unsqueeze", j, c0), g.add("Unsqueeze", last, c1))  # [slots, S]
+    pad = g.add("Add", g.add("Unsqueeze", start, c1), offset)
+
+    # packed token t -> (sequence, offset) -> flat row slot * S + offset of the padded output
+    n_tok = g.add("Shape", tree_mask, start=0, end=1)
+    tok = g.add("Range", g.add("Squeeze", g.ints(0)), g.add("Squeeze", n_tok), g.add("Squeeze", g.ints(1)))  # [T]
+    after = g.add("Cast", g.add("GreaterOrEqual", g.add("Unsqueeze", tok, c1), g.add("Unsqueeze", ends, c0)), to=i64)
+    tok_seq = g.add("ReduceSum", after, c1, keepdims=0)  # [T]
+    tok_off = g.add("Sub", tok, g.add("Gather", starts, tok_seq))
+    unpad = g.add("Add", g.add("Mul", g.add("Gather", slots, tok_seq), width), tok_off)
+
+    # bias[e, s, p]: key p visible iff p < past_e  or  (p - past_e < n_e  and  tree[row(e, s), p - past_e])
+    pos = g.add("Range", g.add("Squeeze", g.ints(0)), g.add("Squeeze", total), g.add("Squeeze", g.ints(1)))  # [L]
+    rel = g.add("Sub", g.add("Unsqueeze", pos, c0), g.add("Unsqueeze", past_s, c1))  # [slots, L]
+    in_past = g.add("Less", rel, c0)
+    in_new = g.add("And", g.add("Not", in_past), g.add("Less", rel, g.add("Unsqueeze", q_len, c1)))
+    tree_width = g.add("Shape", tree_mask, start=1, end=2)
+    rel_c = g.add("Max", g.add("Min", rel, g.add("Sub", tree_width, c1)), c0)
+    rows = g.add("Gather", tree_mask, pad, axis=0)  # [slots, S, S_mask]
+    rel_x = g.add("Expand", g.add("Unsqueeze", rel_c, c1), g.add("Concat", n_slots, width, total, axis=0))
+    tree_l = g.add("GatherElements", rows, rel_x, axis=2)  # [slots, S, L]
+    allowed = g.add("Or", g.add("Unsqueeze", in_past, c1), g.add("And", g.add("Unsqueeze", in_new, c1), tree_l))
+    allowed = g.add("Unsqueeze", allowed, c1)  # [slots, 1, S, L]
+    i32 = TensorProto.INT32
+    pad_shape = g.add("Concat", n_slots, width, cm1, axis=0)
+    return _Prelude(num_slots=n_slots, width=width, pad_index=pad, pad_shape=pad_shape, unpad_index=unpad,
+                    seqlens_k=g.add("Cast", seqlens_k, to=i32), query_seqlens=g.add("Cast", q_len, to=i32),
+                    total=g.add("Cast", g.add("Squeeze", total), to=i32), allowed=allowed)
+
+
+def _bias(g: _Graph, pre: _Prelude, dtype: int) -> str:
+    if dtype not in pre.bias:
+        pre.bias[dtype] = g.add("Where", pre.allowed, g.scalar(0.0, dtype), g.scalar(_LOWEST[dtype], dtype))
+    return pre.bias[dtype]
+
+
+# --------------------------------------------------------------------------------------------- rotary
+
+
+@dataclass
+class _Rope:
+    """A matched ``x * cos + rotate_half(x) * sin`` whose tables are ``Cos/Sin(Concat(f, f))`` (+ Cast)."""
+
+    root: onnx.NodeProto  # the final Add
+    x: str  # [T, H, D]
+    f: str  # [T, D/2] position * inv_freq
+    cast: int | None  # dtype the tables are cast to (fp16 graphs)
+
+
+def _rope_table(g: _Graph, table: str, kind: str) -> tuple[str, int | None] | None:
+    """(f, cast dtype) when ``table`` is ``Unsqueeze(Cast?(kind(Concat(f, f))), [1])``, else None."""
+    unsq = g.node_of(table, "Unsqueeze")
+    if unsq is None or len(unsq.input) < 2 or g.const_value(unsq.input[1]) != [1]:
+        return None
+    cast = g.node_of(unsq.input[0], "Cast")
+    trig = g.node_of(cast.input[0] if cast else unsq.input[0], kind)
+    cat = trig and g.node_of(trig.input[0], "Concat")
+    if not cat or len(cat.input) != 2 or cat.input[0] != cat.input[1] or int(g.attr(cat, "axis")) != -1:
+        return None
+    return cat.input[0], (int(g.attr(cast, "to")) if cast else None)
+
+
+def _rope_tables(g: _Graph, rope: _Rope) -> tuple[str, str]:
+    """The per-token ``[T, D/2]`` tables ``Cos(f)``, ``Sin(f)``: the first halves of the graph's own tables."""
+    key = ("rope", rope.f, rope.cast)
+    if key not in g.shared:
+        cos, sin = g.add("Cos", rope.f), g.add("Sin", rope.f)
+        if rope.cast is not None:
+            cos, sin = g.add("Cast", cos, to=rope.cast), g.add("Cast", sin, to=rope.cast)
+        g.shared[key] = (cos, sin)
+    return g.shared[key]
+
+
+def _match_rope(g: _Graph, root: onnx.NodeProto, dims: dict[str, list[int | None]]) -> _Rope | None:
+    for a, b in (root.input, reversed(root.input)):
+        m1, m2 = g.node_of(a, "Mul"), g.node_of(b, "Mul")
+        if not (m1 and m2):
+            continue
+        for x, cos in (m1.input, reversed(m1.input)):
+            for rot, sin in (m2.input, reversed(m2.input)):
+                cat = g.node_of(rot, "Concat")
+                neg = cat and len(cat.input) == 2 and g.node_of(cat.input[0], "Neg")
+                hi = neg and g.node_of(neg.input[0], "Slice")
+                lo = hi and g.node_of(cat.input[1], "Slice")
+                shape = dims.get(x)
+                if not (lo and hi.input[0] == x and lo.input[0] == x and shape and len(shape) == 3 and shape[2]):
+                    continue
+                half = int(shape[2]) // 2
+                c, s = _rope_table(g, cos, "Cos"), _rope_table(g, sin, "Sin")
+                f_dims = dims.get(c[0]) if c else None
+                if (c and s and c == s and f_dims and f_dims[-1] == half and 2 * half == shape[2]
+                        and g.const_value(lo.input[1]) == [0] and g.const_value(lo.input[2]) == [half]
+                        and g.const_value(hi.input[1]) == [half]
+                        and (g.const_value(hi.input[2]) or [0])[0] >= 2 * half
+                        and all(_last_axis(g, n, {x: 3}) for n in (lo, hi))
+                        and all(len(n.input) < 5 or g.const_value(n.input[4]) == [1] for n in (lo, hi))
+                        and int(g.attr(cat, "axis")) in (-1, 2)):
+                    return _Rope(root=root, x=x, f=c[0], cast=c[1])
+    return None
+
+
+def _match_ropes(g: _Graph, dims: dict[str, list[int | None]]) -> dict[str, _Rope]:
+    """Every RoPE of the graph, by the name of its output."""
+    ropes = {}
+    for root in g.graph.node:
+        if root.op_type == "Add" and root.domain == "" and len(root.input) == 2:
+            rope = _match_rope(g, root, dims)
+            if rope is not None:
+                ropes[root.output[0]] = rope
+    return ropes
+
+
+def _fuse_rotary(g: _Graph, ropes: dict[str, _Rope], fused: set[int], report: FuseReport) -> set[int]:
+    """The RoPEs still needed outside fused attention -> RotaryEmbedding over ``[T, H, 1, D]`` (batch T)."""
+    outputs = {o.name for o in g.graph.output}
+    replaced: set[int] = set()
+    for name, rope in ropes.items():
+        if name not in outputs and all(id(n) in fused for n in g.consumers.get(name, [])):
+            continue  # only fused attention read it, and that applies the rotation itself
+        cos, sin = _rope_tables(g, rope)
+        if ("positions", rope.f) not in g.shared:
+            tok = g.add("Range", g.add("Squeeze", g.ints(0)), g.add("Squeeze", g.add("Shape", rope.f, start=0, end=1)),
+                        g.add("Squeeze", g.ints(1)))
+            g.shared[("positions", rope.f)] = g.add("Unsqueeze", tok, g.ints(1))  # [T, 1]: token t uses row t
+        axis = g.ints(2)
+        rotated = g.add("RotaryEmbedding", g.add("Unsqueeze", rope.x, axis), g.shared[("positions", rope.f)], cos, sin,
+                        domain=MS_DOMAIN, interleaved=0)
+        g.add("Squeeze", rotated, axis, outputs=[name])
+        replaced.add(id(rope.root))
+        report.counts["rotary"] += 1
+    return replaced
+
+
+# --------------------------------------------------------------------------------------------- attention + rotary
+
+
+def _rows_2d(g: _Graph, x: str, dims: dict[str, list[int | None]]) -> str | None:
+    """``y`` when ``x`` is ``Reshape(y [T, H*D], [., H, D])`` (a view: gathering rows of y = gathering x's)."""
+    node = g.node_of(x, "Reshape")
+    src = dims.get(node.input[0]) if node else None
+    out = dims.get(x)
+    if not (src and out and len(src) == 2 and len(out) == 3 and src[1] and out[1] and out[2]):
+        return None
+    return node.input[0] if src[1] == out[1] * out[2] else None
+
+
+def _fuse_attention(g: _Graph, types: dict[str, int], dims: dict[str, list[int | None]],
+                    ropes: dict[str, _Rope], report: FuseReport) -> set[int]:
+    """Replace every RaggedTreeAttention node by the GQA lowering; returns the ids of the replaced nodes.
+
+    q, k, v are gathered into the padded layout from the 2-D projection outputs they are views of,
+    and a matched RoPE on q/k runs on the padded rows (``RotaryEmbedding`` with the padded row
+    index as position into the per-token tables), so a layer needs no reshapes around GQA.
+    """
+    preludes: dict[tuple[str, ...], _Prelude] = {}
+    replaced: set[int] = set()
+    slot_dims = {i.name: i.type.tensor_type.shape.dim[0].dim_param for i in g.graph.input
+                 if i.type.tensor_type.shape.dim and i.type.tensor_type.shape.dim[0].dim_param}
+    for node in g.graph.node:
+        if node.op_type != onnx_op.OP_TYPE or node.domain != onnx_op.DOMAIN:
+            continue
+        q, k, v, k_cache, v_cache, cu, past, slot, tree = node.input
+        dtype = types.get(k_cache)
+        if dtype not in _FLOATS or types.get(v_cache) != dtype or types.get(q, dtype) != dtype:
+            report.skipped.append(f"attention {node.name}: cache dtype {dtype} (GQA here: float32/float16)")
+            continue
+        key = (cu, past, slot, tree, slot_dims.get(k_cache, k_cache))
+        if key not in preludes:
+            preludes[key] = _prelude(g, cu, past, slot, tree, k_cache)
+        pre = preludes[key]
+        num_heads, num_kv_heads = int(g.attr(node, "num_heads")), int(g.attr(node, "num_kv_heads"))
+
+        def padded(x: str, heads: int, pre: _Prelude = pre) -> str:
+            rope = ropes.get(x)
+            base = rope.x if rope else x
+            rows = _rows_2d(g, base, dims)
+            if rows is not None:
+                out = g.add("Gather", rows, pre.pad_index, axis=0)  # [slots, S, H*D]
+            else:
+                out = g.add("Reshape", g.add("Gather", base, pre.pad_index, axis=0), pre.pad_shape)
+            if rope:
+                cos, sin = _rope_tables(g, rope)
+                out = g.add("RotaryEmbedding", out, pre.pad_index, cos, sin, domain=MS_DOMAIN, num_heads=heads,
+                            interleaved=0)
+                report.counts["rotary"] += 1
+            return out
+
+        out = g.add("GroupQueryAttention", padded(q, num_heads), padded(k, num_kv_heads), padded(v, num_kv_heads),
+                    k_cache, v_cache, pre.seqlens_k, pre.total, "", "", "", _bias(g, pre, dtype), "", "", "", "", "",
+                    pre.query_seqlens, outputs=[g.name("gqa"), node.output[1], node.output[2]], domain=MS_DOMAIN,
+                    num_heads=num_heads, kv_num_heads=num_kv_heads, scale=float(g.attr(node, "scale")))
+        head_dim = (dims.get(k_cache) or [None] * 4)[3]
+        shape = (g.ints(-1, num_heads, head_dim) if head_dim else
+                 g.add("Concat", g.ints(-1), g.add("Shape", q, start=1, end=3), axis=0))
+        g.add("Gather", g.add("Reshape", out, shape), pre.unpad_index, axis=0, outputs=[node.output[0]])
+        replaced.add(id(node))
+        report.counts["attention"] += 1
+    return replaced
+
+
+# --------------------------------------------------------------------------------------------- rmsnorm
+
+
+def _is_const(g: _Graph, name: str, value: float) -> bool:
+    values = g.const_value(name)
+    return values is not None and len(values) == 1 and float(values[0]) == value
+
+
+def _last_axis(g: _Graph, node: onnx.NodeProto, ranks: dict[str, int]) -> bool:
+    """ReduceMean/Slice/Concat over the last axis only (axes as input or attribute)."""
+    rank = ranks.get(node.input[0])
+    if node.op_type == "ReduceMean":
+        axes = g.const_value(node.input[1]) if len(node.input) > 1 and node.input[1] else g.attr(node, "axes")
+    elif node.op_type == "Slice":
+        axes = g.const_value(node.input[3]) if len(node.input) > 3 and node.input[3] else None
+    else:
+        axes = [g.attr(node, "axis")]
+    if axes is None or len(axes) != 1:
+        return False
+    return int(axes[0]) == -1 or (rank is not None and int(axes[0]) == rank - 1)
+
+
+def _fuse_rmsnorm(g: _Graph, types: dict[str, int], ranks: dict[str, int], report: FuseReport) -> set[int]:
+    """``w * (x * 1 / Sqrt(ReduceMean(x ** 2) + eps))`` (fp16: casts around it) -> SimplifiedLayerNormalization."""
+    replaced: set[int] = set()
+    for root in g.graph.node:
+        if root.op_type != "Mul" or root.domain != "":
+            continue
+        for w, y in (root.input, reversed(root.input)):
+            if w not in g.consts or len(g.consts[w].dims) != 1:
+                continue
+            cast_out = g.node_of(y, "Cast")
+            prod = g.node_of(cast_out.input[0] if cast_out else y, "Mul")
+            if prod is None:
+                continue
+            for x32, r in (prod.input, reversed(prod.input)):
+                recip = g.node_of(r, "Reciprocal")
+                sqrt = recip and g.node_of(recip.input[0], "Sqrt")
+                add = sqrt and g.node_of(sqrt.input[0], "Add")
+                if not add:
+                    continue
+                mean_name, eps_name = add.input if g.const_value(add.input[1]) is not None else reversed(add.input)
+                eps = g.const_value(eps_name)
+                mean = g.node_of(mean_name, "ReduceMean")
+                power = mean and g.node_of(mean.input[0], "Pow")
+                if not (power and power.input[0] == x32 and _is_const(g, power.input[1], 2.0) and eps
+                        and len(eps) == 1 and int(g.attr(mean, "keepdims", 1)) == 1 and _last_axis(g, mean, ranks)):
+                    continue
+                cast_in = g.node_of(x32, "Cast")
+                if (cast_in is None) != (cast_out is None):
+                    continue
+                x = cast_in.input[0] if cast_in else x32
+                if cast_in and (types.get(x) != types.get(root.output[0]) or types.get(x32) != TensorProto.FLOAT):
+                    continue
+                g.add("SimplifiedLayerNormalization", x, w, outputs=[root.output[0]], axis=-1, epsilon=float(eps[0]),
+                      stash_type=1)
+                replaced.add(id(root))
+                report.counts["rmsnorm"] += 1
+                break
+            if id(root) in replaced:
+                break
+    return replaced
+
+
+def _fuse_skip(g: _Graph, report: FuseReport) -> set[int]:
+    """``n = SimplifiedLayerNormalization(a + b, w)`` -> ``SkipSimplifiedLayerNormalization(a, b, w)`` (n and a + b)."""
+    replaced: set[int] = set()
+    for norm in list(g.new_nodes):
+        if norm.op_type != "SimplifiedLayerNormalization":
+            continue
+        add = g.node_of(norm.input[0], "Add")
+        if add is None or id(add) in replaced or len(add.input) != 2 or add.input[0] == add.input[1]:
+            continue
+        eps = float(g.attr(norm, "epsilon"))
+        g.add("SkipSimplifiedLayerNormalization", add.input[0], add.input[1], norm.input[1],
+              outputs=[norm.output[0], "", "", add.output[0]], domain=MS_DOMAIN, epsilon=eps)
+        replaced |= {id(add), id(norm)}
+        report.counts["skip_rmsnorm"] += 1
+    return replaced
+
+
+# --------------------------------------------------------------------------------------------- driver
+
+
+def _tensor_info(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, list[int | None]]]:
+    """Element types and dims (None where symbolic) of every tensor shape inference can tell."""
+    onnx_op.register_schema()
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types: dict[str, int] = {}
+    dims: dict[str, list[int | None]] = {}
+    for vi in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output):
+        t = vi.type.tensor_type
+        types[vi.name] = t.elem_type
+        if t.HasField("shape"):
+            dims[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+    for init in model.graph.initializer:
+        types[init.name] = init.data_type
+        dims[init.name] = list(init.dims)
+    return types, dims
+
+
+def _live_sorted(graph: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """The nodes that reach a graph output, in a topological order close to the given one."""
+    producer = {out: i for i, n in enumerate(nodes) for out in n.output if out}
+    live: set[int] = set()
+    stack = [producer[o.name] for o in graph.output if o.name in producer]
+    while stack:
+        i = stack.pop()
+        if i in live:
+            continue
+        live.add(i)
+        stack.extend(producer[name] for name in nodes[i].input if name in producer)
+    order: list[onnx.NodeProto] = []
+    done: set[int] = set()
+
+    def visit(i: int) -> None:  # iterative DFS: the graph is thousands of nodes deep
+        todo = [(i, False)]
+        while todo:
+            j, expanded = todo.pop()
+            if j in done:
+                continue
+            if expanded:
+                done.add(j)
+                order.append(nodes[j])
+                continue
+            todo.append((j, True))
+            todo.extend((producer[n], False) for n in reversed(nodes[j].input)
+                        if n in producer and producer[n] not in done)
+
+    for i in sorted(live):
+        visit(i)
+    return order
+
+
+def fuse_model(model: onnx.ModelProto, rewrites: Sequence[str] = REWRITES) -> FuseReport:
+    """Rewrite ``model`` (a ragged-step graph, weights not needed) in place for ONNX Runtime; says what changed.
+
+    ``rewrites`` selects among ``REWRITES``; one whose kernel this ORT lacks is skipped and
+    reported (``attention`` needs GroupQueryAttention's ``query_seqlens``, ORT >= 1.32). A
+    pattern that does not match exactly is left as it is, so the result computes what the
+    input did, only with fewer kernels.
+    """
+    unknown = set(rewrites) - set(REWRITES)
+    if unknown:
+        raise ValueError(f"unknown ORT rewrites {sorted(unknown)}; known: {list(REWRITES)}")
+    report = FuseReport()
+    missing = [r for r in rewrites if not supported(r)]
+    report.skipped += [f"{r}: this onnxruntime has no {'.'.join(_NEEDS[r][:2])} with {_NEEDS[r][2]}" for r in missing]
+    rewrites = [r for r in rewrites if r not in missing]
+    types, dims = _tensor_info(model)
+    ranks = {name: len(d) for name, d in dims.items()}
+    g = _Graph(model)
+    removed: set[int] = set()
+    ropes = _match_ropes(g, dims) if "rotary" in rewrites else {}
+    if "attention" in rewrites:
+        removed |= _fuse_attention(g, types, dims, ropes, report)
+    removed |= _fuse_rotary(g, ropes, removed, report)
+    if "rmsnorm" in rewrites:
+        removed |= _fuse_rmsnorm(g, types, ranks, report)
+        if "skip_rmsnorm" in rewrites:
+            removed |= _fuse_skip(g, report)
+    nodes = [n for n in (*model.graph.node, *g.new_nodes) if id(n) not in removed]
+    kept = _live_sorted(model.graph, nodes)
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+    used = {name for n in kept for name in n.input} | {o.name for o in model.graph.output}
+    initializers = [i for i in model.graph.initializer if i.name in used]  # the rewritten patterns' constants
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(initializers)
+    if any(n.domain == MS_DOMAIN for n in kept) and not any(i.domain == MS_DOMAIN for i in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    if not any(n.domain == onnx_op.DOMAIN and n.op_type == onnx_op.OP_TYPE for n in kept):
+        kept_functions = [f for f in model.functions if (f.domain, f.name) != (onnx_op.DOMAIN, onnx_op.OP_TYPE)]
+        del model.functions[:]
+        model.functions.extend(kept_functions)
+    return report

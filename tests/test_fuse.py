@@ -1,0 +1,218 @@
+"""ORT-only lowering (``ort_fuse``): GroupQueryAttention, fused RMSNorm / skip-RMSNorm and RotaryEmbedding
+agree with the torch reference on random ragged forests, write the caches in place, decode exactly, and a
+deliberately wrong bias or seqlens is caught by the same agreement check."""
+
+from __future__ import annotations
+
+import collections
+
+import onnx
+import pytest
+import torch
+from onnx import TensorProto
+from test_onnx_backend import TINY_VARIANTS
+
+from specdec.export.cli import main as export_main
+from specdec.export.onnx import count_attention_nodes, export_onnx
+from specdec.export.validate import max_logit_error, random_packs
+from specdec.models.loading import load_model, tiny_random
+from specdec.plugins import onnx_op
+from specdec.runtime.backends import ort_fuse
+from specdec.runtime.backends.onnxruntime import FUSE_ENV, OrtBackend
+from specdec.runtime.backends.torch_backend import TorchBackend
+from specdec.runtime.engine import Engine
+from specdec.runtime.packed import ROOT, SeqWork, pack
+from specdec.runtime.request import Request
+
+pytestmark = pytest.mark.skipif(not ort_fuse.gqa_supported(), reason="GroupQueryAttention without query_seqlens")
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_VARIANTS))
+def tiny_export(request, tmp_path_factory):
+    model = tiny_random(**TINY_VARIANTS[request.param])
+    path = export_onnx(model, tmp_path_factory.mktemp("fuse") / "model.onnx")
+    return model, path
+
+
+@pytest.fixture(scope="module")
+def gqa_graph(tmp_path_factory):
+    """The GQA tiny variant's export, for the tests that need one graph only."""
+    model = tiny_random(**TINY_VARIANTS["gqa"])
+    return model, export_onnx(model, tmp_path_factory.mktemp("fuse-gqa") / "model.onnx")
+
+
+def _ops(proto: onnx.ModelProto) -> collections.Counter:
+    return collections.Counter((n.domain, n.op_type) for n in proto.graph.node)
+
+
+def test_every_pattern_is_lowered_and_the_file_keeps_its_custom_nodes(tiny_export) -> None:
+    model, path = tiny_export
+    layers = int(model.config.num_hidden_layers)
+    before = path.read_bytes()
+    proto = onnx.load(str(path), load_external_data=False)
+    report = ort_fuse.fuse_model(proto)
+    ops = _ops(proto)
+    assert report.counts == {"attention": layers, "rmsnorm": 2 * layers + 1, "skip_rmsnorm": 2 * layers - 1,
+                             "rotary": 2 * layers}, report
+    assert ops[("com.microsoft", "GroupQueryAttention")] == layers
+    assert ops[("com.microsoft", "RotaryEmbedding")] == 2 * layers
+    assert ops[("com.microsoft", "SkipSimplifiedLayerNormalization")] == 2 * layers - 1
+    assert ops[("", "SimplifiedLayerNormalization")] == 2  # the first layer's input norm and the final norm
+    for gone in ("Pow", "Reciprocal", "Neg", "ScatterND", "Softmax"):
+        assert ops[("", gone)] == 0, gone
+    assert not any(n.domain == onnx_op.DOMAIN for n in proto.graph.node) and not proto.functions
+    assert path.read_bytes() == before and count_attention_nodes(path) == layers  # TensorRT's file is untouched
+
+
+def test_fused_graph_matches_torch_on_random_ragged_forests(tiny_export) -> None:
+    model, path = tiny_export
+    backend = OrtBackend(path)
+    assert backend.fuse_report is not None and backend.fuse_report.attention
+    for seed in range(3):
+        assert max_logit_error(TorchBackend(model), backend, num_slots=5, max_len=48, seed=seed) < 1e-4
+    assert backend.inplace_ok
+
+
+def test_fused_caches_are_written_in_place_and_equal_the_reference(tiny_export) -> None:
+    model, path = tiny_export
+    backend, ref = OrtBackend(path), TorchBackend(model)
+    cache, ref_cache = backend.allocate_cache(3, 32), ref.allocate_cache(3, 32)
+    pointers = [t.data_ptr() for t in (*cache.k, *cache.v)]
+    for work in random_packs(model.vocab_size, 3, 32, seed=4):
+        backend.step(pack(work), cache)
+        ref.step(pack(work), ref_cache)
+    assert backend.inplace_ok  # GQA's present outputs are the bound cache buffers, checked by pointer every step
+    assert [t.data_ptr() for t in (*cache.k, *cache.v)] == pointers
+    for got, want in zip((*cache.k, *cache.v), (*ref_cache.k, *ref_cache.v)):
+        assert float((got - want).abs().max()) < 1e-5  # new rows where the reference put them, nothing elsewhere
+    assert any(float(t.abs().sum()) > 0 for t in cache.k)
+
+
+def test_steps_gqa_cannot_pad_are_split_or_run_unfused_and_stay_exact(gqa_graph) -> None:
+    """GQA pads each slot's chunk to the longest one and needs past + S <= max_len per slot; the reference does not."""
+    model, path = gqa_graph
+    ref = TorchBackend(model)
+    backend = OrtBackend(path)
+    cache, ref_cache = backend.allocate_cache(3, 16), ref.allocate_cache(3, 16)
+    steps = [
+        [SeqWork(0, 0, list(range(1, 14)))],
+        [SeqWork(0, 13, [3]), SeqWork(1, 0, [4, 5, 6, 7, 8], parents=[ROOT, 0, 0, 1, ROOT])],  # 13 + 5 > 16: split
+        [SeqWork(2, 0, list(range(16)))],  # fills the context while slots are idle: no GQA layout, unfused graph
+        [SeqWork(0, 14, [1, 2]), SeqWork(1, 1, [9, 9, 9]), SeqWork(2, 15, [7])],  # three groups
+    ]
+    for work in steps:
+        batch = pack(work)
+        assert float((backend.step(batch, cache) - ref.step(batch, ref_cache)).abs().max()) < 1e-4
+    assert backend.split_steps == 2 and backend.unfused_steps == 1 and backend.inplace_ok
+    for got, want in zip((*cache.k, *cache.v), (*ref_cache.k, *ref_cache.v)):
+        assert float((got - want).abs().max()) < 1e-5
+
+
+def test_gqa_groups() -> None:
+    assert ort_fuse.gqa_groups([3, 0], [1, 5], max_len=16, num_slots=4) == [[0, 1]]
+    assert ort_fuse.gqa_groups([13, 0], [1, 5], max_len=16, num_slots=4) == [[1], [0]]
+    assert ort_fuse.gqa_groups([14, 1, 15], [2, 3, 1], max_len=16, num_slots=3) == [[1], [0], [2]]
+    assert ort_fuse.gqa_groups([0], [16], max_len=16, num_slots=3) is None  # an idle slot cannot hold S = 16
+    assert ort_fuse.gqa_groups([0], [16], max_len=16, num_slots=1) == [[0]]
+
+
+def test_without_the_split_gqa_refuses_the_step(monkeypatch, gqa_graph) -> None:
+    """Negative control for the split: its precondition is real, ORT rejects the padded step outright."""
+    backend = OrtBackend(gqa_graph[1])
+    cache = backend.allocate_cache(2, 16)
+    backend.step(pack([SeqWork(0, 0, list(range(1, 14)))]), cache)
+    monkeypatch.setattr(ort_fuse, "gqa_groups", lambda past, new, max_len, slots: [list(range(len(new)))])
+    with pytest.raises(Exception, match="does not fit in the KV cache"):
+        backend.step(pack([SeqWork(0, 13, [3]), SeqWork(1, 0, [4, 5, 6, 7, 8])]), cache)
+
+
+def _wrong_seqlens(original):
+    def prelude(g, *args):
+        pre = original(g, *args)
+        one = g.add("Constant", value=onnx.helper.make_tensor("one", TensorProto.INT32, [], [1]))
+        zero = g.add("Constant", value=onnx.helper.make_tensor("zero", TensorProto.INT32, [], [0]))
+        pre.query_seqlens = g.add("Max", g.add("Sub", pre.query_seqlens, one), zero)  # each chunk's last row: padding
+        return pre
+    return prelude
+
+
+@pytest.mark.parametrize("mistake", ["bias", "seqlens"])
+def test_a_wrong_bias_or_seqlens_fails_the_agreement_check(mistake, monkeypatch, gqa_graph) -> None:
+    model, path = gqa_graph
+    if mistake == "bias":
+        monkeypatch.setitem(ort_fuse._LOWEST, TensorProto.FLOAT, 0.0)  # hidden keys get bias 0: the tree is ignored
+    else:
+        monkeypatch.setattr(ort_fuse, "_prelude", _wrong_seqlens(ort_fuse._prelude))
+    wrong = OrtBackend(path)
+    assert wrong.fuse_report.attention
+    assert max_logit_error(TorchBackend(model), wrong, num_slots=5, max_len=48, seed=0) > 1e-3
+
+
+def test_the_switch_turns_rewrites_off(tiny_export, monkeypatch) -> None:
+    _, path = tiny_export
+    assert OrtBackend(path, fuse=False).fuse_report is None
+    only = OrtBackend(path, fuse=["rmsnorm"]).fuse_report
+    assert only.counts["rmsnorm"] > 0 and only.counts["attention"] == only.counts["rotary"] == 0
+    monkeypatch.setenv(FUSE_ENV, "0")
+    assert OrtBackend(path).fuse_report is None
+    monkeypatch.setenv(FUSE_ENV, "attention")
+    env = OrtBackend(path).fuse_report
+    assert env.attention and env.counts["rmsnorm"] == 0
+    with pytest.raises(ValueError, match="unknown ORT rewrites"):
+        ort_fuse.fuse_model(onnx.load(str(path), load_external_data=False), ["nope"])
+
+
+def test_each_rewrite_alone_is_exact(tiny_export) -> None:
+    model, path = tiny_export
+    for rewrite in ort_fuse.REWRITES:
+        if rewrite == "skip_rmsnorm":
+            continue  # it rewrites rmsnorm's output
+        assert max_logit_error(TorchBackend(model), OrtBackend(path, fuse=[rewrite]), num_slots=4, max_len=40,
+                               seed=5) < 1e-4, rewrite
+
+
+def test_fp16_fused_graph_runs_close_to_fp32(tmp_path) -> None:
+    model = tiny_random(seed=4, num_layers=2)
+    backend = OrtBackend(export_onnx(model, tmp_path / "fp16.onnx", dtype=torch.float16))
+    assert backend.fuse_report.counts["attention"] == 2 and backend.fuse_report.counts["rmsnorm"] == 5
+    assert max_logit_error(TorchBackend(model), backend, num_slots=3, max_len=32) < 0.05
+
+
+def test_greedy_ems_on_the_fused_graph_equals_greedy_ar(tmp_path) -> None:
+    out = tmp_path / "deploy"
+    assert export_main(["--target", "tiny-random:seed=9,num_layers=2", "--draft", "tiny-random:seed=10,num_layers=1",
+                        "--out", str(out), "--max-batch", "4", "--max-len", "128"]) == 0
+    engine = Engine.from_export(out, max_batch=2)  # in-flight admission: a prefill next to a long sequence
+    assert engine.target.fuse_report.attention
+    torch_engine = Engine.from_models(tiny_random(seed=9, num_layers=2), tiny_random(seed=10, num_layers=1),
+                                      max_batch=4, max_len=128)
+    g = torch.Generator().manual_seed(1)
+    requests = [Request(torch.randint(0, 128, (n,), generator=g).tolist(), max_tokens=m)
+                for n, m in ((1, 12), (40, 20), (7, 3), (90, 16))]
+    want = torch_engine.generate(requests, "ar").outputs
+    got = engine.generate(requests, "ems")
+    assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want]
+    assert [o.token_ids for o in engine.generate(requests, "ar").outputs] == [o.token_ids for o in want]
+    assert got.run.summary()["draft_tokens"] > 0 and engine.target.inplace_ok
+    assert engine.target.split_steps > 0  # the 90-token prompt joined a sequence past 38 of 128: split
+
+
+def test_rewrites_compose_with_quantized_matmuls(tmp_path) -> None:
+    quantize = pytest.importorskip("specdec.export.quantize")
+    model = tiny_random(seed=1, num_layers=2)
+    path = export_onnx(model, tmp_path / "model.onnx")
+    quantize.quantize_export(model, path, "int8")
+    assert _ops(onnx.load(str(path), load_external_data=False))[("com.microsoft", "MatMulNBits")] > 0
+    fused, plain = OrtBackend(path), OrtBackend(path, fuse=False)
+    assert fused.fuse_report.attention and fused.fuse_report.counts["rmsnorm"] == 5
+    assert max_logit_error(plain, fused, num_slots=5, max_len=48) < 1e-4
+
+
+@pytest.mark.real_model
+def test_smollm2_fused_graph_matches_torch(smollm2_export) -> None:
+    graph = smollm2_export / "target" / "model.onnx"
+    backend = OrtBackend(graph)
+    assert backend.fuse_report.counts == {"attention": 30, "rmsnorm": 61, "skip_rmsnorm": 59, "rotary": 60}
+    error = max_logit_error(TorchBackend(load_model("smollm2-135m")), backend, num_slots=4, max_len=160, seed=7)
+    assert error < 1e-3 and backend.inplace_ok
+
