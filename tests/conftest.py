@@ -15,10 +15,15 @@ from typing import NoReturn
 
 import pytest
 import torch
+from export_cache import caching
 from fakes import small_tokenizer
 
+from specdec.export import onnx as onnx_export
 from specdec.models import loading
 from specdec.models.loading import LoadedModel, load_model, save_model, tiny_random
+
+# before any test module binds it: identical tiny exports run once per session (tests/export_cache.py)
+onnx_export.export_onnx = caching(onnx_export.export_onnx)
 
 # Two intra-op threads (the CI machine has 2 cores); SPECDEC_TEST_THREADS overrides it, e.g. =1 on a
 # loaded machine, where two spinning OpenMP threads make every tiny op wait for a free core.

@@ -12,7 +12,6 @@ import torch
 from onnx import TensorProto
 from test_onnx_backend import TINY_VARIANTS
 
-from specdec.export.cli import main as export_main
 from specdec.export.onnx import count_attention_nodes, export_onnx
 from specdec.export.validate import max_logit_error, random_packs
 from specdec.models.loading import load_model, tiny_random
@@ -20,9 +19,7 @@ from specdec.plugins import onnx_op
 from specdec.runtime.backends import ort_fuse
 from specdec.runtime.backends.onnxruntime import FUSE_ENV, OrtBackend
 from specdec.runtime.backends.torch_backend import TorchBackend
-from specdec.runtime.engine import Engine
 from specdec.runtime.packed import ROOT, SeqWork, pack
-from specdec.runtime.request import Request
 
 pytestmark = pytest.mark.skipif(not ort_fuse.gqa_supported(), reason="GroupQueryAttention without query_seqlens")
 
@@ -176,25 +173,6 @@ def test_fp16_fused_graph_runs_close_to_fp32(tmp_path) -> None:
     backend = OrtBackend(export_onnx(model, tmp_path / "fp16.onnx", dtype=torch.float16))
     assert backend.fuse_report.counts["attention"] == 2 and backend.fuse_report.counts["rmsnorm"] == 5
     assert max_logit_error(TorchBackend(model), backend, num_slots=3, max_len=32) < 0.05
-
-
-def test_greedy_ems_on_the_fused_graph_equals_greedy_ar(tmp_path) -> None:
-    out = tmp_path / "deploy"
-    assert export_main(["--target", "tiny-random:seed=9,num_layers=2", "--draft", "tiny-random:seed=10,num_layers=1",
-                        "--out", str(out), "--max-batch", "4", "--max-len", "128"]) == 0
-    engine = Engine.from_export(out, max_batch=2)  # in-flight admission: a prefill next to a long sequence
-    assert engine.target.fuse_report.attention
-    torch_engine = Engine.from_models(tiny_random(seed=9, num_layers=2), tiny_random(seed=10, num_layers=1),
-                                      max_batch=4, max_len=128)
-    g = torch.Generator().manual_seed(1)
-    requests = [Request(torch.randint(0, 128, (n,), generator=g).tolist(), max_tokens=m)
-                for n, m in ((1, 12), (40, 20), (7, 3), (90, 16))]
-    want = torch_engine.generate(requests, "ar").outputs
-    got = engine.generate(requests, "ems")
-    assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want]
-    assert [o.token_ids for o in engine.generate(requests, "ar").outputs] == [o.token_ids for o in want]
-    assert got.run.summary()["draft_tokens"] > 0 and engine.target.inplace_ok
-    assert engine.target.split_steps > 0  # the 90-token prompt joined a sequence past 38 of 128: split
 
 
 def test_rewrites_compose_with_quantized_matmuls(tmp_path) -> None:
