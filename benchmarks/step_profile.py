@@ -241,8 +241,32 @@ def main(argv: list[str] | None = None) -> int:
     (args.out_dir / "step_profile.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     text = markdown(doc)
     (args.out_dir / "step_profile.md").write_text(text, encoding="utf-8")
+    plot(doc, args.out_dir / "step_profile.png")
     print(text)
     return 0
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """Wall ms per step before / after the lowering, one pair of bars per shape (the table's first rows)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(doc["shapes"])
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for offset, variant, color in ((-0.2, "before", "tab:gray"), (0.2, "after", "tab:blue")):
+        values = [doc["shapes"][n]["wall_ms"][variant] for n in names]
+        bars = ax.bar([i + offset for i in range(len(names))], values, width=0.4, label=variant, color=color)
+        ax.bar_label(bars, fmt="%.1f", fontsize=8)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("ms per target step (median)")
+    ax.set_title(f"SmolLM2-135M on ONNX Runtime {doc['onnxruntime']}, {doc['threads']} threads: "
+                 "before / after ort_fuse", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
