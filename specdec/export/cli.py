@@ -10,6 +10,8 @@ Layout of ``--out DIR``::
 
 With ``--backend onnx`` (the default) each model directory holds ``model.onnx`` (+ ``.data``)
 and its config/tokenizer instead of safetensors; ``--backend tensorrt`` adds ``model.engine``.
+``--quantize int4|int8`` makes every linear layer of both graphs a weight-only block-quantized
+``MatMulNBits`` (``specdec.export.quantize``; a GGUF source keeps its own blocks).
 Every graph is validated against the torch reference before the export is declared done.
 
 The directory is assembled under a temporary name and renamed into place only when
@@ -68,8 +70,12 @@ VALIDATION_TOLERANCE = {"float32": 1e-3, "float16": 0.25}
 
 
 def _export_model(model: LoadedModel, sub: str, tmp: Path, backend: str, dtype: str,
-                  stages: tqdm, max_batch: int, max_len: int) -> dict:
-    """Write one model under ``tmp/sub`` and check the graph against the torch reference."""
+                  stages: tqdm, max_batch: int, max_len: int, quantize: str | None = None) -> dict:
+    """Write one model under ``tmp/sub`` and check the graph against the torch reference.
+
+    A quantized graph is checked against the torch backend over its de-quantized weights
+    (``quantize.quantize_and_validate``): the check tests the graph, not the rounding.
+    """
     save_model(model, tmp / sub, weights=backend == "torch")
     info: dict = {}
     if backend in ("onnx", "tensorrt"):
@@ -81,12 +87,22 @@ def _export_model(model: LoadedModel, sub: str, tmp: Path, backend: str, dtype: 
         stages.set_postfix_str(f"{sub}: ONNX export")
         graph = export_onnx(model, tmp / sub / "model.onnx", torch_dtype(dtype))
         stages.update()
-        stages.set_postfix_str(f"{sub}: validating on random ragged forests")
-        error = max_logit_error(TorchBackend(model), OrtBackend(graph))
-        if error > VALIDATION_TOLERANCE[dtype]:
-            raise ExportDirError(f"{sub}: exported graph differs from the torch reference by {error:.3g} "
-                                 f"(tolerance {VALIDATION_TOLERANCE[dtype]}): not writing a broken export")
+        if quantize:
+            from specdec.export.quantize import quantize_and_validate
+
+            stages.set_postfix_str(f"{sub}: {quantize} MatMulNBits, validating on random ragged forests")
+            quantized = quantize_and_validate(model, graph, quantize, VALIDATION_TOLERANCE[dtype])
+            error = quantized["validation_max_abs_logit_error_exact_level"]
+            stages.update()
+        else:
+            stages.set_postfix_str(f"{sub}: validating on random ragged forests")
+            error = max_logit_error(TorchBackend(model), OrtBackend(graph))
+            if error > VALIDATION_TOLERANCE[dtype]:
+                raise ExportDirError(f"{sub}: exported graph differs from the torch reference by {error:.3g} "
+                                     f"(tolerance {VALIDATION_TOLERANCE[dtype]}): not writing a broken export")
         info = {"graph": f"{sub}/model.onnx", "validation_max_abs_logit_error": error}
+        if quantize:
+            info["quantize"] = quantized
         if backend == "tensorrt":
             from specdec.export.tensorrt import ProfileSpec, build_engine
 
@@ -100,8 +116,11 @@ def _export_model(model: LoadedModel, sub: str, tmp: Path, backend: str, dtype: 
 
 def export(target: str, draft: str | None, out: Path, force: bool = False, backend: str = "onnx",
            dtype: str = "float32", max_batch: int = 16, max_len: int = 2048,
-           serving: ServingOptions | None = None, calibrate: bool = False) -> Path:
+           serving: ServingOptions | None = None, calibrate: bool = False, quantize: str | None = None) -> Path:
     """Write ``out`` (see module docstring); refuses an existing directory unless ``force``.
+
+    ``quantize`` ("int4", "int8"): weight-only block quantization of the target and draft graphs,
+    ONNX Runtime only (``MatMulNBits`` is an ORT contrib op) and fp32 activations only.
 
     ``calibrate``: time the exported graphs on this machine and price the adaptive draft length
     with what they cost (``specdec.runtime.costs``): the manifest keeps the measurement and the
@@ -112,6 +131,8 @@ def export(target: str, draft: str | None, out: Path, force: bool = False, backe
         raise ExportDirError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     if dtype not in VALIDATION_TOLERANCE:
         raise ExportDirError(f"unsupported dtype {dtype!r}: choose float32 or float16")
+    if quantize is not None:
+        _check_quantize(quantize, backend, dtype)
     if out.exists() and not force:
         raise ExportDirError(f"{out} already exists: pass --force to overwrite it")
     if backend == "tensorrt":
@@ -121,7 +142,7 @@ def export(target: str, draft: str | None, out: Path, force: bool = False, backe
     from specdec import __version__
 
     with atomic_directory(out) as tmp:
-        per_model = 1 if backend == "torch" else 2
+        per_model = 1 if backend == "torch" else 2 if not quantize else 3
         stages = tqdm(total=1 + per_model * (2 if draft else 1), desc="export", unit="stage")
         stages.set_postfix_str("loading models")
         target_model = load_model(target)
@@ -141,11 +162,13 @@ def export(target: str, draft: str | None, out: Path, force: bool = False, backe
             "max_batch": max_batch,
             "max_len": max_len,
             "drafter": "model" if draft_model is not None else "ngram",
-            "target": _export_model(target_model, "target", tmp, backend, dtype, stages, max_batch, max_len),
+            "quantize": quantize,
+            "target": _export_model(target_model, "target", tmp, backend, dtype, stages, max_batch, max_len,
+                                    quantize),
         }
         if draft_model is not None:
             manifest["draft"] = _export_model(draft_model, "draft", tmp, backend, dtype, stages, max_batch,
-                                              max_len)
+                                              max_len, quantize)
         manifest["versions"] = _versions()
         for part in ("target", "draft"):
             if part in manifest:
@@ -160,6 +183,20 @@ def export(target: str, draft: str | None, out: Path, force: bool = False, backe
         write_repository(tmp, tmp / REPOSITORY_DIR, serving)
         stages.close()
     return out
+
+
+def _check_quantize(quantize: str, backend: str, dtype: str) -> None:
+    """Refuse what ``--quantize`` cannot make: a graph only ONNX Runtime runs, with fp32 activations."""
+    from specdec.export.quantize import MODES
+
+    if quantize not in MODES:
+        raise ExportDirError(f"unknown --quantize {quantize!r}: choose one of {', '.join(MODES)}")
+    if backend != "onnx":
+        raise ExportDirError(f"--quantize {quantize} needs --backend onnx: MatMulNBits is an ONNX Runtime contrib op "
+                             f"that {backend} does not run")
+    if dtype != "float32":
+        raise ExportDirError(f"--quantize {quantize} needs --dtype float32 (fp32 activations and scales): "
+                             "ONNX Runtime's CPU MatMulNBits has no fast fp16 path off ARM")
 
 
 def _calibrate(root: Path, max_batch: int, serving: ServingOptions | None) -> DraftCosts:
@@ -196,6 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--backend", choices=BACKENDS, default="onnx",
                         help="onnx (ONNX Runtime, default), tensorrt (engine; NVIDIA GPU) or torch (weights only)")
     parser.add_argument("--dtype", choices=sorted(VALIDATION_TOLERANCE), default="float32")
+    parser.add_argument("--quantize", choices=("int4", "int8"),
+                        help="weight-only block-quantized linear layers (MatMulNBits; a GGUF source keeps its blocks)")
     parser.add_argument("--max-batch", type=int, default=16, help="sequences decoded together (KV slots)")
     parser.add_argument("--max-len", type=int, default=2048, help="KV-cache length per sequence")
     parser.add_argument("--out", required=True, help="output directory")
@@ -212,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  adaptive_draft=args.adaptive_draft, verify_cost=args.verify_cost,
                                  draft_cost=args.draft_cost)
         out = export(args.target, draft, Path(args.out), args.force, args.backend, args.dtype, args.max_batch,
-                     args.max_len, serving, calibrate=args.calibrate)
+                     args.max_len, serving, calibrate=args.calibrate, quantize=args.quantize)
     except (ModelResolutionError, ExportDirError, ValueError, RuntimeError) as exc:
         # RuntimeError: TensorRT unavailable, engine build failure, plugin fallback
         print(f"error: {exc}", file=sys.stderr)

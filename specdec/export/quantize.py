@@ -1,0 +1,542 @@
+"""Weight-only block quantization of an exported ragged-step graph (``specdec-export --quantize int4|int8``).
+
+After ``export_onnx`` wrote the fp32 graph, every linear layer's ``Gemm`` (the exporter's form of
+``F.linear``: weight ``[N, K]`` initializer, ``transB=1``; q/k/v and gate/up are each one fused
+weight) becomes a ``com.microsoft.MatMulNBits`` node: blocks of 32 weights along K, ``bits`` 4 or 8,
+one fp32 scale per block and, where needed, a uint8 zero point per block. Why that op: it is the
+form ONNX Runtime's CPU kernels (MLAS ``SQNBitGemm``) run from the packed blocks, so a decode step
+reads 4 or 8 bits per weight instead of 32. The LM
+head is quantized too; a tied embedding keeps its fp32 table for the ``GatherND`` (the exporter
+gives the head its own copy of the initializer, and only that copy is replaced).
+
+Formats, and why:
+
+* generic source (a Hugging Face directory, tiny-random): round to nearest. int4 is asymmetric
+  (the block's range, widened to hold 0, in 16 steps; an integer uint8 zero point), which gives a
+  skewed block its full 16 levels. int8 is symmetric (``scale = max|w| / 127``, the op's default zero
+  point 128, no zero-point tensor): at 8 bits an asymmetric range gains under one bit on skewed
+  blocks, and it is Q8_0's own format, so RTN int8 and a GGUF Q8_0 tensor are one layout.
+* block-quantized GGUF source (Q4_0 / Q4_1 / Q8_0): the file's own blocks, converted bit for bit,
+  no second rounding: Q4_0 ``w = d*(q-8)`` is 4-bit with the default zero point 8; Q8_0 ``w = d*q`` is
+  8-bit with ``q+128`` and the default 128; Q4_1 ``w = d*q + m`` is 4-bit with zero point 0 and the
+  block offsets ``m`` applied by a small correction ``(sum of the block's inputs) @ m^T`` (a
+  ``ReduceSum`` over each 32-input block and an fp32 ``Gemm`` with 1/32 of the weight's columns).
+  Why not the op's float zero point ``-m/d``, which would hold Q4_1 in the op alone: ONNX Runtime's
+  CPU kernel does not pre-pack a weight with float zero points and dequantizes the whole matrix to
+  fp32 on every call instead (``ComputeBUnpacked``; 8-bit it refuses outright), slower than the fp32
+  graph (measured in ``benchmarks/results/quantize.md``). A tensor keeps its source's bits when those
+  are more than asked (the Q8_0 embedding under ``int4`` stays 8-bit); fewer bits are held exactly in
+  8-bit codes. Rows follow the loaded weights' order: llama.cpp permutes attn_q/attn_k rows for its
+  RoPE layout and ``specdec.models.loading.read_gguf_tensors`` undoes it as transformers does; each
+  converted tensor is checked bit-exact against the loaded fp32 weights before it is used.
+
+``accuracy_level`` 4 (int8 activation blocks) is what the graph ships with, chosen for speed: on
+this CPU it runs SmolLM2's decode steps of 1-4 sequences 1.5-2x faster than the fp32 graph, while
+level 0 (fp32 activations) gains only for a single row of 4-bit weights (MLAS unpacks 4-bit weights
+per call above one row, and has no fp32-activation kernel for 8-bit at all: 5x slower than fp32).
+Its cost is the activations' rounding: logits move by up to ~5 on random packs and greedy answers
+drift from fp32's after a few tokens, while held-out perplexity moves by 0.1 % (int4) to 1.4 %
+(int8) (``benchmarks/results/quantize.md``).
+The export is validated at level 0, where the graph computes its stored weights exactly, so the
+check tests the graph and not the rounding (``quantize_and_validate``); then the level is set.
+
+The rewrite matches every graph weight row for row against the source tensors (exact fp32
+equality), so it needs no knowledge of how the backend fuses projections, and it records on each
+node which source rows it holds (``metadata_props``: ``specdec.quantize.rows``), which
+``graph_weights`` reads back to de-quantize a graph for the tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+BLOCK_SIZE = 32
+MODES = {"int4": 4, "int8": 8}
+#: what the shipped graph runs at (int8 activations, module docstring), and the level the export is checked at
+ACCURACY_LEVEL, EXACT_ACCURACY_LEVEL = 4, 0
+MS_DOMAIN = "com.microsoft"
+#: the projections quantized in every decoder layer (Hugging Face names), besides the LM head
+LINEAR_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                      "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+ROWS_KEY, FORMAT_KEY, OFFSETS_KEY = "specdec.quantize.rows", "specdec.quantize.format", "specdec.quantize.offsets"
+#: GGUF block types converted exactly, with their bits
+GGUF_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+
+
+class QuantizeError(ValueError):
+    """A graph or source cannot be quantized as asked; the message says which weight and why."""
+
+
+# -- the block format --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BlockQuant:
+    """A weight ``[N, K]`` in MatMulNBits form: ``w = scale * (code - zero_point) + offset`` per block of 32.
+
+    ``codes`` are unpacked (one uint8 per weight, ``[N, k_blocks, 32]``, zero-padded past K);
+    ``zero_points`` None means the op's default ``2**(bits-1)``; ``offsets`` (GGUF Q4_1's ``m``) None
+    means 0. ``source`` names the format the values came from (``rtn`` or a GGUF type).
+    """
+
+    bits: int
+    codes: np.ndarray
+    scales: np.ndarray
+    zero_points: np.ndarray | None
+    offsets: np.ndarray | None
+    columns: int
+    source: str
+
+    @property
+    def rows(self) -> int:
+        return int(self.codes.shape[0])
+
+    def zero_point_values(self) -> np.ndarray:
+        """The zero points as uint8 ``[N, k_blocks]``, the default filled in."""
+        if self.zero_points is not None:
+            return self.zero_points
+        return np.full(self.scales.shape, 1 << (self.bits - 1), dtype=np.uint8)
+
+    def dequantize(self) -> np.ndarray:
+        """The fp32 weight ``[N, K]``, in the arithmetic of ``gguf.quants.dequantize`` (bit-exact to it)."""
+        centred = self.codes.astype(np.float32) - self.zero_point_values().astype(np.float32)[..., None]
+        w = self.scales[..., None] * centred
+        if self.offsets is not None:
+            w = w + self.offsets[..., None]
+        return w.reshape(self.rows, -1)[:, : self.columns]
+
+    def take(self, start: int, stop: int) -> BlockQuant:
+        """Rows ``start:stop``."""
+        def cut(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else a[start:stop]
+
+        return replace(self, codes=self.codes[start:stop], scales=self.scales[start:stop],
+                       zero_points=cut(self.zero_points), offsets=cut(self.offsets))
+
+    def widened(self, bits: int) -> BlockQuant:
+        """The same values in ``bits >= self.bits`` (exact: codes re-centred on the wider default zero point)."""
+        if bits == self.bits:
+            return self
+        shift = (1 << (bits - 1)) - self.zero_point_values().astype(np.int32)[..., None]
+        codes = (self.codes.astype(np.int32) + shift).astype(np.uint8)
+        return replace(self, bits=bits, codes=codes, zero_points=None)
+
+
+def concat_rows(parts: Sequence[BlockQuant]) -> BlockQuant:
+    """One weight from row blocks (q|k|v, gate|up), widened to the parts' largest bits, exactly."""
+    bits = max(p.bits for p in parts)
+    parts = [p.widened(bits) for p in parts]
+    if len({p.columns for p in parts}) != 1:
+        raise QuantizeError("row blocks of one weight must have the same number of columns")
+    zps = None if all(p.zero_points is None for p in parts) else np.concatenate([p.zero_point_values() for p in parts])
+    offsets = None
+    if any(p.offsets is not None for p in parts):
+        offsets = np.concatenate([p.offsets if p.offsets is not None else np.zeros_like(p.scales) for p in parts])
+    sources = sorted({p.source for p in parts})
+    return BlockQuant(bits, np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]),
+                      zps, offsets, parts[0].columns, "+".join(sources))
+
+
+def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """MatMulNBits' ``B`` blob ``[N, k_blocks, 32*bits/8]``: 4-bit puts element 2i in byte i's low nibble, 2i+1 high."""
+    codes = codes.astype(np.uint8)
+    if bits == 8:
+        return codes
+    if bits != 4:
+        raise QuantizeError(f"bits must be 4 or 8, got {bits}")
+    return codes[..., 0::2] | (codes[..., 1::2] << np.uint8(4))
+
+
+def unpack_codes(blob: np.ndarray, bits: int) -> np.ndarray:
+    """Inverse of ``pack_codes``: one uint8 code per weight."""
+    if bits == 8:
+        return blob.astype(np.uint8)
+    out = np.empty((*blob.shape[:-1], 2 * blob.shape[-1]), dtype=np.uint8)
+    out[..., 0::2] = blob & np.uint8(0x0F)
+    out[..., 1::2] = blob >> np.uint8(4)
+    return out
+
+
+def pack_zero_points(zero_points: np.ndarray, bits: int) -> np.ndarray:
+    """MatMulNBits' uint8 ``zero_points`` ``[N, ceil(k_blocks*bits/8)]``: 4-bit two per byte, low nibble first."""
+    zp = zero_points.astype(np.uint8)
+    if bits == 8:
+        return zp
+    if zp.shape[1] % 2:
+        zp = np.pad(zp, ((0, 0), (0, 1)))
+    return zp[:, 0::2] | (zp[:, 1::2] << np.uint8(4))
+
+
+def unpack_zero_points(packed: np.ndarray, bits: int, k_blocks: int) -> np.ndarray:
+    """Inverse of ``pack_zero_points`` for a weight of ``k_blocks`` blocks per row."""
+    if bits == 8:
+        return packed.reshape(-1, k_blocks).astype(np.uint8)
+    return unpack_codes(packed.reshape(-1, math.ceil(k_blocks / 2)), 4)[:, :k_blocks]
+
+
+def quantize_rtn(weight: np.ndarray, bits: int) -> BlockQuant:
+    """Round-to-nearest blocks of an fp32 ``[N, K]`` weight: int4 asymmetric, int8 symmetric (module docstring)."""
+    w = np.asarray(weight, dtype=np.float32)
+    rows, columns = w.shape
+    k_blocks = math.ceil(columns / BLOCK_SIZE)
+    blocks = np.pad(w, ((0, 0), (0, k_blocks * BLOCK_SIZE - columns))).reshape(rows, k_blocks, BLOCK_SIZE)
+    if bits == 4:
+        lo = np.minimum(blocks.min(-1), 0.0)
+        hi = np.maximum(blocks.max(-1), 0.0)
+        scales = ((hi - lo) / 15).astype(np.float32)
+        scales[scales == 0] = 1.0  # an all-zero block: any scale, codes at the zero point
+        zps = np.clip(np.round(-lo / scales), 0, 15).astype(np.uint8)
+        codes = np.clip(np.round(blocks / scales[..., None]) + zps[..., None], 0, 15).astype(np.uint8)
+        return BlockQuant(4, codes, scales, zps, None, columns, "rtn")
+    if bits == 8:
+        scales = (np.abs(blocks).max(-1) / 127).astype(np.float32)
+        scales[scales == 0] = 1.0
+        codes = (np.clip(np.round(blocks / scales[..., None]), -127, 127) + 128).astype(np.uint8)
+        return BlockQuant(8, codes, scales, None, None, columns, "rtn")
+    raise QuantizeError(f"bits must be 4 or 8, got {bits}")
+
+
+def from_gguf_blocks(ggml_type: str, data: np.ndarray, columns: int) -> BlockQuant:
+    """A GGUF tensor's raw blocks (uint8 ``[rows, bytes per row]``) as MatMulNBits blocks, no rounding.
+
+    Q4_0 block: fp16 d, 16 bytes of nibbles; Q4_1: fp16 d, fp16 m, 16 bytes; in both, byte j holds
+    element j (low nibble) and j+16 (high). Q8_0: fp16 d, 32 int8.
+    """
+    if ggml_type not in GGUF_BITS or columns % BLOCK_SIZE:
+        raise QuantizeError(f"GGUF type {ggml_type} with {columns} columns has no exact MatMulNBits form")
+    rows, k_blocks = data.shape[0], columns // BLOCK_SIZE
+    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, k_blocks, -1)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if ggml_type == "Q8_0":
+        codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return BlockQuant(8, codes, d, None, None, columns, ggml_type)
+    offset = 4 if ggml_type == "Q4_1" else 2
+    nibbles = blocks[..., offset:]
+    codes = np.concatenate([nibbles & np.uint8(0x0F), nibbles >> np.uint8(4)], axis=-1)
+    if ggml_type == "Q4_0":
+        return BlockQuant(4, codes, d, None, None, columns, ggml_type)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    return BlockQuant(4, codes, d, np.zeros(d.shape, np.uint8), m, columns, ggml_type)
+
+
+# -- the source tensors ------------------------------------------------------------------------------
+
+
+def linear_names(model: Any) -> list[str]:
+    """The state-dict names of every linear weight the graph multiplies by: 7 per layer and the LM head."""
+    sd = model.state_dict
+    names = [f"model.layers.{i}.{p}.weight" for i in range(int(model.config.num_hidden_layers))
+             for p in LINEAR_PROJECTIONS]
+    names.append("lm_head.weight" if "lm_head.weight" in sd and not model.config.tie_word_embeddings
+                 else "model.embed_tokens.weight")
+    return names
+
+
+def source_blocks(model: Any, bits: int, use_gguf: bool = True) -> dict[str, BlockQuant]:
+    """Each linear weight of ``model`` in blocks: the GGUF file's own where it has them, RTN otherwise.
+
+    A GGUF tensor is used only after its de-quantized values equal the loaded fp32 weights bit for
+    bit (so a row order that does not follow the loaded one, e.g. a missed RoPE un-permutation,
+    is refused here rather than exported).
+    """
+    from specdec.models.loading import GGUF_PATH, read_gguf_tensors
+
+    path = model.extra.get(GGUF_PATH) if use_gguf else None
+    raw = read_gguf_tensors(path, model.config) if path else {}
+    out: dict[str, BlockQuant] = {}
+    for name in linear_names(model):
+        weight = model.state_dict[name].detach().float().numpy()
+        tensor = raw.get(name)
+        if tensor is None or tensor.ggml_type not in GGUF_BITS or tensor.shape != weight.shape:
+            out[name] = quantize_rtn(weight, bits)  # e.g. F16 tensors, or a restricted head cut from the file's
+            continue
+        block = from_gguf_blocks(tensor.ggml_type, tensor.data, tensor.shape[1])
+        if not np.array_equal(block.dequantize(), weight):
+            raise QuantizeError(f"{path}: the {tensor.ggml_type} blocks of {name} do not reproduce the loaded "
+                                "weights (rows in another order than transformers' un-permuted ones?)")
+        out[name] = block.widened(max(block.bits, bits))
+    return out
+
+
+def quantize_export(model: Any, graph: str | os.PathLike, mode: str, *, use_gguf: bool = True,
+                    accuracy_level: int = EXACT_ACCURACY_LEVEL) -> tuple[Any, dict]:
+    """Quantize the exported ``graph`` of ``model`` in place; (the de-quantized model, the manifest's summary).
+
+    ``use_gguf=False`` rounds the fp32 weights even when the model came from a block-quantized GGUF
+    (what a second rounding costs: ``benchmarks/quantize_quality.py``).
+    """
+    if mode not in MODES:
+        raise QuantizeError(f"unknown quantization {mode!r}: choose one of {', '.join(MODES)}")
+    bits = MODES[mode]
+    blocks = source_blocks(model, bits, use_gguf=use_gguf)
+    reference = {name: model.state_dict[name].detach().float().numpy() for name in blocks}
+    summary = quantize_graph(graph, blocks, reference, accuracy_level)
+    return dequantized_model(model, blocks), {"mode": mode, "bits": bits, **summary}
+
+
+def set_accuracy_level(graph: str | os.PathLike, level: int) -> None:
+    """Set every MatMulNBits node's ``accuracy_level`` (the weights in the external data stay untouched)."""
+    import onnx
+    from onnx import helper
+
+    proto = onnx.load(str(graph), load_external_data=False)
+    for node in proto.graph.node:
+        if node.op_type == "MatMulNBits" and node.domain == MS_DOMAIN:
+            kept = [a for a in node.attribute if a.name != "accuracy_level"]
+            del node.attribute[:]
+            node.attribute.extend([*kept, helper.make_attribute("accuracy_level", level)])
+    onnx.save_model(proto, str(graph))
+
+
+def quantize_and_validate(model: Any, graph: str | os.PathLike, mode: str, tolerance: float,
+                          accuracy_level: int = ACCURACY_LEVEL, use_gguf: bool = True) -> dict:
+    """Quantize ``graph``, check it tightly, switch it to ``accuracy_level``; the manifest's ``quantize`` entry.
+
+    The tight check runs the graph at accuracy level 0 (fp32 activations, the weights exactly as
+    stored) against the torch backend over the de-quantized weights, so it tests the graph (packing,
+    nibble order, row order, Q4_1 offsets), not the rounding; it must stay below ``tolerance``.
+    The shipped level's error against that reference and against the fp32 source are recorded, not
+    asserted: they are the rounding of activations and weights (``benchmarks/results/quantize.md``).
+    """
+    from specdec.export.validate import max_logit_error
+    from specdec.runtime.backends.onnxruntime import OrtBackend
+    from specdec.runtime.backends.torch_backend import TorchBackend
+
+    reference_model, summary = quantize_export(model, graph, mode, use_gguf=use_gguf)
+    reference = TorchBackend(reference_model)
+    error = max_logit_error(reference, OrtBackend(graph))
+    if error > tolerance:
+        raise QuantizeError(f"{graph}: the quantized graph differs from the torch reference over its de-quantized "
+                            f"weights by {error:.3g} (tolerance {tolerance}): not writing a broken export")
+    if accuracy_level != EXACT_ACCURACY_LEVEL:
+        set_accuracy_level(graph, accuracy_level)
+    shipped = OrtBackend(graph)
+    return {**summary, "accuracy_level": accuracy_level,
+            "validation_max_abs_logit_error_exact_level": error,
+            "max_abs_logit_error_vs_dequantized": max_logit_error(reference, shipped),
+            "max_abs_logit_error_vs_fp32": max_logit_error(TorchBackend(model), OrtBackend(graph))}
+
+
+def dequantized_model(model: Any, blocks: Mapping[str, BlockQuant]) -> Any:
+    """A copy of ``model`` whose linear weights are the de-quantized blocks (the validation reference).
+
+    A tied head becomes an untied ``lm_head``: the embedding table the graph gathers from stays fp32.
+    """
+    import copy
+
+    import torch
+
+    from specdec.models.loading import LoadedModel
+
+    state = dict(model.state_dict)
+    config = model.config
+    for name, block in blocks.items():
+        target = name
+        if name == "model.embed_tokens.weight":
+            target = "lm_head.weight"
+            config = copy.deepcopy(config)
+            config.tie_word_embeddings = False
+        state[target] = torch.from_numpy(block.dequantize().copy())
+    return LoadedModel(model.name, config, state, model.tokenizer, model.source, dict(model.extra))
+
+
+# -- the graph rewrite -------------------------------------------------------------------------------
+
+
+def _digest(row: np.ndarray) -> bytes:
+    return hashlib.blake2b(np.ascontiguousarray(row).tobytes(), digest_size=16).digest()
+
+
+class _RowIndex:
+    """Finds each graph weight row among the source tensors' rows (fp32 bytes equal)."""
+
+    def __init__(self, reference: Mapping[str, np.ndarray]) -> None:
+        self.reference = reference
+        self.rows: dict[str, list[bytes]] = {name: [_digest(r) for r in w] for name, w in reference.items()}
+        self.where: dict[bytes, list[tuple[str, int]]] = {}
+        for name, digests in self.rows.items():
+            for i, d in enumerate(digests):
+                self.where.setdefault(d, []).append((name, i))
+
+    def runs(self, weight: np.ndarray) -> list[tuple[str, int, int]] | None:
+        """``weight`` as runs ``(source, start, stop)`` of consecutive source rows, or None if a row is unknown."""
+        digests = [_digest(r) for r in weight]
+        runs: list[tuple[str, int, int]] = []
+        i = 0
+        while i < len(digests):
+            best: tuple[str, int, int] | None = None
+            for name, start in self.where.get(digests[i], ()):
+                source = self.rows[name]
+                n = 0
+                while i + n < len(digests) and start + n < len(source) and source[start + n] == digests[i + n]:
+                    n += 1
+                if best is None or n > best[2] - best[1]:
+                    best = (name, start, start + n)
+            if best is None:
+                return None
+            runs.append(best)
+            i += best[2] - best[1]
+        stacked = np.concatenate([self.reference[n][a:b] for n, a, b in runs])
+        return runs if np.array_equal(stacked, weight) else None
+
+
+def _linear_weight(node: Any, inits: Mapping[str, Any]) -> tuple[str, bool] | None:
+    """(initializer name, whether it is stored [N, K]) of a Gemm/MatMul by a constant 2-D weight, else None."""
+    from onnx import helper
+
+    if node.op_type not in ("Gemm", "MatMul") or len(node.input) < 2 or node.input[1] not in inits:
+        return None
+    if len(inits[node.input[1]].dims) != 2:
+        return None
+    if node.op_type == "MatMul":
+        return node.input[1], False
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0:
+        return None
+    return node.input[1], bool(attrs.get("transB", 0))
+
+
+def quantize_graph(path: str | os.PathLike, blocks: Mapping[str, BlockQuant], reference: Mapping[str, np.ndarray],
+                   accuracy_level: int = EXACT_ACCURACY_LEVEL) -> dict:
+    """Rewrite the graph at ``path`` in place: every linear layer becomes MatMulNBits; returns a summary.
+
+    ``blocks`` are the source tensors in block form and ``reference`` their fp32 values as the
+    exported graph holds them. A Gemm/MatMul by a constant weight that matches no source rows is
+    an error (no linear layer is left in fp32 unnoticed), and so is a source tensor no node uses.
+    """
+    import onnx
+    from onnx import helper, numpy_helper
+
+    out = Path(path)
+    proto = onnx.load(str(out))
+    graph = proto.graph
+    inits = {i.name: i for i in graph.initializer}
+    index = _RowIndex(reference)
+    new_nodes, new_inits, replaced, used = [], [], set(), Counter()
+    formats: Counter = Counter()
+    for node in graph.node:
+        found = _linear_weight(node, inits)
+        if found is None:
+            new_nodes.append(node)
+            continue
+        name, rows_first = found
+        stored = numpy_helper.to_array(inits[name])
+        weight = stored if rows_first else stored.T
+        runs = index.runs(np.ascontiguousarray(weight, dtype=np.float32))
+        if runs is None:
+            raise QuantizeError(f"{out}: {node.op_type} {node.name!r} multiplies by {name}, which matches no "
+                                "linear weight of the model: not leaving it in fp32 unnoticed")
+        block = concat_rows([blocks[n].take(a, b) for n, a, b in runs])
+        used.update(n for n, _, _ in runs)
+        formats[block.source] += 1
+        nodes, tensors = _matmul_nbits(node, block, runs, accuracy_level)
+        new_nodes.extend(nodes)
+        new_inits.extend(tensors)
+        replaced.add(name)
+    unused = [n for n in blocks if n not in used]
+    if unused:
+        raise QuantizeError(f"{out}: no linear node of the graph uses {unused}")
+    still_used = {i for n in new_nodes for i in n.input}
+    kept = [i for i in graph.initializer if i.name not in replaced or i.name in still_used]
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+    del graph.initializer[:]
+    graph.initializer.extend([*kept, *new_inits])
+    if not any(o.domain == MS_DOMAIN for o in proto.opset_import):
+        proto.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    data = out.with_name(out.name + ".data")
+    if data.exists():
+        data.unlink()
+    onnx.save_model(proto, str(out), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name,
+                    size_threshold=1024)
+    return {"linear_layers": sum(formats.values()), "formats": dict(sorted(formats.items())),
+            "block_size": BLOCK_SIZE, "accuracy_level": accuracy_level,
+            "graph_bytes": out.stat().st_size + (data.stat().st_size if data.exists() else 0)}
+
+
+def _matmul_nbits(node: Any, block: BlockQuant, runs: list[tuple[str, int, int]],
+                  accuracy_level: int) -> tuple[list[Any], list[Any]]:
+    """The MatMulNBits node (and the Q4_1 offset correction) replacing ``node``, with their initializers."""
+    from onnx import helper, numpy_helper
+
+    base = node.name or node.output[0]
+    n, k_blocks = block.scales.shape
+    tensors = [numpy_helper.from_array(pack_codes(block.codes, block.bits), f"{base}.qweight"),
+               numpy_helper.from_array(block.scales.astype(np.float32), f"{base}.scales")]
+    inputs = [node.input[0], tensors[0].name, tensors[1].name, "", "", ""]
+    if block.zero_points is not None:
+        tensors.append(numpy_helper.from_array(pack_zero_points(block.zero_points, block.bits), f"{base}.zero_points"))
+        inputs[3] = tensors[-1].name
+    if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2]:
+        inputs[5] = node.input[2]  # a bias [N]
+    while inputs[-1] == "":
+        inputs.pop()
+    output = node.output[0] if block.offsets is None else f"{base}.nbits"
+    q = helper.make_node("MatMulNBits", inputs, [output], name=f"{base}.nbits", domain=MS_DOMAIN, K=block.columns,
+                         N=n, bits=block.bits, block_size=BLOCK_SIZE, accuracy_level=accuracy_level)
+    meta = {ROWS_KEY: json.dumps(runs), FORMAT_KEY: block.source}
+    nodes = [q]
+    if block.offsets is not None:
+        if block.columns != k_blocks * BLOCK_SIZE:
+            raise QuantizeError(f"{base}: block offsets need whole blocks of inputs")
+        tensors += [numpy_helper.from_array(np.array([-1, k_blocks, BLOCK_SIZE], np.int64), f"{base}.block_shape"),
+                    numpy_helper.from_array(np.array([-1], np.int64), f"{base}.block_axis"),
+                    numpy_helper.from_array(np.ascontiguousarray(block.offsets.T, np.float32), f"{base}.offsets")]
+        meta[OFFSETS_KEY] = f"{base}.offsets"
+        nodes += [
+            helper.make_node("Reshape", [node.input[0], f"{base}.block_shape"], [f"{base}.blocks"],
+                             name=f"{base}.blocks"),
+            helper.make_node("ReduceSum", [f"{base}.blocks", f"{base}.block_axis"], [f"{base}.block_sums"],
+                             name=f"{base}.block_sums", keepdims=0),
+        ]
+        if node.op_type == "Gemm":  # 2-D rows: one Gemm adds the offsets to the product (fewest kernel calls)
+            nodes.append(helper.make_node("Gemm", [f"{base}.block_sums", f"{base}.offsets", output], [node.output[0]],
+                                          name=f"{base}.add_offsets"))
+        else:  # a MatMul's input may have leading dims: back to the product's shape first
+            nodes += [
+                helper.make_node("MatMul", [f"{base}.block_sums", f"{base}.offsets"], [f"{base}.offset_rows"],
+                                 name=f"{base}.offset_rows"),
+                helper.make_node("Shape", [output], [f"{base}.shape"], name=f"{base}.shape"),
+                helper.make_node("Reshape", [f"{base}.offset_rows", f"{base}.shape"], [f"{base}.offset"],
+                                 name=f"{base}.offset"),
+                helper.make_node("Add", [output, f"{base}.offset"], [node.output[0]], name=f"{base}.add_offsets"),
+            ]
+    for key, value in meta.items():
+        q.metadata_props.add(key=key, value=value)
+    return nodes, tensors
+
+
+def graph_weights(path: str | os.PathLike) -> dict[str, tuple[np.ndarray, list[tuple[str, int, int]], str]]:
+    """Every MatMulNBits node's de-quantized weight ``[N, K]``, the source rows it holds and their format."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    proto = onnx.load(str(path))
+    inits = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
+    out = {}
+    for node in proto.graph.node:
+        if node.op_type != "MatMulNBits" or node.domain != MS_DOMAIN:
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        bits, n, columns = int(attrs["bits"]), int(attrs["N"]), int(attrs["K"])
+        codes = unpack_codes(inits[node.input[1]], bits)
+        scales = inits[node.input[2]].reshape(n, -1)
+        k_blocks = scales.shape[1]
+        zps = (unpack_zero_points(inits[node.input[3]], bits, k_blocks)
+               if len(node.input) > 3 and node.input[3] else None)
+        meta = {p.key: p.value for p in node.metadata_props}
+        offsets = inits[meta[OFFSETS_KEY]].T if OFFSETS_KEY in meta else None
+        block = BlockQuant(bits, codes, scales, zps, offsets, columns, meta.get(FORMAT_KEY, "?"))
+        runs = [tuple(r) for r in json.loads(meta.get(ROWS_KEY, "[]"))]
+        out[node.name] = (block.dequantize(), runs, block.source)
+    return out
