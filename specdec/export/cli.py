@@ -70,7 +70,8 @@ VALIDATION_TOLERANCE = {"float32": 1e-3, "float16": 0.25}
 
 
 def _export_model(model: LoadedModel, sub: str, tmp: Path, backend: str, dtype: str,
-                  stages: tqdm, max_batch: int, max_len: int, quantize: str | None = None) -> dict:
+                  stages: tqdm, max_batch: int, max_len: int, quantize: str | None = None,
+                  activations: str = "fp32") -> dict:
     """Write one model under ``tmp/sub`` and check the graph against the torch reference.
 
     A quantized graph is checked against the torch backend over its de-quantized weights
@@ -88,10 +89,11 @@ def _export_model(model: LoadedModel, sub: str, tmp: Path, backend: str, dtype: 
         graph = export_onnx(model, tmp / sub / "model.onnx", torch_dtype(dtype))
         stages.update()
         if quantize:
-            from specdec.export.quantize import quantize_and_validate
+            from specdec.export.quantize import ACTIVATIONS, quantize_and_validate
 
             stages.set_postfix_str(f"{sub}: {quantize} MatMulNBits, validating on random ragged forests")
-            quantized = quantize_and_validate(model, graph, quantize, VALIDATION_TOLERANCE[dtype])
+            quantized = quantize_and_validate(model, graph, quantize, VALIDATION_TOLERANCE[dtype],
+                                              accuracy_level=ACTIVATIONS[activations])
             error = quantized["validation_max_abs_logit_error_exact_level"]
             stages.update()
         else:
@@ -116,11 +118,14 @@ def _export_model(model: LoadedModel, sub: str, tmp: Path, backend: str, dtype: 
 
 def export(target: str, draft: str | None, out: Path, force: bool = False, backend: str = "onnx",
            dtype: str = "float32", max_batch: int = 16, max_len: int = 2048,
-           serving: ServingOptions | None = None, calibrate: bool = False, quantize: str | None = None) -> Path:
+           serving: ServingOptions | None = None, calibrate: bool = False, quantize: str | None = None,
+           activations: str = "fp32") -> Path:
     """Write ``out`` (see module docstring); refuses an existing directory unless ``force``.
 
     ``quantize`` ("int4", "int8"): weight-only block quantization of the target and draft graphs,
     ONNX Runtime only (``MatMulNBits`` is an ORT contrib op) and fp32 activations only.
+    ``activations``: "fp32" (default: exact, greedy ems equals greedy ar on the graph) or "int8" (faster
+    small steps; a row's rounding then depends on the step's shape, so ems and ar answers may differ).
 
     ``calibrate``: time the exported graphs on this machine and price the adaptive draft length
     with what they cost (``specdec.runtime.costs``): the manifest keeps the measurement and the
@@ -164,11 +169,11 @@ def export(target: str, draft: str | None, out: Path, force: bool = False, backe
             "drafter": "model" if draft_model is not None else "ngram",
             "quantize": quantize,
             "target": _export_model(target_model, "target", tmp, backend, dtype, stages, max_batch, max_len,
-                                    quantize),
+                                    quantize, activations),
         }
         if draft_model is not None:
             manifest["draft"] = _export_model(draft_model, "draft", tmp, backend, dtype, stages, max_batch,
-                                              max_len, quantize)
+                                              max_len, quantize, activations)
         manifest["versions"] = _versions()
         for part in ("target", "draft"):
             if part in manifest:
@@ -235,6 +240,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(VALIDATION_TOLERANCE), default="float32")
     parser.add_argument("--quantize", choices=("int4", "int8"),
                         help="weight-only block-quantized linear layers (MatMulNBits; a GGUF source keeps its blocks)")
+    parser.add_argument("--quantize-activations", choices=("fp32", "int8"), default="fp32",
+                        help="with --quantize: fp32 (default) keeps speculation exact; int8 is faster for small "
+                        "steps but greedy ems may then differ from greedy ar on the same graph")
+    parser.add_argument("--drafter", choices=("ngram", "hybrid"),
+                        help="served drafter: ngram (prompt lookup), or hybrid (prompt lookup where the context "
+                        "matches, the --draft model elsewhere); default: the draft model, or ngram without one")
     parser.add_argument("--max-batch", type=int, default=16, help="sequences decoded together (KV slots)")
     parser.add_argument("--max-len", type=int, default=2048, help="KV-cache length per sequence")
     parser.add_argument("--out", required=True, help="output directory")
@@ -249,9 +260,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         serving = ServingOptions(intra_op_threads=args.intra_op_threads, num_draft_tokens=args.num_draft_tokens,
                                  adaptive_draft=args.adaptive_draft, verify_cost=args.verify_cost,
-                                 draft_cost=args.draft_cost)
+                                 draft_cost=args.draft_cost, drafter=args.drafter or "")
+        if args.drafter == "hybrid" and draft is None:
+            raise ExportDirError("--drafter hybrid needs --draft (prompt lookup first, the draft model elsewhere)")
         out = export(args.target, draft, Path(args.out), args.force, args.backend, args.dtype, args.max_batch,
-                     args.max_len, serving, calibrate=args.calibrate, quantize=args.quantize)
+                     args.max_len, serving, calibrate=args.calibrate, quantize=args.quantize,
+                     activations=args.quantize_activations)
     except (ModelResolutionError, ExportDirError, ValueError, RuntimeError) as exc:
         # RuntimeError: TensorRT unavailable, engine build failure, plugin fallback
         print(f"error: {exc}", file=sys.stderr)

@@ -30,15 +30,18 @@ Formats, and why:
   RoPE layout and ``specdec.models.loading.read_gguf_tensors`` undoes it as transformers does; each
   converted tensor is checked bit-exact against the loaded fp32 weights before it is used.
 
-``accuracy_level`` 4 (int8 activation blocks) is what the graph ships with, chosen for speed: on
-this CPU it runs SmolLM2's decode steps of 1-4 sequences 1.5-2x faster than the fp32 graph, while
-level 0 (fp32 activations) gains only for a single row of 4-bit weights (MLAS unpacks 4-bit weights
-per call above one row, and has no fp32-activation kernel for 8-bit at all: 5x slower than fp32).
-Its cost is the activations' rounding: logits move by up to ~5 on random packs and greedy answers
-drift from fp32's after a few tokens, while held-out perplexity moves by 0.1 % (int4) to 1.4 %
-(int8) (``benchmarks/results/quantize.md``).
-The export is validated at level 0, where the graph computes its stored weights exactly, so the
-check tests the graph and not the rounding (``quantize_and_validate``); then the level is set.
+``accuracy_level`` 0 (fp32 activations) is what the graph ships with by default, because it keeps
+speculation exact: the graph computes its stored weights in fp32, so a row's logits do not depend on
+how many rows share the step and greedy ``ems`` stays token-identical to greedy ``ar`` on the same
+graph. Level 4 (int8 activation blocks, ``specdec-export --quantize-activations int8``) is faster
+for decode steps of a few rows, but the rounding of a row's activations then depends on the step's
+shape (one-row ``ar`` steps against multi-row verification), so ems and ar answers drift apart after
+near-ties: measured in ``benchmarks/results/edge_cpu.md``; logits move by up to ~5 on random packs,
+held-out perplexity by 0.1 % (int4) to 1.4 % (int8) (``benchmarks/results/quantize.md``).
+At level 0, MLAS has no fp32-activation kernel for 8-bit weights (5x slower than fp32), so a tensor
+that would be 8-bit under ``int4`` (the GGUF's Q8_0 embedding as the tied head) stays an fp32 Gemm
+(``fp32_at_exact_level``). The export is validated at level 0, where the graph computes its stored
+weights exactly, so the check tests the graph and not the rounding (``quantize_and_validate``).
 
 The rewrite matches every graph weight row for row against the source tensors (exact fp32
 equality), so it needs no knowledge of how the backend fuses projections, and it records on each
@@ -62,8 +65,12 @@ import numpy as np
 
 BLOCK_SIZE = 32
 MODES = {"int4": 4, "int8": 8}
-#: what the shipped graph runs at (int8 activations, module docstring), and the level the export is checked at
-ACCURACY_LEVEL, EXACT_ACCURACY_LEVEL = 4, 0
+#: the level a graph is checked at and ships with by default (fp32 activations: exact speculation), and the
+#: faster, inexact one (int8 activation blocks) that ``--quantize-activations int8`` asks for (module docstring)
+EXACT_ACCURACY_LEVEL, FAST_ACCURACY_LEVEL = 0, 4
+ACCURACY_LEVEL = EXACT_ACCURACY_LEVEL
+#: ``--quantize-activations`` choices
+ACTIVATIONS = {"fp32": EXACT_ACCURACY_LEVEL, "int8": FAST_ACCURACY_LEVEL}
 MS_DOMAIN = "com.microsoft"
 #: the projections quantized in every decoder layer (Hugging Face names), besides the LM head
 LINEAR_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -268,20 +275,32 @@ def source_blocks(model: Any, bits: int, use_gguf: bool = True) -> dict[str, Blo
     return out
 
 
+def fp32_at_exact_level(blocks: Mapping[str, BlockQuant], bits: int, accuracy_level: int) -> set[str]:
+    """The tensors left as fp32 Gemms: at level 0, those wider than asked (8-bit under ``int4``), which MLAS
+    runs 5x slower than fp32 without int8 activations (module docstring)."""
+    if accuracy_level != EXACT_ACCURACY_LEVEL:
+        return set()
+    return {name for name, block in blocks.items() if block.bits > bits}
+
+
 def quantize_export(model: Any, graph: str | os.PathLike, mode: str, *, use_gguf: bool = True,
                     accuracy_level: int = EXACT_ACCURACY_LEVEL) -> tuple[Any, dict]:
     """Quantize the exported ``graph`` of ``model`` in place; (the de-quantized model, the manifest's summary).
 
     ``use_gguf=False`` rounds the fp32 weights even when the model came from a block-quantized GGUF
-    (what a second rounding costs: ``benchmarks/quantize_quality.py``).
+    (what a second rounding costs: ``benchmarks/quantize_quality.py``). ``accuracy_level`` is the
+    level the graph will ship with; it decides which tensors stay fp32 (``fp32_at_exact_level``).
     """
     if mode not in MODES:
         raise QuantizeError(f"unknown quantization {mode!r}: choose one of {', '.join(MODES)}")
     bits = MODES[mode]
     blocks = source_blocks(model, bits, use_gguf=use_gguf)
+    kept = fp32_at_exact_level(blocks, bits, accuracy_level)
+    blocks = {name: block for name, block in blocks.items() if name not in kept}
     reference = {name: model.state_dict[name].detach().float().numpy() for name in blocks}
-    summary = quantize_graph(graph, blocks, reference, accuracy_level)
-    return dequantized_model(model, blocks), {"mode": mode, "bits": bits, **summary}
+    summary = quantize_graph(graph, blocks, reference, EXACT_ACCURACY_LEVEL,
+                             keep={name: model.state_dict[name].detach().float().numpy() for name in kept})
+    return dequantized_model(model, blocks), {"mode": mode, "bits": bits, "fp32_tensors": sorted(kept), **summary}
 
 
 def set_accuracy_level(graph: str | os.PathLike, level: int) -> None:
@@ -312,7 +331,7 @@ def quantize_and_validate(model: Any, graph: str | os.PathLike, mode: str, toler
     from specdec.runtime.backends.onnxruntime import OrtBackend
     from specdec.runtime.backends.torch_backend import TorchBackend
 
-    reference_model, summary = quantize_export(model, graph, mode, use_gguf=use_gguf)
+    reference_model, summary = quantize_export(model, graph, mode, use_gguf=use_gguf, accuracy_level=accuracy_level)
     reference = TorchBackend(reference_model)
     error = max_logit_error(reference, OrtBackend(graph))
     if error > tolerance:
@@ -407,12 +426,13 @@ def _linear_weight(node: Any, inits: Mapping[str, Any]) -> tuple[str, bool] | No
 
 
 def quantize_graph(path: str | os.PathLike, blocks: Mapping[str, BlockQuant], reference: Mapping[str, np.ndarray],
-                   accuracy_level: int = EXACT_ACCURACY_LEVEL) -> dict:
+                   accuracy_level: int = EXACT_ACCURACY_LEVEL, keep: Mapping[str, np.ndarray] | None = None) -> dict:
     """Rewrite the graph at ``path`` in place: every linear layer becomes MatMulNBits; returns a summary.
 
     ``blocks`` are the source tensors in block form and ``reference`` their fp32 values as the
-    exported graph holds them. A Gemm/MatMul by a constant weight that matches no source rows is
-    an error (no linear layer is left in fp32 unnoticed), and so is a source tensor no node uses.
+    exported graph holds them; ``keep`` the fp32 values of linear weights deliberately left as they
+    are. A Gemm/MatMul by a constant weight that matches neither is an error (no linear layer is left
+    in fp32 unnoticed), and so is a source tensor no node uses.
     """
     import onnx
     from onnx import helper, numpy_helper
@@ -421,7 +441,7 @@ def quantize_graph(path: str | os.PathLike, blocks: Mapping[str, BlockQuant], re
     proto = onnx.load(str(out))
     graph = proto.graph
     inits = {i.name: i for i in graph.initializer}
-    index = _RowIndex(reference)
+    index = _RowIndex({**reference, **(keep or {})})
     new_nodes, new_inits, replaced, used = [], [], set(), Counter()
     formats: Counter = Counter()
     for node in graph.node:
@@ -436,6 +456,9 @@ def quantize_graph(path: str | os.PathLike, blocks: Mapping[str, BlockQuant], re
         if runs is None:
             raise QuantizeError(f"{out}: {node.op_type} {node.name!r} multiplies by {name}, which matches no "
                                 "linear weight of the model: not leaving it in fp32 unnoticed")
+        if all(n in (keep or {}) for n, _, _ in runs):
+            new_nodes.append(node)  # left in fp32 on purpose (``fp32_at_exact_level``)
+            continue
         block = concat_rows([blocks[n].take(a, b) for n, a, b in runs])
         used.update(n for n, _, _ in runs)
         formats[block.source] += 1

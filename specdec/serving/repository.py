@@ -49,7 +49,7 @@ class ServingOptions:
     verify_cost: float | None = None
     draft_cost: float | None = None
     default_max_tokens: int = 64
-    drafter: str = ""  # "" = as exported; "ngram" or "none" overrides
+    drafter: str = ""  # "" = as exported; "ngram", "hybrid" or "none" overrides
     max_concurrency: int = 64  # requests in flight at once per entry point
     max_batch: int = 0  # sequences the engine decodes together; 0 = the export's KV slots
 
