@@ -194,3 +194,17 @@ def test_smollm2_fused_graph_matches_torch(smollm2_export) -> None:
     error = max_logit_error(TorchBackend(load_model("smollm2-135m")), backend, num_slots=4, max_len=160, seed=7)
     assert error < 1e-3 and backend.inplace_ok
 
+
+
+def test_a_graph_whose_files_are_symlinks_loads_fused(tmp_path) -> None:
+    """A deployment made of links (a copied export, a mounted volume): ORT reads the fused graph's external data
+    from where the links resolve, which it accepts, instead of refusing a data file outside the graph's folder."""
+    model = tiny_random(seed=1, num_layers=2)
+    real = export_onnx(model, tmp_path / "real" / "model.onnx")
+    links = tmp_path / "links"
+    links.mkdir()
+    for file in real.parent.iterdir():
+        (links / file.name).symlink_to(file)
+    backend = OrtBackend(links / "model.onnx")
+    assert backend.fuse_report.attention
+    assert max_logit_error(TorchBackend(model), backend, num_slots=3, max_len=32) < 1e-4

@@ -18,7 +18,7 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -65,6 +65,25 @@ def graph_head(graph: Path, head_size: int) -> tuple[torch.Tensor | None, int]:
         raise OnnxModelError(f"{graph}: {HEAD_TOKEN_IDS_FILE} lists {0 if ids is None else len(ids)} token ids "
                              f"but the graph's logits have {head_size} columns")
     return ids, vocab_size
+
+
+def _external_data_folder(proto: Any, graph: Path) -> Path:
+    """The folder ORT reads the graph's external data from when the graph is handed over as bytes.
+
+    ORT refuses an external file whose real path lies outside that folder, so a deployment whose
+    data file is a symlink (a copy of an export made of links, a mounted volume) would not load from
+    the graph's own folder: use the folder the links resolve to, when every external file is found
+    there under its own name, and the graph's folder otherwise.
+    """
+    locations = {entry.value for init in proto.graph.initializer for entry in init.external_data
+                 if entry.key == "location"}
+    here = graph.parent.resolve()
+    real = {(graph.parent / loc).resolve() for loc in locations}
+    folders = {r.parent for r in real}
+    if len(folders) == 1 and all((next(iter(folders)) / Path(loc).name).resolve() == (graph.parent / loc).resolve()
+                                 for loc in locations):
+        return next(iter(folders))
+    return here
 
 
 class OrtBackend:
@@ -140,7 +159,7 @@ class OrtBackend:
                 self.fuse_report = ort_fuse.fuse_model(proto, rewrites)
                 model = proto.SerializeToString()
                 options.add_session_config_entry("session.model_external_initializers_file_folder_path",
-                                                 str(self.path.parent.resolve()))
+                                                 str(_external_data_folder(proto, self.path)))
             return ort.InferenceSession(model, options, providers=self._providers)
         except Exception as exc:  # ORT raises its own Fail/InvalidGraph/... types, onnx a DecodeError
             raise OnnxModelError(f"cannot load {self.path}: {exc}") from exc
