@@ -12,6 +12,7 @@ exporter, both graph backends and the tests read.
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from collections.abc import Sequence
@@ -92,15 +93,23 @@ def export_onnx(model: LoadedModel, path: str | os.PathLike, dtype: torch.dtype 
     input_names = [t.name for t in GRAPH_INPUTS] + cache_names(backend.num_layers, CACHE_INPUT)
     output_names = [LOGITS, *cache_names(backend.num_layers, CACHE_OUTPUT)]
     onnx_op.register_schema()
-    with torch.no_grad(), warnings.catch_warnings():
-        # the exporter warns about every dynamic axis name it merges and about deprecated pytree APIs
-        warnings.simplefilter("ignore", UserWarning)
-        warnings.simplefilter("ignore", FutureWarning)
-        program = torch.onnx.export(
-            RaggedStep(backend).eval(), _example_inputs(backend), dynamo=True,
-            custom_translation_table=TRANSLATION_TABLE, input_names=input_names, output_names=output_names,
-            dynamic_shapes=_dynamic_shapes(num_caches), optimize=True, verbose=False,
-        )
+    # the exporter logs, for every export, each torchvision op it cannot register (torchvision is not a
+    # dependency): noise on every console that exports, so that logger is quiet while it runs
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = registration.level
+    registration.setLevel(logging.ERROR)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            # the exporter warns about every dynamic axis name it merges and about deprecated pytree APIs
+            warnings.simplefilter("ignore", UserWarning)
+            warnings.simplefilter("ignore", FutureWarning)
+            program = torch.onnx.export(
+                RaggedStep(backend).eval(), _example_inputs(backend), dynamo=True,
+                custom_translation_table=TRANSLATION_TABLE, input_names=input_names, output_names=output_names,
+                dynamic_shapes=_dynamic_shapes(num_caches), optimize=True, verbose=False,
+            )
+    finally:
+        registration.setLevel(level)
     proto = onnx_op.attach_functions(program.model_proto)
     proto.doc_string = f"specdec ragged step of {model.name} ({dtype})"
     out.parent.mkdir(parents=True, exist_ok=True)
