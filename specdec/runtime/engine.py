@@ -122,9 +122,11 @@ class Engine:
         max_batch = max_batch or int(manifest.get("max_batch", 16))
         max_len = max_len or int(manifest.get("max_len", 2048))
         backend_kind = manifest.get("backend", "torch")
+        if drafter == "hybrid" and "draft" not in manifest:
+            raise ValueError(f"{root} has no draft model for the hybrid drafter (export it with --draft)")
+        wants_model = drafter in (None, "model", "hybrid") and "draft" in manifest
         if backend_kind == "torch":
             target = load_model(root)
-            wants_model = drafter in (None, "model", "hybrid") and "draft" in manifest
             model = load_model(root / "draft") if wants_model else None
             draft = model if model is not None else "ngram" if drafter in (None, "model") else drafter
             return cls.from_models(target, draft, max_batch=max_batch, max_len=max_len,
@@ -135,9 +137,6 @@ class Engine:
         meta = load_export_metadata(root, "target")
         open_backend = _backend_opener(backend_kind, threads)
         target_backend = open_backend(root / manifest["target"]["graph"], False)
-        if drafter == "hybrid" and "draft" not in manifest:
-            raise ValueError(f"{root} has no draft model for the hybrid drafter (export it with --draft)")
-        wants_model = drafter in (None, "model", "hybrid") and "draft" in manifest
         model = open_backend(root / manifest["draft"]["graph"], True) if wants_model else None
         draft: Backend | str | None = drafter if drafter in ("hybrid", "none", "ngram") else model or "ngram"
         chosen = make_drafter(draft, max_batch=max_batch, max_len=max_len, model=model)
