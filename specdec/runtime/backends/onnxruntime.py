@@ -6,6 +6,11 @@ to the same buffer through IOBinding, so the graph's attention writes the new K/
 the cache itself and no full-cache copy happens per step. ``inplace_ok`` records whether
 ORT really wrote through the bound buffer (checked by pointer on every step).
 
+On the CUDA execution provider (``onnxruntime-gpu``, the ``gpu`` extra) the caches are torch CUDA
+tensors on the session's device and are bound there (device pointers), so a step moves only its
+small packed inputs host to device and the logits rows back: no cache crosses PCIe. The caches
+stay torch tensors because the KV manager's compaction and forks run on them in place.
+
 The session runs the graph as ``ort_fuse`` lowers it for ONNX Runtime (GroupQueryAttention,
 fused RMSNorm and RoPE; the file itself is unchanged). A step that GroupQueryAttention's padded
 layout cannot hold is split into sub-steps by sequence (``ort_fuse.gqa_groups``), which is the
@@ -92,9 +97,10 @@ class OrtBackend:
     #: the graph has no cache_mask input (``graph_io``): a step with KV holes is refused
     supports_cache_mask = False
 
-    def __init__(self, path: str | os.PathLike, *, providers: list[str] | None = None,
+    def __init__(self, path: str | os.PathLike, *, providers: Sequence[Any] | None = None,
                  intra_op_threads: int | None = None, name: str | None = None, spin: bool = True,
-                 fuse: bool | Sequence[str] | None = None, profile_prefix: str | None = None) -> None:
+                 fuse: bool | Sequence[str] | None = None, profile_prefix: str | None = None,
+                 device_id: int = 0) -> None:
         """``spin``: let the session's idle worker threads spin-wait for the next run (ORT's default).
 
         Why a draft opens without: its workers spin on after each short draft step and hold the
@@ -104,6 +110,8 @@ class OrtBackend:
         ``fuse``: the ``ort_fuse`` rewrites to apply (True: all, False: none, or their names);
         None reads ``$SPECDEC_ORT_FUSE`` and defaults to all. Off is for comparison and debugging.
         ``profile_prefix`` turns on ORT's per-node profiler (``end_profiling`` writes the JSON).
+        ``device_id``: the GPU the CUDA execution provider runs on (a Triton instance's
+        ``model_instance_device_id``); ignored on the CPU.
         """
         import onnxruntime as ort
 
@@ -112,8 +120,7 @@ class OrtBackend:
         if not self.path.is_file():
             raise OnnxModelError(f"{self.path} does not exist")
         self._options = dict(intra_op_threads=intra_op_threads, spin=spin, profile_prefix=profile_prefix)
-        available = ort.get_available_providers()
-        self._providers = providers or [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+        self._providers = providers or default_providers(ort.get_available_providers(), device_id)
         self.fuse_report: ort_fuse.FuseReport | None = None
         self.session = self._open(_rewrites(fuse, self._providers))
         self._unfused = None  # opened on the first step the fused graph cannot run (see step)
@@ -131,7 +138,7 @@ class OrtBackend:
         self.head_token_ids, self.vocab_size = graph_head(self.path, self.head_size)
         self._in_names = cache_names(self.num_layers, CACHE_INPUT)
         self._out_names = cache_names(self.num_layers, CACHE_OUTPUT)
-        self.device = "cuda" if "CUDAExecutionProvider" in self.session.get_providers() else "cpu"
+        self.device = cache_device(self.session.get_providers(), self._providers)
         self.rows_processed = 0
         self.calls = 0
         self.split_steps = 0  # steps run as several fused sub-steps (GQA's padded layout could not hold them)
@@ -165,8 +172,13 @@ class OrtBackend:
             raise OnnxModelError(f"cannot load {self.path}: {exc}") from exc
 
     def allocate_cache(self, num_slots: int, max_len: int) -> TorchKVStorage:
+        """Caches on the session's device: host memory on the CPU EP, the GPU's own memory on the CUDA EP."""
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise OnnxModelError(f"{self.path}: ONNX Runtime runs this graph on CUDA, but this torch has no CUDA, so "
+                                 "the caches cannot live on the device: install a CUDA build of torch, or run on "
+                                 "the CPU (providers=['CPUExecutionProvider'])")
         return TorchKVStorage(self.num_layers, num_slots, int(self.num_kv_heads), max_len, int(self.head_dim),
-                              self.dtype)
+                              self.dtype, device=self.device)
 
     def step(self, batch: PackedBatch, cache: TorchKVStorage) -> torch.Tensor:
         self.calls += 1
@@ -198,12 +210,16 @@ class OrtBackend:
         binding = session.io_binding()
         for name, tensor in feeds.items():
             binding.bind_cpu_input(name, np.ascontiguousarray(tensor.numpy()))
-        binding.bind_output(LOGITS)  # first, so it is outputs[0]
+        binding.bind_output(LOGITS, "cpu")  # first, so it is outputs[0]; on CUDA ORT copies only these rows back
         buffers = [*cache.k, *cache.v]
+        if buffers and buffers[0].device != self.device:
+            raise OnnxModelError(f"{self.name}: the caches are on {buffers[0].device}, the session on {self.device} "
+                                 "(allocate them with this backend's allocate_cache)")
+        kind, index = self.device.type, self.device.index or 0
         for in_name, out_name, buf in zip(self._in_names, self._out_names, buffers):
             shape = list(buf.shape)
-            binding.bind_input(in_name, "cpu", 0, self.np_dtype, shape, buf.data_ptr())
-            binding.bind_output(out_name, "cpu", 0, self.np_dtype, shape, buf.data_ptr())
+            binding.bind_input(in_name, kind, index, self.np_dtype, shape, buf.data_ptr())
+            binding.bind_output(out_name, kind, index, self.np_dtype, shape, buf.data_ptr())
         session.run_with_iobinding(binding)
         outputs = binding.get_outputs()
         self.inplace_ok = self.inplace_ok and all(
@@ -211,7 +227,26 @@ class OrtBackend:
         return torch.from_numpy(outputs[0].numpy())
 
 
-def _rewrites(fuse: bool | Sequence[str] | None, providers: Sequence[str]) -> tuple[str, ...]:
+def default_providers(available: Sequence[str], device_id: int = 0) -> list[str | tuple[str, dict[str, str]]]:
+    """CUDA on GPU ``device_id`` when this ONNX Runtime has it (``onnxruntime-gpu``), with the CPU as fallback."""
+    providers: list[str | tuple[str, dict[str, str]]] = []
+    if "CUDAExecutionProvider" in available:
+        providers.append(("CUDAExecutionProvider", {"device_id": str(int(device_id))}))
+    providers.append("CPUExecutionProvider")
+    return providers
+
+
+def cache_device(running: Sequence[str], requested: Sequence[Any]) -> torch.device:
+    """Where the caches live: the CUDA device the session runs on (its ``device_id`` option), else the host."""
+    if "CUDAExecutionProvider" not in running:
+        return torch.device("cpu")
+    for provider in requested:
+        if isinstance(provider, tuple) and provider[0] == "CUDAExecutionProvider":
+            return torch.device("cuda", int(provider[1].get("device_id", 0)))
+    return torch.device("cuda", 0)
+
+
+def _rewrites(fuse: bool | Sequence[str] | None, providers: Sequence[Any]) -> tuple[str, ...]:
     """The ort_fuse rewrites an ``OrtBackend(fuse=...)`` applies.
 
     By default all of them on the CPU EP; with the CUDA EP all but ``attention``, whose exactness
@@ -223,8 +258,9 @@ def _rewrites(fuse: bool | Sequence[str] | None, providers: Sequence[str]) -> tu
         if env in ("0", "false", "off", "none", ""):
             return ()
         fuse = True if env in ("1", "true", "on", "all") else [r.strip() for r in env.split(",") if r.strip()]
+    cuda = any((p[0] if isinstance(p, tuple) else p) == "CUDAExecutionProvider" for p in providers)
     if fuse is True:
-        return tuple(r for r in ort_fuse.REWRITES if r != "attention" or "CUDAExecutionProvider" not in providers)
+        return tuple(r for r in ort_fuse.REWRITES if r != "attention" or not cuda)
     return tuple(fuse or ())
 
 

@@ -1,0 +1,87 @@
+"""The GPU route of the ONNX Runtime backend: caches in device memory, bound in place.
+
+The provider and device choice is plain logic and runs everywhere; the device tests need
+``onnxruntime-gpu`` with a working CUDA execution provider and a CUDA torch (the caches are torch
+CUDA tensors), and skip with that reason on any other machine.
+"""
+
+from __future__ import annotations
+
+import onnxruntime as ort
+import pytest
+import torch
+
+from specdec.export.onnx import export_onnx
+from specdec.export.validate import random_packs
+from specdec.models.loading import tiny_random
+from specdec.runtime.backends.onnxruntime import OnnxModelError, OrtBackend, cache_device, default_providers
+from specdec.runtime.drafters import NgramDrafter
+from specdec.runtime.engine import Engine
+from specdec.runtime.packed import pack
+
+CUDA_EP = "CUDAExecutionProvider"
+HAS_CUDA_EP = CUDA_EP in ort.get_available_providers() and torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA_EP, reason="needs onnxruntime-gpu with the CUDA execution provider "
+                                "and a CUDA torch (pip install 'specdec[gpu]' on a CUDA machine)")
+
+
+def test_cuda_is_chosen_on_its_device_only_where_this_onnxruntime_has_it() -> None:
+    assert default_providers(["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
+    assert default_providers([CUDA_EP, "CPUExecutionProvider"], device_id=3) == [
+        (CUDA_EP, {"device_id": "3"}), "CPUExecutionProvider"]
+
+
+def test_the_caches_follow_the_provider_the_session_really_runs_on() -> None:
+    requested = [(CUDA_EP, {"device_id": "2"}), "CPUExecutionProvider"]
+    assert cache_device([CUDA_EP, "CPUExecutionProvider"], requested) == torch.device("cuda", 2)
+    # CUDA asked for but the session fell back to the CPU (no driver): the caches stay on the host
+    assert cache_device(["CPUExecutionProvider"], requested) == torch.device("cpu")
+    assert cache_device([CUDA_EP], [CUDA_EP]) == torch.device("cuda", 0)
+
+
+@pytest.fixture(scope="module")
+def tiny_graph(tmp_path_factory):
+    model = tiny_random(seed=1, num_layers=2)
+    return model, export_onnx(model, tmp_path_factory.mktemp("cuda") / "model.onnx")
+
+
+def test_a_cache_from_another_device_is_refused_with_a_reason(tiny_graph) -> None:
+    model, path = tiny_graph
+    backend = OrtBackend(path, providers=["CPUExecutionProvider"])
+    cache = backend.allocate_cache(2, 16)
+    assert cache.k[0].device == torch.device("cpu")
+    backend.device = torch.device("cuda", 0)  # as a CUDA session would be, with host caches handed to it
+    with pytest.raises(OnnxModelError, match="caches are on cpu"):
+        backend.step(pack(random_packs(model.vocab_size, 2, 16, seed=0)[0]), cache)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_caches_live_on_the_device_and_are_written_in_place(tiny_graph) -> None:
+    model, path = tiny_graph
+    gpu = OrtBackend(path, providers=[(CUDA_EP, {"device_id": "0"}), "CPUExecutionProvider"])
+    cpu = OrtBackend(path, providers=["CPUExecutionProvider"])
+    assert gpu.device == torch.device("cuda", 0)
+    gpu_cache, cpu_cache = gpu.allocate_cache(3, 32), cpu.allocate_cache(3, 32)
+    assert all(t.is_cuda for t in (*gpu_cache.k, *gpu_cache.v))
+    pointers = [t.data_ptr() for t in (*gpu_cache.k, *gpu_cache.v)]
+    for work in random_packs(model.vocab_size, 3, 32, seed=4):
+        batch = pack(work)
+        logits = gpu.step(batch, gpu_cache)
+        assert logits.device == torch.device("cpu")  # only the logits rows come back
+        torch.testing.assert_close(logits, cpu.step(batch, cpu_cache), atol=1e-3, rtol=1e-3)
+    assert gpu.inplace_ok and [t.data_ptr() for t in (*gpu_cache.k, *gpu_cache.v)] == pointers
+    torch.testing.assert_close(gpu_cache.k[0].cpu(), cpu_cache.k[0], atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_greedy_ems_on_cuda_equals_ar_on_cuda(tiny_graph) -> None:
+    _, path = tiny_graph
+
+    engine = Engine(OrtBackend(path), NgramDrafter(), max_batch=4, max_len=64)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7], [9, 9, 9, 9]]
+    requests = [engine.request(p, max_tokens=24, request_id=f"r{i}") for i, p in enumerate(prompts)]
+    ar = engine.generate(requests, "ar").outputs
+    ems = engine.generate(requests, "ems").outputs
+    assert [o.token_ids for o in ems] == [o.token_ids for o in ar]
