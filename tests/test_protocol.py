@@ -103,6 +103,15 @@ def test_parse_generation_reads_every_parameter() -> None:
     assert type(gen.max_tokens) is int and type(gen.sampling.top_k) is int  # not numpy scalars
 
 
+@pytest.mark.parametrize("value", [1e-5, 0.7, 0.1, 2.0])
+def test_an_fp32_parameter_is_the_number_the_client_wrote(value: float) -> None:
+    """FP32 carries 1e-5 as 9.99999975e-06, below the smallest temperature: the server reads back 1e-5 itself."""
+    assert np.float32(1e-5) < 1e-5  # the rounding this guards against
+    gen = parse_generation({"input_ids": np.array([1], dtype=np.int32), "temperature": f32(value),
+                            "top_p": f32(value if value <= 1 else 1.0)}, max_len=MAX_LEN)
+    assert gen.sampling.temperature == value
+
+
 def test_method_ar_runs_without_drafts() -> None:
     """``ar`` is EMS-SD with k = 0, whatever num_draft_tokens says."""
     assert parse_generation({"method": b("ar")}, max_len=MAX_LEN).num_draft_tokens == 0

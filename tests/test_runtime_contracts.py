@@ -101,9 +101,13 @@ def test_stop_conditions(target) -> None:
         out = engine.generate([Request([1, 2, 3], max_tokens=30)], method).outputs[0]
         assert out.token_ids == free.token_ids[: first + 1] and out.finish_reason == "stop"
     engine.eos_token_ids = ()
-    # context end: 40 slots, 3 prompt tokens -> at most 37 tokens in total
-    out = engine.generate([Request([1, 2, 3], max_tokens=100)], "ems").outputs[0]
-    assert len(out.prompt_ids) + len(out.token_ids) == 40 and out.finish_reason == "length"
+    # context end: 40 slots, 3 prompt tokens -> at most 37 tokens in total, and the answer says the context ended it
+    for method in ("ar", "ems", "beam"):
+        out = engine.generate([Request([1, 2, 3], max_tokens=100)], method).outputs[0]
+        assert len(out.prompt_ids) + len(out.token_ids) == 40 and out.finish_reason == "context", method
+    # max_tokens reached exactly where the context ends too: max_tokens is what the client asked, so "length"
+    out = engine.generate([Request([1, 2, 3], max_tokens=37)], "ems").outputs[0]
+    assert len(out.token_ids) == 37 and out.finish_reason == "length"
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -126,7 +126,7 @@ def collect_data(target: LoadedModel, work: Path, prompts: Sequence[str], *, sha
         """Shard ``n`` from disk if it is there with all its continuations (and no more) of its prompts."""
         if not paths[n].is_file():
             return None
-        shard = [Record(**r) for r in torch.load(paths[n], weights_only=False)]
+        shard = [Record(**r) for r in torch.load(paths[n], weights_only=True)]
         want = prompts[starts[n] : starts[n] + shard_size]
         if len(shard) < len(want):
             return None
@@ -167,7 +167,7 @@ def collect_data(target: LoadedModel, work: Path, prompts: Sequence[str], *, sha
         path = data / "text.pt"
         if not path.is_file():
             torch.save([asdict(r) for r in text_records(target, text, chunk=text_chunk, teacher_k=teacher_k)], path)
-        records += [Record(**r) for r in torch.load(path, weights_only=False)]
+        records += [Record(**r) for r in torch.load(path, weights_only=True)]
     return records
 
 

@@ -175,7 +175,7 @@ def _starting_point(ckpt: Path, settings: DistillSettings, target: LoadedModel
     A checkpoint of another architecture is refused, unless ``--init-from`` says to grow a new
     draft: then it is kept aside under its layers and step, and the draft grows from there.
     """
-    saved = torch.load(ckpt, weights_only=False) if ckpt.is_file() else None
+    saved = torch.load(ckpt, weights_only=True) if ckpt.is_file() else None
     arch = {"layers": settings.layers, "greedy_data": settings.greedy_data, "share_head": settings.share_head}
     if saved is not None and {k: saved.get(k, False) for k in arch} != arch:
         if not settings.init_from:

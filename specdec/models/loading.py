@@ -539,8 +539,18 @@ def _load_export_dir(path: Path, part: str, dtype: torch.dtype) -> LoadedModel:
 
 
 def load_export_metadata(path: str | os.PathLike, part: str = "target") -> LoadedModel:
-    """Config and tokenizer of an exported model, without weights (the graph carries them)."""
+    """Config and tokenizer of an exported model, without weights (the graph carries them).
+
+    The part's config and tokenizer files are checked against the manifest first: the served pre- and
+    postprocessing models read nothing else of an export, so this is where an edited tokenizer is caught.
+    """
+    from specdec.models.manifest import ExportDirError, read_manifest, verify_part
+
     root = Path(path)
+    try:
+        verify_part(root, read_manifest(root, verify=False), part, weights=False)
+    except ExportDirError as exc:
+        raise ModelResolutionError(str(exc)) from exc
     model = _load_hf_dir(root / part, part, torch.float32, weights=False)
     model.extra["export_dir"] = str(root)
     return model

@@ -62,7 +62,7 @@ from specdec.runtime.dsbd import (
 from specdec.runtime.loops import DecodeContext
 from specdec.runtime.metrics import RunMetrics
 from specdec.runtime.packed import ROOT, SeqWork, pack
-from specdec.runtime.request import BeamCandidate, BeamParams, SeqState
+from specdec.runtime.request import CONTEXT, BeamCandidate, BeamParams, SeqState
 
 NodeRef = tuple[int, int]  # (root beam index, tree position); position -1 is the root's own last token
 
@@ -423,8 +423,10 @@ class BeamDecoder:
             hyp = Hyp(tokens, score, lp(ref) + float(lsm(ref)[token]), -1)
             if token in ctx.stopper.eos_ids:
                 hyp.finish_reason = "stop"
-            elif len(tokens) - seq.num_prompt >= seq.request.max_tokens or len(tokens) >= ctx.kv.max_len:
+            elif len(tokens) - seq.num_prompt >= seq.request.max_tokens:
                 hyp.finish_reason = "length"
+            elif len(tokens) >= ctx.kv.max_len:
+                hyp.finish_reason = CONTEXT
             new.append((hyp, root, list(range(tails[root])) + [tails[root] + p for p in steps]))
         seq.metrics.beam_widths.append(len(new))
         if group.params.memory_mode == "single":

@@ -115,7 +115,7 @@ class Engine:
         contend with ORT's for the cores (measured: ``benchmarks/results/ort_contention.md``).
         """
         from specdec.models.loading import load_export_metadata, load_model
-        from specdec.models.manifest import read_manifest
+        from specdec.models.manifest import export_path, read_manifest
 
         root = Path(directory)
         manifest = read_manifest(root)
@@ -136,8 +136,8 @@ class Engine:
             torch.set_num_threads(torch_threads)
         meta = load_export_metadata(root, "target")
         open_backend = _backend_opener(backend_kind, threads)
-        target_backend = open_backend(root / manifest["target"]["graph"], False)
-        model = open_backend(root / manifest["draft"]["graph"], True) if wants_model else None
+        target_backend = open_backend(export_path(root, manifest["target"]["graph"]), False)
+        model = open_backend(export_path(root, manifest["draft"]["graph"]), True) if wants_model else None
         draft: Backend | str | None = drafter if drafter in ("hybrid", "none", "ngram") else model or "ngram"
         chosen = make_drafter(draft, max_batch=max_batch, max_len=max_len, model=model)
         return cls(target_backend, chosen, tokenizer=meta.tokenizer, eos_token_ids=meta.eos_token_ids,

@@ -20,7 +20,7 @@ from specdec.runtime.drafters import Draft, Drafter
 from specdec.runtime.kv import KVCacheManager
 from specdec.runtime.metrics import RunMetrics, StepRecord
 from specdec.runtime.packed import SeqWork, pack
-from specdec.runtime.request import CANCELLED, SeqState, StopChecker
+from specdec.runtime.request import CANCELLED, CONTEXT, SeqState, StopChecker
 from specdec.runtime.sampling import next_token, verify_greedy, verify_sampling, warp
 from specdec.runtime.scheduler import Scheduler
 
@@ -270,7 +270,7 @@ def vanilla(ctx: DecodeContext) -> RunMetrics:
                 ctx.kv.commit_padded(seq.slot, len(tokens), advance)
                 ctx.emit(seq, tokens)
                 if not seq.finished and ctx.kv.room(seq.slot) == 0:
-                    seq.finish_reason = "length"  # holes used up the cache: the baseline's worst-case cost
+                    seq.finish_reason = CONTEXT  # holes used up the cache: the baseline's worst-case cost
         ctx.retire(batch)
     return ctx.run
 

@@ -154,7 +154,7 @@ class RequestOutput:
     prompt_ids: list[int]
     token_ids: list[int]
     text: str | None
-    finish_reason: str | None  # "stop" (EOS or stop string), "length", CANCELLED, or None on error
+    finish_reason: str | None  # "stop" (EOS or stop string), "length" (max_tokens), CONTEXT, CANCELLED; None on error
     metrics: RequestMetrics
     error: str | None = None
     #: beam / dsbd: the ``num_return_sequences`` best candidates, best first (the first is ``token_ids``)
@@ -163,6 +163,9 @@ class RequestOutput:
 
 #: the finish reason of a sequence whose caller gave up on it (``DecodeContext.retire_cancelled``)
 CANCELLED = "cancelled"
+#: the answer ended because the context (the KV slot, ``max_len``) was full, before ``max_tokens``: a client
+#: that sees "length" knows it asked for too few tokens, one that sees "context" that its prompt was too long
+CONTEXT = "context"
 
 
 @dataclass(frozen=True)
@@ -208,8 +211,10 @@ class StopChecker:
             text = self.decode(seq.output_ids)
             if any(s in text for s in seq.request.stop):
                 return "stop"
-        if seq.num_generated >= seq.request.max_tokens or len(seq.tokens) >= self.max_len:
+        if seq.num_generated >= seq.request.max_tokens:
             return "length"
+        if len(seq.tokens) >= self.max_len:
+            return CONTEXT
         return None
 
 

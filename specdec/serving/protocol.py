@@ -85,7 +85,8 @@ CANCEL_REQUEST_ID = TensorSpec("cancel_request_id", "TYPE_STRING")
 OUTPUT_IDS = TensorSpec("output_ids", "TYPE_INT32", (-1,), optional=False)
 SENT_TOKENS = TensorSpec("sent_tokens", "TYPE_INT32", optional=False, doc="tokens covered by earlier responses")
 FINISHED = TensorSpec("finished", "TYPE_BOOL", optional=False)
-FINISH_REASON = TensorSpec("finish_reason", "TYPE_STRING", optional=False, doc="stop | length | cancelled")
+FINISH_REASON = TensorSpec("finish_reason", "TYPE_STRING", optional=False,
+                          doc="stop | length (max_tokens) | context (the context filled up) | cancelled")
 #: what a response reports of its request's metrics, each named as the ``RequestMetrics`` attribute it is
 REQUEST_METRICS = (
     TensorSpec("acceptance_rate", "TYPE_FP32", optional=False),
@@ -131,6 +132,10 @@ def _scalar(inputs: Mapping[str, np.ndarray], spec: TensorSpec) -> object | None
     value = array.reshape(-1)[0]
     if spec.dtype == "TYPE_STRING":
         return _text(value, spec.name)
+    if spec.dtype == "TYPE_FP32":
+        # the number the client wrote, not its float32 rounding: 1e-5 arrives as 9.99999975e-06, which is below
+        # the smallest temperature and would be refused; the shortest decimal that rounds to the same float32 is it
+        return float(np.format_float_positional(np.float32(value), unique=True, trim="-"))
     return value.item() if hasattr(value, "item") else value
 
 
