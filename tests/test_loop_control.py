@@ -79,7 +79,7 @@ def test_k_is_capped_by_the_remaining_context(method: str) -> None:
     engine, target, draft = make_engine(k=4, max_len=14)
     result = run(engine, [list(range(10))], method, max_tokens=50)
     assert [target.rows_in(i) for i in range(target.calls)] == [[10], [4]]
-    assert result.outputs[0].token_ids == [10, 11, 12, 13] and result.outputs[0].finish_reason == "length"
+    assert result.outputs[0].token_ids == [10, 11, 12, 13] and result.outputs[0].finish_reason == "context"
     assert draft.calls == 3
 
 

@@ -19,13 +19,12 @@ import numpy as np
 import pytest
 from servers import eventually, free_ports, processes_mentioning
 
+from specdec.serving.install import TritonNotFoundError, find_tritonserver
 from specdec.serving.server import (
     InvalidRepositoryError,
     PortInUseError,
-    TritonNotFoundError,
     TritonServer,
     TritonStartError,
-    find_tritonserver,
     port_free,
     serve_main,
     validate_repository,

@@ -213,24 +213,62 @@ def test_stop_without_drain_cancels_everything(model) -> None:
     assert svc.stats().finished + svc.stats().cancelled == 6
 
 
-def test_loop_failure_fails_in_flight_and_keeps_serving(model, offline, caplog) -> None:
+@pytest.mark.parametrize("failing_calls, lost", [({3}, 0), ({3, 4, 5}, 2)])
+def test_a_failed_step_is_retried_per_sequence_and_fails_only_what_fails_again(model, offline, failing_calls,
+                                                                                lost) -> None:
+    """A target step that raises runs again one sequence at a time: a transient failure loses nothing (the
+    answers are exact), one that repeats for a sequence fails that sequence; the loop itself never restarts."""
     engine = make_engine(model)
     real_step, calls = engine.target.step, [0]
 
     def flaky(batch, storage):
         calls[0] += 1
-        if calls[0] == 3:
+        if calls[0] in failing_calls:
             raise RuntimeError("injected backend failure")
         return real_step(batch, storage)
 
     engine.target.step = flaky
     svc = EngineService(engine, "ems").start()
     try:
+        requests = [Request((5, 6, 7, i + 8), max_tokens=50) for i in range(2)]
+        recs = [Recorder() for _ in requests]
+        handles = [svc.submit(r, rec) for r, rec in zip(requests, recs)]
+        outs = [h.result(WAIT) for h in handles]
+        assert [rec.check() for rec in recs] == outs
+        failed = [o for o in outs if o.error]
+        assert len(failed) == lost and all("injected backend failure" in o.error for o in failed)
+        for out, want in zip(outs, offline(requests)):
+            if not out.error:
+                assert out.token_ids == want.token_ids
+        after = Request((9, 10, 11), max_tokens=15)
+        assert svc.generate(after, timeout=WAIT).token_ids == offline([after])[0].token_ids
+        stats = svc.stats()
+        assert stats.failed == lost and stats.loop_restarts == 0
+    finally:
+        svc.stop(drain=False, timeout=10)
+
+
+def test_loop_failure_fails_in_flight_and_keeps_serving(model, offline, caplog) -> None:
+    """What no sequence owns (here the scheduler, between steps) restarts the loop: its sequences fail, the
+    service serves on."""
+    engine = make_engine(model)
+    svc = EngineService(engine, "ems")
+    real_admit, calls = svc.scheduler.admit, [0]
+
+    def flaky(kv, live):
+        calls[0] += 1
+        if calls[0] == 3 and live:
+            raise RuntimeError("injected scheduler failure")
+        return real_admit(kv, live)
+
+    svc.scheduler.admit = flaky
+    svc.start()
+    try:
         recs = [Recorder() for _ in range(2)]
         handles = [svc.submit(Request((5, 6, 7, i + 8), max_tokens=50), rec) for i, rec in enumerate(recs)]
         for h, rec in zip(handles, recs):
             out = h.result(WAIT)
-            assert rec.check() == out and out.error and "injected backend failure" in out.error
+            assert rec.check() == out and out.error and "injected scheduler failure" in out.error
         after = Request((9, 10, 11), max_tokens=15)
         assert svc.generate(after, timeout=WAIT).token_ids == offline([after])[0].token_ids
         stats = svc.stats()

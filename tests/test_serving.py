@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 from servers import eventually, free_ports, processes_mentioning
 
-from specdec.serving.server import TritonNotFoundError, TritonServer, find_tritonserver, serve_main
+from specdec.serving.install import TritonNotFoundError, find_tritonserver
+from specdec.serving.server import TritonServer, serve_main
 
 try:
     find_tritonserver()

@@ -23,7 +23,7 @@ from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.draft_length import DraftLength
 from specdec.runtime.drafters import Drafter, make_drafter
 from specdec.runtime.kv import KVCacheManager
-from specdec.runtime.loops import DecodeContext
+from specdec.runtime.loops import DecodeContext, FaultHook
 from specdec.runtime.methods import DEFAULT_METHOD, get_method
 from specdec.runtime.metrics import RunMetrics
 from specdec.runtime.request import BeamParams, Request, RequestMetrics, RequestOutput, SeqState, StopChecker
@@ -72,6 +72,8 @@ class Engine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_batch, self.max_len, self.num_draft_tokens = max_batch, max_len, num_draft_tokens
         self.draft_length = draft_length
+        #: a test's fault injection, called at each sequence's per-step points (``DecodeContext.fault_hook``)
+        self.fault_hook: FaultHook | None = None
         self.storage = target.allocate_cache(max_batch, max_len)
 
     @classmethod
@@ -150,9 +152,11 @@ class Engine:
         each loop owns its caches, and both may call the backends from their own threads.
         """
         drafter = None if self.drafter is None else self.drafter.fork()
-        return Engine(self.target, drafter, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
+        twin = Engine(self.target, drafter, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
                       max_batch=self.max_batch, max_len=self.max_len, num_draft_tokens=self.num_draft_tokens,
                       draft_length=self.draft_length)
+        twin.fault_hook = self.fault_hook
+        return twin
 
     # -- requests ---------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
@@ -201,7 +205,7 @@ class Engine:
         stopper = StopChecker(self.eos_token_ids, self.max_len, self.decode if self.tokenizer else None)
         return DecodeContext(self.target, KVCacheManager(self.storage), scheduler, stopper, self.drafter,
                              self.num_draft_tokens, on_tokens, on_finish, keep_running, on_logits, is_cancelled,
-                             self.draft_length)
+                             self.draft_length, fault_hook=self.fault_hook)
 
     def generate(self, requests: Sequence[Request | Exception], method: str = DEFAULT_METHOD,
                  progress: bool = False) -> GenerationResult:
@@ -255,4 +259,4 @@ class Engine:
         """A finished sequence as the caller's answer; ``text=False`` skips detokenising (for callers of ids)."""
         decoded = cut_at_stop(self.decode(seq.output_ids), seq.request.stop) if text and self.tokenizer else None
         return RequestOutput(seq.request.request_id, list(seq.request.prompt_ids), seq.output_ids, decoded,
-                             seq.finish_reason, seq.metrics, sequences=seq.sequences)
+                             seq.finish_reason, seq.metrics, error=seq.error, sequences=seq.sequences)

@@ -8,8 +8,10 @@ target call and its metrics, acceptance, stop checks, streaming callbacks) lives
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +27,10 @@ from specdec.runtime.sampling import next_token, verify_greedy, verify_sampling,
 from specdec.runtime.scheduler import Scheduler
 
 TokenCallback = Callable[[SeqState, list[int]], None]
+#: fault injection for tests: called with a sequence and the point it is at ("step", "verify"); raising there is a
+#: failure that belongs to that sequence alone (a served engine installs one only from $SPECDEC_FAULT_HOOK)
+FaultHook = Callable[[SeqState, str], None]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,6 +54,7 @@ class DecodeContext:
     #: adaptive draft length: each sequence's k from its own acceptance, at most the k above (None: always that k)
     draft_length: DraftLength | None = None
     run: RunMetrics = field(default_factory=lambda: RunMetrics("?"))
+    fault_hook: FaultHook | None = None
 
     def has_work(self, live: Sequence[SeqState]) -> bool:
         if live or self.scheduler.pending():
@@ -103,11 +110,74 @@ class DecodeContext:
         seq.draft_stats.record(drafted, accepted, 1.0 if self.draft_length is None else self.draft_length.memory)
 
     def propose(self, seqs: Sequence[SeqState], ks: Sequence[int] | None = None) -> tuple[list[Draft], float]:
+        """Drafts for ``seqs``. A drafter that raises costs only speed: each sequence is asked alone, and one
+        whose own drafting fails verifies no drafts this step (exact either way: drafts never change an answer)."""
         if self.drafter is None or not seqs:
             return [Draft([]) for _ in seqs], 0.0
         start = time.perf_counter()
-        drafts = self.drafter.propose(seqs, self.draft_lengths(seqs) if ks is None else ks)
+        ks = self.draft_lengths(seqs) if ks is None else ks
+        try:
+            drafts = self.drafter.propose(seqs, ks)
+        except Exception:
+            log.exception("drafting %d sequences failed; drafting each alone", len(seqs))
+            drafts = [self._propose_alone(seq, k) for seq, k in zip(seqs, ks)]
         return drafts, time.perf_counter() - start
+
+    def _propose_alone(self, seq: SeqState, k: int) -> Draft:
+        assert self.drafter is not None
+        try:
+            return self.drafter.propose([seq], [k])[0]
+        except Exception:
+            log.exception("drafting for request %r failed; it verifies no drafts this step", seq.request.request_id)
+            return Draft([])
+
+    def fail(self, seq: SeqState, exc: BaseException) -> None:
+        """End ``seq`` alone with an internal error (``retire`` frees its slot); the traceback goes to the log."""
+        log.error("request %r failed", seq.request.request_id, exc_info=exc)
+        seq.error = f"internal error: {type(exc).__name__}: {exc}"
+
+    @contextlib.contextmanager
+    def isolated(self, seq: SeqState) -> Iterator[None]:
+        """Per-sequence work (verification, commit, emit): an exception fails ``seq`` only."""
+        try:
+            yield
+        except Exception as exc:
+            self.fail(seq, exc)
+
+    def step_isolated(self, seqs: Sequence[SeqState], work: Sequence[SeqWork], real_rows: int, prefill_rows: int,
+                      draft_tokens: int, draft_seconds: float = 0.0) -> list[torch.Tensor | None]:
+        """``target_step`` in which a failure that belongs to one sequence fails that sequence only.
+
+        A step of several sequences that raises runs again one sequence at a time: each retry rewrites the same
+        uncommitted cache rows of its own slot, so a survivor ends the step exactly as the whole step would have
+        left it, and only the sequences whose own step raises fail (``None`` rows). ``seqs[i]`` owns ``work[i]``.
+        """
+        try:
+            self._fault(seqs, "step")
+            return list(self.target_step(work, real_rows=real_rows, prefill_rows=prefill_rows,
+                                         draft_tokens=draft_tokens, draft_seconds=draft_seconds))
+        except Exception as exc:
+            if len(work) == 1:
+                self.fail(seqs[0], exc)
+                return [None]
+            log.warning("a target step of %d sequences failed (%s: %s); running them one at a time",
+                        len(work), type(exc).__name__, exc)
+        rows: list[torch.Tensor | None] = []
+        for seq, item in zip(seqs, work):
+            prefill = len(item.token_ids) if item.past_len == 0 else 0
+            try:
+                self._fault([seq], "step")
+                rows.append(self.target_step([item], real_rows=len(item.token_ids), prefill_rows=prefill,
+                                             draft_tokens=len(item.token_ids) - 1 if not prefill else 0)[0])
+            except Exception as exc:
+                self.fail(seq, exc)
+                rows.append(None)
+        return rows
+
+    def _fault(self, seqs: Sequence[SeqState], point: str) -> None:
+        if self.fault_hook is not None:
+            for seq in seqs:
+                self.fault_hook(seq, point)
 
     def target_step(self, work: Sequence[SeqWork], real_rows: int, prefill_rows: int, draft_tokens: int,
                     draft_seconds: float = 0.0, cache_mask: torch.Tensor | None = None,
@@ -140,12 +210,14 @@ class DecodeContext:
 
     def next_from(self, seq: SeqState, logits: torch.Tensor) -> None:
         """Emit the one token the target's ``logits`` give (greedy or sampled)."""
+        self._fault([seq], "verify")
         if self.on_logits is not None:
             self.on_logits(seq, logits)
         self.emit(seq, [next_token(logits, seq.request.sampling, seq.generator)])
 
     def verify(self, seq: SeqState, draft: Draft, logits: torch.Tensor) -> list[int]:
         """Accepted drafts + one target token, from logits after [last, *drafts]."""
+        self._fault([seq], "verify")
         params = seq.request.sampling
         if params.greedy:
             tokens = verify_greedy(draft.tokens, torch.argmax(logits, dim=-1).tolist())
@@ -189,13 +261,18 @@ def ar(ctx: DecodeContext) -> RunMetrics:
         work = [SeqWork(s.slot, ctx.kv.length(s.slot), [s.tokens[-1]]) for s in live]
         work += [ctx.prefill_work(s) for s in new]
         prompt_rows = sum(s.num_prompt for s in new)
-        rows = ctx.target_step(work, real_rows=len(live) + prompt_rows, prefill_rows=prompt_rows, draft_tokens=0)
+        rows = ctx.step_isolated(live + new, work, real_rows=len(live) + prompt_rows, prefill_rows=prompt_rows,
+                                 draft_tokens=0)
         for seq, logits in zip(live, rows):
-            ctx.kv.commit(seq.slot, 1)
-            ctx.count_call(seq)
-            ctx.next_from(seq, logits[0])
+            if logits is not None:
+                with ctx.isolated(seq):
+                    ctx.kv.commit(seq.slot, 1)
+                    ctx.count_call(seq)
+                    ctx.next_from(seq, logits[0])
         for seq, logits in zip(new, rows[len(live) :]):
-            ctx.start(seq, logits)
+            if logits is not None:
+                with ctx.isolated(seq):
+                    ctx.start(seq, logits)
         live = ctx.retire(live + new)
     return ctx.run
 
@@ -217,14 +294,18 @@ def ems(ctx: DecodeContext) -> RunMetrics:
         work += [ctx.prefill_work(s) for s in new]
         num_drafts = sum(len(d.tokens) for d in drafts)
         prompt_rows = sum(s.num_prompt for s in new)
-        rows = ctx.target_step(work, real_rows=len(live) + num_drafts + prompt_rows, prefill_rows=prompt_rows,
-                               draft_tokens=num_drafts, draft_seconds=draft_seconds)
+        rows = ctx.step_isolated(live + new, work, real_rows=len(live) + num_drafts + prompt_rows,
+                                 prefill_rows=prompt_rows, draft_tokens=num_drafts, draft_seconds=draft_seconds)
         for seq, draft, logits in zip(live, drafts, rows):
-            tokens = ctx.verify(seq, draft, logits)
-            ctx.kv.commit(seq.slot, len(tokens))  # last token + accepted drafts
-            ctx.emit(seq, tokens)
+            if logits is not None:
+                with ctx.isolated(seq):
+                    tokens = ctx.verify(seq, draft, logits)
+                    ctx.kv.commit(seq.slot, len(tokens))  # last token + accepted drafts
+                    ctx.emit(seq, tokens)
         for seq, logits in zip(new, rows[len(live) :]):
-            ctx.start(seq, logits)
+            if logits is not None:
+                with ctx.isolated(seq):
+                    ctx.start(seq, logits)
         live = ctx.retire(live + new)
     return ctx.run
 

@@ -231,6 +231,8 @@ class SeqState:
     generator: torch.Generator
     metrics: RequestMetrics
     finish_reason: str | None = None
+    #: set when this sequence alone failed (``DecodeContext.fail``): it ends with this error, its batch-mates go on
+    error: str | None = None
     sequences: list[BeamCandidate] = field(default_factory=list)  # beam / dsbd: the returned candidates
     draft_stats: DraftStats = field(default_factory=DraftStats)  # acceptance by depth (adaptive draft length)
 
@@ -253,4 +255,4 @@ class SeqState:
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return self.finish_reason is not None or self.error is not None

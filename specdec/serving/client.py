@@ -27,7 +27,19 @@ _SPEC = {s.name: s for s in protocol.CLIENT_INPUTS}
 
 
 class ClientError(RuntimeError):
-    """The server refused or failed a request; the message is the server's."""
+    """The server refused or failed a request; the message is the server's, ``status`` its gRPC status name
+    (``"StatusCode.UNAVAILABLE"``, ``"StatusCode.INVALID_ARGUMENT"``, ...) where the transport reported one."""
+
+    def __init__(self, message: str, status: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _client_error(exc: Any) -> ClientError:
+    """A tritonclient error (``InferenceServerException``) as a ``ClientError`` with its status."""
+    message = exc.message() if callable(getattr(exc, "message", None)) else str(exc)
+    status = exc.status() if callable(getattr(exc, "status", None)) else None
+    return ClientError(message or str(exc), None if status is None else str(status))
 
 
 @dataclass
@@ -116,7 +128,7 @@ class SpecdecClient:
         try:
             result = self._client.infer(UNARY_MODEL, make_inputs(prompt, **params), client_timeout=self.timeout_s)
         except InferenceServerException as exc:
-            raise ClientError(exc.message()) from exc
+            raise _client_error(exc) from exc
         seconds = time.perf_counter() - start
         return _answer([result], seconds, seconds)
 
@@ -132,7 +144,7 @@ class SpecdecClient:
             while True:
                 result, error = events.get(timeout=self.timeout_s)
                 if error is not None:
-                    raise ClientError(error.message() if hasattr(error, "message") else str(error))
+                    raise _client_error(error)
                 final = result.get_response().parameters.get("triton_final_response")
                 if result.get_response().outputs:
                     yield result

@@ -1,11 +1,4 @@
-"""Find and run a real ``tritonserver`` for ``specdec serve``.
-
-Two installs are supported, in this order:
-
-1. a ``tritonserver`` on ``PATH`` (the NGC Triton container: it has the onnxruntime and
-   tensorrt backends a GPU deployment wants);
-2. the binary bundled in the ``nvidia-pytriton`` wheel (CPU-friendly, no Docker; it has only the
-   Python backend, which is all the specdec engine model needs).
+"""Run a real ``tritonserver`` for ``specdec serve`` (found by ``specdec.serving.install``), drain it, stop it.
 
 The server is a subprocess: the decoding core never depends on it, and tests start it on free
 loopback ports and stop it again. Only the standard library is imported here so that
@@ -16,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
-import importlib.util
 import os
 import re
 import shutil
@@ -25,31 +16,29 @@ import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import Literal
 
-INSTALL_HINT = (
-    "install the bundled server with `pip install 'specdec-toolkit[serve]'` "
-    "(or `pip install nvidia-pytriton==0.7.0`), or put a `tritonserver` binary on PATH "
-    "(e.g. run inside the NGC container nvcr.io/nvidia/tritonserver:<yy.mm>-py3)"
+from specdec.serving.control import (
+    ABORT,
+    CONTROL_ENV,
+    DRAIN,
+    Control,
+    alive,
+    inflight_from_metrics,
+    new_shm_prefix,
+    remove_shm,
+    stub_pids,
 )
-STUB_NAME = "triton_python_backend_stub"
+from specdec.serving.install import TritonError, TritonInstall, find_tritonserver, libpython_dir
 
-
-class TritonError(RuntimeError):
-    """Base class of every launcher error, so the CLI can report all of them the same way."""
-
-
-class TritonNotFoundError(TritonError):
-    """No usable ``tritonserver`` binary (neither on PATH nor in the nvidia-pytriton wheel)."""
+SUPERVISE_POLL_S = 0.2  # how often `specdec serve` checks that tritonserver and the engine's stub are alive
 
 
 class TritonStartError(TritonError):
@@ -63,150 +52,6 @@ class PortInUseError(TritonError):
 class InvalidRepositoryError(TritonError):
     """The model repository is missing or malformed (checked before Triton would fail more obscurely)."""
 
-
-@dataclass(frozen=True)
-class TritonInstall:
-    """Where a tritonserver lives and what it needs to run."""
-
-    binary: Path
-    backend_directory: Path
-    ld_library_path: tuple[Path, ...] = ()
-    source: Literal["PATH", "nvidia-pytriton"] = "PATH"
-
-
-# --------------------------------------------------------------------------- locating the server
-
-
-def find_tritonserver() -> TritonInstall:
-    """Locate tritonserver: PATH first (production images have more backends), else the pytriton wheel."""
-    on_path = shutil.which("tritonserver")
-    if on_path:
-        binary = Path(on_path).resolve()
-        override = os.environ.get("SPECDEC_TRITON_BACKENDS")
-        if override:
-            backends = Path(override)
-        elif Path("/opt/tritonserver/backends").is_dir():
-            backends = Path("/opt/tritonserver/backends")
-        else:
-            backends = binary.parent.parent / "backends"
-        return TritonInstall(binary=binary, backend_directory=backends, source="PATH")
-    bundled = _find_bundled()
-    if bundled is None:
-        raise TritonNotFoundError(f"tritonserver not found: {INSTALL_HINT}")
-    return bundled
-
-
-def _find_bundled() -> TritonInstall | None:
-    """The wheel's tritonserver, found without importing pytriton (its import pulls heavy deps)."""
-    try:
-        spec = importlib.util.find_spec("pytriton")
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    pkg = Path(next(iter(spec.submodule_search_locations)))
-    root = pkg / "tritonserver"
-    binary = root / "bin" / "tritonserver"
-    if not (binary.is_file() and os.access(binary, os.X_OK)):
-        return None
-    libs = pkg.parent / "nvidia_pytriton.libs"
-    backends = _ensure_python_stub(root)
-    return TritonInstall(
-        binary=binary,
-        backend_directory=backends,
-        ld_library_path=(libs,) if libs.is_dir() else (),
-        source="nvidia-pytriton",
-    )
-
-
-def _ensure_python_stub(root: Path) -> Path:
-    """Give the bundled Python backend a stub for *this* interpreter and return the backend directory.
-
-    The wheel ships one stub per Python version beside the backend; the backend only looks in
-    ``backends/python/``. Copy it there (atomically, so concurrent starts never see half a file), or,
-    when site-packages is read-only, mirror the backend directory under the user cache with symlinks.
-    """
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    stub = root / "python_backend_stubs" / version / STUB_NAME
-    backends = root / "backends"
-    python_dir = backends / "python"
-    if not stub.is_file():
-        raise TritonNotFoundError(
-            f"the bundled tritonserver has no Python-backend stub for Python {version} (looked for {stub})"
-        )
-    target = python_dir / STUB_NAME
-    if _same_file_content(target, stub):
-        return backends
-    if os.access(python_dir, os.W_OK):
-        try:
-            _atomic_copy(stub, target)
-            return backends
-        except OSError:
-            pass
-    return _private_backends(backends, stub, version)
-
-
-def _same_file_content(a: Path, b: Path) -> bool:
-    try:
-        return a.is_file() and a.stat().st_size == b.stat().st_size and os.access(a, os.X_OK)
-    except OSError:
-        return False
-
-
-def _atomic_copy(src: Path, dst: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", dir=dst.parent)
-    os.close(fd)
-    try:
-        shutil.copyfile(src, tmp)
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, dst)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def _private_backends(backends: Path, stub: Path, version: str) -> Path:
-    """A backend directory of symlinks under the cache whose ``python/`` also links this Python's stub."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    digest = hashlib.sha256(str(backends).encode()).hexdigest()[:12]
-    private = cache / "specdec" / "triton-backends" / f"py{version}-{digest}"
-    (private / "python").mkdir(parents=True, exist_ok=True)
-    for entry in backends.iterdir():
-        if entry.name != "python":
-            _symlink(entry, private / entry.name)
-    for entry in (backends / "python").iterdir():
-        if entry.name != STUB_NAME and not entry.name.startswith("."):
-            _symlink(entry, private / "python" / entry.name)
-    _symlink(stub, private / "python" / STUB_NAME)
-    return private
-
-
-def _symlink(src: Path, dst: Path) -> None:
-    if dst.is_symlink() and os.readlink(dst) == str(src):
-        return
-    tmp = dst.with_name(f".{dst.name}.{os.getpid()}")
-    with contextlib.suppress(FileNotFoundError):
-        tmp.unlink()
-    tmp.symlink_to(src)
-    os.replace(tmp, dst)
-
-
-# --------------------------------------------------------------------------- checks before starting
-
-
-def _libpython_dir() -> Path | None:
-    """The directory of this interpreter's shared libpython, if it has one.
-
-    The bundled stub links ``libpython3.X.so.1.0`` by soname and the loader finds the system's copy
-    first. When this interpreter is a different patch release (pyenv, conda), its extension modules
-    need symbols the system library lacks: ``import ssl`` (and so transformers) fails in the stub
-    with ``undefined symbol: _PyModule_Add``. Putting this interpreter's library first fixes that.
-    """
-    libdir, name = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")
-    if not libdir or not name or not (Path(libdir) / name).is_file():
-        return None
-    return Path(libdir)
 
 
 def free_ports(n: int = 3, host: str = "127.0.0.1") -> list[int]:
@@ -303,6 +148,12 @@ class TritonServer:
     http_port: int = field(default=8000, init=False)
     metrics_port: int = field(default=8002, init=False)
     exit_timeout_s: int = field(default=30, init=False)
+    #: the drain/abort flags of this server (``specdec.serving.control``) and its stubs' /dev/shm prefix
+    control: Control = field(default=Control(None), init=False)
+    shm_prefix: str = field(default="", init=False)
+    restarts: int = field(default=0, init=False)
+    _start_args: dict = field(default_factory=dict, init=False, repr=False)
+    _watched: list[int] = field(default_factory=list, init=False, repr=False)
     _log_handle: object = field(default=None, init=False, repr=False)
 
     def command(self, model_repository: Path, *, log_verbose: int, exit_timeout_s: int,
@@ -318,6 +169,7 @@ class TritonServer:
             f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
             f"--exit-timeout-secs={exit_timeout_s}",
             f"--log-verbose={log_verbose}",
+            *([f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}"] if self.shm_prefix else []),
             *extra_args,
         ]
 
@@ -330,7 +182,7 @@ class TritonServer:
         assert self.install is not None
         env = dict(os.environ)
         libs = [str(p) for p in self.install.ld_library_path]
-        own = _libpython_dir()
+        own = libpython_dir()
         if own is not None:  # the stub must embed the libpython whose extension modules it will import
             libs.insert(0, str(own))
         if env.get("LD_LIBRARY_PATH"):
@@ -348,6 +200,8 @@ class TritonServer:
             env["VIRTUAL_ENV"] = str(python_env)
         elif sys.prefix != sys.base_prefix:
             env["VIRTUAL_ENV"] = sys.prefix
+        if self.control.directory is not None:
+            env[CONTROL_ENV] = str(self.control.directory)
         return env
 
     def start(self, model_repository: str | os.PathLike[str], *, host: str = "127.0.0.1", grpc_port: int = 8001,
@@ -372,8 +226,13 @@ class TritonServer:
             os.close(fd)
             self.log_file = Path(name)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(self.log_file, "wb")
+        self._start_args = dict(model_repository=model_repository, host=host, grpc_port=grpc_port,
+                                http_port=http_port, metrics_port=metrics_port, log_verbose=log_verbose,
+                                exit_timeout_s=exit_timeout_s, extra_args=tuple(extra_args))
+        handle = open(self.log_file, "ab" if self.restarts else "wb")  # a restart keeps the log of what died
         self._log_handle = handle
+        self.control = Control(Path(tempfile.mkdtemp(prefix="specdec-control-")))
+        self.shm_prefix = new_shm_prefix()
         cmd = self.command(repo, log_verbose=log_verbose, exit_timeout_s=exit_timeout_s, extra_args=extra_args)
         try:
             self.process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.STDOUT,
@@ -436,6 +295,40 @@ class TritonServer:
                 )
             time.sleep(poll_s)
 
+    def inflight(self) -> int | None:
+        """Requests the entry points have admitted and not yet answered (their gauge), None if unreadable."""
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=2) as resp:
+                return inflight_from_metrics(resp.read().decode(errors="replace"))
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
+    def drain(self, timeout: float, abort: Callable[[], bool] = lambda: False, poll_s: float = 0.1) -> int:
+        """Admit nothing new and wait until every admitted request is answered; returns how many were aborted.
+
+        After ``timeout`` s, or as soon as ``abort()`` says so (a second signal), the rest are ended by the
+        entry points with UNAVAILABLE, and this waits a few seconds more for those answers to go out.
+        """
+        if not self.running():
+            return 0
+        self.control.ask(DRAIN)
+        deadline = time.monotonic() + timeout
+        left = None
+        while self.running():
+            left = self.inflight()
+            if left == 0:
+                return 0
+            if abort() or time.monotonic() >= deadline:
+                break
+            time.sleep(poll_s)
+        if not self.running():
+            return 0
+        self.control.ask(ABORT)
+        settle = time.monotonic() + 5.0
+        while self.running() and time.monotonic() < settle and self.inflight() not in (0, None):
+            time.sleep(poll_s)
+        return left or 0
+
     def send_signal(self, sig: int) -> None:
         if self.running():
             assert self.process is not None
@@ -474,10 +367,60 @@ class TritonServer:
                     continue
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
+        self.cleanup()
         if self._log_handle is not None:
             self._log_handle.close()  # type: ignore[attr-defined]
             self._log_handle = None
         return code
+
+    def watch_engine(self) -> list[int]:
+        """Remember the engine's stub processes (call once the server is ready); ``engine_failure`` checks them."""
+        from specdec.serving.protocol import ENGINE_MODEL
+
+        assert self.process is not None
+        self._watched = stub_pids(self.process.pid, ENGINE_MODEL)
+        return self._watched
+
+    def engine_failure(self) -> str | None:
+        """Why this server can no longer serve (tritonserver exited, or an engine stub died), or None.
+
+        Triton itself notices a dead stub only when the next request reaches it, and until then reports
+        every model ready: a load balancer would keep sending traffic to a replica that fails all of it.
+        """
+        if self.process is None:
+            return None
+        code = self.process.poll()
+        if code is not None:
+            return f"tritonserver exited with code {code}"
+        dead = [pid for pid in self._watched if not alive(pid)]
+        return f"the engine's stub process {dead[0]} died" if dead else None
+
+    def restart(self) -> None:
+        """Kill what is left of this server (its stubs included), clean up after it and start it again.
+
+        Killing, not draining: the engine is gone, so nothing in flight can finish, and the closed ports tell
+        every client and health probe at once (UNAVAILABLE, readiness refused) instead of hanging them.
+        """
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(10)
+        self.cleanup()
+        if self._log_handle is not None:
+            self._log_handle.close()  # type: ignore[attr-defined]
+            self._log_handle = None
+        self.restarts += 1
+        self.start(**self._start_args)
+
+    def cleanup(self) -> None:
+        """Remove what an exited server leaves behind: its stubs' /dev/shm regions (a SIGKILLed server leaves
+        them all) and its control directory. Safe to call more than once."""
+        if self.running():
+            raise TritonError("cleanup() of a running server")
+        remove_shm(self.shm_prefix)
+        if self.control.directory is not None:
+            shutil.rmtree(self.control.directory, ignore_errors=True)
 
     def __enter__(self) -> TritonServer:
         return self
@@ -501,50 +444,116 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     parser.add_argument("--ready-timeout", type=float, default=300.0,
                         help="seconds to wait for all models to load (default 300)")
+    parser.add_argument("--drain-timeout", type=float, default=60.0,
+                        help="on SIGINT/SIGTERM, seconds the requests in flight may take to finish before they are "
+                             "aborted (default 60; pair it with the pod's terminationGracePeriodSeconds)")
+    parser.add_argument("--max-restarts", type=int, default=5,
+                        help="how often a failed server (dead engine, crashed tritonserver) is restarted before "
+                             "`specdec serve` gives up and exits 1 (default 5; 0: never)")
+    parser.add_argument("--exit-timeout", type=int, default=30,
+                        help="tritonserver --exit-timeout-secs: seconds it may take to unload after the drain "
+                             "(default 30)")
     return parser
 
 
 def serve_main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
-    """Run the server in the foreground until SIGINT/SIGTERM; return its exit code (1 on launcher errors)."""
+    """Run the server in the foreground until SIGINT/SIGTERM; return its exit code (1 on launcher errors).
+
+    The first signal drains (``TritonServer.drain``: nothing new is admitted, every request in flight is
+    answered in full), then Triton unloads the models and exits; a second signal, or ``--drain-timeout``,
+    ends what is left with UNAVAILABLE first. Exit 0 when the server stopped cleanly.
+    """
     if not isinstance(args, argparse.Namespace):
         parser = add_serve_args(argparse.ArgumentParser(prog="specdec serve", description=__doc__))
         args = parser.parse_args(None if args is None else list(args))
     server = TritonServer(log_file=args.log_file)
-    stop_requested: list[int] = []
+    signals: list[int] = []
 
-    def forward(signum: int, _frame: FrameType | None) -> None:
-        stop_requested.append(signum)
-        server.send_signal(signum)
+    def remember(signum: int, _frame: FrameType | None) -> None:
+        signals.append(signum)
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, remember) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         try:
             server.start(args.model_repository, host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
-                         metrics_port=args.metrics_port, log_verbose=args.log_verbose)
+                         metrics_port=args.metrics_port, log_verbose=args.log_verbose,
+                         exit_timeout_s=args.exit_timeout)
             print(f"specdec serve: starting {server.install.binary} ({server.install.source}); "  # type: ignore[union-attr]
                   f"log: {server.log_file}", file=sys.stderr, flush=True)
-            server.wait_ready(args.ready_timeout)
+            _wait_ready_unless_signalled(server, args.ready_timeout, signals)
         except TritonError as exc:
             server.stop()
-            if stop_requested:
-                return 128 + stop_requested[0]
+            if signals:
+                return 128 + signals[0]
             print(f"error: {exc}", file=sys.stderr)
             return 1
+        if signals:  # stopped while loading: nothing was admitted yet, so there is nothing to drain
+            server.stop()
+            return 0
         print(f"specdec serve: ready\n  gRPC    {server.grpc_url}\n  HTTP    {server.http_url}\n"
-              f"  metrics {server.metrics_url}\n(Ctrl-C to stop)", flush=True)
-        while True:
-            try:
-                code = server.wait()
-                break
-            except InterruptedError:  # pragma: no cover - PEP 475 retries, kept for safety
-                continue
-        server.stop()
+              f"  metrics {server.metrics_url}\n(Ctrl-C to stop: in-flight requests finish first)", flush=True)
+        server.watch_engine()
+        if not _supervise(server, signals, args.max_restarts, args.ready_timeout):
+            return 1
+        if signals:
+            print(f"specdec serve: {signal.Signals(signals[0]).name}: draining, admitting no new requests "
+                  f"({server.inflight() or 0} in flight; signal again to abort them)", file=sys.stderr, flush=True)
+            aborted = server.drain(args.drain_timeout, abort=lambda: len(signals) > 1)
+            if aborted:
+                print(f"specdec serve: aborted {aborted} request(s) still in flight", file=sys.stderr, flush=True)
+        code = server.stop()
+        assert code is not None
         if code < 0:  # killed by a signal: report it the way a shell would
             code = 128 - code
-        if code != 0 and not stop_requested:
+        if code != 0:
             print(f"error: tritonserver exited with code {code}\n{_error_summary(server.read_log())}",
                   file=sys.stderr)
+        elif signals:
+            print("specdec serve: stopped", file=sys.stderr, flush=True)
         return code
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _supervise(server: TritonServer, signals: list[int], max_restarts: int, ready_timeout: float) -> bool:
+    """Serve until a signal; bring the server back whenever it fails. False: it could not be brought back.
+
+    Polled every ``SUPERVISE_POLL_S``, so a dead engine is noticed within that time, and the restart closes
+    the ports at once: readiness probes are refused and in-flight requests end with UNAVAILABLE.
+    """
+    while not signals:
+        failure = server.engine_failure()
+        if failure is None:
+            time.sleep(SUPERVISE_POLL_S)
+            continue
+        if server.restarts >= max_restarts:
+            print(f"error: {failure}; not restarting again (--max-restarts {max_restarts})\n"
+                  f"{_error_summary(server.read_log())}", file=sys.stderr, flush=True)
+            server.stop()
+            return False
+        start = time.monotonic()
+        print(f"specdec serve: {failure}: restarting tritonserver", file=sys.stderr, flush=True)
+        try:
+            server.restart()
+            _wait_ready_unless_signalled(server, ready_timeout, signals)
+        except TritonError as exc:
+            print(f"error: the restart failed: {exc}", file=sys.stderr, flush=True)
+            server.stop()
+            return False
+        server.watch_engine()
+        print(f"specdec serve: ready again after {time.monotonic() - start:.1f} s (restart {server.restarts})",
+              file=sys.stderr, flush=True)
+    return True
+
+
+def _wait_ready_unless_signalled(server: TritonServer, timeout: float, signals: list[int]) -> None:
+    """``wait_ready``, but a signal while the models load ends the wait (the caller then stops the server)."""
+    deadline = time.monotonic() + timeout
+    while not signals:
+        try:
+            server.wait_ready(min(1.0, max(0.0, deadline - time.monotonic())))
+            return
+        except TritonStartError:
+            if not server.running() or time.monotonic() >= deadline:
+                raise

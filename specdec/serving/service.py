@@ -301,11 +301,13 @@ class EngineService:
             handle = self._handles.get(request_id)
         if handle is None:
             return
-        if seq.finish_reason == CANCELLED:
+        if seq.finish_reason == CANCELLED or seq.error is not None:
             tokens = seq.output_ids[: handle._streamed]  # what the caller saw; the rest was never sent
             text = self.engine.decode(tokens) if handle.wants_text else None
             metrics = dataclasses.replace(seq.metrics, generated_tokens=len(tokens))
-            output = RequestOutput(request_id, list(seq.request.prompt_ids), tokens, text, CANCELLED, metrics)
+            reason = None if seq.error is not None else CANCELLED
+            output = RequestOutput(request_id, list(seq.request.prompt_ids), tokens, text, reason, metrics,
+                                   error=seq.error)
             new_tokens: list[int] = []
         else:
             new_tokens = seq.output_ids[handle._streamed :]

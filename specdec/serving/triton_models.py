@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import faulthandler
 import gc
+import importlib
 import itertools
 import json
 import logging
+import os
 import queue
 import signal
 import sys
@@ -45,7 +47,9 @@ from specdec.runtime.request import CANCELLED, Request, RequestMetrics
 from specdec.runtime.sampling import InvalidRequestError
 from specdec.runtime.text import decode_tokens, encode_text, text_delta
 from specdec.serving import protocol
+from specdec.serving.control import Control
 from specdec.serving.service import EngineService, ServiceStoppedError, StreamEvent
+from specdec.serving.triton_metrics import EngineMetrics, InflightGauge
 
 if TYPE_CHECKING:
     from specdec.runtime.engine import Engine
@@ -58,6 +62,9 @@ except ImportError:  # pragma: no cover - imported for documentation or tests wi
 log = logging.getLogger(__name__)
 
 CANCEL_POLL_S = 0.1
+FAULT_HOOK_ENV = "SPECDEC_FAULT_HOOK"
+DRAINING = "the server is draining (shutting down) and admits no new requests: retry on another replica"
+ABORTED = "the server is shutting down: this request was aborted before it finished"
 
 
 def _parameters(args: dict[str, str]) -> dict[str, str]:
@@ -88,11 +95,30 @@ def _read(request: Any, specs: tuple[protocol.TensorSpec, ...]) -> dict[str, np.
     return found
 
 
-def _error(message: str, invalid: bool = True) -> Any:
-    """An error response; bad input is INVALID_ARG (gRPC INVALID_ARGUMENT), the rest INTERNAL."""
-    code = getattr(pb_utils.TritonError, "INVALID_ARG" if invalid else "INTERNAL", None)
-    error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+def _error(message: str, invalid: bool = True, code: str | int | None = None) -> Any:
+    """An error response; bad input is INVALID_ARG (gRPC INVALID_ARGUMENT), the rest INTERNAL unless ``code`` says.
+
+    ``code``: a ``pb_utils.TritonError`` code name (``"UNAVAILABLE"``: draining or aborted; ``"CANCELLED"``)
+    or the code an inner model's error carried, so a client sees the status the failure really has.
+    """
+    if code is None:
+        code = "INVALID_ARG" if invalid else "INTERNAL"
+    value = getattr(pb_utils.TritonError, code, None) if isinstance(code, str) else code
+    error = pb_utils.TritonError(message) if value is None else pb_utils.TritonError(message, value)
     return pb_utils.InferenceResponse(output_tensors=[], error=error)
+
+
+class _ModelError(Exception):
+    """An inner model's (BLS) error, with its Triton error code kept for the client's answer."""
+
+    def __init__(self, message: str, code: int | None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _raise_error(error: Any) -> None:
+    code = error.code() if callable(getattr(error, "code", None)) else None
+    raise _ModelError(error.message(), code)
 
 
 def _dump_threads_on_sigusr1() -> None:
@@ -161,6 +187,10 @@ class _Client:
         self._lock = threading.Lock()
         self._done = False
 
+    @property
+    def done(self) -> bool:
+        return self._done
+
     def is_cancelled(self) -> bool:
         with self._lock:
             if self._done:
@@ -170,15 +200,18 @@ class _Client:
             except Exception:
                 return True
 
-    def send(self, response: Any = None, final: bool = False) -> None:
-        if final:
-            with self._lock:
-                self._done = True
-        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
-        if response is None:
-            self.sender.send(flags=flags)
-        else:
-            self.sender.send(response, flags=flags)
+    def send(self, response: Any = None, final: bool = False) -> bool:
+        """Send unless the final response already went (an aborted request's thread may still answer); sent?"""
+        with self._lock:
+            if self._done:
+                return False
+            self._done = final
+            flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+            if response is None:
+                self.sender.send(flags=flags)
+            else:
+                self.sender.send(response, flags=flags)
+            return True
 
 
 @dataclass(eq=False)
@@ -192,50 +225,18 @@ class _Stream:
     sent: int = 0
 
 
-class _Metrics:
-    """Custom Prometheus metrics on Triton's metrics endpoint (counters since the model loaded)."""
+def _fault_hook() -> Any:
+    """The test hook ``$SPECDEC_FAULT_HOOK`` names (``module:function``), called at each sequence's step points.
 
-    def __init__(self) -> None:
-        self._families: list[Any] = []  # a family must outlive its metrics
-
-        def family(name: str, kind: Any, description: str) -> Any:
-            self._families.append(pb_utils.MetricFamily(name=name, description=description, kind=kind))
-            return self._families[-1]
-
-        counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
-        requests = family("specdec_requests_total", counter, "requests answered, by outcome")
-        self.outcome = {o: requests.Metric(labels={"outcome": o}) for o in ("finished", CANCELLED, "failed")}
-        self.tokens = family("specdec_generated_tokens_total", counter, "tokens generated").Metric(labels={})
-        self.drafts = family("specdec_draft_tokens_total", counter, "draft tokens verified").Metric(labels={})
-        self.accepted = family("specdec_accepted_draft_tokens_total", counter,
-                               "draft tokens accepted").Metric(labels={})
-        self.steps = family("specdec_target_steps_total", counter, "ragged target steps").Metric(labels={})
-        self.step_sequences = family("specdec_step_sequences_total", counter,
-                                     "sequences verified, summed over steps (/ steps = mean batch)").Metric(labels={})
-        self.active = family("specdec_active_sequences", gauge,
-                             "requests decoding (holding KV slots: one, or one per beam)").Metric(labels={})
-        self.kv_slots = family("specdec_kv_slots_used", gauge,
-                               "target KV slots held (one per ems/ar sequence, one per live beam)").Metric(labels={})
-        self.queued = family("specdec_queued_requests", gauge, "requests waiting for a KV slot").Metric(labels={})
-        self._steps = self._sequences = 0
-
-    def request_done(self, outcome: str, metrics: RequestMetrics) -> None:
-        self.outcome[outcome].increment(1)
-        self.tokens.increment(metrics.generated_tokens)
-        self.drafts.increment(metrics.draft_tokens)
-        self.accepted.increment(metrics.accepted_draft_tokens)
-
-    def update(self, *services: EngineService) -> None:
-        """Publish the totals of every decoding loop (EMS-SD's and the beam loop)."""
-        all_stats = [service.stats() for service in services]
-        steps = sum(s.steps for s in all_stats)
-        sequences = sum(round(s.mean_batch_size * s.steps) for s in all_stats)
-        self.steps.increment(steps - self._steps)
-        self.step_sequences.increment(sequences - self._sequences)
-        self._steps, self._sequences = steps, sequences
-        self.active.set(sum(s.active for s in all_stats))
-        self.kv_slots.set(sum(s.kv_slots for s in all_stats))
-        self.queued.set(sum(s.queued for s in all_stats))
+    Only tests set it (the isolation tests inject a failure tied to one request through it); it is read from
+    the server's environment, which only the operator controls, and its use is logged loudly.
+    """
+    spec = os.environ.get(FAULT_HOOK_ENV, "").strip()
+    if not spec:
+        return None
+    module, _, name = spec.partition(":")
+    log.warning("fault injection is on (%s=%s): for tests only", FAULT_HOOK_ENV, spec)
+    return getattr(importlib.import_module(module), name)
 
 
 def _param(params: Mapping[str, str], name: str, convert: Callable[[str], Any], default: Any = None) -> Any:
@@ -276,6 +277,7 @@ class EngineModel:
         _dump_threads_on_sigusr1()
         params = _parameters(args)
         self.engine = served_engine(_export_dir(args), params)
+        self.engine.fault_hook = _fault_hook()
         self.default_max_tokens = _param(params, "default_max_tokens", int, 0) or 64
         self.service = EngineService(self.engine, DEFAULT_METHOD).start()
         # beam requests run in a second loop over the same weights (its own caches): the speculative beam method
@@ -288,7 +290,7 @@ class EngineModel:
         self._lock = threading.Lock()
         self._outbox: queue.Queue[tuple[_Stream, StreamEvent] | None] = queue.Queue()
         self._closing = threading.Event()
-        self.metrics = _Metrics()
+        self.metrics = EngineMetrics()
         # responses leave from their own thread so the decoding loop never waits on Triton's IPC
         self._sender = threading.Thread(target=self._send_loop, name="specdec-send", daemon=True)
         self._watcher = threading.Thread(target=self._watch, name="specdec-watch", daemon=True)
@@ -425,23 +427,39 @@ class _EntryPoint:
         self._active: dict[str, _Client] = {}  # engine request id -> client
         self._lock = threading.Lock()
         self._closing = threading.Event()
+        self._control = Control.from_env()
+        # admitted and not yet answered, waiting for a slot included: what `specdec serve` drains
+        self._inflight = 0
+        self._inflight_gauge = InflightGauge(args["model_name"])
         self._watcher = threading.Thread(target=self._watch, name="specdec-cancel", daemon=True)
         self._watcher.start()
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
             client = _Client(request, request.get_response_sender())
+            if self._control.draining():  # refused at once, so a client retries elsewhere while the rest finish
+                client.send(_error(DRAINING, code="UNAVAILABLE"), final=True)
+                continue
+            self._count(+1)  # here, not in the thread: a drain that reads 0 has really seen this request
             # daemon threads: a request thread that never returns must not keep the stub alive past unload
             threading.Thread(target=self._answer_in_slot, args=(client,), name=self._thread_name, daemon=True).start()
         return None
 
+    def _count(self, delta: int) -> None:
+        with self._lock:
+            self._inflight += delta
+            self._inflight_gauge.set(self._inflight)
+
     def _answer_in_slot(self, client: _Client) -> None:
         """At most ``max_concurrency`` requests run the pipeline at once; the rest wait their turn."""
-        with self._slots:
-            if self._closing.is_set():
-                client.send(_error("the server is shutting down", invalid=False), final=True)
-                return
-            self._answer(client)
+        try:
+            with self._slots:
+                if self._closing.is_set() or self._control.aborting():
+                    client.send(_error(ABORTED, code="UNAVAILABLE"), final=True)
+                    return
+                self._answer(client)
+        finally:
+            self._count(-1)
 
     def _answer(self, client: _Client) -> None:
         engine_id = uuid.uuid4().hex
@@ -456,10 +474,12 @@ class _EntryPoint:
                     client.send(pb_utils.InferenceResponse(tensors), final=finished)
                     answered = answered or finished
             if not answered:
-                raise InvalidRequestError("the engine ended the request without an answer")
+                raise RuntimeError("the engine ended the request without an answer")
         except InvalidRequestError as exc:
             client.send(_error(str(exc)), final=True)
-        except Exception as exc:  # never leave a client without an answer
+        except _ModelError as exc:
+            client.send(_error(str(exc), code=exc.code), final=True)
+        except Exception as exc:  # never leave a client without an answer; the traceback goes to the log only
             log.exception("request failed")
             client.send(_error(f"internal error: {type(exc).__name__}: {exc}", invalid=False), final=True)
         finally:
@@ -487,7 +507,7 @@ class _EntryPoint:
         )
         for response in engine.exec(decoupled=True):
             if response.has_error():
-                raise InvalidRequestError(response.error().message())
+                _raise_error(response.error())
             if not response.output_tensors():
                 continue  # the empty final flag
             outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
@@ -497,7 +517,21 @@ class _EntryPoint:
     def _watch(self) -> None:
         cancelled: set[str] = set()
         while not self._closing.wait(CANCEL_POLL_S):
+            if self._control.aborting():
+                self._abort_all()
             self._poll_clients(cancelled)
+
+    def _abort_all(self) -> None:
+        """The drain ran out (a second signal, or its timeout): every request still here ends now, UNAVAILABLE.
+
+        The engine is told too, so its slots free at the next step; the request threads' later answers are
+        dropped by ``_Client.send``.
+        """
+        with self._lock:
+            active = [(engine_id, client) for engine_id, client in self._active.items() if not client.done]
+        for engine_id, client in active:
+            if client.send(_error(ABORTED, code="UNAVAILABLE"), final=True):
+                self._cancel_in_engine(engine_id)
 
     def _poll_clients(self, cancelled: set[str]) -> None:
         """Tell the engine about clients gone since the last poll (``cancelled``: already told).
@@ -511,15 +545,18 @@ class _EntryPoint:
             if engine_id in cancelled or not client.is_cancelled():
                 continue
             cancelled.add(engine_id)
-            try:
-                cancel = pb_utils.InferenceRequest(
-                    model_name=protocol.ENGINE_MODEL, requested_output_names=[],
-                    inputs=[pb_utils.Tensor(protocol.CANCEL_REQUEST_ID.name, protocol.as_bytes(engine_id))])
-                for _ in cancel.exec(decoupled=True):
-                    pass
-            except Exception:
-                log.exception("could not cancel %s", engine_id)
+            self._cancel_in_engine(engine_id)
         cancelled &= {engine_id for engine_id, _ in active}
+
+    def _cancel_in_engine(self, engine_id: str) -> None:
+        try:
+            cancel = pb_utils.InferenceRequest(
+                model_name=protocol.ENGINE_MODEL, requested_output_names=[],
+                inputs=[pb_utils.Tensor(protocol.CANCEL_REQUEST_ID.name, protocol.as_bytes(engine_id))])
+            for _ in cancel.exec(decoupled=True):
+                pass
+        except Exception:
+            log.exception("could not cancel %s", engine_id)
 
     def finalize(self) -> None:
         """Stop the watcher and let running requests end (a few seconds at most) before the stub goes."""
@@ -544,12 +581,12 @@ def _release_senders() -> None:
 
 
 def _bls(model: str, inputs: dict[str, np.ndarray], outputs: tuple[protocol.TensorSpec, ...]) -> tuple[dict, ...]:
-    """Call a non-decoupled model; its output tensors as numpy, or its error as ``InvalidRequestError``."""
+    """Call a non-decoupled model; its output tensors as numpy, or its error (with its code) as ``_ModelError``."""
     request = pb_utils.InferenceRequest(model_name=model, requested_output_names=[s.name for s in outputs],
                                         inputs=[pb_utils.Tensor(k, v) for k, v in inputs.items()])
     response = request.exec()
     if response.has_error():
-        raise InvalidRequestError(response.error().message())
+        _raise_error(response.error())
     return ({t.name(): t.as_numpy() for t in response.output_tensors()},)
 
 

@@ -1,0 +1,128 @@
+"""The launcher's side channel to the served models: drain and abort, and what a server leaves in /dev/shm.
+
+Why a channel of its own: Triton counts no in-flight work for specdec's decoupled Python models (their
+``execute`` hands each request to a thread and returns at once), so on SIGINT it unloads the models at
+once, ``postprocessing`` first, under the streams still using it. ``specdec serve`` therefore drains
+before it lets Triton shut down: it tells the entry points to admit nothing new (new requests get
+UNAVAILABLE at once), waits until their in-flight gauge reads 0, and only then signals tritonserver. A
+second signal aborts what is left: the entry points end those requests with UNAVAILABLE.
+
+Why flag files in a private directory: the models run in stub processes that tritonserver starts and
+that inherit its environment, so a directory named by ``SPECDEC_CONTROL_DIR`` is something both sides
+reach without opening an API that clients could call. A server started without ``specdec serve``
+(plain ``tritonserver`` on the repository) has no such directory and simply never drains.
+
+Shared memory: each Python-backend stub maps a ``/dev/shm`` region named by the backend's
+``shm-region-prefix-name``. ``specdec serve`` gives every server its own prefix, so after the server
+exits (cleanly, or killed with SIGKILL, which leaves the regions behind) exactly its regions are removed.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+CONTROL_ENV = "SPECDEC_CONTROL_DIR"
+DRAIN, ABORT = "drain", "abort"
+SHM_DIR = Path("/dev/shm")
+#: the entry points' gauge of requests admitted and not yet answered, which the launcher's drain waits on
+INFLIGHT_METRIC = "specdec_inflight_requests"
+
+
+@dataclass(frozen=True)
+class Control:
+    """The flag files of one server; ``directory`` None means no launcher is listening (never draining)."""
+
+    directory: Path | None
+
+    @classmethod
+    def from_env(cls) -> Control:
+        value = os.environ.get(CONTROL_ENV)
+        return cls(Path(value) if value else None)
+
+    def _flag(self, name: str) -> bool:
+        return self.directory is not None and (self.directory / name).exists()
+
+    def draining(self) -> bool:
+        """Whether new requests must be refused (a drain or an abort was asked for)."""
+        return self._flag(DRAIN) or self._flag(ABORT)
+
+    def aborting(self) -> bool:
+        """Whether the requests still in flight must end now."""
+        return self._flag(ABORT)
+
+    def ask(self, name: str) -> None:
+        """The launcher's side: raise the ``DRAIN`` or ``ABORT`` flag."""
+        if name not in (DRAIN, ABORT):
+            raise ValueError(f"unknown control flag {name!r}")
+        if self.directory is None:
+            raise RuntimeError("this server has no control directory")
+        (self.directory / name).touch()
+
+
+def new_shm_prefix() -> str:
+    """A Python-backend shared-memory prefix no other server on the machine uses."""
+    return f"specdec_{os.getpid()}_{secrets.token_hex(4)}_"
+
+
+def shm_regions(prefix: str) -> list[Path]:
+    """The /dev/shm regions of the server whose stubs used ``prefix``."""
+    if not prefix or not SHM_DIR.is_dir():
+        return []
+    return sorted(p for p in SHM_DIR.iterdir() if p.name.startswith(prefix))
+
+
+def remove_shm(prefix: str) -> list[Path]:
+    """Remove what a server that has exited left in /dev/shm; returns what was removed."""
+    removed = []
+    for region in shm_regions(prefix):
+        try:
+            region.unlink()
+            removed.append(region)
+        except FileNotFoundError:
+            continue
+    return removed
+
+
+def inflight_from_metrics(text: str) -> int | None:
+    """The sum of ``INFLIGHT_METRIC`` over its labels in a Prometheus exposition, or None when it is absent."""
+    total, seen = 0.0, False
+    for line in text.splitlines():
+        if line.startswith(INFLIGHT_METRIC) and not line.startswith("#"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name == INFLIGHT_METRIC:
+                total += float(line.rsplit(" ", 1)[1])
+                seen = True
+    return int(total) if seen else None
+
+
+def stub_pids(server_pid: int, model: str) -> list[int]:
+    """The Python-backend stub processes of ``model`` that tritonserver ``server_pid`` started.
+
+    A stub's command line names its model's ``model.py`` (``<repository>/<model>/1/model.py``), and its
+    parent is the server, which is how a supervisor tells the engine's stub from the others.
+    """
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == server_pid and any(f"/{model}/".encode() in arg for arg in cmdline):
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, killed but not yet reaped by its parent, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")

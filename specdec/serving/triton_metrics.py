@@ -1,0 +1,82 @@
+"""specdec's custom Prometheus metrics on Triton's metrics endpoint (``pb_utils.MetricFamily``).
+
+Only inside a Python-backend stub: the families live in Triton's registry, next to its own
+``nv_inference_*`` metrics, so one scrape of the metrics port shows both.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from specdec.runtime.request import CANCELLED, RequestMetrics
+from specdec.serving.control import INFLIGHT_METRIC
+
+if TYPE_CHECKING:
+    from specdec.serving.service import EngineService
+
+try:  # only inside Triton's Python-backend stub
+    import triton_python_backend_utils as pb_utils
+except ImportError:  # pragma: no cover - imported for documentation or tests without Triton
+    pb_utils = None
+
+
+class EngineMetrics:
+    """The engine model's metrics (counters since the model loaded)."""
+
+    def __init__(self) -> None:
+        self._families: list[Any] = []  # a family must outlive its metrics
+
+        def family(name: str, kind: Any, description: str) -> Any:
+            self._families.append(pb_utils.MetricFamily(name=name, description=description, kind=kind))
+            return self._families[-1]
+
+        counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
+        requests = family("specdec_requests_total", counter, "requests answered, by outcome")
+        self.outcome = {o: requests.Metric(labels={"outcome": o}) for o in ("finished", CANCELLED, "failed")}
+        self.tokens = family("specdec_generated_tokens_total", counter, "tokens generated").Metric(labels={})
+        self.drafts = family("specdec_draft_tokens_total", counter, "draft tokens verified").Metric(labels={})
+        self.accepted = family("specdec_accepted_draft_tokens_total", counter,
+                               "draft tokens accepted").Metric(labels={})
+        self.steps = family("specdec_target_steps_total", counter, "ragged target steps").Metric(labels={})
+        self.step_sequences = family("specdec_step_sequences_total", counter,
+                                     "sequences verified, summed over steps (/ steps = mean batch)").Metric(labels={})
+        self.active = family("specdec_active_sequences", gauge,
+                             "requests decoding (holding KV slots: one, or one per beam)").Metric(labels={})
+        self.kv_slots = family("specdec_kv_slots_used", gauge,
+                               "target KV slots held (one per ems/ar sequence, one per live beam)").Metric(labels={})
+        self.queued = family("specdec_queued_requests", gauge, "requests waiting for a KV slot").Metric(labels={})
+        self._steps = self._sequences = 0
+
+    def request_done(self, outcome: str, metrics: RequestMetrics) -> None:
+        self.outcome[outcome].increment(1)
+        self.tokens.increment(metrics.generated_tokens)
+        self.drafts.increment(metrics.draft_tokens)
+        self.accepted.increment(metrics.accepted_draft_tokens)
+
+    def update(self, *services: EngineService) -> None:
+        """Publish the totals of every decoding loop (EMS-SD's and the beam loop)."""
+        all_stats = [service.stats() for service in services]
+        steps = sum(s.steps for s in all_stats)
+        sequences = sum(round(s.mean_batch_size * s.steps) for s in all_stats)
+        self.steps.increment(steps - self._steps)
+        self.step_sequences.increment(sequences - self._sequences)
+        self._steps, self._sequences = steps, sequences
+        self.active.set(sum(s.active for s in all_stats))
+        self.kv_slots.set(sum(s.kv_slots for s in all_stats))
+        self.queued.set(sum(s.queued for s in all_stats))
+
+
+class InflightGauge:
+    """An entry point's requests admitted and not yet answered (``specdec serve`` drains until it reads 0).
+
+    Both entry points register the same family (same name, help and kind, which Triton's registry merges),
+    each with its own ``model`` label.
+    """
+
+    def __init__(self, model: str) -> None:
+        self._family = pb_utils.MetricFamily(name=INFLIGHT_METRIC, kind=pb_utils.MetricFamily.GAUGE,
+                                             description="requests an entry point admitted and has not answered yet")
+        self._metric = self._family.Metric(labels={"model": model})
+
+    def set(self, value: int) -> None:
+        self._metric.set(value)
