@@ -216,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.set_defaults(func=cmd_generate)
     sub.add_parser("bench", help="the EMS-SD vs vanilla vs ar benchmark (`specdec bench --help`); "
                    "`specdec bench beams`: DSBD vs beam vs ems")
-    from specdec.serving.server import add_serve_args, serve_main
+    from specdec.serving.serve import add_serve_args, serve_main
 
     srv = sub.add_parser("serve", help="run Triton Inference Server on a model repository")
     add_serve_args(srv)

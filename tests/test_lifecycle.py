@@ -68,7 +68,7 @@ class Served:
 def _serve(export: Path, log: Path) -> Served:
     """``specdec serve`` in its own process, ready."""
     grpc, http, metrics = free_ports()
-    code = "import sys; from specdec.serving.server import serve_main; sys.exit(serve_main(sys.argv[1:]))"
+    code = "import sys; from specdec.serving.serve import serve_main; sys.exit(serve_main(sys.argv[1:]))"
     proc = subprocess.Popen(
         [sys.executable, "-c", code, str(export / "triton_repo"), "--grpc-port", str(grpc), "--http-port",
          str(http), "--metrics-port", str(metrics), "--log-file", str(log), "--ready-timeout", str(WAIT_S),
@@ -256,3 +256,100 @@ def test_a_dead_engine_or_server_is_replaced_and_serves_the_same_answers(smollm2
             proc.wait()
     assert eventually(lambda: processes_mentioning(str(smollm2_export / "triton_repo")) == [])
     assert eventually(lambda: not {n for n in _shm() - shm_before if n.startswith("specdec_")})
+
+
+def _samples(metrics_url: str, prefix: str) -> dict[str, float]:
+    import urllib.request
+
+    with urllib.request.urlopen(metrics_url, timeout=30) as resp:
+        text = resp.read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith(prefix)}
+
+
+def _stream_once(client: object, model: str, inputs: list) -> None:
+    """One request to a decoupled model over a gRPC stream; its error, if any, raised."""
+    import queue
+
+    events: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: events.put(error))  # type: ignore[attr-defined]
+    try:
+        client.async_stream_infer(model, inputs)  # type: ignore[attr-defined]
+        error = events.get(timeout=WAIT_S)
+        if error is not None:
+            raise error
+    finally:
+        client.stop_stream()  # type: ignore[attr-defined]
+
+
+def test_a_fault_in_one_request_fails_it_alone_with_internal(smollm2_export: Path, reference: dict,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Observations 3, 4 and 7: 10 requests that fail inside their own step (the fault hook), mixed into a batch
+    of 6 good ones: each bad one ends with INTERNAL and a message without a traceback, every good one is token
+    for token the local answer, the counters move by exactly 10, the server stays ready. The internal models
+    refuse a client with INVALID_ARGUMENT (no traceback), and Triton's management APIs want the admin key."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from fault_hooks import FAULT_SEED, MESSAGE
+    from tritonclient.utils import InferenceServerException
+
+    from specdec.serving.server import TritonServer
+
+    monkeypatch.setenv("SPECDEC_FAULT_HOOK", "fault_hooks:fail_marked")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                    os.environ.get("PYTHONPATH")])))
+    grpc, http, metrics = free_ports()
+    server = TritonServer()
+    server.start(smollm2_export / "triton_repo", grpc_port=grpc, http_port=http, metrics_port=metrics,
+                 exit_timeout_s=60)
+    try:
+        server.wait_ready(WAIT_S)
+        url = server.grpc_url
+        before = _samples(server.metrics_url, "specdec_requests_total") | _samples(server.metrics_url, "nv_inference")
+        pool = ThreadPoolExecutor(16)
+
+        def ask(prompt: str, stream: bool, **extra: object) -> Answer | ClientError:
+            client = SpecdecClient(url)
+            try:
+                call = client.generate_stream if stream else client.generate
+                return call(prompt, max_tokens=MAX_TOKENS, apply_chat_template=True, **extra)
+            except ClientError as exc:
+                return exc
+
+        bad = [pool.submit(ask, PROMPTS[i % len(PROMPTS)], i % 2 == 0, seed=FAULT_SEED) for i in range(10)]
+        good = [pool.submit(ask, p, i % 2 == 1) for i, p in enumerate(PROMPTS)]
+        for future in bad:
+            out = future.result(WAIT_S)
+            assert isinstance(out, ClientError) and out.status == "StatusCode.INTERNAL", out
+            assert MESSAGE in str(out) and "Traceback" not in str(out) and 'File "' not in str(out)
+        for prompt, future in zip(PROMPTS, good):
+            out = future.result(WAIT_S)
+            assert isinstance(out, Answer) and out.output_ids == reference[prompt], prompt
+        after = _samples(server.metrics_url, "specdec_requests_total")
+        failed = 'specdec_requests_total{outcome="failed"}'
+        assert after[failed] - before.get(failed, 0) == 10
+        assert server.is_ready()
+        # observation 7: the internal models refuse clients (raw ids, another client's cancel, garbage ids)
+        raw = grpcclient.InferenceServerClient(url)
+        for model, name, dtype, value in (("postprocessing", "output_ids", "INT32", np.array([1, 10**9], np.int32)),
+                                          ("specdec_engine", "input_ids", "INT32", np.array([1, 2, 3], np.int32)),
+                                          ("specdec_engine", "cancel_request_id", "BYTES", np.array([b"x"], object)),
+                                          ("preprocessing", "text_input", "BYTES", np.array([b"hi"], object))):
+            tensor = grpcclient.InferInput(name, list(value.shape), dtype)
+            tensor.set_data_from_numpy(value)
+            with pytest.raises(InferenceServerException) as refused:
+                if model == "specdec_engine":  # decoupled: only over a stream
+                    _stream_once(raw, model, [tensor])
+                else:
+                    raw.infer(model, [tensor])
+            text = str(refused.value)
+            assert "INVALID_ARGUMENT" in text and "internal to the specdec deployment" in text, (model, text)
+            assert "Traceback" not in text and 'File "' not in text, text
+        # management APIs want the admin header; inference, health and statistics do not
+        with pytest.raises(InferenceServerException):
+            raw.get_log_settings()
+        assert raw.get_log_settings(headers={"specdec-admin-key": server.admin_key}) is not None
+        assert raw.is_server_ready() and raw.get_inference_statistics("specdec") is not None
+        pool.shutdown()
+    finally:
+        assert server.stop() == 0, server.read_log()[-3000:]

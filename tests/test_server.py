@@ -20,13 +20,13 @@ import pytest
 from servers import eventually, free_ports, processes_mentioning
 
 from specdec.serving.install import TritonNotFoundError, find_tritonserver
+from specdec.serving.serve import serve_main
 from specdec.serving.server import (
     InvalidRepositoryError,
     PortInUseError,
     TritonServer,
     TritonStartError,
     port_free,
-    serve_main,
     validate_repository,
 )
 
@@ -205,7 +205,7 @@ def test_serve_cli_forwards_sigint(tmp_path: Path) -> None:
     """``specdec serve`` in a child process: prints the endpoints, and SIGINT stops it with exit code 0."""
     repo = make_repo(tmp_path / "repo")
     grpc, http, metrics = free_ports()
-    code = "import sys; from specdec.serving.server import serve_main; sys.exit(serve_main(sys.argv[1:]))"
+    code = "import sys; from specdec.serving.serve import serve_main; sys.exit(serve_main(sys.argv[1:]))"
     proc = subprocess.Popen(
         [sys.executable, "-c", code, str(repo), "--grpc-port", str(grpc), "--http-port", str(http),
          "--metrics-port", str(metrics), "--log-file", str(tmp_path / "server.log"), "--ready-timeout", str(READY_S)],

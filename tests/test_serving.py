@@ -23,7 +23,8 @@ import pytest
 from servers import eventually, free_ports, processes_mentioning
 
 from specdec.serving.install import TritonNotFoundError, find_tritonserver
-from specdec.serving.server import TritonServer, serve_main
+from specdec.serving.serve import serve_main
+from specdec.serving.server import TritonServer
 
 try:
     find_tritonserver()

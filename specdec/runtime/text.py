@@ -11,15 +11,32 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 REPLACEMENT = "\ufffd"
+#: stands for the user's text while the chat template is rendered: private-use code points no template holds
+_USER_SLOT = "\ue000specdec-user\ue000"
 
 
 def encode_text(tokenizer: Any, prompt: str, chat: bool = False) -> list[int]:
-    """Prompt token ids; ``chat`` wraps the prompt as one user turn of the tokenizer's chat template."""
-    if chat:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return list(tokenizer(prompt)["input_ids"]) if prompt else []
+    """Prompt token ids; ``chat`` wraps the prompt as one user turn of the tokenizer's chat template.
+
+    The user's text never becomes control tokens: ``<|im_start|>system ...`` typed by a user is encoded as the
+    characters it is (``split_special_tokens``), and only the template's own markup is special. The template
+    is rendered around a placeholder and the user's text encoded on its own; at that boundary (a newline
+    before, a special token after) byte-level BPE splits anyway, so ordinary prompts get exactly the ids of
+    ``apply_chat_template(tokenize=True)`` (checked in the tests).
+    """
+    if not chat:
+        return list(tokenizer(prompt, split_special_tokens=True)["input_ids"]) if prompt else []
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": _USER_SLOT}], add_generation_prompt=True,
+                                             tokenize=False)
+    before, slot, after = rendered.partition(_USER_SLOT)
+    if not slot or _USER_SLOT in after:
+        raise ValueError("the tokenizer's chat template does not hold the user's text once, verbatim")
+
+    def markup(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+    user = list(tokenizer(prompt, add_special_tokens=False, split_special_tokens=True)["input_ids"]) if prompt else []
+    return markup(before) + user + markup(after)
 
 
 def decode_tokens(tokenizer: Any, token_ids: Sequence[int]) -> str:

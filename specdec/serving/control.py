@@ -25,6 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CONTROL_ENV = "SPECDEC_CONTROL_DIR"
+#: the per-server secret the entry points pass to the internal models (engine, pre- and postprocessing) as a
+#: request parameter: a client that calls an internal model directly does not know it and is refused, so it
+#: cannot skip the entry points' limits, feed the engine raw token ids or cancel another client's request
+INTERNAL_KEY_ENV = "SPECDEC_INTERNAL_KEY"
+INTERNAL_KEY_PARAMETER = "specdec_internal_key"
+#: the header Triton's management APIs (model repository, shared memory, logging, trace) require under specdec serve
+ADMIN_HEADER = "specdec-admin-key"
+RESTRICTED_APIS = ("model-repository", "shared-memory", "logging", "trace")
 DRAIN, ABORT = "drain", "abort"
 SHM_DIR = Path("/dev/shm")
 #: the entry points' gauge of requests admitted and not yet answered, which the launcher's drain waits on
@@ -60,6 +68,15 @@ class Control:
         if self.directory is None:
             raise RuntimeError("this server has no control directory")
         (self.directory / name).touch()
+
+
+def internal_key() -> str | None:
+    """This server's internal key (None: a server not started by ``specdec serve``, whose models accept all)."""
+    return os.environ.get(INTERNAL_KEY_ENV) or None
+
+
+def new_secret() -> str:
+    return secrets.token_hex(16)
 
 
 def new_shm_prefix() -> str:

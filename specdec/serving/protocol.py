@@ -158,6 +158,38 @@ def _text(value: object, name: str) -> str:
     return str(value)
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one request may send, checked before anything is tokenized (the config's entry-point parameters).
+
+    Why before tokenization: tokenizing a 4 MB prompt took 5.5 s only to find it longer than the context, and
+    delayed every other request meanwhile. The prompt cap is generous against the context (a token of SmolLM2's
+    vocabulary is ~4 bytes of English, so 64 KiB is ~16,000 tokens, far past a 2,048 context): it refuses only
+    what cannot fit, quickly; the exact context check still runs on the token count.
+    """
+
+    max_prompt_bytes: int = 65_536
+    max_stop_strings: int = 16
+    max_stop_bytes: int = 256
+
+    def check(self, inputs: Mapping[str, np.ndarray]) -> None:
+        """Raise ``InvalidRequestError`` naming the first limit ``inputs`` exceed."""
+        text = inputs.get(TEXT_INPUT.name)
+        if text is not None:
+            size = sum(len(v) if isinstance(v, (bytes, str)) else 0 for v in np.asarray(text).reshape(-1))
+            if size > self.max_prompt_bytes:
+                raise InvalidRequestError(f"input 'text_input' is {size} bytes, more than this server accepts "
+                                          f"({self.max_prompt_bytes})")
+        stops = inputs.get(STOP.name)
+        if stops is not None:
+            values = np.asarray(stops).reshape(-1)
+            if values.size > self.max_stop_strings:
+                raise InvalidRequestError(f"input 'stop' holds {values.size} strings, more than this server "
+                                          f"accepts ({self.max_stop_strings})")
+            if any(isinstance(v, (bytes, str)) and len(v) > self.max_stop_bytes for v in values):
+                raise InvalidRequestError(f"input 'stop' holds a string longer than {self.max_stop_bytes} bytes")
+
+
 def parse_prompt(inputs: Mapping[str, np.ndarray]) -> tuple[str, bool]:
     """``text_input`` (non-empty) and whether to apply the chat template."""
     if TEXT_INPUT.name not in inputs:
@@ -293,11 +325,26 @@ class EngineResponse:
     stops: tuple[str, ...]
 
 
-def parse_engine_response(tensors: Mapping[str, np.ndarray]) -> EngineResponse:
-    """The ids, coverage, end flag and stop strings of one engine response (``engine_response``'s tensors)."""
+def parse_engine_response(tensors: Mapping[str, np.ndarray], vocab_size: int | None = None) -> EngineResponse:
+    """The ids, coverage, end flag and stop strings of one engine response (``engine_response``'s tensors).
+
+    Checked as strictly as a client's input, because the postprocessing model that reads it is reachable by any
+    client too: missing tensors, ids outside ``[0, vocab_size)``, or a coverage outside the ids raise
+    ``InvalidRequestError`` naming the problem (never a traceback).
+    """
+    missing = [spec.name for spec in (OUTPUT_IDS, SENT_TOKENS, FINISHED) if spec.name not in tensors]
+    if missing:
+        raise InvalidRequestError(f"missing input(s) {missing}")
+    ids = np.asarray(tensors[OUTPUT_IDS.name])
+    _check_dtype(ids, OUTPUT_IDS)
     sent, finished = _scalar(tensors, SENT_TOKENS), _scalar(tensors, FINISHED)
-    return EngineResponse([int(t) for t in np.asarray(tensors[OUTPUT_IDS.name]).reshape(-1)], int(sent),
-                          bool(finished), parse_stops(tensors.get(STOP_STRINGS.name)))
+    output_ids = [int(t) for t in ids.reshape(-1)]
+    if vocab_size is not None and any(not 0 <= t < vocab_size for t in output_ids):
+        raise InvalidRequestError(f"input '{OUTPUT_IDS.name}' holds token ids outside [0, {vocab_size})")
+    if not 0 <= int(sent) <= len(output_ids):  # type: ignore[call-overload]
+        raise InvalidRequestError(f"input '{SENT_TOKENS.name}' must be between 0 and {len(output_ids)}, got {sent}")
+    return EngineResponse(output_ids, int(sent), bool(finished),  # type: ignore[call-overload]
+                          parse_stops(tensors.get(STOP_STRINGS.name)))
 
 
 def client_response(text: str, engine: Mapping[str, np.ndarray], response: EngineResponse) -> dict[str, np.ndarray]:

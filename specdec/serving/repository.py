@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from specdec.runtime.costs import DraftCosts
@@ -51,6 +51,9 @@ class ServingOptions:
     default_max_tokens: int = 64
     drafter: str = ""  # "" = as exported; "ngram", "hybrid" or "none" overrides
     max_concurrency: int = 64  # requests in flight at once per entry point
+    #: requests an entry point holds waiting for one of those places; one more is refused at once (UNAVAILABLE)
+    max_queue: int = 256
+    limits: protocol.Limits = field(default_factory=protocol.Limits)
     max_batch: int = 0  # sequences the engine decodes together; 0 = the export's KV slots
 
     def priced(self, measured: DraftCosts) -> ServingOptions:
@@ -92,7 +95,8 @@ def render_configs(export_dir_from_repo: str, options: ServingOptions) -> dict[s
               "max_batch": options.max_batch, "adaptive_draft": int(options.adaptive_draft),
               "verify_cost": "" if options.verify_cost is None else options.verify_cost,
               "draft_cost": "" if options.draft_cost is None else options.draft_cost}
-    entry = {"max_concurrency": options.max_concurrency}
+    entry = {"max_concurrency": options.max_concurrency, "max_queue": options.max_queue,
+             **{name: getattr(options.limits, name) for name in protocol.Limits.__dataclass_fields__}}
     models = {
         protocol.PREPROCESSING_MODEL: ((protocol.TEXT_INPUT, protocol.APPLY_CHAT_TEMPLATE), (protocol.INPUT_IDS,),
                                        common, False),

@@ -7,7 +7,6 @@ loopback ports and stop it again. Only the standard library is imported here so 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import re
@@ -23,22 +22,24 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType, TracebackType
+from types import TracebackType
 
 from specdec.serving.control import (
     ABORT,
+    ADMIN_HEADER,
     CONTROL_ENV,
     DRAIN,
+    INTERNAL_KEY_ENV,
+    RESTRICTED_APIS,
     Control,
     alive,
     inflight_from_metrics,
+    new_secret,
     new_shm_prefix,
     remove_shm,
     stub_pids,
 )
 from specdec.serving.install import TritonError, TritonInstall, find_tritonserver, libpython_dir
-
-SUPERVISE_POLL_S = 0.2  # how often `specdec serve` checks that tritonserver and the engine's stub are alive
 
 
 class TritonStartError(TritonError):
@@ -121,7 +122,7 @@ def _client_host(host: str) -> str:
     return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
 
 
-def _error_summary(log_text: str, tail_lines: int = 30) -> str:
+def error_summary(log_text: str, tail_lines: int = 30) -> str:
     """Triton's error lines (glog ``E`` lines, 'failed to load', 'error:') and the log's tail."""
     lines = log_text.splitlines()
     errors = [ln for ln in lines if ln.startswith("E") or "failed to load" in ln or ln.startswith("error:")]
@@ -151,6 +152,9 @@ class TritonServer:
     #: the drain/abort flags of this server (``specdec.serving.control``) and its stubs' /dev/shm prefix
     control: Control = field(default=Control(None), init=False)
     shm_prefix: str = field(default="", init=False)
+    #: the header value Triton's management APIs require (``RESTRICTED_APIS``); random per server unless given
+    admin_key: str = field(default="", init=False, repr=False)
+    _internal_key: str = field(default="", init=False, repr=False)
     restarts: int = field(default=0, init=False)
     _start_args: dict = field(default_factory=dict, init=False, repr=False)
     _watched: list[int] = field(default_factory=list, init=False, repr=False)
@@ -170,6 +174,9 @@ class TritonServer:
             f"--exit-timeout-secs={exit_timeout_s}",
             f"--log-verbose={log_verbose}",
             *([f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}"] if self.shm_prefix else []),
+            *([f"--grpc-restricted-protocol={','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={self.admin_key}",
+               f"--http-restricted-api={','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={self.admin_key}"]
+              if self.admin_key else []),
             *extra_args,
         ]
 
@@ -202,12 +209,19 @@ class TritonServer:
             env["VIRTUAL_ENV"] = sys.prefix
         if self.control.directory is not None:
             env[CONTROL_ENV] = str(self.control.directory)
+        if self._internal_key:
+            env[INTERNAL_KEY_ENV] = self._internal_key
         return env
 
     def start(self, model_repository: str | os.PathLike[str], *, host: str = "127.0.0.1", grpc_port: int = 8001,
               http_port: int = 8000, metrics_port: int = 8002, log_verbose: int = 0, exit_timeout_s: int = 30,
-              extra_args: Sequence[str] = ()) -> TritonServer:
-        """Validate, check the ports, and launch the server (returns at once; call :meth:`wait_ready`)."""
+              extra_args: Sequence[str] = (), admin_key: str | None = None) -> TritonServer:
+        """Validate, check the ports, and launch the server (returns at once; call :meth:`wait_ready`).
+
+        ``admin_key``: what clients of Triton's management APIs must send in the ``specdec-admin-key`` header
+        (default: a random key of this server, ``self.admin_key``); inference, health, metadata, model config
+        and statistics stay open.
+        """
         if self.process is not None and self.process.poll() is None:
             raise TritonError("this TritonServer is already running")
         repo = validate_repository(model_repository).resolve()
@@ -228,11 +242,13 @@ class TritonServer:
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         self._start_args = dict(model_repository=model_repository, host=host, grpc_port=grpc_port,
                                 http_port=http_port, metrics_port=metrics_port, log_verbose=log_verbose,
-                                exit_timeout_s=exit_timeout_s, extra_args=tuple(extra_args))
+                                exit_timeout_s=exit_timeout_s, extra_args=tuple(extra_args), admin_key=admin_key)
         handle = open(self.log_file, "ab" if self.restarts else "wb")  # a restart keeps the log of what died
         self._log_handle = handle
         self.control = Control(Path(tempfile.mkdtemp(prefix="specdec-control-")))
         self.shm_prefix = new_shm_prefix()
+        self.admin_key = admin_key or self.admin_key or new_secret()
+        self._internal_key = self._internal_key or new_secret()
         cmd = self.command(repo, log_verbose=log_verbose, exit_timeout_s=exit_timeout_s, extra_args=extra_args)
         try:
             self.process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.STDOUT,
@@ -284,16 +300,25 @@ class TritonServer:
             if code is not None:
                 raise TritonStartError(
                     f"tritonserver exited with code {code} while starting (log: {self.log_file})\n"
-                    + _error_summary(self.read_log())
+                    + error_summary(self.read_log())
                 )
             if self.is_ready():
                 return
             if time.monotonic() >= deadline:
                 raise TritonStartError(
                     f"tritonserver not ready after {timeout:.0f} s (log: {self.log_file})\n"
-                    + _error_summary(self.read_log())
+                    + error_summary(self.read_log())
                 )
             time.sleep(poll_s)
+
+    def write_admin_key(self) -> Path:
+        """The admin key in a file only this user can read (in the control directory, removed at exit)."""
+        assert self.control.directory is not None
+        path = self.control.directory / "admin-key"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.admin_key + "\n")
+        return path
 
     def inflight(self) -> int | None:
         """Requests the entry points have admitted and not yet answered (their gauge), None if unreadable."""
@@ -428,132 +453,3 @@ class TritonServer:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
-
-
-# --------------------------------------------------------------------------- CLI
-
-
-def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Options of ``specdec serve`` (kept here so cli.py only wires the subcommand)."""
-    parser.add_argument("model_repository", help="Triton model repository (e.g. the one `specdec export` wrote)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
-    parser.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (default 8001)")
-    parser.add_argument("--http-port", type=int, default=8000, help="HTTP port (default 8000)")
-    parser.add_argument("--metrics-port", type=int, default=8002, help="Prometheus metrics port (default 8002)")
-    parser.add_argument("--log-file", type=Path, help="server log (default: a temporary file, printed at start)")
-    parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
-    parser.add_argument("--ready-timeout", type=float, default=300.0,
-                        help="seconds to wait for all models to load (default 300)")
-    parser.add_argument("--drain-timeout", type=float, default=60.0,
-                        help="on SIGINT/SIGTERM, seconds the requests in flight may take to finish before they are "
-                             "aborted (default 60; pair it with the pod's terminationGracePeriodSeconds)")
-    parser.add_argument("--max-restarts", type=int, default=5,
-                        help="how often a failed server (dead engine, crashed tritonserver) is restarted before "
-                             "`specdec serve` gives up and exits 1 (default 5; 0: never)")
-    parser.add_argument("--exit-timeout", type=int, default=30,
-                        help="tritonserver --exit-timeout-secs: seconds it may take to unload after the drain "
-                             "(default 30)")
-    return parser
-
-
-def serve_main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
-    """Run the server in the foreground until SIGINT/SIGTERM; return its exit code (1 on launcher errors).
-
-    The first signal drains (``TritonServer.drain``: nothing new is admitted, every request in flight is
-    answered in full), then Triton unloads the models and exits; a second signal, or ``--drain-timeout``,
-    ends what is left with UNAVAILABLE first. Exit 0 when the server stopped cleanly.
-    """
-    if not isinstance(args, argparse.Namespace):
-        parser = add_serve_args(argparse.ArgumentParser(prog="specdec serve", description=__doc__))
-        args = parser.parse_args(None if args is None else list(args))
-    server = TritonServer(log_file=args.log_file)
-    signals: list[int] = []
-
-    def remember(signum: int, _frame: FrameType | None) -> None:
-        signals.append(signum)
-
-    previous = {sig: signal.signal(sig, remember) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        try:
-            server.start(args.model_repository, host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
-                         metrics_port=args.metrics_port, log_verbose=args.log_verbose,
-                         exit_timeout_s=args.exit_timeout)
-            print(f"specdec serve: starting {server.install.binary} ({server.install.source}); "  # type: ignore[union-attr]
-                  f"log: {server.log_file}", file=sys.stderr, flush=True)
-            _wait_ready_unless_signalled(server, args.ready_timeout, signals)
-        except TritonError as exc:
-            server.stop()
-            if signals:
-                return 128 + signals[0]
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-        if signals:  # stopped while loading: nothing was admitted yet, so there is nothing to drain
-            server.stop()
-            return 0
-        print(f"specdec serve: ready\n  gRPC    {server.grpc_url}\n  HTTP    {server.http_url}\n"
-              f"  metrics {server.metrics_url}\n(Ctrl-C to stop: in-flight requests finish first)", flush=True)
-        server.watch_engine()
-        if not _supervise(server, signals, args.max_restarts, args.ready_timeout):
-            return 1
-        if signals:
-            print(f"specdec serve: {signal.Signals(signals[0]).name}: draining, admitting no new requests "
-                  f"({server.inflight() or 0} in flight; signal again to abort them)", file=sys.stderr, flush=True)
-            aborted = server.drain(args.drain_timeout, abort=lambda: len(signals) > 1)
-            if aborted:
-                print(f"specdec serve: aborted {aborted} request(s) still in flight", file=sys.stderr, flush=True)
-        code = server.stop()
-        assert code is not None
-        if code < 0:  # killed by a signal: report it the way a shell would
-            code = 128 - code
-        if code != 0:
-            print(f"error: tritonserver exited with code {code}\n{_error_summary(server.read_log())}",
-                  file=sys.stderr)
-        elif signals:
-            print("specdec serve: stopped", file=sys.stderr, flush=True)
-        return code
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _supervise(server: TritonServer, signals: list[int], max_restarts: int, ready_timeout: float) -> bool:
-    """Serve until a signal; bring the server back whenever it fails. False: it could not be brought back.
-
-    Polled every ``SUPERVISE_POLL_S``, so a dead engine is noticed within that time, and the restart closes
-    the ports at once: readiness probes are refused and in-flight requests end with UNAVAILABLE.
-    """
-    while not signals:
-        failure = server.engine_failure()
-        if failure is None:
-            time.sleep(SUPERVISE_POLL_S)
-            continue
-        if server.restarts >= max_restarts:
-            print(f"error: {failure}; not restarting again (--max-restarts {max_restarts})\n"
-                  f"{_error_summary(server.read_log())}", file=sys.stderr, flush=True)
-            server.stop()
-            return False
-        start = time.monotonic()
-        print(f"specdec serve: {failure}: restarting tritonserver", file=sys.stderr, flush=True)
-        try:
-            server.restart()
-            _wait_ready_unless_signalled(server, ready_timeout, signals)
-        except TritonError as exc:
-            print(f"error: the restart failed: {exc}", file=sys.stderr, flush=True)
-            server.stop()
-            return False
-        server.watch_engine()
-        print(f"specdec serve: ready again after {time.monotonic() - start:.1f} s (restart {server.restarts})",
-              file=sys.stderr, flush=True)
-    return True
-
-
-def _wait_ready_unless_signalled(server: TritonServer, timeout: float, signals: list[int]) -> None:
-    """``wait_ready``, but a signal while the models load ends the wait (the caller then stops the server)."""
-    deadline = time.monotonic() + timeout
-    while not signals:
-        try:
-            server.wait_ready(min(1.0, max(0.0, deadline - time.monotonic())))
-            return
-        except TritonStartError:
-            if not server.running() or time.monotonic() >= deadline:
-                raise

@@ -49,6 +49,15 @@ from specdec.runtime.text import decode_tokens, encode_text, text_delta
 from specdec.serving import protocol
 from specdec.serving.control import Control
 from specdec.serving.service import EngineService, ServiceStoppedError, StreamEvent
+from specdec.serving.triton_io import (
+    Client,
+    ModelError,
+    error_response,
+    from_entry_point,
+    internal_only,
+    internal_parameters,
+    raise_model_error,
+)
 from specdec.serving.triton_metrics import EngineMetrics, InflightGauge
 
 if TYPE_CHECKING:
@@ -95,32 +104,6 @@ def _read(request: Any, specs: tuple[protocol.TensorSpec, ...]) -> dict[str, np.
     return found
 
 
-def _error(message: str, invalid: bool = True, code: str | int | None = None) -> Any:
-    """An error response; bad input is INVALID_ARG (gRPC INVALID_ARGUMENT), the rest INTERNAL unless ``code`` says.
-
-    ``code``: a ``pb_utils.TritonError`` code name (``"UNAVAILABLE"``: draining or aborted; ``"CANCELLED"``)
-    or the code an inner model's error carried, so a client sees the status the failure really has.
-    """
-    if code is None:
-        code = "INVALID_ARG" if invalid else "INTERNAL"
-    value = getattr(pb_utils.TritonError, code, None) if isinstance(code, str) else code
-    error = pb_utils.TritonError(message) if value is None else pb_utils.TritonError(message, value)
-    return pb_utils.InferenceResponse(output_tensors=[], error=error)
-
-
-class _ModelError(Exception):
-    """An inner model's (BLS) error, with its Triton error code kept for the client's answer."""
-
-    def __init__(self, message: str, code: int | None) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def _raise_error(error: Any) -> None:
-    code = error.code() if callable(getattr(error, "code", None)) else None
-    raise _ModelError(error.message(), code)
-
-
 def _dump_threads_on_sigusr1() -> None:
     """``kill -USR1 <stub pid>`` writes the stack of every Python thread of that stub to the server log.
 
@@ -141,6 +124,9 @@ class Preprocessing:
     def execute(self, requests: list[Any]) -> list[Any]:
         responses = []
         for request in requests:
+            if not from_entry_point(request):
+                responses.append(internal_only(protocol.PREPROCESSING_MODEL))
+                continue
             try:
                 text, chat = protocol.parse_prompt(_read(request, (protocol.TEXT_INPUT, protocol.APPLY_CHAT_TEMPLATE)))
                 ids = encode_text(self.tokenizer, text, chat)
@@ -149,7 +135,7 @@ class Preprocessing:
                 responses.append(pb_utils.InferenceResponse(
                     [pb_utils.Tensor(protocol.INPUT_IDS.name, protocol.array(protocol.INPUT_IDS, ids))]))
             except InvalidRequestError as exc:
-                responses.append(_error(str(exc)))
+                responses.append(error_response(str(exc)))
         return responses
 
 
@@ -166,59 +152,29 @@ class Postprocessing:
     def execute(self, requests: list[Any]) -> list[Any]:
         responses = []
         for request in requests:
-            inputs = _read(request, protocol.ENGINE_OUTPUTS)
-            engine = protocol.parse_engine_response(inputs)
-            delta = text_delta(self._decode, engine.output_ids, engine.sent_tokens, engine.finished, engine.stops)
-            outputs = protocol.client_response(delta, inputs, engine)
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()]))
-        return responses
-
-
-class _Client:
-    """A Triton request and its response sender, safe to poll for cancellation from another thread.
-
-    Asking a request whether it was cancelled after its final response has been sent reads freed
-    memory in the server (tritonserver 2.51 dies with SIGSEGV in ``ResponseFactoryIsCancelled``).
-    The final send and the poll therefore exclude each other, and nothing is polled after it.
-    """
-
-    def __init__(self, request: Any, sender: Any) -> None:
-        self.request, self.sender = request, sender
-        self._lock = threading.Lock()
-        self._done = False
-
-    @property
-    def done(self) -> bool:
-        return self._done
-
-    def is_cancelled(self) -> bool:
-        with self._lock:
-            if self._done:
-                return False
+            if not from_entry_point(request):
+                responses.append(internal_only(protocol.POSTPROCESSING_MODEL))
+                continue
             try:
-                return bool(self.request.is_cancelled())
-            except Exception:
-                return True
-
-    def send(self, response: Any = None, final: bool = False) -> bool:
-        """Send unless the final response already went (an aborted request's thread may still answer); sent?"""
-        with self._lock:
-            if self._done:
-                return False
-            self._done = final
-            flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
-            if response is None:
-                self.sender.send(flags=flags)
-            else:
-                self.sender.send(response, flags=flags)
-            return True
+                inputs = _read(request, protocol.ENGINE_OUTPUTS)
+                engine = protocol.parse_engine_response(inputs, vocab_size=len(self.tokenizer))
+                delta = text_delta(self._decode, engine.output_ids, engine.sent_tokens, engine.finished,
+                                   engine.stops)
+                outputs = protocol.client_response(delta, inputs, engine)
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()]))
+            except InvalidRequestError as exc:
+                responses.append(error_response(str(exc)))
+            except Exception as exc:  # the traceback (server paths) goes to the log, not to the client
+                log.exception("postprocessing failed")
+                responses.append(error_response(f"postprocessing failed: {type(exc).__name__}", invalid=False))
+        return responses
 
 
 @dataclass(eq=False)
 class _Stream:
     """One engine request's Triton side: where its responses go and what they already covered."""
 
-    client: _Client
+    client: Client
     stream: bool
     stops: tuple[str, ...]
     ids: list[int] = field(default_factory=list)
@@ -299,7 +255,10 @@ class EngineModel:
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
-            client = _Client(request, request.get_response_sender())
+            client = Client(request, request.get_response_sender())
+            if not from_entry_point(request):  # raw token ids and cancels of any id stay with the entry points
+                client.send(internal_only(protocol.ENGINE_MODEL), final=True)
+                continue
             cancel = pb_utils.get_input_tensor_by_name(request, protocol.CANCEL_REQUEST_ID.name)
             if cancel is not None:
                 self._cancel_external(cancel.as_numpy(), client)
@@ -330,10 +289,10 @@ class EngineModel:
                         self._streams.pop(request_id, None)
                     raise
             except (InvalidRequestError, ServiceStoppedError) as exc:
-                client.send(_error(str(exc)), final=True)
+                client.send(error_response(str(exc)), final=True)
         return None
 
-    def _cancel_external(self, value: np.ndarray, client: _Client) -> None:
+    def _cancel_external(self, value: np.ndarray, client: Client) -> None:
         """A control request from an entry point whose client went away: cancel that engine request."""
         external = protocol.parse_text(value, protocol.CANCEL_REQUEST_ID.name)
         with self._lock:
@@ -371,7 +330,7 @@ class EngineModel:
         outcome = "failed" if output.error else CANCELLED if output.finish_reason == CANCELLED else "finished"
         self.metrics.request_done(outcome, output.metrics)
         if output.error:
-            stream.client.send(_error(output.error, invalid=False), final=True)
+            stream.client.send(error_response(output.error, invalid=False), final=True)
             return
         stream.ids = list(output.token_ids)
         self._respond(stream, output.metrics, output.finish_reason or "", finished=True)
@@ -422,23 +381,32 @@ class _EntryPoint:
 
     def initialize(self, args: dict[str, str]) -> None:
         _dump_threads_on_sigusr1()
-        self._slots = threading.BoundedSemaphore(int(_parameters(args).get("max_concurrency") or 64))
+        params = _parameters(args)
+        concurrency = _param(params, "max_concurrency", int, 64)
+        self._slots = threading.BoundedSemaphore(concurrency)
+        self._capacity = concurrency + _param(params, "max_queue", int, 256)  # running + waiting for a slot
+        self._limits = protocol.Limits(**{name: _param(params, name, int, default) for name, default in
+                                          vars(protocol.Limits()).items()})
         self._thread_name = f"specdec-{'stream' if self.streaming else 'unary'}"
-        self._active: dict[str, _Client] = {}  # engine request id -> client
+        self._active: dict[str, Client] = {}  # engine request id -> client
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._control = Control.from_env()
         # admitted and not yet answered, waiting for a slot included: what `specdec serve` drains
         self._inflight = 0
-        self._inflight_gauge = InflightGauge(args["model_name"])
+        self._inflight_gauge = InflightGauge(args.get("model_name", self._thread_name))
         self._watcher = threading.Thread(target=self._watch, name="specdec-cancel", daemon=True)
         self._watcher.start()
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
-            client = _Client(request, request.get_response_sender())
+            client = Client(request, request.get_response_sender())
             if self._control.draining():  # refused at once, so a client retries elsewhere while the rest finish
-                client.send(_error(DRAINING, code="UNAVAILABLE"), final=True)
+                client.send(error_response(DRAINING, code="UNAVAILABLE"), final=True)
+                continue
+            if self._inflight >= self._capacity:  # back-pressure: no unbounded queue of waiting threads
+                client.send(error_response(f"the server is overloaded ({self._inflight} requests in flight): "
+                                           "retry later", code="UNAVAILABLE"), final=True)
                 continue
             self._count(+1)  # here, not in the thread: a drain that reads 0 has really seen this request
             # daemon threads: a request thread that never returns must not keep the stub alive past unload
@@ -450,18 +418,18 @@ class _EntryPoint:
             self._inflight += delta
             self._inflight_gauge.set(self._inflight)
 
-    def _answer_in_slot(self, client: _Client) -> None:
+    def _answer_in_slot(self, client: Client) -> None:
         """At most ``max_concurrency`` requests run the pipeline at once; the rest wait their turn."""
         try:
             with self._slots:
                 if self._closing.is_set() or self._control.aborting():
-                    client.send(_error(ABORTED, code="UNAVAILABLE"), final=True)
+                    client.send(error_response(ABORTED, code="UNAVAILABLE"), final=True)
                     return
                 self._answer(client)
         finally:
             self._count(-1)
 
-    def _answer(self, client: _Client) -> None:
+    def _answer(self, client: Client) -> None:
         engine_id = uuid.uuid4().hex
         with self._lock:
             self._active[engine_id] = client
@@ -476,17 +444,18 @@ class _EntryPoint:
             if not answered:
                 raise RuntimeError("the engine ended the request without an answer")
         except InvalidRequestError as exc:
-            client.send(_error(str(exc)), final=True)
-        except _ModelError as exc:
-            client.send(_error(str(exc), code=exc.code), final=True)
+            client.send(error_response(str(exc)), final=True)
+        except ModelError as exc:
+            client.send(error_response(str(exc), code=exc.code), final=True)
         except Exception as exc:  # never leave a client without an answer; the traceback goes to the log only
             log.exception("request failed")
-            client.send(_error(f"internal error: {type(exc).__name__}: {exc}", invalid=False), final=True)
+            client.send(error_response(f"internal error: {type(exc).__name__}: {exc}", invalid=False), final=True)
         finally:
             with self._lock:
                 self._active.pop(engine_id, None)
 
     def _stream_flag(self, inputs: dict[str, np.ndarray]) -> bool:
+        self._limits.check(inputs)  # sizes first, before anything is decoded or tokenized
         protocol.parse_prompt(inputs)  # the cheap checks first, before any model is called
         value = protocol.parse_flag(inputs, protocol.STREAM.name)
         stream = self.streaming if value is None else value
@@ -503,11 +472,11 @@ class _EntryPoint:
         engine = pb_utils.InferenceRequest(
             model_name=protocol.ENGINE_MODEL, request_id=engine_id,
             requested_output_names=[s.name for s in protocol.ENGINE_OUTPUTS],
-            inputs=[pb_utils.Tensor(k, v) for k, v in {**pre, **params}.items()],
+            inputs=[pb_utils.Tensor(k, v) for k, v in {**pre, **params}.items()], parameters=internal_parameters(),
         )
         for response in engine.exec(decoupled=True):
             if response.has_error():
-                _raise_error(response.error())
+                raise_model_error(response.error())
             if not response.output_tensors():
                 continue  # the empty final flag
             outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
@@ -525,12 +494,12 @@ class _EntryPoint:
         """The drain ran out (a second signal, or its timeout): every request still here ends now, UNAVAILABLE.
 
         The engine is told too, so its slots free at the next step; the request threads' later answers are
-        dropped by ``_Client.send``.
+        dropped by ``Client.send``.
         """
         with self._lock:
             active = [(engine_id, client) for engine_id, client in self._active.items() if not client.done]
         for engine_id, client in active:
-            if client.send(_error(ABORTED, code="UNAVAILABLE"), final=True):
+            if client.send(error_response(ABORTED, code="UNAVAILABLE"), final=True):
                 self._cancel_in_engine(engine_id)
 
     def _poll_clients(self, cancelled: set[str]) -> None:
@@ -551,7 +520,7 @@ class _EntryPoint:
     def _cancel_in_engine(self, engine_id: str) -> None:
         try:
             cancel = pb_utils.InferenceRequest(
-                model_name=protocol.ENGINE_MODEL, requested_output_names=[],
+                model_name=protocol.ENGINE_MODEL, requested_output_names=[], parameters=internal_parameters(),
                 inputs=[pb_utils.Tensor(protocol.CANCEL_REQUEST_ID.name, protocol.as_bytes(engine_id))])
             for _ in cancel.exec(decoupled=True):
                 pass
@@ -581,12 +550,13 @@ def _release_senders() -> None:
 
 
 def _bls(model: str, inputs: dict[str, np.ndarray], outputs: tuple[protocol.TensorSpec, ...]) -> tuple[dict, ...]:
-    """Call a non-decoupled model; its output tensors as numpy, or its error (with its code) as ``_ModelError``."""
+    """Call a non-decoupled model; its output tensors as numpy, or its error (with its code) as ``ModelError``."""
     request = pb_utils.InferenceRequest(model_name=model, requested_output_names=[s.name for s in outputs],
-                                        inputs=[pb_utils.Tensor(k, v) for k, v in inputs.items()])
+                                        inputs=[pb_utils.Tensor(k, v) for k, v in inputs.items()],
+                                        parameters=internal_parameters())
     response = request.exec()
     if response.has_error():
-        _raise_error(response.error())
+        raise_model_error(response.error())
     return ({t.name(): t.as_numpy() for t in response.output_tensors()},)
 
 
