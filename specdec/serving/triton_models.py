@@ -234,6 +234,7 @@ class EngineModel:
         params = _parameters(args)
         self.engine = served_engine(_export_dir(args), params)
         self.engine.fault_hook = _fault_hook()
+        self.engine.prefill_budget = _param(params, "prefill_budget", int, 0) or None
         self.default_max_tokens = _param(params, "default_max_tokens", int, 0) or 64
         self.service = EngineService(self.engine, DEFAULT_METHOD).start()
         # beam requests run in a second loop over the same weights (its own caches): the speculative beam method

@@ -1,0 +1,59 @@
+"""Chunked prefill with a token budget per ragged step (issue 22, observation 5).
+
+A long prompt admitted beside running sequences is prefilled over several steps, each spending at most the
+budget on it, while the running sequences keep getting a token (or a verified chain) every step. The answers are
+the same as with whole-prompt prefill: prefilling in chunks is the same causal computation in another order.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.models.loading import tiny_random
+from specdec.runtime.backends.torch_backend import TorchBackend
+from specdec.runtime.drafters import NgramDrafter
+from specdec.runtime.engine import Engine
+from specdec.runtime.loops import MIN_PREFILL_CHUNK
+from specdec.runtime.request import Request
+from specdec.runtime.sampling import SamplingParams
+
+SHORT = [[1, 2, 3, 1, 2, 3], [5, 6, 7], [9, 9, 9, 9]]
+LONG = [(7 * i) % 50 + 3 for i in range(90)]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(TorchBackend(tiny_random(seed=9, num_layers=2)), NgramDrafter(), max_batch=6, max_len=160)
+
+
+def _run(engine: Engine, budget: int | None, method: str, temperature: float = 0.0):
+    engine.prefill_budget = budget
+    try:
+        requests = [Request(p, max_tokens=24, sampling=SamplingParams(temperature, seed=i), request_id=f"r{i}")
+                    for i, p in enumerate([*SHORT, LONG])]
+        return engine.generate(requests, method)
+    finally:
+        engine.prefill_budget = None
+
+
+@pytest.mark.parametrize("method", ["ar", "ems"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_chunked_prefill_gives_the_same_answers(engine: Engine, method: str, temperature: float) -> None:
+    whole = _run(engine, None, method, temperature)
+    chunked = _run(engine, 24, method, temperature)
+    assert [o.token_ids for o in chunked.outputs] == [o.token_ids for o in whole.outputs]
+    # the whole run prefilled all four prompts in its first step; the chunked one spread the long prompt out
+    assert whole.run.steps[0].prefill_rows == sum(map(len, [*SHORT, LONG]))
+    assert max(s.prefill_rows for s in chunked.run.steps) <= 24
+    assert sum(s.prefill_rows for s in chunked.run.steps) == sum(map(len, [*SHORT, LONG]))
+
+
+def test_a_long_prompt_does_not_stall_the_running_sequences(engine: Engine) -> None:
+    """Every step that prefills a chunk of the long prompt also decodes the running ones: no step is all prefill
+    once they run, and the long prompt's first token comes after its last chunk."""
+    result = _run(engine, MIN_PREFILL_CHUNK, "ar")
+    steps = result.run.steps
+    chunk_steps = [s for s in steps if s.prefill_rows]
+    assert len(chunk_steps) >= len(LONG) // MIN_PREFILL_CHUNK
+    assert all(s.real_rows > s.prefill_rows for s in chunk_steps[1:])  # decode rows beside each later chunk
+    assert result.outputs[-1].metrics.target_calls == 24  # its own decode steps (+ the one that prefilled its end)
