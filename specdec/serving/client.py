@@ -135,6 +135,8 @@ class SpecdecClient:
     def stream(self, prompt: str, **params: Any) -> Iterator[Any]:
         """Partial results of ``specdec_stream`` as they arrive (tritonclient ``InferResult``s)."""
         events: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        # errors arrive in band, without a gRPC status (Triton's default): the `triton_grpc_error` header would give
+        # them one, but tritonserver 2.51 then crashed (SIGSEGV in its stream handler) on an error response here
         self._client.start_stream(callback=lambda result, error: events.put((result, error)),
                                   stream_timeout=self.timeout_s)
         complete = False
@@ -144,6 +146,9 @@ class SpecdecClient:
             while True:
                 result, error = events.get(timeout=self.timeout_s)
                 if error is not None:
+                    # specdec's errors are final responses: the request is over on the server, and cancelling it
+                    # too would race its completion (tritonserver 2.51 then never unloads specdec_stream)
+                    complete = True
                     raise _client_error(error)
                 final = result.get_response().parameters.get("triton_final_response")
                 if result.get_response().outputs:

@@ -30,8 +30,10 @@ CONTROL_ENV = "SPECDEC_CONTROL_DIR"
 #: cannot skip the entry points' limits, feed the engine raw token ids or cancel another client's request
 INTERNAL_KEY_ENV = "SPECDEC_INTERNAL_KEY"
 INTERNAL_KEY_PARAMETER = "specdec_internal_key"
-#: the header Triton's management APIs (model repository, shared memory, logging, trace) require under specdec serve
+#: the header Triton's management APIs (model repository, shared memory, logging, trace) require under specdec serve;
+#: over gRPC Triton expects it with its own prefix (``GRPC_ADMIN_HEADER``)
 ADMIN_HEADER = "specdec-admin-key"
+GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"
 RESTRICTED_APIS = ("model-repository", "shared-memory", "logging", "trace")
 DRAIN, ABORT = "drain", "abort"
 SHM_DIR = Path("/dev/shm")

@@ -100,7 +100,10 @@ METRICS = (FINISH_REASON, *REQUEST_METRICS)
 #: the engine passes the request's stop strings on: in a decoupled ensemble a step may only take inputs that
 #: originate from one decoupled model, so postprocessing cannot read them from the ensemble's inputs
 STOP_STRINGS = TensorSpec("stop_strings", "TYPE_STRING", (-1,), optional=False)
-ENGINE_OUTPUTS = (OUTPUT_IDS, SENT_TOKENS, FINISHED, STOP_STRINGS, *METRICS)
+#: a request that failed inside the engine after it streamed ends with this message in its final response,
+#: in band: Triton 2.51 never hands a decoupled BLS caller an error response that follows partial responses
+ENGINE_ERROR = TensorSpec("engine_error", "TYPE_STRING", optional=False, doc="why the request failed ('' if not)")
+ENGINE_OUTPUTS = (OUTPUT_IDS, SENT_TOKENS, FINISHED, STOP_STRINGS, *METRICS, ENGINE_ERROR)
 TEXT_OUTPUT = TensorSpec("text_output", "TYPE_STRING", optional=False)
 #: what a client receives: the text (a delta when streaming), the new token ids, and the metrics
 CLIENT_OUTPUTS = (TEXT_OUTPUT, OUTPUT_IDS, *METRICS)
@@ -307,10 +310,10 @@ def array(spec: TensorSpec, value: Any) -> np.ndarray:
 
 
 def engine_response(output_ids: Sequence[int], sent_tokens: int, finished: bool, stops: Sequence[str],
-                    finish_reason: str, metrics: RequestMetrics) -> dict[str, np.ndarray]:
+                    finish_reason: str, metrics: RequestMetrics, error: str = "") -> dict[str, np.ndarray]:
     """Every tensor of ``ENGINE_OUTPUTS`` for one engine response, in that order and typed by its spec."""
     values = {OUTPUT_IDS.name: output_ids, SENT_TOKENS.name: sent_tokens, FINISHED.name: finished,
-              STOP_STRINGS.name: stops, FINISH_REASON.name: finish_reason,
+              STOP_STRINGS.name: stops, FINISH_REASON.name: finish_reason, ENGINE_ERROR.name: error,
               **{spec.name: getattr(metrics, spec.name) for spec in REQUEST_METRICS}}
     return {spec.name: array(spec, values[spec.name]) for spec in ENGINE_OUTPUTS}
 
@@ -323,6 +326,11 @@ class EngineResponse:
     sent_tokens: int  # how many of them earlier responses covered
     finished: bool
     stops: tuple[str, ...]
+
+
+def engine_error(tensors: Mapping[str, np.ndarray]) -> str:
+    """The in-band failure of an engine response ('' when it did not fail)."""
+    return str(_scalar(tensors, ENGINE_ERROR) or "") if ENGINE_ERROR.name in tensors else ""
 
 
 def parse_engine_response(tensors: Mapping[str, np.ndarray], vocab_size: int | None = None) -> EngineResponse:

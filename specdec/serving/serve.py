@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from specdec.serving.control import ADMIN_HEADER
+from specdec.serving.control import ADMIN_HEADER, GRPC_ADMIN_HEADER
 from specdec.serving.install import TritonError
 from specdec.serving.server import TritonServer, TritonStartError, error_summary
 
@@ -82,8 +82,8 @@ def serve_main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
                          metrics_port=args.metrics_port, log_verbose=args.log_verbose,
                          exit_timeout_s=args.exit_timeout, admin_key=args.admin_key)
             if not args.admin_key:
-                print(f"specdec serve: management APIs need header {ADMIN_HEADER}: its value is in "
-                      f"{server.write_admin_key()}", file=sys.stderr, flush=True)
+                print(f"specdec serve: management APIs need header {ADMIN_HEADER} (HTTP) / {GRPC_ADMIN_HEADER} "
+                      f"(gRPC): its value is in {server.write_admin_key()}", file=sys.stderr, flush=True)
             print(f"specdec serve: starting {server.install.binary} ({server.install.source}); "  # type: ignore[union-attr]
                   f"log: {server.log_file}", file=sys.stderr, flush=True)
             _wait_ready_unless_signalled(server, args.ready_timeout, signals)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import faulthandler
 import gc
 import importlib
+import importlib.util
 import itertools
 import json
 import logging
@@ -182,7 +183,8 @@ class _Stream:
 
 
 def _fault_hook() -> Any:
-    """The test hook ``$SPECDEC_FAULT_HOOK`` names (``module:function``), called at each sequence's step points.
+    """The test hook ``$SPECDEC_FAULT_HOOK`` names (``module:function`` or ``path/file.py:function``), called at each
+    sequence's step points.
 
     Only tests set it (the isolation tests inject a failure tied to one request through it); it is read from
     the server's environment, which only the operator controls, and its use is logged loudly.
@@ -190,8 +192,14 @@ def _fault_hook() -> Any:
     spec = os.environ.get(FAULT_HOOK_ENV, "").strip()
     if not spec:
         return None
-    module, _, name = spec.partition(":")
+    module, _, name = spec.rpartition(":")
     log.warning("fault injection is on (%s=%s): for tests only", FAULT_HOOK_ENV, spec)
+    if module.endswith(".py"):  # a file: the stub's sys.path is its own, not the test's
+        loaded = importlib.util.spec_from_file_location("specdec_fault_hook", module)
+        assert loaded is not None and loaded.loader is not None, spec
+        code = importlib.util.module_from_spec(loaded)
+        loaded.loader.exec_module(code)
+        return getattr(code, name)
     return getattr(importlib.import_module(module), name)
 
 
@@ -330,14 +338,14 @@ class EngineModel:
         assert output is not None
         outcome = "failed" if output.error else CANCELLED if output.finish_reason == CANCELLED else "finished"
         self.metrics.request_done(outcome, output.metrics)
-        if output.error:
-            stream.client.send(error_response(output.error, invalid=False), final=True)
-            return
-        stream.ids = list(output.token_ids)
-        self._respond(stream, output.metrics, output.finish_reason or "", finished=True)
+        if not output.error:
+            stream.ids = list(output.token_ids)
+        self._respond(stream, output.metrics, output.finish_reason or "", finished=True, error=output.error or "")
 
-    def _respond(self, stream: _Stream, metrics: RequestMetrics, finish_reason: str, finished: bool) -> None:
-        outputs = protocol.engine_response(stream.ids, stream.sent, finished, stream.stops, finish_reason, metrics)
+    def _respond(self, stream: _Stream, metrics: RequestMetrics, finish_reason: str, finished: bool,
+                 error: str = "") -> None:
+        outputs = protocol.engine_response(stream.ids, stream.sent, finished, stream.stops, finish_reason, metrics,
+                                           error)
         tensors = [pb_utils.Tensor(name, value) for name, value in outputs.items()]
         stream.client.send(pb_utils.InferenceResponse(tensors), final=finished)
         stream.sent = len(stream.ids)
@@ -481,6 +489,9 @@ class _EntryPoint:
             if not response.output_tensors():
                 continue  # the empty final flag
             outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
+            failure = protocol.engine_error(outputs)
+            if failure:  # in band (protocol.ENGINE_ERROR): it failed inside the engine, INTERNAL
+                raise ModelError(failure, getattr(pb_utils.TritonError, "INTERNAL", None))
             (post,) = _bls(protocol.POSTPROCESSING_MODEL, outputs, protocol.CLIENT_OUTPUTS)
             yield [pb_utils.Tensor(k, v) for k, v in post.items()], protocol.parse_engine_response(outputs).finished
 
