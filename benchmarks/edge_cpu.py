@@ -806,7 +806,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from specdec.bench.harness import machine_info
     from specdec.bench.report import write_report
     from specdec.bench.workloads import build_workload
-    from specdec.models.loading import load_export_metadata
+    from specdec.models.loading import load_metadata
     from specdec.runtime.text import encode_text
 
     quick = args.quick
@@ -825,7 +825,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     precisions = [p for p in PRECISIONS if any(c.precision == p for c in rows)]
     exports = ensure_exports(precisions, args.export_dir, args.draft_k, max(8, *batches), args.reexport)
     hf_dir = ensure_hf_dir(args.export_dir)
-    meta_model = load_export_metadata(hf_dir.parent, hf_dir.name)  # config and tokenizer, no weights
+    meta_model = load_metadata(hf_dir)  # config and tokenizer, no weights
     tokenizer, eos = meta_model.tokenizer, sorted(meta_model.eos_token_ids)
     texts = {"chat": [CHAT_PROMPTS[i % len(CHAT_PROMPTS)] for i in range(n_prompts)],
              "extractive": build_workload(n_prompts)}

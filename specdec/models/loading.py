@@ -538,6 +538,12 @@ def _load_export_dir(path: Path, part: str, dtype: torch.dtype) -> LoadedModel:
     return model
 
 
+def load_metadata(path: str | os.PathLike) -> LoadedModel:
+    """Config and tokenizer of a Hugging Face model directory, without its weights (nothing is verified)."""
+    directory = Path(path)
+    return _load_hf_dir(directory, directory.name, torch.float32, weights=False)
+
+
 def load_export_metadata(path: str | os.PathLike, part: str = "target") -> LoadedModel:
     """Config and tokenizer of an exported model, without weights (the graph carries them).
 
