@@ -55,10 +55,10 @@ class ServingOptions:
     max_queue: int = 256
     limits: protocol.Limits = field(default_factory=protocol.Limits)
     max_batch: int = 0  # sequences the engine decodes together; 0 = the export's KV slots
-    #: rows a ragged step may spend on prompt prefills (chunked prefill); 0 = whole prompts. Why 128: one chunk
-    #: costs about 4-5 decode steps of SmolLM2 on 2 cores, so a long prompt arriving mid-stream stretches the
-    #: running streams' inter-token gaps by that much per step instead of stalling them for its whole prefill
-    #: (benchmarks/results/chunked_prefill.md)
+    #: rows a ragged step may spend on prompt prefills (chunked prefill); 0 = whole prompts. Why 128: an 1,800-token
+    #: prompt arriving mid-stream then stretches the running streams' longest gap to ~0.5 s instead of stalling
+    #: them 4.3 s, for +13 % on its own first token; 64 halves no gap further and slows everything
+    #: (SmolLM2 fp32, 2 cores: benchmarks/results/chunked_prefill.md)
     prefill_budget: int = 128
 
     def priced(self, measured: DraftCosts) -> ServingOptions:
