@@ -11,11 +11,13 @@ tritonclient over gRPC. What must hold (issue 22, observation 1):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +36,7 @@ pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] (the `serve`
 from specdec.runtime.engine import Engine
 from specdec.runtime.request import BeamParams
 from specdec.serving.client import Answer, ClientError, SpecdecClient
-from specdec.serving.control import GRPC_ADMIN_HEADER, SHM_DIR, alive, inflight_from_metrics, stub_pids
+from specdec.serving.control import GRPC_ADMIN_HEADER, SHM_DIR, alive, children, inflight_from_metrics, stub_pids
 
 pytestmark = [pytest.mark.server, pytest.mark.real_model]
 
@@ -85,6 +87,30 @@ def _serve(export: Path, log: Path) -> Served:
     raise AssertionError(f"specdec serve did not get ready: {proc.stderr.read()}\n{log.read_text()[-3000:]}")  # type: ignore[union-attr]
 
 
+@contextlib.contextmanager
+def _served(export: Path, tmp_path: Path) -> Iterator[Served]:
+    """``specdec serve`` for one test; afterwards no process of it and no /dev/shm region of it may be left."""
+    shm_before = _shm()
+    served = _serve(export, tmp_path / "server.log")
+    try:
+        yield served
+    finally:
+        if served.proc.poll() is None:
+            served.proc.kill()
+            served.proc.wait()
+    assert eventually(lambda: processes_mentioning(str(export / "triton_repo")) == [])
+    assert eventually(lambda: not {n for n in _shm() - shm_before if n.startswith("specdec_")}), _shm() - shm_before
+
+
+def _loaded(served: Served, prompt: str) -> tuple[list[Future], ThreadPoolExecutor, Iterator]:
+    """``_in_flight``'s requests and one more stream, all admitted (so none is still in transit)."""
+    futures, pool = _in_flight(served.grpc)
+    stream = SpecdecClient(served.grpc).stream(prompt, max_tokens=MAX_TOKENS, apply_chat_template=True)
+    next(iter(stream))  # the server is decoding: this stream has its first tokens
+    _admitted(served.metrics, len(futures) + 1)
+    return futures, pool, stream
+
+
 def _shm() -> set[str]:
     return {p.name for p in SHM_DIR.iterdir()} if SHM_DIR.is_dir() else set()
 
@@ -112,15 +138,9 @@ def _admitted(metrics_url: str, n: int) -> None:
 
 def test_sigint_drains_in_flight_requests_then_exits_clean(smollm2_export: Path, reference: dict,
                                                            tmp_path: Path) -> None:
-    shm_before = _shm()
-    log = tmp_path / "server.log"
-    served = _serve(smollm2_export, log)
-    proc, url, metrics = served.proc, served.grpc, served.metrics
-    try:
-        futures, pool = _in_flight(url)
-        first = SpecdecClient(url).stream(PROMPTS[1], max_tokens=MAX_TOKENS, apply_chat_template=True)
-        next(iter(first))  # the server is decoding: one more stream has its first tokens
-        _admitted(metrics, len(futures) + 1)
+    with _served(smollm2_export, tmp_path) as served:
+        proc, url = served.proc, served.grpc
+        futures, pool, first = _loaded(served, PROMPTS[1])
         signalled = time.monotonic()
         proc.send_signal(signal.SIGINT)
         # new requests are refused at once, with UNAVAILABLE, while the others finish
@@ -142,24 +162,12 @@ def test_sigint_drains_in_flight_requests_then_exits_clean(smollm2_export: Path,
         assert proc.wait(WAIT_S) == 0, proc.stderr.read()  # type: ignore[union-attr]
         assert time.monotonic() - signalled < 60 + WAIT_S
         pool.shutdown()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert eventually(lambda: processes_mentioning(str(smollm2_export / "triton_repo")) == [])
-    assert eventually(lambda: not {n for n in _shm() - shm_before if n.startswith("specdec_")}), _shm() - shm_before
 
 
 def test_a_second_signal_aborts_with_unavailable_and_still_cleans_up(smollm2_export: Path, tmp_path: Path) -> None:
-    shm_before = _shm()
-    log = tmp_path / "server.log"
-    served = _serve(smollm2_export, log)
-    proc, url, metrics = served.proc, served.grpc, served.metrics
-    try:
-        futures, pool = _in_flight(url)
-        stream = SpecdecClient(url).stream(PROMPTS[2], max_tokens=MAX_TOKENS, apply_chat_template=True)
-        next(iter(stream))
-        _admitted(metrics, len(futures) + 1)
+    with _served(smollm2_export, tmp_path) as served:
+        proc = served.proc
+        futures, pool, stream = _loaded(served, PROMPTS[2])
         proc.send_signal(signal.SIGINT)
         time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
@@ -178,12 +186,6 @@ def test_a_second_signal_aborts_with_unavailable_and_still_cleans_up(smollm2_exp
         assert any(e.status == "StatusCode.UNAVAILABLE" for e in errors), errors
         assert proc.wait(WAIT_S) == 0, proc.stderr.read()  # type: ignore[union-attr]
         pool.shutdown()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert eventually(lambda: processes_mentioning(str(smollm2_export / "triton_repo")) == [])
-    assert eventually(lambda: not {n for n in _shm() - shm_before if n.startswith("specdec_")})
 
 
 def _tritonserver_pid(export: Path) -> int:
@@ -191,18 +193,6 @@ def _tritonserver_pid(export: Path) -> int:
             if Path(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()).name == "tritonserver"]
     assert len(pids) == 1, pids
     return pids[0]
-
-
-def _children(pid: int) -> list[int]:
-    """Every process whose parent is ``pid`` (a server's stubs)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
 
 
 def _ready(http_url: str) -> bool:
@@ -221,16 +211,13 @@ def test_a_dead_engine_or_server_is_replaced_and_serves_the_same_answers(smollm2
     """Observation 2: the engine's stub SIGKILLed under a stream, then tritonserver itself SIGKILLed. Each time
     readiness turns false, the stream ends with UNAVAILABLE (no hung client), the server comes back within about
     its cold start, answers exactly as before, and nothing of the dead server is left (processes, /dev/shm)."""
-    shm_before = _shm()
-    log = tmp_path / "server.log"
     started = time.monotonic()
-    served = _serve(smollm2_export, log)
-    cold_s = time.monotonic() - started
-    proc, url, http = served.proc, served.grpc, served.http
-    try:
+    with _served(smollm2_export, tmp_path) as served:
+        cold_s = time.monotonic() - started
+        proc, url, http = served.proc, served.grpc, served.http
         for victim in ("engine", "tritonserver"):
             server_pid = _tritonserver_pid(smollm2_export)
-            stubs = _children(server_pid)
+            stubs = list(children(server_pid))
             engine_stubs = stub_pids(server_pid, "specdec_engine")
             assert len(engine_stubs) == 1 and len(stubs) == 5, (engine_stubs, stubs)
             stream = SpecdecClient(url).stream(PROMPTS[0], max_tokens=MAX_TOKENS, apply_chat_template=True)
@@ -254,12 +241,6 @@ def test_a_dead_engine_or_server_is_replaced_and_serves_the_same_answers(smollm2
         assert proc.wait(WAIT_S) == 0
         err = proc.stderr.read()  # type: ignore[union-attr]
         assert "the engine's stub process" in err and "tritonserver exited" in err and "ready again" in err, err
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert eventually(lambda: processes_mentioning(str(smollm2_export / "triton_repo")) == [])
-    assert eventually(lambda: not {n for n in _shm() - shm_before if n.startswith("specdec_")})
 
 
 def _samples(metrics_url: str, prefix: str) -> dict[str, float]:

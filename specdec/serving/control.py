@@ -117,13 +117,9 @@ def inflight_from_metrics(text: str) -> int | None:
     return int(total) if seen else None
 
 
-def stub_pids(server_pid: int, model: str) -> list[int]:
-    """The Python-backend stub processes of ``model`` that tritonserver ``server_pid`` started.
-
-    A stub's command line names its model's ``model.py`` (``<repository>/<model>/1/model.py``), and its
-    parent is the server, which is how a supervisor tells the engine's stub from the others.
-    """
-    pids = []
+def children(parent: int) -> dict[int, list[bytes]]:
+    """The processes whose parent is ``parent``, with their command lines."""
+    found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -132,10 +128,19 @@ def stub_pids(server_pid: int, model: str) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == server_pid and any(f"/{model}/".encode() in arg for arg in cmdline):
-            pids.append(int(entry.name))
-    return sorted(pids)
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+            found[int(entry.name)] = cmdline
+    return found
+
+
+def stub_pids(server_pid: int, model: str) -> list[int]:
+    """The Python-backend stub processes of ``model`` that tritonserver ``server_pid`` started.
+
+    A stub's command line names its model's ``model.py`` (``<repository>/<model>/1/model.py``), and its
+    parent is the server, which is how a supervisor tells the engine's stub from the others.
+    """
+    return sorted(pid for pid, cmdline in children(server_pid).items()
+                  if any(f"/{model}/".encode() in arg for arg in cmdline))
 
 
 def alive(pid: int) -> bool:

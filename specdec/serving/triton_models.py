@@ -402,8 +402,7 @@ class _EntryPoint:
         self._closing = threading.Event()
         self._control = Control.from_env()
         # admitted and not yet answered, waiting for a slot included: what `specdec serve` drains
-        self._inflight = 0
-        self._inflight_gauge = InflightGauge(args.get("model_name", self._thread_name))
+        self._inflight = InflightGauge(args.get("model_name", self._thread_name))
         self._watcher = threading.Thread(target=self._watch, name="specdec-cancel", daemon=True)
         self._watcher.start()
 
@@ -413,8 +412,8 @@ class _EntryPoint:
             if self._control.draining():  # refused at once, so a client retries elsewhere while the rest finish
                 client.send(error_response(DRAINING, code="UNAVAILABLE"), final=True)
                 continue
-            if self._inflight >= self._capacity:  # back-pressure: no unbounded queue of waiting threads
-                client.send(error_response(f"the server is overloaded ({self._inflight} requests in flight): "
+            if self._inflight.value >= self._capacity:  # back-pressure: no unbounded queue of waiting threads
+                client.send(error_response(f"the server is overloaded ({self._inflight.value} requests in flight): "
                                            "retry later", code="UNAVAILABLE"), final=True)
                 continue
             self._count(+1)  # here, not in the thread: a drain that reads 0 has really seen this request
@@ -424,8 +423,7 @@ class _EntryPoint:
 
     def _count(self, delta: int) -> None:
         with self._lock:
-            self._inflight += delta
-            self._inflight_gauge.set(self._inflight)
+            self._inflight.set(self._inflight.value + delta)
 
     def _answer_in_slot(self, client: Client) -> None:
         """At most ``max_concurrency`` requests run the pipeline at once; the rest wait their turn."""
