@@ -30,14 +30,15 @@ def test_unknown_name_lists_presets() -> None:
     assert "tiny-random" in msg
 
 
-def test_missing_hub_preset_fails_fast_and_says_what_to_pass() -> None:
+def test_missing_hub_preset_fails_fast_and_says_what_to_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # online it would be downloaded (tests/test_hub_download.py)
     start = time.perf_counter()
     with pytest.raises(ModelResolutionError) as err:
         load_model("llama-7b")
     assert time.perf_counter() - start < 5.0
     msg = str(err.value)
     assert "meta-llama/Llama-2-7b-hf" in msg
-    assert "never downloads" in msg
+    assert "offline mode is on" in msg and "hf download meta-llama/Llama-2-7b-hf" in msg
     assert "--target /path/to/Llama-2-7b-hf" in msg  # what to pass instead
 
 

