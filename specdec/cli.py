@@ -1,4 +1,4 @@
-"""The ``specdec`` command: ``generate`` (local decoding), ``bench``, ``serve`` (Triton) and ``client``."""
+"""The ``specdec`` command: ``generate`` (local decoding), ``bench``, ``serve`` (Triton), ``client`` and ``deploy``."""
 
 from __future__ import annotations
 
@@ -230,6 +230,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     cli = sub.add_parser("client", help="send prompts to a running `specdec serve` over gRPC")
     add_client_args(cli)
     cli.set_defaults(func=client_main)
+    from specdec.deploy.kubernetes_cli import add_kubernetes_args, kubernetes_main
+
+    deploy = sub.add_parser("deploy", help="deployment recipes for `specdec serve` replicas").add_subparsers(
+        dest="recipe", required=True)
+    k8s = deploy.add_parser("kubernetes", help="render Kubernetes (and KServe) YAML for an export")
+    add_kubernetes_args(k8s)
+    k8s.set_defaults(func=kubernetes_main)
     args = parser.parse_args(args_list)
     if args.command == "generate":
         check_draft_length_args(gen, args)

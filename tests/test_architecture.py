@@ -22,6 +22,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("models",),
     ("runtime",),
     ("serving", "export", "distill", "bench"),
+    ("deploy",),
     ("cli",),
 )
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
