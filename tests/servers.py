@@ -9,7 +9,7 @@ from pathlib import Path
 
 from specdec.serving.server import free_ports
 
-__all__ = ["eventually", "free_ports", "processes_mentioning"]
+__all__ = ["eventually", "free_ports", "processes_mentioning", "samples"]
 
 
 def eventually(condition: Callable[[], bool], timeout: float = 120.0, poll_s: float = 0.1) -> bool:
@@ -38,3 +38,26 @@ def processes_mentioning(text: str) -> list[int]:
         if text in cmdline:
             pids.append(int(entry.name))
     return pids
+
+
+def samples(metrics_url: str, prefix: str = "", per_instance: bool = False) -> dict[str, float]:
+    """The Prometheus samples of a server's metrics endpoint whose names start with ``prefix``, keyed by
+    ``name{labels}``: what the tests compare before and after (counters that must move by exactly N).
+
+    The engine's series carry an ``instance`` label (one per engine instance); unless ``per_instance``, they are
+    summed over it, so ``specdec_requests_total{outcome="failed"}`` is the server's total whatever its instances.
+    """
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(metrics_url, timeout=60) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(prefix) or line.startswith("#"):
+            continue
+        key, value = line.rsplit(" ", 1)
+        if not per_instance:
+            key = re.sub(r'instance="[^"]*",?', "", key).replace(",}", "}").replace("{}", "")
+        out[key] = out.get(key, 0.0) + float(value)
+    return out

@@ -425,3 +425,87 @@ def test_a_beam_request_cancelled_mid_run_ends_cancelled_and_frees_its_beams(mod
         assert len(again.token_ids) >= 1
         stats = svc.stats()
         assert stats.active == 0 and stats.kv_slots == 0 and stats.cancelled == 1 and stats.finished == 2
+
+
+class FakeClock:
+    """The service's clock, moved by the test: a deadline passes exactly when the test says, however slow the
+    machine is."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_deadline_ends_live_and_queued_requests_timeout_and_frees_their_slots(model, offline) -> None:
+    """A live request past its deadline ends ``timeout`` at the next step with what it streamed (a prefix of its
+    answer); a queued one ends at the next ``expire`` with nothing; batch-mates are untouched; every slot is free
+    again. The deadline is in the service's clock, moved by the test between steps."""
+    clock = FakeClock()
+    svc = EngineService(make_engine(model), "ems", clock=clock).start()
+    try:
+        victim = Request((5, 6, 7, 8, 9), max_tokens=100, request_id="late")
+        others = [Request((30 + i, 31, 32), max_tokens=30) for i in range(2)]
+        fillers = [Request((50, 51, 52), max_tokens=100, request_id=f"filler-{i}") for i in range(MAX_BATCH - 3)]
+        queued = Request((40, 41), max_tokens=10, request_id="late-queued")
+        expected = offline([victim, *others])
+        started, moved = threading.Event(), threading.Event()
+        rec_v = Recorder()
+
+        def on_victim(event: StreamEvent) -> None:
+            rec_v(event)
+            if len(rec_v.events) == 2:
+                started.set()
+                moved.wait(WAIT)  # hold the loop between steps while the test moves the clock past the deadline
+
+        with pytest.raises(InvalidRequestError, match="timeout"):
+            svc.submit(Request((4, 5)), Recorder(), timeout_s=0)
+        hv = svc.submit(victim, on_victim, timeout_s=5.0)
+        handles = [svc.submit(r, Recorder(), timeout_s=3600.0) for r in others]
+        hf = [svc.submit(r, Recorder()) for r in fillers]
+        assert started.wait(WAIT)
+        rec_q = Recorder()
+        hq = svc.submit(queued, rec_q, timeout_s=5.0)  # the batch is full: it waits in the queue
+        clock.now += 10.0
+        assert sorted(svc.expire()) == ["late", "late-queued"]  # the queued one ends now, the live one at its step
+        assert hq.done and not hv.done
+        moved.set()
+        out_v, out_q = hv.result(WAIT), hq.result(WAIT)
+        assert out_v.finish_reason == "timeout" and out_q.finish_reason == "timeout" and out_q.token_ids == []
+        assert rec_v.check() == out_v and rec_q.check() == out_q
+        assert 0 < len(out_v.token_ids) < len(expected[0].token_ids)
+        assert out_v.token_ids == expected[0].token_ids[: len(out_v.token_ids)]
+        for h, exp in zip(handles, expected[1:]):
+            assert h.result(WAIT).token_ids == exp.token_ids
+        for f in hf:
+            f.cancel()
+            f.result(WAIT)
+        fresh = prompts(MAX_BATCH, seed=5)  # every slot is free again
+        outs = [h.result(WAIT) for h in [svc.submit(r, Recorder()) for r in fresh]]
+        assert [o.token_ids for o in outs] == [o.token_ids for o in offline(fresh)]
+        stats = svc.stats()
+        assert stats.timed_out == 2 and stats.active == 0 and stats.kv_slots == 0
+    finally:
+        svc.stop(drain=False, timeout=10)
+
+
+def test_the_loop_itself_ends_a_live_request_at_its_deadline(model, offline) -> None:
+    """No ``expire`` call: the loop's own check at the step boundary ends a sequence whose deadline passed."""
+    clock = FakeClock()
+    svc = EngineService(make_engine(model), "ems", clock=clock).start()
+    try:
+        request = Request((5, 6, 7, 8, 9), max_tokens=100)
+        events: list[StreamEvent] = []
+
+        def on_event(event: StreamEvent) -> None:
+            events.append(event)
+            if len(events) == 2:
+                clock.now += 10.0  # from the loop thread, between two steps
+
+        out = svc.submit(request, on_event, timeout_s=5.0).result(WAIT)
+        assert out.finish_reason == "timeout" and 0 < len(out.token_ids) < 100
+        assert out.token_ids == offline([request])[0].token_ids[: len(out.token_ids)]
+        assert svc.stats().timed_out == 1 and svc.stats().kv_slots == 0
+    finally:
+        svc.stop(drain=False, timeout=10)

@@ -14,13 +14,12 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
-from servers import eventually, free_ports, processes_mentioning
+from servers import eventually, free_ports, processes_mentioning, samples
 
 from specdec.serving.install import TritonNotFoundError, find_tritonserver
 from specdec.serving.serve import serve_main
@@ -93,15 +92,8 @@ def _params(i: int, max_tokens: int, **extra: object) -> dict:
 
 
 def scrape(server: TritonServer) -> dict[str, float]:
-    """specdec_* samples of the Prometheus endpoint, keyed by name{labels}."""
-    with urllib.request.urlopen(server.metrics_url, timeout=WAIT_S) as response:
-        text = response.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line.startswith("specdec_"):
-            key, value = line.rsplit(" ", 1)
-            samples[key] = float(value)
-    return samples
+    """specdec_* samples of the Prometheus endpoint, keyed by name{labels} (summed over engine instances)."""
+    return samples(server.metrics_url, "specdec_")
 
 
 def _check(answer: Answer | ClientError, reference: dict, i: int, max_tokens: int) -> None:
@@ -148,6 +140,7 @@ def test_stream_concatenates_to_the_unary_answer_and_shares_steps_with_unary(ser
     assert stream_answer.mean_batch_size > 1.0, "the stream never shared a ragged step with the unary requests"
 
 
+@pytest.mark.reliability("R5")
 def test_64_requests_from_8_threads_none_lost_or_mixed_up(server: TritonServer, reference: dict) -> None:
     indices = [k % len(PROMPTS) for k in range(64)]
     prompts = [PROMPTS[i][0] for i in indices]
@@ -203,6 +196,7 @@ def _send_bad(client: SpecdecClient, case: dict) -> None:
     client.generate(text, **{"max_tokens": 8, **params})
 
 
+@pytest.mark.reliability("R14")
 def test_bad_inputs_get_named_errors_while_a_stream_completes(server: TritonServer, reference: dict) -> None:
     i, m = 5, CONCURRENT_MAX_TOKENS[5]
     in_flight: dict = {}
@@ -249,6 +243,7 @@ for n, result in enumerate(client.stream("Count from one to five hundred in word
 """
 
 
+@pytest.mark.reliability("R8", "R9", "R11")
 def test_client_killed_mid_stream_is_cancelled_and_does_not_wedge_the_engine(server: TritonServer,
                                                                              reference: dict) -> None:
     before = scrape(server)
@@ -278,6 +273,7 @@ for result in client.stream("Count from one to five hundred in words.", max_toke
 """
 
 
+@pytest.mark.reliability("R8", "R9", "R11")
 def test_client_killed_during_a_beam_request_is_cancelled_between_rounds(server: TritonServer,
                                                                           reference: dict) -> None:
     """A beam search streams only the prefix its beams share; a client killed while it runs is still noticed: the

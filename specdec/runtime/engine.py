@@ -32,17 +32,21 @@ from specdec.runtime.scheduler import Scheduler
 from specdec.runtime.text import cut_at_stop, decode_tokens, encode_text
 
 
-def _backend_opener(kind: str, threads: int | None = None) -> Callable[[Path, bool], Backend]:
-    """How to open one exported graph of this export's backend kind; the flag says it is the draft."""
+def _backend_opener(kind: str, threads: int | None = None, device_id: int = 0) -> Callable[[Path, bool], Backend]:
+    """How to open one exported graph of this export's backend kind; the flag says it is the draft.
+
+    ``device_id``: the GPU its session and caches live on (a Triton instance's ``model_instance_device_id``);
+    an ONNX Runtime session without the CUDA provider runs on the host whatever it says.
+    """
     if kind == "onnx":
         from specdec.runtime.backends.onnxruntime import OrtBackend
 
         # a draft's idle ORT workers must not spin: they would hold the cores of the target's next step
-        return lambda graph, draft: OrtBackend(graph, intra_op_threads=threads, spin=not draft)
+        return lambda graph, draft: OrtBackend(graph, intra_op_threads=threads, spin=not draft, device_id=device_id)
     if kind == "tensorrt":
         from specdec.runtime.backends.tensorrt import TensorRTBackend
 
-        return lambda graph, draft: TensorRTBackend(graph.with_name("model.engine"))
+        return lambda graph, draft: TensorRTBackend(graph.with_name("model.engine"), device=f"cuda:{device_id}")
     raise ValueError(f"export backend {kind!r} is not known to this version of specdec")
 
 
@@ -106,12 +110,13 @@ class Engine:
     def from_export(cls, directory: str | Path, *, max_batch: int | None = None, max_len: int | None = None,
                     num_draft_tokens: int = 4, drafter: str | None = None,
                     threads: int | None = None, draft_length: DraftLength | None = None,
-                    torch_threads: int | None = None) -> Engine:
+                    torch_threads: int | None = None, device_id: int = 0) -> Engine:
         """An engine over a ``specdec-export`` directory, on the backend it was exported for.
 
         The manifest's checksums are verified first, so a corrupt graph is refused at load.
         ``drafter`` overrides the exported choice ("ngram", "hybrid", "none"); ``threads`` sets ONNX
-        Runtime's intra-op threads (default: all cores).
+        Runtime's intra-op threads (default: all cores). ``device_id``: the GPU an ONNX Runtime (CUDA provider)
+        or TensorRT export runs on, so each Triton instance of a multi-GPU node opens its own.
 
         ``torch_threads``: for an ONNX Runtime or TensorRT export, set torch's (process-wide)
         intra-op threads, which then run only the small ops between steps (sampling over the
@@ -139,7 +144,7 @@ class Engine:
         if torch_threads:
             torch.set_num_threads(torch_threads)
         meta = load_export_metadata(root, "target")
-        open_backend = _backend_opener(backend_kind, threads)
+        open_backend = _backend_opener(backend_kind, threads, device_id)
         target_backend = open_backend(export_path(root, manifest["target"]["graph"]), False)
         model = open_backend(export_path(root, manifest["draft"]["graph"]), True) if wants_model else None
         draft: Backend | str | None = drafter if drafter in ("hybrid", "none", "ngram") else model or "ngram"

@@ -154,7 +154,8 @@ class RequestOutput:
     prompt_ids: list[int]
     token_ids: list[int]
     text: str | None
-    finish_reason: str | None  # "stop" (EOS or stop string), "length" (max_tokens), CONTEXT, CANCELLED; None on error
+    #: "stop" (EOS or stop string), "length" (max_tokens), CONTEXT, CANCELLED, TIMEOUT; None on error
+    finish_reason: str | None
     metrics: RequestMetrics
     error: str | None = None
     #: beam / dsbd: the ``num_return_sequences`` best candidates, best first (the first is ``token_ids``)
@@ -166,6 +167,9 @@ CANCELLED = "cancelled"
 #: the answer ended because the context (the KV slot, ``max_len``) was full, before ``max_tokens``: a client
 #: that sees "length" knows it asked for too few tokens, one that sees "context" that its prompt was too long
 CONTEXT = "context"
+#: the answer ended because its server-side deadline (``timeout_ms``) passed: a cancellation by the server, which
+#: frees the slot as a client's cancel does, named apart so a client can tell it from its own
+TIMEOUT = "timeout"
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,11 @@ before it lets Triton shut down: it tells the entry points to admit nothing new 
 UNAVAILABLE at once), waits until their in-flight gauge reads 0, and only then signals tritonserver. A
 second signal aborts what is left: the entry points end those requests with UNAVAILABLE.
 
+Cancels go the same way: with several engine instances (each its own stub process, ``--instances``), an
+entry point cannot address the instance that holds its request, since Triton hands a control request to any
+instance. So it leaves a cancel file named by the engine request id, every instance looks for its own ids at each
+poll, and the one holding it cancels it and removes the file.
+
 Why flag files in a private directory: the models run in stub processes that tritonserver starts and
 that inherit its environment, so a directory named by ``SPECDEC_CONTROL_DIR`` is something both sides
 reach without opening an API that clients could call. A server started without ``specdec serve``
@@ -36,6 +41,7 @@ ADMIN_HEADER = "specdec-admin-key"
 GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"
 RESTRICTED_APIS = ("model-repository", "shared-memory", "logging", "trace")
 DRAIN, ABORT = "drain", "abort"
+CANCEL_PREFIX = "cancel-"
 SHM_DIR = Path("/dev/shm")
 #: the entry points' gauge of requests admitted and not yet answered, which the launcher's drain waits on
 INFLIGHT_METRIC = "specdec_inflight_requests"
@@ -70,6 +76,30 @@ class Control:
         if self.directory is None:
             raise RuntimeError("this server has no control directory")
         (self.directory / name).touch()
+
+    def cancel(self, request_id: str) -> bool:
+        """The entry point's side: ask whichever engine instance holds ``request_id`` to cancel it; False if
+        there is no directory (then the one instance is told over BLS)."""
+        if self.directory is None:
+            return False
+        (self.directory / f"{CANCEL_PREFIX}{request_id.encode().hex()}").touch()
+        return True
+
+    def cancels(self) -> set[str]:
+        """The engine's side: the request ids whose cancel is asked for (any instance's)."""
+        if self.directory is None:
+            return set()
+        try:
+            names = [p.name for p in self.directory.iterdir() if p.name.startswith(CANCEL_PREFIX)]
+        except OSError:
+            return set()
+        return {bytes.fromhex(n.removeprefix(CANCEL_PREFIX)).decode(errors="replace") for n in names}
+
+    def forget_cancel(self, request_id: str) -> None:
+        """Remove ``request_id``'s cancel file: done by the instance that cancelled it, or by the entry point
+        when its request ended anyway."""
+        if self.directory is not None:
+            (self.directory / f"{CANCEL_PREFIX}{request_id.encode().hex()}").unlink(missing_ok=True)
 
 
 def internal_key() -> str | None:

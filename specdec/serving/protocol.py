@@ -73,6 +73,9 @@ PARAMETERS = (
     TensorSpec("dsbd_threshold", "TYPE_FP32", doc="dsbd dynamic width threshold t in [0, 1] (0 = fixed width)"),
     TensorSpec("dsbd_min_width", "TYPE_INT32", doc="dsbd smallest width W_min (default 1)"),
     TensorSpec("memory_mode", "TYPE_STRING", doc="full (default) or single: one beam kept per round"),
+    TensorSpec("timeout_ms", "TYPE_INT32",
+               doc="server-side deadline from arrival at the engine: past it the answer ends finish_reason=timeout "
+                   "with what it has, and its KV slot is freed (default: none)"),
 )
 CLIENT_INPUTS = (TEXT_INPUT, APPLY_CHAT_TEMPLATE, *PARAMETERS)
 _PARAMETER = {s.name: s for s in PARAMETERS}
@@ -86,7 +89,7 @@ OUTPUT_IDS = TensorSpec("output_ids", "TYPE_INT32", (-1,), optional=False)
 SENT_TOKENS = TensorSpec("sent_tokens", "TYPE_INT32", optional=False, doc="tokens covered by earlier responses")
 FINISHED = TensorSpec("finished", "TYPE_BOOL", optional=False)
 FINISH_REASON = TensorSpec("finish_reason", "TYPE_STRING", optional=False,
-                          doc="stop | length (max_tokens) | context (the context filled up) | cancelled")
+                          doc="stop | length (max_tokens) | context (the context filled up) | cancelled | timeout")
 #: what a response reports of its request's metrics, each named as the ``RequestMetrics`` attribute it is
 REQUEST_METRICS = (
     TensorSpec("acceptance_rate", "TYPE_FP32", optional=False),
@@ -120,6 +123,7 @@ class Generation:
     stop: tuple[str, ...]
     stream: bool
     beam: BeamParams | None = None  # dsbd and beam only
+    timeout_s: float | None = None  # the request's server-side deadline (``timeout_ms``), None: none
 
 
 def _scalar(inputs: Mapping[str, np.ndarray], spec: TensorSpec) -> object | None:
@@ -233,9 +237,13 @@ def parse_generation(inputs: Mapping[str, np.ndarray], *, max_len: int, default_
     if stream and not allow_stream:
         raise InvalidRequestError(STREAM_NEEDS_DECOUPLED)
     stops = parse_stops(inputs.get(STOP.name))
+    timeout_ms = values["timeout_ms"]
+    if timeout_ms is not None and int(timeout_ms) <= 0:
+        raise InvalidRequestError(f"timeout_ms must be a positive number of milliseconds, got {timeout_ms}")
     # `ar` is EMS-SD with no drafts and `beam` is DSBD with no draft layers: each shares its loop's ragged steps
     num_draft_tokens = (None if k is None else int(k)) if spec.uses_drafter else 0
-    return Generation(int(max_tokens), spec.name, sampling, num_draft_tokens, stops, stream, beam)
+    return Generation(int(max_tokens), spec.name, sampling, num_draft_tokens, stops, stream, beam,
+                      None if timeout_ms is None else int(timeout_ms) / 1000)
 
 
 def _beam(values: Mapping[str, object], spec: Method) -> BeamParams | None:

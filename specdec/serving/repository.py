@@ -60,6 +60,17 @@ class ServingOptions:
     #: them 4.3 s, for +13 % on its own first token; 64 halves no gap further and slows everything
     #: (SmolLM2 fp32, 2 cores: benchmarks/results/chunked_prefill.md)
     prefill_budget: int = 128
+    #: engine instances per device: each is its own stub process with its own decoding loops and KV caches
+    #: (``max_batch`` slots each), and Triton spreads the requests over them
+    instances: int = 1
+    #: the GPUs the engine instances run on (``instances`` on each), as ``KIND_GPU``; empty: ``KIND_CPU``
+    gpus: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.instances < 1:
+            raise ValueError(f"instances must be >= 1, got {self.instances}")
+        if any(g < 0 for g in self.gpus) or len(set(self.gpus)) != len(self.gpus):
+            raise ValueError(f"gpus must be distinct device ids >= 0, got {list(self.gpus)}")
 
     def priced(self, measured: DraftCosts) -> ServingOptions:
         """These options with the costs left unset (None) taken from a calibration: what is set explicitly wins."""
@@ -82,13 +93,21 @@ def _parameters(params: Mapping[str, object]) -> str:
     return "".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n' for k, v in params.items())
 
 
+def instance_group(count: int = 1, gpus: Iterable[int] = ()) -> str:
+    """A config's ``instance_group``: ``count`` instances on the host, or ``count`` on each of ``gpus``."""
+    devices = list(gpus)
+    if devices:
+        return f"instance_group [ {{ kind: KIND_GPU count: {count} gpus: [ {', '.join(map(str, devices))} ] }} ]\n"
+    return f"instance_group [ {{ kind: KIND_CPU count: {count} }} ]\n"
+
+
 def _python_model(name: str, inputs: Iterable[protocol.TensorSpec], outputs: Iterable[protocol.TensorSpec],
-                  params: Mapping[str, object], decoupled: bool = False) -> str:
+                  params: Mapping[str, object], decoupled: bool = False, instances: str = instance_group()) -> str:
     text = f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
     if decoupled:
         text += "model_transaction_policy { decoupled: true }\n"
     text += _io("input", inputs) + _io("output", outputs, optional=False)
-    text += "instance_group [ { kind: KIND_CPU count: 1 } ]\n"
+    text += instances
     return text + _parameters(params)
 
 
@@ -112,7 +131,9 @@ def render_configs(export_dir_from_repo: str, options: ServingOptions) -> dict[s
         protocol.STREAM_MODEL: (protocol.CLIENT_INPUTS, protocol.CLIENT_OUTPUTS, entry, True),
         protocol.UNARY_MODEL: (protocol.CLIENT_INPUTS, protocol.CLIENT_OUTPUTS, entry, False),
     }
-    return {name: _python_model(name, inputs, outputs, params, decoupled)
+    engine_group = instance_group(options.instances, options.gpus)
+    return {name: _python_model(name, inputs, outputs, params, decoupled,
+                                engine_group if name == protocol.ENGINE_MODEL else instance_group())
             for name, (inputs, outputs, params, decoupled) in models.items()}
 
 

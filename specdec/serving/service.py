@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,7 @@ from specdec.runtime.engine import Engine
 from specdec.runtime.loops import DecodeContext
 from specdec.runtime.methods import DEFAULT_METHOD, get_method
 from specdec.runtime.metrics import StepRecord
-from specdec.runtime.request import CANCELLED, Request, RequestMetrics, RequestOutput, SeqState
+from specdec.runtime.request import CANCELLED, TIMEOUT, Request, RequestMetrics, RequestOutput, SeqState
 from specdec.runtime.sampling import InvalidRequestError
 from specdec.runtime.scheduler import Scheduler
 from specdec.runtime.text import streamable
@@ -69,6 +70,7 @@ class ServiceStats:
     finished: int
     cancelled: int
     failed: int
+    timed_out: int
     steps: int
     mean_batch_size: float
     active: int  # requests admitted and decoding now
@@ -93,6 +95,8 @@ class RequestHandle:
         self._streamed = 0  # output tokens already sent
         self._text_sent = ""
         self._final_sent = False
+        #: the ``EngineService.clock`` time past which the server ends the request ``TIMEOUT`` (None: no deadline)
+        self.deadline: float | None = None
 
     @property
     def request_id(self) -> str:
@@ -120,16 +124,19 @@ class EngineService:
     ``engine.generate`` concurrently.
     """
 
-    def __init__(self, engine: Engine, method: str = DEFAULT_METHOD) -> None:
+    def __init__(self, engine: Engine, method: str = DEFAULT_METHOD,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        #: the time deadlines count in (a test passes its own, to pass a deadline without sleeping)
+        self.clock = clock
         self.engine, self.method = engine, get_method(method)
         self._lock = threading.RLock()
         self._handles: dict[str, RequestHandle] = {}  # submitted, no final event yet
         self._live: dict[str, SeqState] = {}  # admitted into the current loop run
-        self._cancelled: set[str] = set()
+        self._cancelled: dict[str, str] = {}  # request id -> the finish reason it ends with (CANCELLED, TIMEOUT)
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._ctx: DecodeContext | None = None
-        self._counts = {"submitted": 0, "finished": 0, "cancelled": 0, "failed": 0, "restarts": 0}
+        self._counts = {"submitted": 0, "finished": 0, "cancelled": 0, "failed": 0, TIMEOUT: 0, "restarts": 0}
         self._steps_done = 0
         self._batch_sum = 0
         self.scheduler = Scheduler(engine.max_batch, on_admit=self._admitted)
@@ -173,19 +180,24 @@ class EngineService:
 
     # -- requests -----------------------------------------------------------------------
     def submit(self, request: Request, on_event: Callable[[StreamEvent], None], *,
-               text: bool = True) -> RequestHandle:
+               text: bool = True, timeout_s: float | None = None) -> RequestHandle:
         """Queue ``request``; its events go to ``on_event``. Bad requests raise here, queue nothing.
 
         ``text=False``: the events carry no text and the output's ``text`` is None, and the loop
         never detokenizes for this request (see the module docstring).
+        ``timeout_s``: a server-side deadline from now; past it the request ends ``TIMEOUT`` with what it has
+        streamed, and its slot is freed at the next step boundary (queued, at the next ``expire``).
         """
         self.engine.check(request)
+        if timeout_s is not None and not timeout_s > 0:
+            raise InvalidRequestError(f"a request's timeout must be > 0 s, got {timeout_s}")
         with self._lock:
             if self._stopping:
                 raise ServiceStoppedError("service is stopping: it accepts no new requests")
             if request.request_id in self._handles:
                 raise InvalidRequestError(f"request_id {request.request_id!r} is already in flight")
             handle = RequestHandle(self, request, on_event, text)
+            handle.deadline = None if timeout_s is None else self.clock() + timeout_s
             self._handles[request.request_id] = handle
             self._counts["submitted"] += 1
             self.scheduler.submit(request)
@@ -195,8 +207,8 @@ class EngineService:
         """Submit and wait: the blocking form for callers that do not stream."""
         return self.submit(request, lambda event: None, text=text).result(timeout)
 
-    def cancel(self, request_id: str) -> bool:
-        """Best effort: True if the request was still running and will end "cancelled".
+    def cancel(self, request_id: str, reason: str = CANCELLED) -> bool:
+        """Best effort: True if the request was still running and will end with ``reason``.
 
         A queued request ends now; a live one ends at the next step boundary (its slot is
         freed by the loop's normal retirement). A request that finishes naturally in that
@@ -207,10 +219,34 @@ class EngineService:
                 return False
             request = self.scheduler.remove(request_id)
             if request is None:
-                self._cancelled.add(request_id)
+                self._cancelled.setdefault(request_id, reason)
                 return True
-        self._finish_unadmitted(request, CANCELLED)
+        self._finish_unadmitted(request, reason)
         return True
+
+    def expire(self) -> list[str]:
+        """End every request past its deadline (``TIMEOUT``); the ids it ended.
+
+        A live request is also caught by the loop itself at its next step (``_ends_now``); a queued one holds no
+        step, so whoever owns the service calls this now and then (the Triton engine's watcher, every poll).
+        """
+        now = self.clock()
+        with self._lock:
+            late = [rid for rid, h in self._handles.items() if h.deadline is not None and now >= h.deadline
+                    and rid not in self._cancelled]
+        return [rid for rid in late if self.cancel(rid, TIMEOUT)]
+
+    def _ends_now(self, seq: SeqState) -> bool:
+        """The loop's ``is_cancelled``: a caller's cancel, or a deadline that passed (checked at every step)."""
+        request_id = seq.request.request_id
+        with self._lock:
+            if request_id in self._cancelled:
+                return True
+            handle = self._handles.get(request_id)
+            if handle is None or handle.deadline is None or self.clock() < handle.deadline:
+                return False
+            self._cancelled[request_id] = TIMEOUT
+            return True
 
     def stats(self) -> ServiceStats:
         with self._lock:
@@ -221,7 +257,8 @@ class EngineService:
                     steps, batch_sum = steps + 1, batch_sum + record.batch_size
             return ServiceStats(
                 submitted=self._counts["submitted"], finished=self._counts["finished"],
-                cancelled=self._counts["cancelled"], failed=self._counts["failed"], steps=steps,
+                cancelled=self._counts["cancelled"], failed=self._counts["failed"],
+                timed_out=self._counts[TIMEOUT], steps=steps,
                 mean_batch_size=batch_sum / steps if steps else 0.0, active=len(self._live),
                 kv_slots=kv_slots,
                 queued=self.scheduler.pending(), loop_restarts=self._counts["restarts"],
@@ -234,7 +271,7 @@ class EngineService:
             try:
                 ctx = self.engine.context(self.scheduler, on_tokens=self._on_tokens, on_finish=self._on_finish,
                                           keep_running=lambda: not self._stopping,
-                                          is_cancelled=lambda seq: seq.request.request_id in self._cancelled)
+                                          is_cancelled=self._ends_now)
             except Exception:  # cannot even build a loop: refuse the queue rather than hang its callers
                 log.exception("could not start decoding loop %r; failing queued requests", self.method.name)
                 for request in self.scheduler.drain():
@@ -305,7 +342,8 @@ class EngineService:
             tokens = seq.output_ids[: handle._streamed]  # what the caller saw; the rest was never sent
             text = self.engine.decode(tokens) if handle.wants_text else None
             metrics = dataclasses.replace(seq.metrics, generated_tokens=len(tokens))
-            reason = None if seq.error is not None else CANCELLED
+            with self._lock:
+                reason = None if seq.error is not None else self._cancelled.get(request_id, CANCELLED)
             output = RequestOutput(request_id, list(seq.request.prompt_ids), tokens, text, reason, metrics,
                                    error=seq.error)
             new_tokens: list[int] = []
@@ -321,9 +359,8 @@ class EngineService:
                 return
             handle._final_sent = True
             self._handles.pop(handle.request_id, None)
-            self._cancelled.discard(handle.request_id)
-            key = "failed" if output.error else CANCELLED if output.finish_reason == CANCELLED else "finished"
-            self._counts[key] += 1
+            self._cancelled.pop(handle.request_id, None)
+            self._counts[outcome_of(output)] += 1
         text_delta = ""
         if output.text is not None:
             if output.text.startswith(handle._text_sent):
@@ -365,6 +402,17 @@ class EngineService:
             handle._on_event(event)
         except Exception:  # one caller's bug must not fail the others
             log.exception("on_event callback of request %r raised", handle.request_id)
+
+
+#: how a request ended, as the counters (``ServiceStats``, ``specdec_requests_total{outcome}``) name it
+OUTCOMES = ("finished", CANCELLED, TIMEOUT, "failed")
+
+
+def outcome_of(output: RequestOutput) -> str:
+    """The one of ``OUTCOMES`` that ``output`` counts as."""
+    if output.error:
+        return "failed"
+    return output.finish_reason if output.finish_reason in (CANCELLED, TIMEOUT) else "finished"
 
 
 def describe(stats: ServiceStats) -> dict[str, Any]:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from specdec.runtime.request import CANCELLED, RequestMetrics
+from specdec.runtime.request import RequestMetrics
 from specdec.serving.control import INFLIGHT_METRIC
+from specdec.serving.service import OUTCOMES
 
 if TYPE_CHECKING:
     from specdec.serving.service import EngineService
@@ -21,30 +22,37 @@ except ImportError:  # pragma: no cover - imported for documentation or tests wi
 
 
 class EngineMetrics:
-    """The engine model's metrics (counters since the model loaded)."""
+    """The engine model's metrics (counters since the model loaded), labelled with the engine instance.
 
-    def __init__(self) -> None:
+    Why the ``instance`` label: with several engine instances (``--instances``) each stub process publishes its
+    own series in the same families, so a scrape shows how the requests spread; a dashboard sums over it.
+    """
+
+    def __init__(self, instance: str) -> None:
         self._families: list[Any] = []  # a family must outlive its metrics
+        self.labels = {"instance": instance}
 
         def family(name: str, kind: Any, description: str) -> Any:
             self._families.append(pb_utils.MetricFamily(name=name, description=description, kind=kind))
             return self._families[-1]
 
+        def metric(name: str, kind: Any, description: str) -> Any:
+            return family(name, kind, description).Metric(labels=self.labels)
+
         counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
         requests = family("specdec_requests_total", counter, "requests answered, by outcome")
-        self.outcome = {o: requests.Metric(labels={"outcome": o}) for o in ("finished", CANCELLED, "failed")}
-        self.tokens = family("specdec_generated_tokens_total", counter, "tokens generated").Metric(labels={})
-        self.drafts = family("specdec_draft_tokens_total", counter, "draft tokens verified").Metric(labels={})
-        self.accepted = family("specdec_accepted_draft_tokens_total", counter,
-                               "draft tokens accepted").Metric(labels={})
-        self.steps = family("specdec_target_steps_total", counter, "ragged target steps").Metric(labels={})
-        self.step_sequences = family("specdec_step_sequences_total", counter,
-                                     "sequences verified, summed over steps (/ steps = mean batch)").Metric(labels={})
-        self.active = family("specdec_active_sequences", gauge,
-                             "requests decoding (holding KV slots: one, or one per beam)").Metric(labels={})
-        self.kv_slots = family("specdec_kv_slots_used", gauge,
-                               "target KV slots held (one per ems/ar sequence, one per live beam)").Metric(labels={})
-        self.queued = family("specdec_queued_requests", gauge, "requests waiting for a KV slot").Metric(labels={})
+        self.outcome = {o: requests.Metric(labels={**self.labels, "outcome": o}) for o in OUTCOMES}
+        self.tokens = metric("specdec_generated_tokens_total", counter, "tokens generated")
+        self.drafts = metric("specdec_draft_tokens_total", counter, "draft tokens verified")
+        self.accepted = metric("specdec_accepted_draft_tokens_total", counter, "draft tokens accepted")
+        self.steps = metric("specdec_target_steps_total", counter, "ragged target steps")
+        self.step_sequences = metric("specdec_step_sequences_total", counter,
+                                     "sequences verified, summed over steps (/ steps = mean batch)")
+        self.active = metric("specdec_active_sequences", gauge,
+                             "requests decoding (holding KV slots: one, or one per beam)")
+        self.kv_slots = metric("specdec_kv_slots_used", gauge,
+                               "target KV slots held (one per ems/ar sequence, one per live beam)")
+        self.queued = metric("specdec_queued_requests", gauge, "requests waiting for a KV slot")
         self._steps = self._sequences = 0
 
     def request_done(self, outcome: str, metrics: RequestMetrics) -> None:

@@ -44,12 +44,12 @@ import numpy as np
 
 from specdec.runtime.drafters import ModelDrafter
 from specdec.runtime.methods import DEFAULT_METHOD, beam_method, get_method
-from specdec.runtime.request import CANCELLED, Request, RequestMetrics
+from specdec.runtime.request import Request, RequestMetrics
 from specdec.runtime.sampling import InvalidRequestError
 from specdec.runtime.text import decode_tokens, encode_text, text_delta
 from specdec.serving import protocol
 from specdec.serving.control import Control
-from specdec.serving.service import EngineService, ServiceStoppedError, StreamEvent
+from specdec.serving.service import EngineService, ServiceStoppedError, StreamEvent, outcome_of
 from specdec.serving.triton_io import (
     Client,
     ModelError,
@@ -209,7 +209,7 @@ def _param(params: Mapping[str, str], name: str, convert: Callable[[str], Any], 
     return convert(text) if text else default
 
 
-def served_engine(export_dir: Path, params: Mapping[str, str]) -> Engine:
+def served_engine(export_dir: Path, params: Mapping[str, str], device_id: int = 0) -> Engine:
     """The engine ``specdec_engine`` serves, from its config parameters (also a benchmark's local twin of it).
 
     Empty parameters mean the defaults; ``max_batch`` and ``intra_op_threads`` 0 mean "as exported" and
@@ -231,6 +231,7 @@ def served_engine(export_dir: Path, params: Mapping[str, str]) -> Engine:
         num_draft_tokens=number("num_draft_tokens", 4), drafter=params.get("drafter") or None, torch_threads=1,
         draft_length=DraftLength(verify_cost=cost("verify_cost", DraftLength.verify_cost),
                                  draft_cost=cost("draft_cost")) if number("adaptive_draft", 0) else None,
+        device_id=device_id,
     )
 
 
@@ -240,7 +241,9 @@ class EngineModel:
     def initialize(self, args: dict[str, str]) -> None:
         _dump_threads_on_sigusr1()
         params = _parameters(args)
-        self.engine = served_engine(_export_dir(args), params)
+        # each instance on its own device: Triton's KIND_GPU instance groups name it (KIND_CPU: 0, the host)
+        device = int(args.get("model_instance_device_id") or 0) if args.get("model_instance_kind") == "GPU" else 0
+        self.engine = served_engine(_export_dir(args), params, device_id=device)
         self.engine.fault_hook = _fault_hook()
         self.engine.prefill_budget = _param(params, "prefill_budget", int, 0) or None
         self.default_max_tokens = _param(params, "default_max_tokens", int, 0) or 64
@@ -255,7 +258,8 @@ class EngineModel:
         self._lock = threading.Lock()
         self._outbox: queue.Queue[tuple[_Stream, StreamEvent] | None] = queue.Queue()
         self._closing = threading.Event()
-        self.metrics = EngineMetrics()
+        self._control = Control.from_env()
+        self.metrics = EngineMetrics(args.get("model_instance_name", protocol.ENGINE_MODEL))
         # responses leave from their own thread so the decoding loop never waits on Triton's IPC
         self._sender = threading.Thread(target=self._send_loop, name="specdec-send", daemon=True)
         self._watcher = threading.Thread(target=self._watch, name="specdec-watch", daemon=True)
@@ -292,7 +296,8 @@ class EngineModel:
                         self._external[request.request_id()] = request_id
                 try:
                     # no text: postprocessing re-decodes it from the ids, off the decoding thread
-                    service.submit(req, lambda event, s=stream: self._outbox.put((s, event)), text=False)
+                    service.submit(req, lambda event, s=stream: self._outbox.put((s, event)), text=False,
+                                   timeout_s=gen.timeout_s)
                 except Exception:
                     with self._lock:
                         self._streams.pop(request_id, None)
@@ -309,6 +314,17 @@ class EngineModel:
         if request_id is not None:
             self._cancel(request_id)
         client.send(final=True)
+
+    def _take_cancels(self) -> None:
+        """The entry points' cancels (``Control.cancel``) of requests this instance holds."""
+        wanted = self._control.cancels()
+        if not wanted:
+            return
+        with self._lock:
+            mine = [(external, self._external[external]) for external in wanted if external in self._external]
+        for external, request_id in mine:
+            self._cancel(request_id)
+            self._control.forget_cancel(external)
 
     def _cancel(self, request_id: str) -> None:
         """Cancel in whichever loop holds the request (the other one does not know it: a no-op)."""
@@ -336,8 +352,7 @@ class EngineModel:
                 del self._external[external]
         output = event.output
         assert output is not None
-        outcome = "failed" if output.error else CANCELLED if output.finish_reason == CANCELLED else "finished"
-        self.metrics.request_done(outcome, output.metrics)
+        self.metrics.request_done(outcome_of(output), output.metrics)
         if not output.error:
             stream.ids = list(output.token_ids)
         self._respond(stream, output.metrics, output.finish_reason or "", finished=True, error=output.error or "")
@@ -351,9 +366,12 @@ class EngineModel:
         stream.sent = len(stream.ids)
 
     def _watch(self) -> None:
-        """Cancel requests whose client went away; publish the step metrics."""
+        """Cancel requests whose client went away or whose deadline passed; publish the step metrics."""
         while not self._closing.wait(CANCEL_POLL_S):
             self._poll_clients()
+            self._take_cancels()
+            for service in (self.service, self.beam_service):
+                service.expire()
             try:
                 self.metrics.update(self.service, self.beam_service)
             except Exception:
@@ -460,6 +478,7 @@ class _EntryPoint:
         finally:
             with self._lock:
                 self._active.pop(engine_id, None)
+            self._control.forget_cancel(engine_id)
 
     def _stream_flag(self, inputs: dict[str, np.ndarray]) -> bool:
         self._limits.check(inputs)  # sizes first, before anything is decoded or tokenized
@@ -528,6 +547,10 @@ class _EntryPoint:
         cancelled &= {engine_id for engine_id, _ in active}
 
     def _cancel_in_engine(self, engine_id: str) -> None:
+        """Tell the engine instance that holds ``engine_id`` to cancel it: a cancel file every instance looks
+        for (``Control.cancel``), or without a control directory a control request to the one instance."""
+        if self._control.cancel(engine_id):
+            return
         try:
             cancel = pb_utils.InferenceRequest(
                 model_name=protocol.ENGINE_MODEL, requested_output_names=[], parameters=internal_parameters(),
