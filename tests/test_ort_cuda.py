@@ -85,3 +85,17 @@ def test_greedy_ems_on_cuda_equals_ar_on_cuda(tiny_graph) -> None:
     ar = engine.generate(requests, "ar").outputs
     ems = engine.generate(requests, "ems").outputs
     assert [o.token_ids for o in ems] == [o.token_ids for o in ar]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_an_engine_instance_opens_its_graph_on_the_gpu_triton_gave_it(tiny_graph) -> None:
+    """What ``specdec_engine`` does with ``model_instance_device_id`` (``KIND_GPU`` instance groups): the session
+    and its caches on that GPU, the last one of the machine, so a multi-GPU node proves it is not always 0."""
+    from specdec.runtime.engine import _backend_opener
+
+    _, path = tiny_graph
+    last = torch.cuda.device_count() - 1
+    backend = _backend_opener("onnx", 1, device_id=last)(path, False)
+    assert backend.device == torch.device("cuda", last)
+    assert backend.allocate_cache(1, 8).k[0].device == torch.device("cuda", last)
