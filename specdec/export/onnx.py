@@ -17,6 +17,7 @@ import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -80,7 +81,9 @@ def export_onnx(model: LoadedModel, path: str | os.PathLike, dtype: torch.dtype 
     """Write ``path`` (+ ``path.data`` for the weights): the model's ragged step as ONNX.
 
     The graph keeps one ``specdec::RaggedTreeAttention`` node per layer with its function
-    body attached, and passes ``onnx.checker``.
+    body attached, and passes ``onnx.checker``. The weights are written in ``dtype`` as ONNX
+    external data (``external_data=False`` inlines them, which only fits graphs under 2 GB), so a
+    7B graph is written without a second in-memory copy of its weights.
     """
     import onnx
 
@@ -110,17 +113,37 @@ def export_onnx(model: LoadedModel, path: str | os.PathLike, dtype: torch.dtype 
             )
     finally:
         registration.setLevel(level)
-    proto = onnx_op.attach_functions(program.model_proto)
-    proto.doc_string = f"specdec ragged step of {model.name} ({dtype})"
     out.parent.mkdir(parents=True, exist_ok=True)
     data = out.with_name(out.name + ".data")
     if data.exists():
         data.unlink()
-    onnx.save_model(proto, str(out), save_as_external_data=external_data, all_tensors_to_one_file=True,
-                    location=data.name, size_threshold=1024)
+    program.model.doc_string = f"specdec ragged step of {model.name} ({dtype})"
+    if external_data:
+        _save_external(program.model, out, data)
+    else:  # one self-contained file: only below protobuf's 2 GB limit
+        onnx.save_model(onnx_op.attach_functions(program.model_proto), str(out))
+    del program
     onnx.checker.check_model(str(out), full_check=False)
     count_attention_nodes(out, expect=backend.num_layers)
     return out
+
+
+def _save_external(model: Any, out: Path, data: Path) -> None:
+    """Write ``model`` (an ``onnx_ir.Model``) as ``out`` + ``data``, weights streamed to ``data``.
+
+    Why not ``onnx.save_model`` of the proto: serializing a model to one ``ModelProto`` copies every
+    weight into it (a second 13 GB for a 7B fp16 model) and protobuf refuses a message over 2 GB.
+    ``onnx_ir`` writes the tensors one by one from the exporter's own buffers; the function body is
+    then attached to the small graph proto, which is read and rewritten without its weights.
+    """
+    import onnx
+    import onnx_ir
+
+    from specdec.plugins import onnx_op
+
+    onnx_ir.save(model, out, external_data=data.name, size_threshold_bytes=1024)
+    proto = onnx.load(str(out), load_external_data=False)
+    onnx.save_model(onnx_op.attach_functions(proto), str(out))
 
 
 def count_attention_nodes(path: str | os.PathLike, expect: int | None = None) -> int:
