@@ -35,6 +35,23 @@ def test_the_engine_gets_its_instance_group_and_the_other_models_keep_one() -> N
         ServingOptions(gpus=(1, 1))
 
 
+def test_specdec_export_writes_the_instances_and_records_the_command_as_typed(tmp_path: Path) -> None:
+    import json
+    import shlex
+
+    from specdec.export.cli import main as export_main
+
+    out = tmp_path / "with space"
+    argv = ["--target", "tiny-random:seed=3,num_layers=1", "--out", str(out), "--backend", "torch",
+            "--max-batch", "4", "--max-len", "64", "--instances", "2", "--gpus", "0,1"]
+    assert export_main(argv) == 0
+    config = (out / "triton_repo" / protocol.ENGINE_MODEL / "config.pbtxt").read_text()
+    assert "instance_group [ { kind: KIND_GPU count: 2 gpus: [ 0, 1 ] } ]" in config
+    command = json.loads((out / "manifest.json").read_text())["command"]
+    assert shlex.split(command) == ["specdec-export", *argv]  # the argv given, quoted so a shell runs it again
+    assert export_main([*argv[:3], str(tmp_path / "bad"), *argv[4:-4], "--instances", "0"]) == 2
+
+
 PROMPTS = ["Name three colours.", "What is a river?", "Write one sentence about tea.", "Count from one to five.",
            "Why is the sky blue?", "Give me a word that rhymes with cat.", "What do bees make?", "List four fruits."]
 MAX_TOKENS = 24

@@ -287,7 +287,7 @@ def test_unload_and_load_cycles_follow_readiness_and_leave_nothing_behind(smollm
     """R19 (3 cycles, not 5: each load is a cold start on 2 cores): with explicit model control, unloading every
     specdec model makes the server not ready for them and ends their stubs; loading them again serves the same
     answer; after the last unload no stub and no new /dev/shm region is left."""
-    from specdec.serving.control import GRPC_ADMIN_HEADER
+    from specdec.serving.control import GRPC_ADMIN_HEADER, alive, children
     from specdec.serving.repository import MODELS
 
     grpc, http, metrics = free_ports()
@@ -302,12 +302,13 @@ def test_unload_and_load_cycles_follow_readiness_and_leave_nothing_behind(smollm
         for cycle in range(3):
             assert all(client.is_model_ready(m) for m in MODELS), cycle
             assert _ask(srv.grpc_url, PROMPTS[cycle]).output_ids == reference[(PROMPTS[cycle], MAX_TOKENS)]
-            stubs = processes_mentioning(str(repo))
+            stubs = list(children(srv.process.pid))  # the stubs only: the server's own command line names the repo
+            assert len(stubs) == len(MODELS), stubs
             admin = {GRPC_ADMIN_HEADER: srv.admin_key}  # model control is a management API: it wants the key
             for model in MODELS:
                 client.unload_model(model, headers=admin)
             assert eventually(lambda: not any(client.is_model_ready(m) for m in MODELS), timeout=WAIT_S), cycle
-            assert eventually(lambda s=stubs: not set(s) & set(processes_mentioning(str(repo))), timeout=WAIT_S)
+            assert eventually(lambda s=stubs: not any(alive(pid) for pid in s), timeout=WAIT_S), cycle
             if cycle < 2:
                 for model in MODELS:
                     client.load_model(model, headers=admin)

@@ -26,6 +26,7 @@ import os
 import platform
 import re
 import resource
+import shlex
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -125,7 +126,7 @@ def _export_model(model: LoadedModel, sub: str, tmp: Path, backend: str, dtype: 
 def export(target: str, draft: str | None, out: Path, force: bool = False, backend: str = "onnx",
            dtype: str = "float32", max_batch: int = 16, max_len: int = 2048,
            serving: ServingOptions | None = None, calibrate: bool = False, quantize: str | None = None,
-           activations: str = "fp32", offline: bool = False) -> Path:
+           activations: str = "fp32", offline: bool = False, command: Sequence[str] | None = None) -> Path:
     """Write ``out`` (see module docstring); refuses an existing directory unless ``force``.
 
     ``quantize`` ("int4", "int8"): weight-only block quantization of the target and draft graphs,
@@ -170,7 +171,8 @@ def export(target: str, draft: str | None, out: Path, force: bool = False, backe
             "specdec_export": FORMAT_VERSION,
             "specdec_version": __version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "command": " ".join(["specdec-export", *sys.argv[1:]]),
+            # the command as a shell would run it again (a pod's init container does): ``command``, else this process's
+            "command": shlex.join(["specdec-export", *(sys.argv[1:] if command is None else command)]),
             "python": platform.python_version(),
             "backend": backend,
             "dtype": dtype,
@@ -284,6 +286,13 @@ def _versions() -> dict[str, str]:
     return found
 
 
+def _device_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--gpus takes comma-separated device ids, e.g. 0,1 (got {text!r})") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specdec-export", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -313,6 +322,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prefill-budget", type=int, default=ServingOptions.prefill_budget,
                         help="rows a served ragged step may spend on prompt prefills: longer prompts are prefilled "
                              f"in chunks beside running streams (default {ServingOptions.prefill_budget}; 0: whole)")
+    parser.add_argument("--instances", type=int, default=1,
+                        help="served engine instances (each its own process, loops and KV caches): on the host, or "
+                             "on each of --gpus (default 1)")
+    parser.add_argument("--gpus", type=_device_list, default=(),
+                        help="comma-separated GPU ids the engine instances run on (KIND_GPU); default: the host")
     args = parser.parse_args(argv)
     check_draft_length_args(parser, args)
     draft = None if args.draft in (None, "none", "ngram") else args.draft
@@ -323,12 +337,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         serving = ServingOptions(intra_op_threads=args.intra_op_threads, num_draft_tokens=args.num_draft_tokens,
                                  adaptive_draft=args.adaptive_draft, verify_cost=args.verify_cost,
                                  draft_cost=args.draft_cost, drafter=args.drafter or "",
-                                 prefill_budget=args.prefill_budget)
+                                 prefill_budget=args.prefill_budget, instances=args.instances,
+                                 gpus=tuple(args.gpus))
         if args.drafter == "hybrid" and draft is None:
             raise ExportDirError("--drafter hybrid needs --draft (prompt lookup first, the draft model elsewhere)")
         out = export(args.target, draft, out_dir, args.force, args.backend, args.dtype, args.max_batch,
                      args.max_len, serving, calibrate=args.calibrate, quantize=args.quantize,
-                     activations=args.quantize_activations, offline=args.offline)
+                     activations=args.quantize_activations, offline=args.offline,
+                     command=list(argv) if argv is not None else None)
     except (ModelResolutionError, ExportDirError, ValueError, RuntimeError) as exc:
         # RuntimeError: TensorRT unavailable, engine build failure, plugin fallback
         print(f"error: {exc}", file=sys.stderr)
