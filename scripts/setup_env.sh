@@ -21,3 +21,10 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   python -m pip install --quiet --no-deps "nvidia-pytriton==0.7.0"
   touch "$stamp"
 fi
+# the load balancer of the replica recipe and its tests (docs/deployment-balancer.md): Debian's haproxy, installed
+# when it is missing and this runs as root with apt-get (a fresh CI machine); elsewhere tests/test_balancer.py skips
+if ! command -v haproxy >/dev/null 2>&1 && [ ! -x /usr/sbin/haproxy ] && [ "$(id -u)" = 0 ] \
+    && command -v apt-get >/dev/null 2>&1; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends haproxy; } \
+    >/dev/null 2>&1 || echo "setup_env: could not install haproxy with apt-get; the balancer tests will skip" >&2
+fi

@@ -237,6 +237,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     k8s = deploy.add_parser("kubernetes", help="render Kubernetes (and KServe) YAML for an export")
     add_kubernetes_args(k8s)
     k8s.set_defaults(func=kubernetes_main)
+    from specdec.deploy.balancer import add_balancer_args, balancer_main
+
+    lb = deploy.add_parser("balancer", help="run HAProxy in front of replicas (gRPC, readiness health checks)")
+    add_balancer_args(lb)
+    lb.set_defaults(func=balancer_main)
     args = parser.parse_args(args_list)
     if args.command == "generate":
         check_draft_length_args(gen, args)
