@@ -36,9 +36,11 @@ import datetime as dt
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -52,9 +54,12 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from specdec.bench.harness import machine_info
+from specdec.models.manifest import read_manifest
+from specdec.runtime.costs import DraftCosts
 from specdec.runtime.engine import Engine
 from specdec.serving.client import Answer, ClientError, SpecdecClient
 from specdec.serving.control import children, stub_pids
+from specdec.serving.repository import ServingOptions, write_repository
 from specdec.serving.server import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,12 +101,12 @@ def _rss_kib(pid: int) -> int:
     return 0
 
 
-def start_serve(export: Path, log: Path) -> Serve:
+def start_serve(repo: Path, log: Path) -> Serve:
     grpc, http, metrics = free_ports()
     code = "import sys; from specdec.serving.serve import serve_main; sys.exit(serve_main(sys.argv[1:]))"
     begun = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-c", code, str(export / "triton_repo"), "--grpc-port", str(grpc), "--http-port", str(http),
+        [sys.executable, "-c", code, str(repo), "--grpc-port", str(grpc), "--http-port", str(http),
          "--metrics-port", str(metrics), "--log-file", str(log), "--drain-timeout", "120", "--max-restarts", "10"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
@@ -181,9 +186,10 @@ def limits(serve: Serve, refs: dict[tuple[str, int], list[int]]) -> dict[str, fl
     def timed(prompt: str, n: int) -> tuple[float, Answer | ClientError]:
         begun = time.perf_counter()
         try:
-            return time.perf_counter() - begun, client.generate(prompt, max_tokens=n, apply_chat_template=True)
+            answer: Answer | ClientError = client.generate(prompt, max_tokens=n, apply_chat_template=True)
         except ClientError as exc:
-            return time.perf_counter() - begun, exc
+            answer = exc
+        return time.perf_counter() - begun, answer
 
     alone = min(timed(*good)[0] for _ in range(3))
     with ThreadPoolExecutor(2) as pool:
@@ -192,7 +198,8 @@ def limits(serve: Serve, refs: dict[tuple[str, int], list[int]]) -> dict[str, fl
         sent, (_, refused) = huge.result()
         refused_s = time.perf_counter() - sent
         beside_s, answer = beside.result()
-    assert isinstance(refused, ClientError) and isinstance(answer, Answer) and answer.output_ids == refs[good]
+    assert isinstance(refused, ClientError), refused
+    assert isinstance(answer, Answer) and answer.output_ids == refs[good], (answer, refs[good])
     return {"good_alone_s": alone, "good_beside_4mb_s": beside_s, "refusal_s": refused_s,
             "refusal_status": refused.status or ""}
 
@@ -325,9 +332,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     load_before = [round(x, 2) for x in os.getloadavg()]
     refs = references(args.export)
-    log = args.out_dir / ".reliability-server.log"
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    serve = start_serve(args.export, log)
+    work = Path(tempfile.mkdtemp(prefix="specdec-reliability-"))
+    log = work / "server.log"
+    # a repository written by this code (an older export's own may lack outputs the models now send), with the
+    # served defaults priced by the export's calibration
+    calibration = read_manifest(args.export, verify=False).get("calibration")
+    options = ServingOptions(adaptive_draft=True)
+    if calibration:
+        options = options.priced(DraftCosts(calibration["draft_cost"], calibration["verify_cost"], ()))
+    serve = start_serve(write_repository(args.export, work / "triton_repo", options), log)
     try:
         result = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                   "command": "python benchmarks/reliability.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -338,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         serve.proc.send_signal(signal.SIGINT)
         serve.proc.wait(300)
-        log.unlink(missing_ok=True)
+        shutil.rmtree(work, ignore_errors=True)
     result["load_after"] = [round(x, 2) for x in os.getloadavg()]
     report(result, args.out_dir)
     print((args.out_dir / "reliability.md").read_text())

@@ -45,7 +45,7 @@ def _watched_then_dropped(add: Callable[[FakeClient], None], drop: Callable[[], 
 
 
 def test_entry_point_watcher_keeps_no_client_after_its_request(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(triton_models, "_dump_threads_on_sigusr1", lambda: None)
+    monkeypatch.setattr(triton_models, "dump_threads_on_sigusr1", lambda: None)
     entry = triton_models.StreamModel()
     entry.initialize({"model_config": "{}"})
     try:

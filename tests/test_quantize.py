@@ -40,7 +40,7 @@ from test_lossless_sampling import (
 from specdec.export import quantize as q
 from specdec.export.cli import main as export_main
 from specdec.export.onnx import export_onnx
-from specdec.models import loading
+from specdec.models import gguf_blocks
 from specdec.models.loading import LoadedModel, load_model, tiny_random
 from specdec.models.manifest import read_manifest
 from specdec.runtime.backends.onnxruntime import OrtBackend
@@ -259,7 +259,7 @@ def test_a_cached_gguf_conversion_keeps_the_path_to_the_blocks(tiny_gguf: Path, 
     converted = load_model(tiny_gguf)
     cached = load_model(tiny_gguf)
     assert "cached conversion" in cached.source and "cached conversion" not in converted.source
-    assert cached.extra[loading.GGUF_PATH] == converted.extra[loading.GGUF_PATH] == str(tiny_gguf)
+    assert cached.extra[gguf_blocks.GGUF_PATH] == converted.extra[gguf_blocks.GGUF_PATH] == str(tiny_gguf)
     first, again = q.source_blocks(converted, 4), q.source_blocks(cached, 4)
     assert {n: b.source for n, b in again.items()} == {n: b.source for n, b in first.items()}
     assert all(np.array_equal(first[n].codes, again[n].codes) for n in first)
@@ -268,7 +268,7 @@ def test_a_cached_gguf_conversion_keeps_the_path_to_the_blocks(tiny_gguf: Path, 
 
 def test_tiny_gguf_graph_holds_the_files_own_blocks(tiny_gguf: Path, gguf_cache: Path) -> None:
     model = load_model(tiny_gguf)
-    assert model.extra[loading.GGUF_PATH] == str(tiny_gguf) and model.config.tie_word_embeddings
+    assert model.extra[gguf_blocks.GGUF_PATH] == str(tiny_gguf) and model.config.tie_word_embeddings
     graph = export_onnx(model, gguf_cache / "g" / "model.onnx")
     # at the fast level every tensor is quantized, the Q8_0 ones in 8 bits (the exact level keeps those fp32: below)
     reference, summary = q.quantize_export(model, graph, "int4", accuracy_level=q.FAST_ACCURACY_LEVEL)
@@ -306,17 +306,17 @@ def test_gguf_rows_in_llama_cpp_order_are_refused(tiny_gguf: Path, gguf_cache: P
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the RoPE un-permutation the blocks do not reproduce the loaded q/k rows: refused, not exported."""
     model = load_model(tiny_gguf)
-    read = loading.read_gguf_tensors
+    read = gguf_blocks.read_gguf_tensors
 
     def unpermuted(path, config):
         out = read(path, config)
         name = "model.layers.0.self_attn.k_proj.weight"
         t = out[name]
         rows = _llama_cpp_permute(t.data, config.num_key_value_heads)
-        out[name] = loading.GGUFTensor(name, t.ggml_type, t.shape, rows)
+        out[name] = gguf_blocks.GGUFTensor(name, t.ggml_type, t.shape, rows)
         return out
 
-    monkeypatch.setattr(loading, "read_gguf_tensors", unpermuted)
+    monkeypatch.setattr(gguf_blocks, "read_gguf_tensors", unpermuted)
     with pytest.raises(q.QuantizeError, match=r"k_proj.*do not reproduce the loaded weights"):
         q.source_blocks(model, 4)
 
@@ -328,7 +328,7 @@ def test_real_smollm2_graph_holds_the_gguf_blocks(smollm2: LoadedModel, smollm2_
     shutil.copy(smollm2_export / "target" / "model.onnx.data", tmp_path / "model.onnx.data")
     _, summary = q.quantize_export(smollm2, graph, "int4", accuracy_level=q.FAST_ACCURACY_LEVEL)
     assert summary["formats"] == {"Q4_1": 30 * 4, "Q8_0": 1}  # qkv, o, gate_up, down per layer; the head
-    bits = assert_graph_reproduces_gguf(graph, Path(smollm2.extra[loading.GGUF_PATH]), smollm2)
+    bits = assert_graph_reproduces_gguf(graph, Path(smollm2.extra[gguf_blocks.GGUF_PATH]), smollm2)
     assert bits == Counter({"Q4_1": 210, "Q8_0": 1})
 
 

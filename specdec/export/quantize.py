@@ -27,7 +27,7 @@ Formats, and why:
   graph (measured in ``benchmarks/results/quantize.md``). A tensor keeps its source's bits when those
   are more than asked (the Q8_0 embedding under ``int4`` stays 8-bit); fewer bits are held exactly in
   8-bit codes. Rows follow the loaded weights' order: llama.cpp permutes attn_q/attn_k rows for its
-  RoPE layout and ``specdec.models.loading.read_gguf_tensors`` undoes it as transformers does; each
+  RoPE layout and ``specdec.models.gguf_blocks.read_gguf_tensors`` undoes it as transformers does; each
   converted tensor is checked bit-exact against the loaded fp32 weights before it is used.
 
 ``accuracy_level`` 0 (fp32 activations) is what the graph ships with by default, because it keeps
@@ -256,7 +256,7 @@ def source_blocks(model: Any, bits: int, use_gguf: bool = True) -> dict[str, Blo
     bit (so a row order that does not follow the loaded one, e.g. a missed RoPE un-permutation,
     is refused here rather than exported).
     """
-    from specdec.models.loading import GGUF_PATH, read_gguf_tensors
+    from specdec.models.gguf_blocks import GGUF_PATH, read_gguf_tensors
 
     path = model.extra.get(GGUF_PATH) if use_gguf else None
     raw = read_gguf_tensors(path, model.config) if path else {}

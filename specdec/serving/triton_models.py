@@ -21,17 +21,11 @@ Thin adapters: tensors in, ``specdec.serving.protocol`` validates, ``EngineServi
 
 from __future__ import annotations
 
-import faulthandler
 import gc
-import importlib
-import importlib.util
 import itertools
 import json
 import logging
-import os
 import queue
-import signal
-import sys
 import threading
 import time
 import uuid
@@ -49,6 +43,7 @@ from specdec.runtime.sampling import InvalidRequestError
 from specdec.runtime.text import decode_tokens, encode_text, text_delta
 from specdec.serving import protocol
 from specdec.serving.control import Control
+from specdec.serving.diagnostics import dump_threads_on_sigusr1, fault_hook
 from specdec.serving.service import EngineService, ServiceStoppedError, StreamEvent, outcome_of
 from specdec.serving.triton_io import (
     Client,
@@ -72,7 +67,6 @@ except ImportError:  # pragma: no cover - imported for documentation or tests wi
 log = logging.getLogger(__name__)
 
 CANCEL_POLL_S = 0.1
-FAULT_HOOK_ENV = "SPECDEC_FAULT_HOOK"
 DRAINING = "the server is draining (shutting down) and admits no new requests: retry on another replica"
 ABORTED = "the server is shutting down: this request was aborted before it finished"
 
@@ -105,21 +99,11 @@ def _read(request: Any, specs: tuple[protocol.TensorSpec, ...]) -> dict[str, np.
     return found
 
 
-def _dump_threads_on_sigusr1() -> None:
-    """``kill -USR1 <stub pid>`` writes the stack of every Python thread of that stub to the server log.
-
-    Why: each model runs in its own stub process, out of reach of a debugger on a server, and a
-    request thread that never returns shows only as a model that will not unload. The signal
-    would otherwise kill the stub; with this it is harmless and the stub keeps serving.
-    """
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
-
-
 class Preprocessing:
     """``text_input`` → ``input_ids``."""
 
     def initialize(self, args: dict[str, str]) -> None:
-        _dump_threads_on_sigusr1()
+        dump_threads_on_sigusr1()
         self.tokenizer = _load_tokenizer(args)
 
     def execute(self, requests: list[Any]) -> list[Any]:
@@ -144,7 +128,7 @@ class Postprocessing:
     """Engine response → ``text_output`` (a delta when streaming) + the new ids + metrics."""
 
     def initialize(self, args: dict[str, str]) -> None:
-        _dump_threads_on_sigusr1()
+        dump_threads_on_sigusr1()
         self.tokenizer = _load_tokenizer(args)
 
     def _decode(self, ids: Any) -> str:
@@ -180,27 +164,6 @@ class _Stream:
     stops: tuple[str, ...]
     ids: list[int] = field(default_factory=list)
     sent: int = 0
-
-
-def _fault_hook() -> Any:
-    """The test hook ``$SPECDEC_FAULT_HOOK`` names (``module:function`` or ``path/file.py:function``), called at each
-    sequence's step points.
-
-    Only tests set it (the isolation tests inject a failure tied to one request through it); it is read from
-    the server's environment, which only the operator controls, and its use is logged loudly.
-    """
-    spec = os.environ.get(FAULT_HOOK_ENV, "").strip()
-    if not spec:
-        return None
-    module, _, name = spec.rpartition(":")
-    log.warning("fault injection is on (%s=%s): for tests only", FAULT_HOOK_ENV, spec)
-    if module.endswith(".py"):  # a file: the stub's sys.path is its own, not the test's
-        loaded = importlib.util.spec_from_file_location("specdec_fault_hook", module)
-        assert loaded is not None and loaded.loader is not None, spec
-        code = importlib.util.module_from_spec(loaded)
-        loaded.loader.exec_module(code)
-        return getattr(code, name)
-    return getattr(importlib.import_module(module), name)
 
 
 def _param(params: Mapping[str, str], name: str, convert: Callable[[str], Any], default: Any = None) -> Any:
@@ -239,12 +202,12 @@ class EngineModel:
     """The decoupled engine: one ``EngineService`` for every request of both entry points."""
 
     def initialize(self, args: dict[str, str]) -> None:
-        _dump_threads_on_sigusr1()
+        dump_threads_on_sigusr1()
         params = _parameters(args)
         # each instance on its own device: Triton's KIND_GPU instance groups name it (KIND_CPU: 0, the host)
         device = int(args.get("model_instance_device_id") or 0) if args.get("model_instance_kind") == "GPU" else 0
         self.engine = served_engine(_export_dir(args), params, device_id=device)
-        self.engine.fault_hook = _fault_hook()
+        self.engine.fault_hook = fault_hook()
         self.engine.prefill_budget = _param(params, "prefill_budget", int, 0) or None
         self.default_max_tokens = _param(params, "default_max_tokens", int, 0) or 64
         self.service = EngineService(self.engine, DEFAULT_METHOD).start()
@@ -407,7 +370,7 @@ class _EntryPoint:
     streaming = False
 
     def initialize(self, args: dict[str, str]) -> None:
-        _dump_threads_on_sigusr1()
+        dump_threads_on_sigusr1()
         params = _parameters(args)
         concurrency = _param(params, "max_concurrency", int, 64)
         self._slots = threading.BoundedSemaphore(concurrency)
