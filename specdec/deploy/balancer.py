@@ -27,7 +27,7 @@ only the connect and check timeouts are short.
 
 ``render_config`` writes the config; ``Balancer`` runs ``haproxy`` in the foreground with it (a context manager)
 and reads the servers' states from its admin socket; ``balancer_main`` is ``specdec deploy balancer``.
-Standard library only.
+Beyond the standard library it needs only the name of Triton's readiness endpoint.
 """
 
 from __future__ import annotations
@@ -47,9 +47,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType, TracebackType
 
+from specdec.serving.server import READY_PATH
+
 GRPC_BACKEND = "specdec_grpc"
 HTTP_BACKEND = "specdec_http"
-READY_PATH = "/v2/health/ready"  # Triton: 200 once every model is loaded and the server serves
 #: where Debian puts the binary; /usr/sbin is not on a non-root PATH
 DEBIAN_BINARY = Path("/usr/sbin/haproxy")
 INSTALL_HINT = "install Debian's haproxy package (as root: apt-get install -y haproxy; scripts/setup_env.sh does it)"

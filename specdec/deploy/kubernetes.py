@@ -41,13 +41,12 @@ from specdec.serving.control import INFLIGHT_METRIC
 from specdec.serving.install import TritonError
 from specdec.serving.repository import REPOSITORY_DIR, read_parameters
 from specdec.serving.serve import add_serve_args
-from specdec.serving.server import TritonServer, validate_repository
+from specdec.serving.server import LIVE_PATH, READY_PATH, TritonServer, validate_repository
 
 #: the NGC release of tritonserver 2.51, the server the repository's models are written and tested against
 TRITON_TAG = "24.10"
 DEFAULT_IMAGE = f"nvcr.io/nvidia/tritonserver:{TRITON_TAG}-py3"
 #: Triton's health endpoints (KServe v2 protocol): ready = every model loaded; live = the process answers
-READY_PATH, LIVE_PATH = "/v2/health/ready", "/v2/health/live"
 #: container and Service port names: ``grpc`` lets a mesh (Istio, Linkerd) pick HTTP/2 by name, ``metrics`` is what
 #: the ServiceMonitor scrapes
 GRPC_PORT, HTTP_PORT, METRICS_PORT = "grpc", "http", "metrics"

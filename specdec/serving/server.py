@@ -41,6 +41,10 @@ from specdec.serving.control import (
 )
 from specdec.serving.install import TritonError, TritonInstall, find_tritonserver, libpython_dir
 
+#: Triton's HTTP health endpoints: ready (200 once every model is loaded and the server serves) and live (the
+#: process answers); what ``is_ready``, the balancer's checks and the Kubernetes probes all ask
+READY_PATH, LIVE_PATH = "/v2/health/ready", "/v2/health/live"
+
 
 class TritonStartError(TritonError):
     """The server exited (or never became ready) while starting; the message carries its log."""
@@ -279,9 +283,9 @@ class TritonServer:
         return self.log_file.read_text(encoding="utf-8", errors="replace")
 
     def is_ready(self) -> bool:
-        """One probe of ``/v2/health/ready`` (200 means every model loaded and the server serves)."""
+        """One probe of ``READY_PATH`` (200 means every model loaded and the server serves)."""
         try:
-            with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=2) as resp:
+            with urllib.request.urlopen(f"{self.http_url}{READY_PATH}", timeout=2) as resp:
                 return resp.status == 200
         except (urllib.error.URLError, OSError):
             return False
