@@ -216,32 +216,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.set_defaults(func=cmd_generate)
     sub.add_parser("bench", help="the EMS-SD vs vanilla vs ar benchmark (`specdec bench --help`); "
                    "`specdec bench beams`: DSBD vs beam vs ems")
-    from specdec.serving.serve import add_serve_args, serve_main
-
-    srv = sub.add_parser("serve", help="run Triton Inference Server on a model repository")
-    add_serve_args(srv)
-    srv.set_defaults(func=serve_main)
+    from specdec.deploy.balancer import add_balancer_args, balancer_main
+    from specdec.deploy.kubernetes_cli import add_kubernetes_args, kubernetes_main
     from specdec.distill.cli import add_distill_args, distill_main
     from specdec.serving.client import add_client_args, client_main
-
-    dis = sub.add_parser("distill", help="train a cheap draft model for a target (resumable)")
-    add_distill_args(dis)
-    dis.set_defaults(func=distill_main)
-    cli = sub.add_parser("client", help="send prompts to a running `specdec serve` over gRPC")
-    add_client_args(cli)
-    cli.set_defaults(func=client_main)
-    from specdec.deploy.kubernetes_cli import add_kubernetes_args, kubernetes_main
+    from specdec.serving.serve import add_serve_args, serve_main
 
     deploy = sub.add_parser("deploy", help="deployment recipes for `specdec serve` replicas").add_subparsers(
         dest="recipe", required=True)
-    k8s = deploy.add_parser("kubernetes", help="render Kubernetes (and KServe) YAML for an export")
-    add_kubernetes_args(k8s)
-    k8s.set_defaults(func=kubernetes_main)
-    from specdec.deploy.balancer import add_balancer_args, balancer_main
-
-    lb = deploy.add_parser("balancer", help="run HAProxy in front of replicas (gRPC, readiness health checks)")
-    add_balancer_args(lb)
-    lb.set_defaults(func=balancer_main)
+    # (parent, name, help, its arguments, what runs it): each subcommand's parser lives beside its code
+    for parent, name, help_text, add_args, run in (
+            (sub, "serve", "run Triton Inference Server on a model repository", add_serve_args, serve_main),
+            (sub, "distill", "train a cheap draft model for a target (resumable)", add_distill_args, distill_main),
+            (sub, "client", "send prompts to a running `specdec serve` over gRPC", add_client_args, client_main),
+            (deploy, "kubernetes", "render Kubernetes (and KServe) YAML for an export", add_kubernetes_args,
+             kubernetes_main),
+            (deploy, "balancer", "run HAProxy in front of replicas (gRPC, readiness health checks)",
+             add_balancer_args, balancer_main)):
+        command = parent.add_parser(name, help=help_text)
+        add_args(command)
+        command.set_defaults(func=run)
     args = parser.parse_args(args_list)
     if args.command == "generate":
         check_draft_length_args(gen, args)

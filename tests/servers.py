@@ -6,10 +6,11 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from specdec.serving.server import free_ports
 
-__all__ = ["eventually", "free_ports", "processes_mentioning", "samples"]
+__all__ = ["ask", "eventually", "free_ports", "needs_tritonserver", "processes_mentioning", "samples"]
 
 
 def eventually(condition: Callable[[], bool], timeout: float = 120.0, poll_s: float = 0.1) -> bool:
@@ -61,3 +62,29 @@ def samples(metrics_url: str, prefix: str = "", per_instance: bool = False) -> d
             key = re.sub(r'instance="[^"]*",?', "", key).replace(",}", "}").replace("{}", "")
         out[key] = out.get(key, 0.0) + float(value)
     return out
+
+
+def needs_tritonserver() -> None:
+    """Skip the calling test module (at import) where no tritonserver or no tritonclient[grpc] is installed."""
+    import pytest
+
+    from specdec.serving.install import TritonNotFoundError, find_tritonserver
+
+    try:
+        find_tritonserver()
+    except TritonNotFoundError as exc:  # pragma: no cover - depends on the machine
+        pytest.skip(f"no tritonserver available: {exc}", allow_module_level=True)
+    pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] (the `serve` extra) not installed")
+
+
+def ask(url: str, prompt: str, stream: bool = False, max_tokens: int = 24, **params: object) -> Any:
+    """One chat request to a server, unary or streamed: its ``Answer``, or the ``ClientError`` it ended with (so a
+    test that sends many can check each one's outcome)."""
+    from specdec.serving.client import ClientError, SpecdecClient
+
+    client = SpecdecClient(url)
+    try:
+        call = client.generate_stream if stream else client.generate
+        return call(prompt, max_tokens=max_tokens, apply_chat_template=True, **params)
+    except ClientError as exc:
+        return exc

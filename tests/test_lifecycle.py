@@ -23,21 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from servers import eventually, free_ports, processes_mentioning, samples
-
-from specdec.serving.install import TritonNotFoundError, find_tritonserver
-
-try:
-    find_tritonserver()
-except TritonNotFoundError as exc:  # pragma: no cover - depends on the machine
-    pytest.skip(f"no tritonserver available: {exc}", allow_module_level=True)
-pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] (the `serve` extra) not installed")
+from servers import ask, eventually, free_ports, needs_tritonserver, processes_mentioning, samples
 
 from specdec.runtime.engine import Engine
 from specdec.runtime.request import BeamParams
 from specdec.serving.client import Answer, ClientError, SpecdecClient
 from specdec.serving.control import GRPC_ADMIN_HEADER, SHM_DIR, alive, children, inflight_from_metrics, stub_pids
 
+needs_tritonserver()
 pytestmark = [pytest.mark.server, pytest.mark.real_model]
 
 PROMPTS = ["Write a short story about a lighthouse keeper.", "List ten facts about the ocean.",
@@ -301,16 +294,9 @@ def test_a_fault_in_one_request_fails_it_alone_with_internal(smollm2_export: Pat
         before = samples(server.metrics_url, "specdec_requests_total")
         pool = ThreadPoolExecutor(16)
 
-        def ask(prompt: str, stream: bool, **extra: object) -> Answer | ClientError:
-            client = SpecdecClient(url)
-            try:
-                call = client.generate_stream if stream else client.generate
-                return call(prompt, max_tokens=MAX_TOKENS, apply_chat_template=True, **extra)
-            except ClientError as exc:
-                return exc
-
-        bad = [pool.submit(ask, PROMPTS[i % len(PROMPTS)], i % 2 == 0, seed=FAULT_SEED) for i in range(10)]
-        good = [pool.submit(ask, p, i % 2 == 1) for i, p in enumerate(PROMPTS)]
+        bad = [pool.submit(ask, url, PROMPTS[i % len(PROMPTS)], i % 2 == 0, MAX_TOKENS, seed=FAULT_SEED)
+               for i in range(10)]
+        good = [pool.submit(ask, url, p, i % 2 == 1, MAX_TOKENS) for i, p in enumerate(PROMPTS)]
         for i, future in enumerate(bad):
             out = future.result(WAIT_S)
             # unary: gRPC INTERNAL; a stream's error is in band (no status), its message the same

@@ -17,15 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from servers import eventually, free_ports, processes_mentioning, samples
+from servers import ask, eventually, free_ports, needs_tritonserver, processes_mentioning, samples
 
-from specdec.serving.install import TritonNotFoundError, find_tritonserver
-
-try:
-    find_tritonserver()
-except TritonNotFoundError as exc:  # pragma: no cover - depends on the machine
-    pytest.skip(f"no tritonserver available: {exc}", allow_module_level=True)
-grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] (the `serve` extra) not installed")
+needs_tritonserver()
+import tritonclient.grpc as grpcclient  # noqa: E402
 
 from specdec.runtime.engine import Engine  # noqa: E402
 from specdec.serving import protocol  # noqa: E402
@@ -70,16 +65,6 @@ def server(smollm2_export: Path, reference: dict) -> TritonServer:
         assert eventually(lambda: processes_mentioning(str(smollm2_export / "triton_repo")) == [])
 
 
-def _ask(url: str, prompt: str, stream: bool = False, max_tokens: int = MAX_TOKENS, **extra: object
-         ) -> Answer | ClientError:
-    client = SpecdecClient(url)
-    try:
-        call = client.generate_stream if stream else client.generate
-        return call(prompt, max_tokens=max_tokens, apply_chat_template=True, **extra)
-    except ClientError as exc:
-        return exc
-
-
 def _idle(server: TritonServer) -> bool:
     """No request holds a slot or waits for one, in the engine's gauges and Triton's own."""
     values = samples(server.metrics_url)
@@ -96,21 +81,21 @@ def test_an_answer_is_the_same_alone_and_in_any_batch_and_a_seed_fixes_a_sample(
     is the same alone and under load; another seed gives another sample."""
     url, rng = server.grpc_url, random.Random(6)
     needle = PROMPTS[0]
-    assert _ask(url, needle).output_ids == reference[(needle, MAX_TOKENS)]
+    assert ask(url, needle).output_ids == reference[(needle, MAX_TOKENS)]
     sampled = {"temperature": 1.0, "top_p": 1.0, "seed": 7}
-    alone = _ask(url, needle, max_tokens=32, **sampled)
+    alone = ask(url, needle, max_tokens=32, **sampled)
     assert isinstance(alone, Answer)
     with ThreadPoolExecutor(6) as pool:
         for trial in range(3):
             others = rng.sample(PROMPTS[1:], rng.randint(1, 4))
-            futures = [pool.submit(_ask, url, p, trial % 2 == 1) for p in others]
-            mine = pool.submit(_ask, url, needle, trial % 2 == 0)
-            seeded = pool.submit(_ask, url, needle, False, 32, **sampled)
+            futures = [pool.submit(ask, url, p, trial % 2 == 1) for p in others]
+            mine = pool.submit(ask, url, needle, trial % 2 == 0)
+            seeded = pool.submit(ask, url, needle, False, 32, **sampled)
             assert mine.result(WAIT_S).output_ids == reference[(needle, MAX_TOKENS)], trial
             for p, f in zip(others, futures):
                 assert f.result(WAIT_S).output_ids == reference[(p, MAX_TOKENS)], (trial, p)
             assert seeded.result(WAIT_S).output_ids == alone.output_ids, trial
-    other_seed = _ask(url, needle, max_tokens=32, **{**sampled, "seed": 8})
+    other_seed = ask(url, needle, max_tokens=32, **{**sampled, "seed": 8})
     assert isinstance(other_seed, Answer) and other_seed.output_ids != alone.output_ids
 
 
@@ -190,8 +175,8 @@ def test_a_deadline_frees_the_slot_whether_the_server_or_the_client_sets_it(serv
     url = server.grpc_url
     full = reference[(PROMPTS[0], LONG_TOKENS)]
     with ThreadPoolExecutor(2) as pool:
-        mate = pool.submit(_ask, url, PROMPTS[2], True)
-        cut = _ask(url, PROMPTS[0], max_tokens=LONG_TOKENS, timeout_ms=400)
+        mate = pool.submit(ask, url, PROMPTS[2], True)
+        cut = ask(url, PROMPTS[0], max_tokens=LONG_TOKENS, timeout_ms=400)
         assert isinstance(cut, Answer) and cut.finish_reason == "timeout", cut
         assert len(cut.output_ids) < len(full) and cut.output_ids == full[: len(cut.output_ids)]
         impatient = SpecdecClient(url, timeout_s=0.8)
@@ -214,7 +199,7 @@ def test_an_abort_storm_leaves_the_others_exact_and_every_slot_free(server: Trit
 
     def run(index: int, prompt: str, cancel: bool, after: int) -> list[int] | None:
         if not cancel:
-            answer = _ask(url, prompt, stream=True)
+            answer = ask(url, prompt, stream=True)
             assert isinstance(answer, Answer), answer
             return answer.output_ids
         raw = _RawStream(url)
@@ -252,8 +237,8 @@ def test_more_demand_than_slots_and_a_request_the_context_cannot_hold(server: Tr
     one whose answer cannot fit the context ends explicitly with ``finish_reason=context``, exact up to there."""
     url = server.grpc_url
     with ThreadPoolExecutor(15) as pool:
-        futures = [(p, pool.submit(_ask, url, p, i % 2 == 0)) for i, p in enumerate(PROMPTS * 2 + PROMPTS[:2])]
-        full = pool.submit(_ask, url, CONTEXT_PROMPT, True, CONTEXT_TOKENS)
+        futures = [(p, pool.submit(ask, url, p, i % 2 == 0)) for i, p in enumerate(PROMPTS * 2 + PROMPTS[:2])]
+        full = pool.submit(ask, url, CONTEXT_PROMPT, True, CONTEXT_TOKENS)
         for prompt, future in futures:
             assert future.result(WAIT_S).output_ids == reference[(prompt, MAX_TOKENS)], prompt
         answer = full.result(WAIT_S)
@@ -271,9 +256,9 @@ def test_oversized_input_is_refused_at_once_and_a_concurrent_answer_is_unaffecte
     the server stays ready."""
     url = server.grpc_url
     with ThreadPoolExecutor(3) as pool:
-        beside = pool.submit(_ask, url, PROMPTS[3], True)
-        huge = pool.submit(_ask, url, "x" * (4 << 20))
-        stops = pool.submit(_ask, url, PROMPTS[0], False, MAX_TOKENS, stop=[f"s{i}" for i in range(100_000)])
+        beside = pool.submit(ask, url, PROMPTS[3], True)
+        huge = pool.submit(ask, url, "x" * (4 << 20))
+        stops = pool.submit(ask, url, PROMPTS[0], False, MAX_TOKENS, stop=[f"s{i}" for i in range(100_000)])
         for refused, name in ((huge.result(WAIT_S), "text_input"), (stops.result(WAIT_S), "stop")):
             assert isinstance(refused, ClientError) and refused.status == "StatusCode.INVALID_ARGUMENT", refused
             assert name in str(refused) and "Traceback" not in str(refused)
@@ -301,7 +286,7 @@ def test_unload_and_load_cycles_follow_readiness_and_leave_nothing_behind(smollm
         client = grpcclient.InferenceServerClient(srv.grpc_url)
         for cycle in range(3):
             assert all(client.is_model_ready(m) for m in MODELS), cycle
-            assert _ask(srv.grpc_url, PROMPTS[cycle]).output_ids == reference[(PROMPTS[cycle], MAX_TOKENS)]
+            assert ask(srv.grpc_url, PROMPTS[cycle]).output_ids == reference[(PROMPTS[cycle], MAX_TOKENS)]
             stubs = list(children(srv.process.pid))  # the stubs only: the server's own command line names the repo
             assert len(stubs) == len(MODELS), stubs
             admin = {GRPC_ADMIN_HEADER: srv.admin_key}  # model control is a management API: it wants the key

@@ -19,17 +19,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from servers import eventually, free_ports, processes_mentioning, samples
+from servers import eventually, free_ports, needs_tritonserver, processes_mentioning, samples
 
-from specdec.serving.install import TritonNotFoundError, find_tritonserver
 from specdec.serving.serve import serve_main
 from specdec.serving.server import TritonServer
 
-try:
-    find_tritonserver()
-except TritonNotFoundError as exc:  # pragma: no cover - depends on the machine
-    pytest.skip(f"no tritonserver available: {exc}", allow_module_level=True)
-grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] (the `serve` extra) not installed")
+needs_tritonserver()
+import tritonclient.grpc as grpcclient  # noqa: E402
 
 from specdec.runtime.draft_length import DraftLength  # noqa: E402
 from specdec.runtime.engine import Engine  # noqa: E402
