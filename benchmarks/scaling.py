@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 
 from specdec.bench.harness import machine_info
 from specdec.deploy.balancer import Balancer, Replica
+from specdec.models.manifest import read_manifest
 from specdec.runtime.engine import Engine
 from specdec.serving.client import SpecdecClient
 from specdec.serving.repository import ServingOptions, write_repository
@@ -150,6 +151,9 @@ def report(result: dict[str, Any], out: Path) -> None:
               "with the other's matrix work, and what they lose is the batching one engine does across all "
               "requests (two engines each batch half). On a node with cores or GPUs to spare, each instance or "
               "replica brings its own.",
+              f"- Each engine has the export's {result['max_batch']} KV slots: past that many clients one instance "
+              "queues the rest, while two instances or replicas hold twice as many, so at 16 clients the second "
+              "engine's gain is its slots (in-flight batching over more sequences), not more compute.",
               "- The balancer adds one hop (HAProxy, HTTP/2 proxying on the same machine) to every call.",
               "- *mismatches*: answers that differ from the local runtime's greedy answer (must be 0)."]
     (out / "scaling.md").write_text("\n".join(lines) + "\n")
@@ -203,7 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               "command": "python benchmarks/scaling.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "machine": machine_info(), "load_before": load_before,
               "load_after": [round(x, 2) for x in os.getloadavg()], "max_tokens": args.max_tokens,
-              "repeats": args.repeats, "configs": configs, "rows": rows}
+              "repeats": args.repeats, "configs": configs, "rows": rows,
+              "max_batch": int(read_manifest(args.export, verify=False)["max_batch"])}
     report(result, args.out_dir)
     print((args.out_dir / "scaling.md").read_text())
     return 0
