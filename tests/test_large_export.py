@@ -1,10 +1,9 @@
-"""The headline export at scale: a random ~0.8B-parameter LLaMA in fp16, sharded safetensors, exported end to end.
+"""The headline export at scale: a random 1.1B-parameter LLaMA (TinyLlama's shapes) in fp16, sharded safetensors.
 
-Why this size: its fp32 graph would be 3.2 GB, over protobuf's 2 GB, so it only exports as fp16 read
-as fp16 with external data; the layer shapes are TinyLlama's (hidden 2048, GQA 32/4 heads), and the
-run fits the CI machine (2 cores, 24 GiB): about 3 minutes and under 8 GB. The export runs as the
-console script in its own process, so its peak RSS is its own; the measured numbers and the 7B
-estimate are in docs/deployment-export.md.
+Why this size: its fp16 weights alone (2.2 GB) are over protobuf's 2 GB, so the graph exists only with external
+data, and it is read as fp16 (never fp32 first) as a 7B checkpoint must be; the layer shapes are TinyLlama's
+(hidden 2048, GQA 32/4 heads, 22 layers). The export runs as the console script in its own process, so its peak
+RSS is its own; the measured numbers and the 7B estimate are in docs/deployment-export.md.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from specdec.runtime.packed import SeqWork, pack
 
 pytestmark = pytest.mark.slow
 
-HIDDEN, INTERMEDIATE, LAYERS, VOCAB, HEADS, KV_HEADS = 2048, 5632, 12, 32000, 32, 4
+HIDDEN, INTERMEDIATE, LAYERS, VOCAB, HEADS, KV_HEADS = 2048, 5632, 22, 32000, 32, 4  # TinyLlama-1.1B
 PROTOBUF_LIMIT = 2 * 2**30
 
 
@@ -80,7 +79,7 @@ def test_a_sharded_fp16_model_over_the_protobuf_limit_exports_and_generates(tmp_
     source = tmp_path / "random-llama"
     source.mkdir()
     params = _write_sharded_fp16(source)
-    assert params * 4 > PROTOBUF_LIMIT and len(list(source.glob("model-*.safetensors"))) > 1
+    assert params * 2 > PROTOBUF_LIMIT and len(list(source.glob("model-*.safetensors"))) > 1  # fp16 itself > 2 GB
     out = tmp_path / "export"
     exe = str(Path(sys.executable).parent / "specdec-export")
     run = subprocess.run([exe, "--target", str(source), "--dtype", "float16", "--out", str(out), "--max-batch", "4",
@@ -104,4 +103,4 @@ def test_a_sharded_fp16_model_over_the_protobuf_limit_exports_and_generates(tmp_
     test_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"\n{params / 1e9:.2f}B params, {data.stat().st_size / 2**30:.2f} GiB graph data; peak RSS: export "
           f"{export_peak:.2f} GiB, test process {test_peak:.2f} GiB")
-    assert export_peak < 8 and test_peak < 8
+    assert export_peak < 14 and test_peak < 14  # what 24 GiB of CI leaves room for; measured in the guide
