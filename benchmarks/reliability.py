@@ -60,7 +60,7 @@ from specdec.runtime.engine import Engine
 from specdec.serving.client import Answer, ClientError, SpecdecClient
 from specdec.serving.control import children, stub_pids
 from specdec.serving.repository import MODELS, ServingOptions, write_repository
-from specdec.serving.server import free_ports
+from specdec.serving.server import free_ports, http_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results"
@@ -117,14 +117,6 @@ def start_serve(repo: Path, log: Path) -> Serve:
     raise SystemExit(f"specdec serve did not get ready: {proc.stderr.read() if proc.stderr else ''}")
 
 
-def ready(http: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{http}/v2/health/ready", timeout=2) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 def scrape(url: str) -> dict[str, float]:
     with urllib.request.urlopen(url, timeout=30) as resp:
         text = resp.read().decode()
@@ -163,7 +155,7 @@ def recovery(serve: Serve, refs: dict[tuple[str, int], list[int]]) -> list[dict[
             next(stream)
         killed = time.monotonic()
         os.kill(victim, signal.SIGKILL)
-        detected = wait_for(lambda: not ready(serve.http))
+        detected = wait_for(lambda: not http_ready(serve.http))
         stream_error = ""
         if stream is not None:
             try:
@@ -171,7 +163,7 @@ def recovery(serve: Serve, refs: dict[tuple[str, int], list[int]]) -> list[dict[
                     pass
             except ClientError as exc:
                 stream_error = exc.status or "in band"
-        back = wait_for(lambda: ready(serve.http)) + detected
+        back = wait_for(lambda: http_ready(serve.http)) + detected
         answer = SpecdecClient(serve.grpc).generate(probe[0], max_tokens=probe[1], apply_chat_template=True)
         rows.append({"fault": name, "not_ready_after_s": detected, "ready_again_after_s": back,
                      "first_answer_after_s": time.monotonic() - killed, "stream_ended_with": stream_error,

@@ -46,6 +46,7 @@ from specdec.runtime.engine import Engine
 from specdec.serving.client import Answer, ClientError, SpecdecClient
 from specdec.serving.control import alive, children, inflight_from_metrics, remove_shm
 from specdec.serving.install import TritonNotFoundError, find_tritonserver
+from specdec.serving.server import http_ready
 
 
 def _missing() -> tuple[str | None, str | None]:
@@ -115,11 +116,7 @@ class Served:
         assert self.ready(), f"{self.replica.name} did not get ready:\n{self.output()[-3000:]}"
 
     def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.replica.http_port}{READY_PATH}", timeout=2) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        return http_ready(f"http://127.0.0.1:{self.replica.http_port}")
 
     def output(self) -> str:
         return (self.log_dir / f"{self.replica.name}-serve-{self.starts}.out").read_text(errors="replace")

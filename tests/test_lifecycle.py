@@ -29,6 +29,7 @@ from specdec.runtime.engine import Engine
 from specdec.runtime.request import BeamParams
 from specdec.serving.client import Answer, ClientError, SpecdecClient
 from specdec.serving.control import GRPC_ADMIN_HEADER, SHM_DIR, alive, children, inflight_from_metrics, stub_pids
+from specdec.serving.server import http_ready
 
 needs_tritonserver()
 pytestmark = [pytest.mark.server, pytest.mark.real_model]
@@ -190,17 +191,6 @@ def _tritonserver_pid(export: Path) -> int:
     return pids[0]
 
 
-def _ready(http_url: str) -> bool:
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"{http_url}/v2/health/ready", timeout=2) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 @pytest.mark.reliability("R1", "R2", "R3")
 def _grpc_ready(url: str) -> bool:
     import tritonclient.grpc as grpcclient
@@ -238,9 +228,9 @@ def test_a_dead_engine_or_server_is_replaced_and_serves_the_same_answers(smollm2
                     for _ in stream:
                         pass
                 assert failed.value.status == "StatusCode.UNAVAILABLE", failed.value
-            assert eventually(lambda: not _ready(http) and not _grpc_ready(url), timeout=WAIT_S, poll_s=0.05)
+            assert eventually(lambda: not http_ready(http) and not _grpc_ready(url), timeout=WAIT_S, poll_s=0.05)
             print(f"{victim} {signal.Signals(sig).name}: not ready after {time.monotonic() - killed:.2f} s")
-            assert eventually(lambda: _ready(http), timeout=WAIT_S)
+            assert eventually(lambda: http_ready(http), timeout=WAIT_S)
             back_s = time.monotonic() - killed
             answer = SpecdecClient(url).generate(PROMPTS[1], max_tokens=MAX_TOKENS, apply_chat_template=True)
             assert answer.output_ids == reference[PROMPTS[1]]

@@ -46,6 +46,16 @@ from specdec.serving.install import TritonError, TritonInstall, find_tritonserve
 READY_PATH, LIVE_PATH = "/v2/health/ready", "/v2/health/live"
 
 
+def http_ready(http_url: str, timeout_s: float = 2.0) -> bool:
+    """One probe of ``READY_PATH`` at ``http_url`` (``http://host:port``): 200 means every model loaded and the
+    server serves; a refused connection, a timeout or any other status means not (yet)."""
+    try:
+        with urllib.request.urlopen(f"{http_url}{READY_PATH}", timeout=timeout_s) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 class TritonStartError(TritonError):
     """The server exited (or never became ready) while starting; the message carries its log."""
 
@@ -283,12 +293,7 @@ class TritonServer:
         return self.log_file.read_text(encoding="utf-8", errors="replace")
 
     def is_ready(self) -> bool:
-        """One probe of ``READY_PATH`` (200 means every model loaded and the server serves)."""
-        try:
-            with urllib.request.urlopen(f"{self.http_url}{READY_PATH}", timeout=2) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        return http_ready(self.http_url)
 
     def wait_ready(self, timeout: float = 300.0, poll_s: float = 0.25) -> None:
         """Block until ready; raise TritonStartError with the log if the server dies or the time runs out.
