@@ -297,6 +297,12 @@ def test_at_the_exact_level_wider_source_tensors_stay_fp32(tiny_gguf: Path, gguf
     nbits = [{a.name: helper.get_attribute_value(a) for a in n.attribute} for n in
              onnx.load(str(graph), load_external_data=False).graph.node if n.op_type == "MatMulNBits"]
     assert [a["bits"] for a in nbits] == [4] * 6 and all(a["accuracy_level"] == 0 for a in nbits)
+    # the head stays an fp32 Gemm, but the table is gathered from the file's Q8_0 blocks: the same values
+    assert summary["embedding"] == "8-bit Q8_0"
+    table, source = q.embedding_weights(graph)
+    want, kind = gguf_dequantized(tiny_gguf, model.config)[q.EMBEDDING]
+    assert source == kind == "Q8_0" and np.array_equal(table, want)
+    assert np.array_equal(table, model.state_dict[q.EMBEDDING].numpy())
     from specdec.export.validate import max_logit_error
 
     assert max_logit_error(TorchBackend(model), OrtBackend(graph)) < 1e-4
@@ -362,10 +368,13 @@ def test_real_smollm2_int4_greedy_ems_equals_ar_on_the_same_graph(smollm2: Loade
 # -- quantized exports --------------------------------------------------------------------------------
 
 
+SOURCES = {"target": "tiny-random:seed=9,num_layers=2", "draft": "tiny-random:seed=10,num_layers=1"}
+
+
 @pytest.fixture(scope="module", params=["int4", "int8"])
 def quantized_export(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     out = tmp_path_factory.mktemp("quantized") / "deploy"
-    assert export_main(["--target", "tiny-random:seed=9,num_layers=2", "--draft", "tiny-random:seed=10,num_layers=1",
+    assert export_main(["--target", SOURCES["target"], "--draft", SOURCES["draft"],
                         "--quantize", request.param, "--out", str(out), "--max-batch", "4", "--max-len", "256"]) == 0
     return request.param, out
 
@@ -383,11 +392,16 @@ def test_quantized_graphs_have_no_fp32_linear_weights(quantized_export: tuple[st
         proto = onnx.load(str(out / manifest[part]["graph"]), load_external_data=False)
         ops = Counter(n.op_type for n in proto.graph.node)
         assert ops["MatMulNBits"] == 4 * layers + 1 and ops["Gemm"] == 0 and ops["MatMul"] == 0
+        # the embedding table is gathered from the head's own blocks: no fp32 copy of it is left
+        assert ops["GatherBlockQuantized"] == 1
+        assert info["embedding"] == f"{q.MODES[mode]}-bit rtn"
         matrices = {i.name for i in proto.graph.initializer
                     if i.data_type == TensorProto.FLOAT and len(i.dims) == 2 and min(i.dims) > 1}
-        scales = {n.input[2] for n in proto.graph.node if n.op_type == "MatMulNBits"}
-        read = [i for n in proto.graph.node if n.op_type != "GatherND" for i in n.input if i in matrices - scales]
-        assert not read  # the only fp32 matrix left is the embedding table the GatherND reads
+        scales = {n.input[2] for n in proto.graph.node if n.op_type in ("MatMulNBits", "GatherBlockQuantized")}
+        assert matrices == scales  # every fp32 matrix left is a table of block scales
+        table, source = q.embedding_weights(out / manifest[part]["graph"])
+        fp32 = load_model(SOURCES[part]).state_dict[q.EMBEDDING].numpy()
+        assert source == "rtn" and np.array_equal(table, q.quantize_rtn(fp32, q.MODES[mode]).dequantize())
 
 
 def test_greedy_ems_equals_ar_on_the_quantized_graphs(quantized_export: tuple[str, Path]) -> None:

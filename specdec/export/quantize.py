@@ -6,8 +6,13 @@ weight) becomes a ``com.microsoft.MatMulNBits`` node: blocks of 32 weights along
 one fp32 scale per block and, where needed, a uint8 zero point per block. Why that op: it is the
 form ONNX Runtime's CPU kernels (MLAS ``SQNBitGemm``) run from the packed blocks, so a decode step
 reads 4 or 8 bits per weight instead of 32. The LM
-head is quantized too; a tied embedding keeps its fp32 table for the ``GatherND`` (the exporter
-gives the head its own copy of the initializer, and only that copy is replaced).
+head is quantized too, and so is the embedding table: its ``GatherND`` becomes a
+``com.microsoft.GatherBlockQuantized`` over the same blocks (the source's own where they have
+no Q4_1 offsets, which that op cannot hold), so a tied table is not kept twice in fp32 beside its
+quantized head. Why: the fp32 table of a 49k-token vocabulary is 113 MB, more than every 4-bit
+projection of SmolLM2-135M together (peak RSS in ``benchmarks/results/edge_cpu.md``); the op
+computes ``scale * (code - zero_point)`` in fp32, the same arithmetic as ``BlockQuant.dequantize``,
+so a Q8_0 table gathers exactly the values the fp32 one held.
 
 Formats, and why:
 
@@ -53,17 +58,28 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-BLOCK_SIZE = 32
+from specdec.export.blocks import (
+    BLOCK_SIZE,
+    GGUF_BITS,
+    BlockQuant,
+    QuantizeError,
+    concat_rows,
+    from_gguf_blocks,
+    pack_codes,
+    pack_zero_points,
+    quantize_rtn,
+    unpack_codes,
+    unpack_zero_points,
+)
+
 MODES = {"int4": 4, "int8": 8}
 #: the level a graph is checked at and ships with by default (fp32 activations: exact speculation), and the
 #: faster, inexact one (int8 activation blocks) that ``--quantize-activations int8`` asks for (module docstring)
@@ -75,167 +91,8 @@ MS_DOMAIN = "com.microsoft"
 #: the projections quantized in every decoder layer (Hugging Face names), besides the LM head
 LINEAR_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                       "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+EMBEDDING = "model.embed_tokens.weight"
 ROWS_KEY, FORMAT_KEY, OFFSETS_KEY = "specdec.quantize.rows", "specdec.quantize.format", "specdec.quantize.offsets"
-#: GGUF block types converted exactly, with their bits
-GGUF_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
-
-
-class QuantizeError(ValueError):
-    """A graph or source cannot be quantized as asked; the message says which weight and why."""
-
-
-# -- the block format --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class BlockQuant:
-    """A weight ``[N, K]`` in MatMulNBits form: ``w = scale * (code - zero_point) + offset`` per block of 32.
-
-    ``codes`` are unpacked (one uint8 per weight, ``[N, k_blocks, 32]``, zero-padded past K);
-    ``zero_points`` None means the op's default ``2**(bits-1)``; ``offsets`` (GGUF Q4_1's ``m``) None
-    means 0. ``source`` names the format the values came from (``rtn`` or a GGUF type).
-    """
-
-    bits: int
-    codes: np.ndarray
-    scales: np.ndarray
-    zero_points: np.ndarray | None
-    offsets: np.ndarray | None
-    columns: int
-    source: str
-
-    @property
-    def rows(self) -> int:
-        return int(self.codes.shape[0])
-
-    def zero_point_values(self) -> np.ndarray:
-        """The zero points as uint8 ``[N, k_blocks]``, the default filled in."""
-        if self.zero_points is not None:
-            return self.zero_points
-        return np.full(self.scales.shape, 1 << (self.bits - 1), dtype=np.uint8)
-
-    def dequantize(self) -> np.ndarray:
-        """The fp32 weight ``[N, K]``, in the arithmetic of ``gguf.quants.dequantize`` (bit-exact to it)."""
-        centred = self.codes.astype(np.float32) - self.zero_point_values().astype(np.float32)[..., None]
-        w = self.scales[..., None] * centred
-        if self.offsets is not None:
-            w = w + self.offsets[..., None]
-        return w.reshape(self.rows, -1)[:, : self.columns]
-
-    def take(self, start: int, stop: int) -> BlockQuant:
-        """Rows ``start:stop``."""
-        def cut(a: np.ndarray | None) -> np.ndarray | None:
-            return None if a is None else a[start:stop]
-
-        return replace(self, codes=self.codes[start:stop], scales=self.scales[start:stop],
-                       zero_points=cut(self.zero_points), offsets=cut(self.offsets))
-
-    def widened(self, bits: int) -> BlockQuant:
-        """The same values in ``bits >= self.bits`` (exact: codes re-centred on the wider default zero point)."""
-        if bits == self.bits:
-            return self
-        shift = (1 << (bits - 1)) - self.zero_point_values().astype(np.int32)[..., None]
-        codes = (self.codes.astype(np.int32) + shift).astype(np.uint8)
-        return replace(self, bits=bits, codes=codes, zero_points=None)
-
-
-def concat_rows(parts: Sequence[BlockQuant]) -> BlockQuant:
-    """One weight from row blocks (q|k|v, gate|up), widened to the parts' largest bits, exactly."""
-    bits = max(p.bits for p in parts)
-    parts = [p.widened(bits) for p in parts]
-    if len({p.columns for p in parts}) != 1:
-        raise QuantizeError("row blocks of one weight must have the same number of columns")
-    zps = None if all(p.zero_points is None for p in parts) else np.concatenate([p.zero_point_values() for p in parts])
-    offsets = None
-    if any(p.offsets is not None for p in parts):
-        offsets = np.concatenate([p.offsets if p.offsets is not None else np.zeros_like(p.scales) for p in parts])
-    sources = sorted({p.source for p in parts})
-    return BlockQuant(bits, np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]),
-                      zps, offsets, parts[0].columns, "+".join(sources))
-
-
-def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
-    """MatMulNBits' ``B`` blob ``[N, k_blocks, 32*bits/8]``: 4-bit puts element 2i in byte i's low nibble, 2i+1 high."""
-    codes = codes.astype(np.uint8)
-    if bits == 8:
-        return codes
-    if bits != 4:
-        raise QuantizeError(f"bits must be 4 or 8, got {bits}")
-    return codes[..., 0::2] | (codes[..., 1::2] << np.uint8(4))
-
-
-def unpack_codes(blob: np.ndarray, bits: int) -> np.ndarray:
-    """Inverse of ``pack_codes``: one uint8 code per weight."""
-    if bits == 8:
-        return blob.astype(np.uint8)
-    out = np.empty((*blob.shape[:-1], 2 * blob.shape[-1]), dtype=np.uint8)
-    out[..., 0::2] = blob & np.uint8(0x0F)
-    out[..., 1::2] = blob >> np.uint8(4)
-    return out
-
-
-def pack_zero_points(zero_points: np.ndarray, bits: int) -> np.ndarray:
-    """MatMulNBits' uint8 ``zero_points`` ``[N, ceil(k_blocks*bits/8)]``: 4-bit two per byte, low nibble first."""
-    zp = zero_points.astype(np.uint8)
-    if bits == 8:
-        return zp
-    if zp.shape[1] % 2:
-        zp = np.pad(zp, ((0, 0), (0, 1)))
-    return zp[:, 0::2] | (zp[:, 1::2] << np.uint8(4))
-
-
-def unpack_zero_points(packed: np.ndarray, bits: int, k_blocks: int) -> np.ndarray:
-    """Inverse of ``pack_zero_points`` for a weight of ``k_blocks`` blocks per row."""
-    if bits == 8:
-        return packed.reshape(-1, k_blocks).astype(np.uint8)
-    return unpack_codes(packed.reshape(-1, math.ceil(k_blocks / 2)), 4)[:, :k_blocks]
-
-
-def quantize_rtn(weight: np.ndarray, bits: int) -> BlockQuant:
-    """Round-to-nearest blocks of an fp32 ``[N, K]`` weight: int4 asymmetric, int8 symmetric (module docstring)."""
-    w = np.asarray(weight, dtype=np.float32)
-    rows, columns = w.shape
-    k_blocks = math.ceil(columns / BLOCK_SIZE)
-    blocks = np.pad(w, ((0, 0), (0, k_blocks * BLOCK_SIZE - columns))).reshape(rows, k_blocks, BLOCK_SIZE)
-    if bits == 4:
-        lo = np.minimum(blocks.min(-1), 0.0)
-        hi = np.maximum(blocks.max(-1), 0.0)
-        scales = ((hi - lo) / 15).astype(np.float32)
-        scales[scales == 0] = 1.0  # an all-zero block: any scale, codes at the zero point
-        zps = np.clip(np.round(-lo / scales), 0, 15).astype(np.uint8)
-        codes = np.clip(np.round(blocks / scales[..., None]) + zps[..., None], 0, 15).astype(np.uint8)
-        return BlockQuant(4, codes, scales, zps, None, columns, "rtn")
-    if bits == 8:
-        scales = (np.abs(blocks).max(-1) / 127).astype(np.float32)
-        scales[scales == 0] = 1.0
-        codes = (np.clip(np.round(blocks / scales[..., None]), -127, 127) + 128).astype(np.uint8)
-        return BlockQuant(8, codes, scales, None, None, columns, "rtn")
-    raise QuantizeError(f"bits must be 4 or 8, got {bits}")
-
-
-def from_gguf_blocks(ggml_type: str, data: np.ndarray, columns: int) -> BlockQuant:
-    """A GGUF tensor's raw blocks (uint8 ``[rows, bytes per row]``) as MatMulNBits blocks, no rounding.
-
-    Q4_0 block: fp16 d, 16 bytes of nibbles; Q4_1: fp16 d, fp16 m, 16 bytes; in both, byte j holds
-    element j (low nibble) and j+16 (high). Q8_0: fp16 d, 32 int8.
-    """
-    if ggml_type not in GGUF_BITS or columns % BLOCK_SIZE:
-        raise QuantizeError(f"GGUF type {ggml_type} with {columns} columns has no exact MatMulNBits form")
-    rows, k_blocks = data.shape[0], columns // BLOCK_SIZE
-    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, k_blocks, -1)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if ggml_type == "Q8_0":
-        codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        return BlockQuant(8, codes, d, None, None, columns, ggml_type)
-    offset = 4 if ggml_type == "Q4_1" else 2
-    nibbles = blocks[..., offset:]
-    codes = np.concatenate([nibbles & np.uint8(0x0F), nibbles >> np.uint8(4)], axis=-1)
-    if ggml_type == "Q4_0":
-        return BlockQuant(4, codes, d, None, None, columns, ggml_type)
-    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    return BlockQuant(4, codes, d, np.zeros(d.shape, np.uint8), m, columns, ggml_type)
-
-
 # -- the source tensors ------------------------------------------------------------------------------
 
 
@@ -245,12 +102,14 @@ def linear_names(model: Any) -> list[str]:
     names = [f"model.layers.{i}.{p}.weight" for i in range(int(model.config.num_hidden_layers))
              for p in LINEAR_PROJECTIONS]
     names.append("lm_head.weight" if "lm_head.weight" in sd and not model.config.tie_word_embeddings
-                 else "model.embed_tokens.weight")
+                 else EMBEDDING)
     return names
 
 
-def source_blocks(model: Any, bits: int, use_gguf: bool = True) -> dict[str, BlockQuant]:
-    """Each linear weight of ``model`` in blocks: the GGUF file's own where it has them, RTN otherwise.
+def source_blocks(model: Any, bits: int, use_gguf: bool = True,
+                  names: Sequence[str] | None = None) -> dict[str, BlockQuant]:
+    """Each linear weight of ``model`` (or the tensors ``names``) in blocks: the GGUF file's own where it has
+    them, RTN otherwise.
 
     A GGUF tensor is used only after its de-quantized values equal the loaded fp32 weights bit for
     bit (so a row order that does not follow the loaded one, e.g. a missed RoPE un-permutation,
@@ -261,7 +120,7 @@ def source_blocks(model: Any, bits: int, use_gguf: bool = True) -> dict[str, Blo
     path = model.extra.get(GGUF_PATH) if use_gguf else None
     raw = read_gguf_tensors(path, model.config) if path else {}
     out: dict[str, BlockQuant] = {}
-    for name in linear_names(model):
+    for name in linear_names(model) if names is None else names:
         weight = model.state_dict[name].detach().float().numpy()
         tensor = raw.get(name)
         if tensor is None or tensor.ggml_type not in GGUF_BITS or tensor.shape != weight.shape:
@@ -290,17 +149,35 @@ def quantize_export(model: Any, graph: str | os.PathLike, mode: str, *, use_gguf
     ``use_gguf=False`` rounds the fp32 weights even when the model came from a block-quantized GGUF
     (what a second rounding costs: ``benchmarks/quantize_quality.py``). ``accuracy_level`` is the
     level the graph will ship with; it decides which tensors stay fp32 (``fp32_at_exact_level``).
+    The embedding table is gathered from blocks too (``embedding_block``), whatever the level: a
+    gather de-quantizes rows, it multiplies nothing.
     """
     if mode not in MODES:
         raise QuantizeError(f"unknown quantization {mode!r}: choose one of {', '.join(MODES)}")
     bits = MODES[mode]
     blocks = source_blocks(model, bits, use_gguf=use_gguf)
+    table = embedding_block(model, bits, blocks, use_gguf)
     kept = fp32_at_exact_level(blocks, bits, accuracy_level)
     blocks = {name: block for name, block in blocks.items() if name not in kept}
     reference = {name: model.state_dict[name].detach().float().numpy() for name in blocks}
+    embedding = None if table is None else (table, model.state_dict[EMBEDDING].detach().float().numpy())
     summary = quantize_graph(graph, blocks, reference, EXACT_ACCURACY_LEVEL,
-                             keep={name: model.state_dict[name].detach().float().numpy() for name in kept})
-    return dequantized_model(model, blocks), {"mode": mode, "bits": bits, "fp32_tensors": sorted(kept), **summary}
+                             keep={name: model.state_dict[name].detach().float().numpy() for name in kept},
+                             embedding=embedding)
+    return (dequantized_model(model, blocks, table),
+            {"mode": mode, "bits": bits, "fp32_tensors": sorted(kept), **summary})
+
+
+def embedding_block(model: Any, bits: int, blocks: Mapping[str, BlockQuant], use_gguf: bool) -> BlockQuant | None:
+    """The embedding table in blocks for ``GatherBlockQuantized``, or None where it stays fp32.
+
+    A tied table is the LM head's own blocks; an untied one comes from the source like a linear
+    weight. None: Q4_1 blocks (their offsets have no place in the op) or an odd width at 4 bits.
+    """
+    block = blocks.get(EMBEDDING) or source_blocks(model, bits, use_gguf, names=[EMBEDDING])[EMBEDDING]
+    if block.offsets is not None or (block.bits == 4 and block.columns % 2):
+        return None
+    return block
 
 
 def set_accuracy_level(graph: str | os.PathLike, level: int) -> None:
@@ -346,10 +223,11 @@ def quantize_and_validate(model: Any, graph: str | os.PathLike, mode: str, toler
             "max_abs_logit_error_vs_fp32": max_logit_error(TorchBackend(model), OrtBackend(graph))}
 
 
-def dequantized_model(model: Any, blocks: Mapping[str, BlockQuant]) -> Any:
-    """A copy of ``model`` whose linear weights are the de-quantized blocks (the validation reference).
+def dequantized_model(model: Any, blocks: Mapping[str, BlockQuant], embedding: BlockQuant | None = None) -> Any:
+    """A copy of ``model`` whose linear weights (and the ``embedding`` table, when the graph gathers it from
+    blocks) are the de-quantized blocks: the validation reference.
 
-    A tied head becomes an untied ``lm_head``: the embedding table the graph gathers from stays fp32.
+    A tied head becomes an untied ``lm_head``, since the head may be kept fp32 while the table is not.
     """
     import copy
 
@@ -361,11 +239,17 @@ def dequantized_model(model: Any, blocks: Mapping[str, BlockQuant]) -> Any:
     config = model.config
     for name, block in blocks.items():
         target = name
-        if name == "model.embed_tokens.weight":
+        if name == EMBEDDING:
             target = "lm_head.weight"
             config = copy.deepcopy(config)
             config.tie_word_embeddings = False
         state[target] = torch.from_numpy(block.dequantize().copy())
+    if embedding is not None:
+        if config.tie_word_embeddings:
+            config = copy.deepcopy(config)
+            config.tie_word_embeddings = False
+            state.setdefault("lm_head.weight", state[EMBEDDING])
+        state[EMBEDDING] = torch.from_numpy(embedding.dequantize().copy())
     return LoadedModel(model.name, config, state, model.tokenizer, model.source, dict(model.extra))
 
 
@@ -426,13 +310,15 @@ def _linear_weight(node: Any, inits: Mapping[str, Any]) -> tuple[str, bool] | No
 
 
 def quantize_graph(path: str | os.PathLike, blocks: Mapping[str, BlockQuant], reference: Mapping[str, np.ndarray],
-                   accuracy_level: int = EXACT_ACCURACY_LEVEL, keep: Mapping[str, np.ndarray] | None = None) -> dict:
+                   accuracy_level: int = EXACT_ACCURACY_LEVEL, keep: Mapping[str, np.ndarray] | None = None,
+                   embedding: tuple[BlockQuant, np.ndarray] | None = None) -> dict:
     """Rewrite the graph at ``path`` in place: every linear layer becomes MatMulNBits; returns a summary.
 
     ``blocks`` are the source tensors in block form and ``reference`` their fp32 values as the
     exported graph holds them; ``keep`` the fp32 values of linear weights deliberately left as they
     are. A Gemm/MatMul by a constant weight that matches neither is an error (no linear layer is left
-    in fp32 unnoticed), and so is a source tensor no node uses.
+    in fp32 unnoticed), and so is a source tensor no node uses. ``embedding``: the table's blocks and
+    fp32 values; the gather that reads a table equal to them becomes GatherBlockQuantized.
     """
     import onnx
     from onnx import helper, numpy_helper
@@ -444,7 +330,15 @@ def quantize_graph(path: str | os.PathLike, blocks: Mapping[str, BlockQuant], re
     index = _RowIndex({**reference, **(keep or {})})
     new_nodes, new_inits, replaced, used = [], [], set(), Counter()
     formats: Counter = Counter()
+    gathered: str | None = None
     for node in graph.node:
+        if embedding is not None and gathered is None and _gathers(node, inits, embedding[1]):
+            nodes, tensors = _gather_block_quantized(node, embedding[0])
+            new_nodes.extend(nodes)
+            new_inits.extend(tensors)
+            replaced.add(node.input[0])
+            gathered = embedding[0].source
+            continue
         found = _linear_weight(node, inits)
         if found is None:
             new_nodes.append(node)
@@ -482,8 +376,11 @@ def quantize_graph(path: str | os.PathLike, blocks: Mapping[str, BlockQuant], re
         data.unlink()
     onnx.save_model(proto, str(out), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name,
                     size_threshold=1024)
+    if embedding is not None and gathered is None:
+        raise QuantizeError(f"{out}: no gather reads the embedding table")
+    table = "fp32" if gathered is None else f"{embedding[0].bits}-bit {gathered}"
     return {"linear_layers": sum(formats.values()), "formats": dict(sorted(formats.items())),
-            "block_size": BLOCK_SIZE, "accuracy_level": accuracy_level,
+            "embedding": table, "block_size": BLOCK_SIZE, "accuracy_level": accuracy_level,
             "graph_bytes": out.stat().st_size + (data.stat().st_size if data.exists() else 0)}
 
 
@@ -537,6 +434,69 @@ def _matmul_nbits(node: Any, block: BlockQuant, runs: list[tuple[str, int, int]]
     for key, value in meta.items():
         q.metadata_props.add(key=key, value=value)
     return nodes, tensors
+
+
+def _gathers(node: Any, inits: Mapping[str, Any], table: np.ndarray) -> bool:
+    """Whether ``node`` gathers whole rows of a constant equal to ``table`` (the exporter's embedding lookup)."""
+    from onnx import helper, numpy_helper
+
+    if node.op_type not in ("Gather", "GatherND") or not node.input or node.input[0] not in inits:
+        return False
+    init = inits[node.input[0]]
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if list(init.dims) != list(table.shape) or attrs.get("axis", 0) != 0 or attrs.get("batch_dims", 0) != 0:
+        return False
+    return bool(np.array_equal(numpy_helper.to_array(init), table))
+
+
+def _gather_block_quantized(node: Any, block: BlockQuant) -> tuple[list[Any], list[Any]]:
+    """The GatherBlockQuantized node replacing the embedding lookup ``node``, with its initializers.
+
+    A GatherND's indices end in a unit axis (one index per row) that the op does not take: squeezed.
+    """
+    from onnx import helper, numpy_helper
+
+    base = node.name or node.output[0]
+    codes = block.codes.reshape(block.rows, -1)[:, : block.columns]
+    data = codes if block.bits == 8 else pack_codes(codes, 4)
+    tensors = [numpy_helper.from_array(np.ascontiguousarray(data), f"{base}.qdata"),
+               numpy_helper.from_array(block.scales.astype(np.float32), f"{base}.scales"),
+               numpy_helper.from_array(pack_zero_points(block.zero_point_values(), block.bits), f"{base}.zero_points")]
+    nodes = []
+    indices = node.input[1]
+    if node.op_type == "GatherND":
+        tensors.append(numpy_helper.from_array(np.array([-1], np.int64), f"{base}.last_axis"))
+        nodes.append(helper.make_node("Squeeze", [indices, f"{base}.last_axis"], [f"{base}.indices"],
+                                      name=f"{base}.indices"))
+        indices = f"{base}.indices"
+    gather = helper.make_node("GatherBlockQuantized", [tensors[0].name, indices, tensors[1].name, tensors[2].name],
+                              [node.output[0]], name=f"{base}.blocks", domain=MS_DOMAIN, bits=block.bits,
+                              block_size=BLOCK_SIZE, gather_axis=0, quantize_axis=1)
+    gather.metadata_props.add(key=FORMAT_KEY, value=block.source)
+    return [*nodes, gather], tensors
+
+
+def embedding_weights(path: str | os.PathLike) -> tuple[np.ndarray, str] | None:
+    """The de-quantized table of the graph's GatherBlockQuantized and its format, or None if it gathers fp32."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    proto = onnx.load(str(path))
+    inits = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
+    for node in proto.graph.node:
+        if node.op_type != "GatherBlockQuantized" or node.domain != MS_DOMAIN:
+            continue
+        bits = int({a.name: helper.get_attribute_value(a) for a in node.attribute}["bits"])
+        codes = unpack_codes(inits[node.input[0]], bits)
+        scales = inits[node.input[2]]
+        rows, k_blocks = scales.shape
+        columns = codes.shape[1]
+        padded = np.pad(codes, ((0, 0), (0, k_blocks * BLOCK_SIZE - columns))).reshape(rows, k_blocks, BLOCK_SIZE)
+        zps = unpack_zero_points(inits[node.input[3]], bits, k_blocks)
+        meta = {p.key: p.value for p in node.metadata_props}
+        block = BlockQuant(bits, padded, scales, zps, None, columns, meta.get(FORMAT_KEY, "?"))
+        return block.dequantize(), block.source
+    return None
 
 
 def graph_weights(path: str | os.PathLike) -> dict[str, tuple[np.ndarray, list[tuple[str, int, int]], str]]:

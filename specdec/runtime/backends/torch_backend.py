@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -22,6 +23,19 @@ from specdec.runtime.packed import PackedBatch
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor whose host pages are only mapped when first written.
+
+    ``torch.zeros`` writes every byte at allocation, so a cache sized ``max_batch x max_len`` is
+    resident in full before the first token; numpy's ``zeros`` is ``calloc``, whose large blocks
+    are fresh zero pages of the kernel. Resident memory then grows with the positions sequences
+    really use, as an edge runtime's does (peak RSS in ``benchmarks/results/edge_cpu.md``).
+    """
+    if device.type == "cpu" and dtype in (torch.float32, torch.float16):
+        return torch.from_numpy(np.zeros(shape, dtype=np.float32 if dtype == torch.float32 else np.float16))
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 class TorchKVStorage:
     """Slot-major per-layer caches held as torch tensors."""
 
@@ -30,8 +44,8 @@ class TorchKVStorage:
         shape = (num_slots, kv_heads, max_len, head_dim)
         self.num_slots, self.max_len = num_slots, max_len
         self.device = torch.device(device)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [zeroed(shape, dtype, self.device) for _ in range(num_layers)]
+        self.v = [zeroed(shape, dtype, self.device) for _ in range(num_layers)]
 
     def move(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
         src_t = torch.as_tensor(list(src), dtype=torch.long, device=self.device)
