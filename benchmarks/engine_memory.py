@@ -1,0 +1,101 @@
+"""Resident memory of an engine opened on an export, with the KV caches filled at allocation or mapped lazily.
+
+``TorchKVStorage`` allocates its host caches with ``calloc`` (``torch_backend.zeroed``), so a cache sized
+``max_batch x max_len`` costs resident memory only for the positions sequences use; ``torch.zeros``
+writes every byte at once. Each row runs in a fresh process: open the export as ``specdec serve``
+sizes it (``--max-batch``, ``--max-len``), then answer one short chat request with ``ar``; VmHWM is
+the peak, VmRSS what stays.
+
+    python benchmarks/served_configs.py   # makes the exports under benchmarks/.cache/served
+    python benchmarks/engine_memory.py benchmarks/.cache/served/{int4,fp32}-draft-model
+
+Results: ``benchmarks/results/engine_memory.{md,json,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+FILLS = ("eager zero fill (torch.zeros)", "lazy pages (calloc)")
+
+
+def child(export: str, fill: str, max_batch: int, max_len: int) -> dict[str, Any]:
+    import torch
+
+    import specdec.runtime.backends.torch_backend as tb
+
+    if fill == FILLS[0]:
+        tb.zeroed = lambda shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device)
+    from specdec.runtime.engine import Engine
+
+    def status() -> dict[str, int]:
+        return {line.split(":")[0]: int(line.split()[1]) // 1024 for line in open("/proc/self/status")
+                if line.startswith(("VmHWM", "VmRSS"))}
+
+    engine = Engine.from_export(export, max_batch=max_batch, max_len=max_len, drafter="ngram", threads=2,
+                                torch_threads=1)
+    opened = status()
+    engine.generate([engine.request("Explain why the sky is blue in two sentences.", chat=True, max_tokens=32)],
+                    "ar")
+    done = status()
+    return {"open_rss_mb": opened["VmRSS"], "peak_mb": done["VmHWM"], "after_request_rss_mb": done["VmRSS"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("exports", nargs="*", help="export directories")
+    parser.add_argument("--max-batch", type=int, default=8)
+    parser.add_argument("--max-len", type=int, default=2048)
+    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args.child[0], args.child[1], args.max_batch, args.max_len)))
+        return 0
+    rows = []
+    for export in tqdm(args.exports, desc="exports"):
+        for fill in FILLS:
+            out = subprocess.run([sys.executable, __file__, "--child", export, fill, "--max-batch", str(args.max_batch),
+                                  "--max-len", str(args.max_len)], check=True, capture_output=True, text=True)
+            rows.append({"export": export, "fill": fill, **json.loads(out.stdout.strip().splitlines()[-1])})
+    lines = ["# Engine memory: KV caches filled at allocation or mapped as used", "",
+             f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; command: "
+             f"`python benchmarks/engine_memory.py {' '.join(args.exports)}`",
+             f"- Each row a fresh process: `Engine.from_export(max_batch={args.max_batch}, max_len={args.max_len})` "
+             "(the main job's served size), then one 32-token chat request with ar", "",
+             "| export | KV cache allocation | RSS after open (MB) | RSS after one request (MB) | peak (MB) |",
+             "|:---|:---|---:|---:|---:|"]
+    lines += [f"| {r['export']} | {r['fill']} | {r['open_rss_mb']} | {r['after_request_rss_mb']} | {r['peak_mb']} |"
+              for r in rows]
+    text = "\n".join(lines) + "\n"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "engine_memory.md").write_text(text)
+    (args.out_dir / "engine_memory.json").write_text(json.dumps(rows, indent=2) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    labels = [f"{Path(r['export']).name}\n{r['fill'].split(' (')[0]}" for r in rows]
+    ax.bar(labels, [r["peak_mb"] for r in rows])
+    ax.set_ylabel("peak RSS (MB)")
+    ax.set_title(f"Engine at max_batch {args.max_batch} x max_len {args.max_len}")
+    fig.tight_layout()
+    fig.savefig(args.out_dir / "engine_memory.png", dpi=120)
+    plt.close(fig)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
