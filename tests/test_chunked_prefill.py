@@ -1,8 +1,9 @@
 """Chunked prefill with a token budget per ragged step (issue 22, observation 5).
 
 A long prompt admitted beside running sequences is prefilled over several steps, each spending at most the
-budget on it, while the running sequences keep getting a token (or a verified chain) every step. The answers are
-the same as with whole-prompt prefill: prefilling in chunks is the same causal computation in another order.
+budget on it, while the running sequences keep getting a token (or a verified chain, or a beam round) every step.
+The answers are the same as with whole-prompt prefill: prefilling in chunks is the same causal computation in
+another order.
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ import pytest
 
 from specdec.models.loading import tiny_random
 from specdec.runtime.backends.torch_backend import TorchBackend
-from specdec.runtime.drafters import NgramDrafter
+from specdec.runtime.drafters import ModelDrafter, NgramDrafter
 from specdec.runtime.engine import Engine
 from specdec.runtime.loops import MIN_PREFILL_CHUNK
-from specdec.runtime.request import Request
+from specdec.runtime.request import BeamParams, Request
 from specdec.runtime.sampling import SamplingParams
 
 SHORT = [[1, 2, 3, 1, 2, 3], [5, 6, 7], [9, 9, 9, 9]]
@@ -57,3 +58,43 @@ def test_a_long_prompt_does_not_stall_the_running_sequences(engine: Engine) -> N
     assert len(chunk_steps) >= len(LONG) // MIN_PREFILL_CHUNK
     assert all(s.real_rows > s.prefill_rows for s in chunk_steps[1:])  # decode rows beside each later chunk
     assert result.outputs[-1].metrics.target_calls == 12  # its own decode steps (+ the one that prefilled its end)
+
+
+@pytest.fixture(scope="module")
+def beam_engine() -> Engine:
+    """A target and a different draft model, for ``beam`` and DSBD (whose forests come from a draft model)."""
+    drafter = ModelDrafter(TorchBackend(tiny_random(seed=10, num_layers=1)), 16, 160)
+    return Engine(TorchBackend(tiny_random(seed=9, num_layers=2)), drafter, max_batch=16, max_len=160,
+                  num_draft_tokens=2)
+
+
+def _run_beams(engine: Engine, budget: int | None, method: str, temperature: float):
+    engine.prefill_budget = budget
+    try:
+        requests = [Request(p, max_tokens=10, sampling=SamplingParams(temperature, seed=i), request_id=f"b{i}",
+                            beam=BeamParams(width=2, num_return_sequences=2)) for i, p in enumerate([*SHORT, LONG])]
+        return engine.generate(requests, method)
+    finally:
+        engine.prefill_budget = None
+
+
+@pytest.mark.parametrize("method", ["beam", "dsbd"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_beam_groups_prefill_in_chunks_with_the_same_answers(beam_engine: Engine, method: str,
+                                                             temperature: float) -> None:
+    """A beam or DSBD request with a long prompt prefills in chunks (target and draft cache) beside the rounds of
+    the others, and every request's candidates, with their log-likelihoods, are those of whole-prompt prefill."""
+    whole = _run_beams(beam_engine, None, method, temperature)
+    chunked = _run_beams(beam_engine, 24, method, temperature)
+
+    def answers(result):
+        return [[(c.token_ids, round(c.logprob, 5)) for c in o.sequences] for o in result.outputs]
+
+    assert answers(chunked) == answers(whole)
+    assert [o.token_ids for o in chunked.outputs] == [o.token_ids for o in whole.outputs]
+    assert whole.run.steps[0].prefill_rows == sum(map(len, [*SHORT, LONG]))
+    assert max(s.prefill_rows for s in chunked.run.steps) <= 24
+    assert sum(s.prefill_rows for s in chunked.run.steps) == sum(map(len, [*SHORT, LONG]))
+    chunk_steps = [s for s in chunked.run.steps if s.prefill_rows]
+    assert len(chunk_steps) >= len(LONG) // 24 + 1
+    assert all(s.real_rows > s.prefill_rows for s in chunk_steps[1:])  # the others' rounds beside each chunk

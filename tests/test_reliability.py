@@ -25,6 +25,7 @@ import tritonclient.grpc as grpcclient  # noqa: E402
 from specdec.runtime.engine import Engine  # noqa: E402
 from specdec.serving import protocol  # noqa: E402
 from specdec.serving.client import Answer, ClientError, SpecdecClient, make_inputs  # noqa: E402
+from specdec.serving.repository import ServingOptions  # noqa: E402
 from specdec.serving.server import TritonServer  # noqa: E402
 
 pytestmark = [pytest.mark.server, pytest.mark.real_model]
@@ -43,7 +44,9 @@ def _reference(export: Path) -> dict[tuple[str, int], list[int]]:
     engine = Engine.from_export(export, threads=1)
     keys = [(p, MAX_TOKENS) for p in PROMPTS] + [(PROMPTS[0], LONG_TOKENS), (CONTEXT_PROMPT, CONTEXT_TOKENS)]
     result = engine.generate([engine.request(p, chat=True, max_tokens=m) for p, m in keys], "ems")
-    return {key: out.token_ids for key, out in zip(keys, result.outputs)}
+    answers = {key: out.token_ids for key, out in zip(keys, result.outputs)}
+    answers[(CONTEXT_PROMPT, 0)] = engine.request(CONTEXT_PROMPT, chat=True).prompt_ids  # the prompt itself
+    return answers
 
 
 @pytest.fixture(scope="module")
@@ -113,21 +116,24 @@ class _RawStream:
         self.client.async_stream_infer(protocol.STREAM_MODEL, make_inputs(prompt, apply_chat_template=True, **params),
                                        request_id=request_id, enable_empty_final_response=True)
 
-    def collect(self, finals: int) -> list[tuple[str | None, bool, str, object]]:
-        """(request id, final, finish reason, error) of each response, until ``finals`` requests ended."""
+    def next(self) -> tuple[str | None, bool, str, object, list[int]]:
+        """The next response: (request id, final, finish reason, error, the output ids it carries)."""
+        result, error = self.events.get(timeout=WAIT_S)
+        if error is not None:
+            return None, True, "", error, []
+        response = result.get_response()
+        final = response.parameters.get("triton_final_response")
+        reason, ids = "", []
+        if response.outputs:
+            reason = result.as_numpy(protocol.FINISH_REASON.name).reshape(-1)[0].decode()
+            ids = result.as_numpy(protocol.OUTPUT_IDS.name).reshape(-1).tolist()
+        return response.id, final is not None and final.bool_param, reason, None, ids
+
+    def collect(self, finals: int) -> list[tuple[str | None, bool, str, object, list[int]]]:
+        """Every response (as ``next`` gives it), until ``finals`` requests ended."""
         seen, ended = [], 0
         while ended < finals:
-            result, error = self.events.get(timeout=WAIT_S)
-            if error is not None:
-                seen.append((None, True, "", error))
-            else:
-                response = result.get_response()
-                final = response.parameters.get("triton_final_response")
-                is_final = final is not None and final.bool_param
-                reason = ""
-                if response.outputs:
-                    reason = result.as_numpy(protocol.FINISH_REASON.name).reshape(-1)[0].decode()
-                seen.append((response.id, is_final, reason, None))
+            seen.append(self.next())
             ended += seen[-1][1]
         return seen
 
@@ -155,7 +161,7 @@ def test_every_request_gets_exactly_one_final_response_and_nothing_after_it(serv
         seen = raw.collect(len(cases))
         for name, request_id in ids.items():
             mine = [event for event in seen if event[0] == request_id]
-            assert [final for _, final, _, _ in mine].count(True) == 1 and mine[-1][1], (name, mine)
+            assert [event[1] for event in mine].count(True) == 1 and mine[-1][1], (name, mine)
             assert mine[-1][2] == {"length": "length", "timeout": "timeout"}.get(name, "stop"), (name, mine[-1])
         raw.send(PROMPTS[0], "refused", max_tokens=0)
         (refused,) = raw.collect(1)
@@ -245,6 +251,37 @@ def test_more_demand_than_slots_and_a_request_the_context_cannot_hold(server: Tr
     assert isinstance(answer, Answer) and answer.finish_reason == "context", answer
     assert answer.output_ids == reference[(CONTEXT_PROMPT, CONTEXT_TOKENS)]
     assert 0 < len(answer.output_ids) < CONTEXT_TOKENS
+    assert eventually(lambda: _idle(server), timeout=WAIT_S)
+
+
+def test_a_long_prompt_arriving_mid_stream_is_prefilled_in_chunks_beside_it(server: TritonServer,
+                                                                          reference: dict) -> None:
+    """Issue 22, observation 5 (head-of-line blocking), counted in responses rather than timed: a ~1,000-token prompt
+    sent while a stream decodes is prefilled in chunks of the served budget, and every step that carries a chunk
+    also carries the stream's rows, so the stream keeps getting responses until the long prompt's first token.
+
+    Whole-prompt prefill (6a688ea, or a budget of 0) spends one step on the whole prompt: the stream gets only the
+    responses of the steps that ran while the prompt was in transit (2 when measured) before the long answer's
+    first token. Chunked, it gets those and one per chunk (9 when measured, 7 chunks); the bar is the chunks less
+    two, so a slow machine (more steps in transit, never fewer chunks) cannot fail it. Both answers are exact:
+    chunks are the same causal computation."""
+    budget = ServingOptions.prefill_budget  # smollm2_export is made with the serving defaults
+    chunks = len(reference[(CONTEXT_PROMPT, 0)]) // budget
+    assert chunks >= 6, "the long prompt must span several chunks for this test to say anything"
+    raw = _RawStream(server.grpc_url)
+    try:
+        raw.send(PROMPTS[0], "running", max_tokens=LONG_TOKENS)
+        seen = [raw.next() for _ in range(2)]  # the stream is decoding
+        sent = len(seen)
+        raw.send(CONTEXT_PROMPT, "long", max_tokens=CONTEXT_TOKENS)
+        seen += raw.collect(2 - sum(event[1] for event in seen))
+    finally:
+        raw.close()
+    first_long = next(i for i, event in enumerate(seen) if event[0] == "long" and event[4])
+    beside = [event for event in seen[sent:first_long] if event[0] == "running" and event[4]]
+    assert len(beside) >= chunks - 2, (chunks, [(event[0], len(event[4])) for event in seen])
+    for request_id, key in (("running", (PROMPTS[0], LONG_TOKENS)), ("long", (CONTEXT_PROMPT, CONTEXT_TOKENS))):
+        assert [t for event in seen if event[0] == request_id for t in event[4]] == reference[key], request_id
     assert eventually(lambda: _idle(server), timeout=WAIT_S)
 
 

@@ -184,26 +184,41 @@ class BeamDecoder:
 
     # -- one round for every group ----------------------------------------------------------
     def round(self) -> None:
+        """One round of every group that is ready, plus a prefill chunk of each long prompt the budget allows.
+
+        With the context's ``prefill_budget`` a group whose prompt does not fit what the step's other rows
+        leave of the budget only prefills a chunk of it this round (target and draft cache alike); it
+        drafts and verifies from the round in which the rest of its prompt fits, so a long prompt never
+        stalls the running groups for its whole prefill, and the rounds it takes are the same computation.
+        """
         ctx = self.ctx
-        gammas = [self._gamma(g) for g in self.groups]
+        decoding = [g for g in self.groups if not self._prefilling(g)]
+        gammas = {id(g): self._gamma(g) for g in decoding}
+        ready, chunks = self._prefill_plan(sum(len(g.beams) + gammas[id(g)] * g.params.width for g in decoding))
+        groups = [g for g in self.groups if id(g) in gammas or id(g) in ready]
+        gammas.update((id(g), self._gamma(g)) for g in groups if id(g) not in gammas)
         start = time.perf_counter()
         if self.speculative:
-            self._draft(gammas)
+            self._draft(groups, [gammas[id(g)] for g in groups])
+            self._draft_chunks(chunks)
         draft_seconds = time.perf_counter() - start
         work, owners, tails = [], [], []
-        prefill_rows = 0
-        for gi, group in enumerate(self.groups):
+        prefill_rows = sum(len(item.token_ids) for item, _ in chunks)
+        for gi, group in enumerate(groups):
             tails.append([len(h.tokens) - ctx.kv.length(h.slot) for h in group.beams])
             for bi, hyp in enumerate(group.beams):
                 work.append(self._target_work(group, bi))
                 owners.append((gi, bi))
                 if len(hyp.tokens) == group.seq.num_prompt:
                     prefill_rows += tails[gi][bi]
-        drafted = sum(len(layer.nodes) for g in self.groups for layer in g.layers)
+        drafted = sum(len(layer.nodes) for g in groups for layer in g.layers)
+        work += [item for item, _ in chunks]  # no logits: zip below leaves them out
         rows = ctx.target_step(work, real_rows=sum(len(w.token_ids) for w in work), prefill_rows=prefill_rows,
                                draft_tokens=drafted, draft_seconds=draft_seconds)
+        for item, _ in chunks:
+            ctx.kv.commit(item.slot_id, len(item.token_ids))
         logits: dict[tuple[int, int], torch.Tensor] = dict(zip(owners, rows))
-        for gi, group in enumerate(self.groups):
+        for gi, group in enumerate(groups):
             ctx.count_call(group.seq)
             mine = {bi: logits[(gi, bi)] for bi in range(len(group.beams))}
             outputs, accepted, passed = self._verify(group, mine)
@@ -213,6 +228,40 @@ class BeamDecoder:
             ctx.run.steps[-1].accepted_draft_tokens += accepted
             self._advance(group, outputs, tails[gi], mine)
             self._stream_settled(group)
+
+    def _prefilling(self, group: Group) -> bool:
+        """The group's prompt is not all in the target cache yet (it has produced nothing)."""
+        return group.num_generated == 0 and self.ctx.kv.length(group.beams[0].slot) < group.seq.num_prompt
+
+    def _prefill_plan(self, rows_used: int) -> tuple[set[int], list[tuple[SeqWork, Group]]]:
+        """The prefilling groups whose prompt's rest fits this step (they take a normal round), and the chunks of
+        the others that the budget left by ``rows_used`` allows (``DecodeContext.prefill_chunks``: admission
+        order, at least a minimum chunk); a prefilling group in neither waits for a later step."""
+        filling = [g for g in self.groups if self._prefilling(g)]
+        ready: set[int] = set()
+        chunks: list[tuple[SeqWork, Group]] = []
+        for group, item in zip(filling, self.ctx.prefill_chunks([g.seq for g in filling], rows_used)):
+            if item.logits == "none":
+                chunks.append((item, group))
+            else:
+                ready.add(id(group))
+        return ready, chunks
+
+    def _draft_chunks(self, chunks: Sequence[tuple[SeqWork, Group]]) -> None:
+        """The draft cache takes each target prefill chunk too, so the round that ends a long prompt drafts from
+        a draft cache as full as the target's, not after a whole-prompt draft prefill."""
+        assert self.drafter is not None
+        work = []
+        for item, group in chunks:
+            slot = group.beams[0].draft_slot
+            assert slot is not None
+            past = self.drafter.cached_length(slot)
+            work.append(SeqWork(slot, past, group.beams[0].tokens[past : item.past_len + len(item.token_ids)],
+                                logits="none"))
+        if work:
+            self.drafter.forest_step(work)
+            for item in work:
+                self.drafter.keep(item.slot_id, len(item.token_ids))
 
     def _stream_settled(self, group: Group) -> None:
         """Emit the output tokens every candidate now shares: whatever the search does next, the answer starts so.
@@ -250,14 +299,14 @@ class BeamDecoder:
         return self.ctx.choose_draft_length(seq, gamma, rows=group.params.width / len(group.beams))
 
     # -- draft forest ---------------------------------------------------------------------
-    def _draft(self, gammas: Sequence[int]) -> None:
-        """Beam-sample every group's forest, one draft ragged step per layer for all groups."""
+    def _draft(self, groups: Sequence[Group], gammas: Sequence[int]) -> None:
+        """Beam-sample the forest of every group of the round, one draft ragged step per layer for all of them."""
         assert self.drafter is not None
-        for group, gamma in zip(self.groups, gammas):
+        for group, gamma in zip(groups, gammas):
             group.layers = []
             group.trees = [[] for _ in group.beams] if gamma else []
         for depth in range(max(gammas, default=0)):
-            drafting = [g for g, gamma in zip(self.groups, gammas) if gamma > depth]
+            drafting = [g for g, gamma in zip(groups, gammas) if gamma > depth]
             work, asked = [], []
             for group in drafting:
                 parents, _ = _layer_parents(group, depth)
