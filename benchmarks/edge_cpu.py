@@ -812,6 +812,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     quick = args.quick
     n_prompts, max_tokens, repeats = (2, 16, 1) if quick else (args.prompts, args.max_tokens, args.repeats)
     batches = (1,) if quick else _parse_batches(args.batch_sizes)
+    if max(batches) > n_prompts:  # each workload is cut into batches: a batch of B needs B prompts
+        parser.error(f"--batch-sizes {max(batches)} needs --prompts {max(batches)} or more: with {n_prompts} prompts "
+                     f"per workload a 'batch of {max(batches)}' would decode only {n_prompts} sequences")
     command = shlex.join(["python", "benchmarks/edge_cpu.py", *(sys.argv[1:] if argv is None else argv)])
     load_before = machine_info().get("load_average")
     start = time.perf_counter()
