@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -28,6 +26,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from specdec.bench.harness import machine_info
 from specdec.runtime.prompts import DEFAULT_PROMPTS
 from specdec.serving.client import Answer, run_concurrent
 from specdec.serving.server import TritonServer, free_ports
@@ -135,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    load_before = [round(x, 2) for x in os.getloadavg()]
+    before = machine_info()
     rows = []
     for name, flags in tqdm(CANDIDATES.items(), desc="candidates", unit="export"):
         directory, command, seconds = export(name, flags, args.reexport)
@@ -145,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             "command": shlex.join(["python", "benchmarks/served_configs.py", *(argv or sys.argv[1:])]),
             "total_seconds": time.perf_counter() - start, "prompts": len(DEFAULT_PROMPTS),
             "max_tokens": args.max_tokens, "repeats": args.repeats,
-            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-            "load_before": load_before, "load_after": [round(x, 2) for x in os.getloadavg()]}
+            "machine": f"{before['processor']}, {before['cpu_count']} cores",
+            "load_before": before.get("load_average"), "load_after": machine_info().get("load_average")}
     print(report(rows, meta, args.out_dir))
     return 0
 

@@ -192,9 +192,11 @@ class BeamDecoder:
         stalls the running groups for its whole prefill, and the rounds it takes are the same computation.
         """
         ctx = self.ctx
-        decoding = [g for g in self.groups if not self._prefilling(g)]
+        filling = [g for g in self.groups if self._prefilling(g)]
+        decoding = [g for g in self.groups if all(g is not f for f in filling)]
         gammas = {id(g): self._gamma(g) for g in decoding}
-        ready, chunks = self._prefill_plan(sum(len(g.beams) + gammas[id(g)] * g.params.width for g in decoding))
+        rows_used = sum(len(g.beams) + gammas[id(g)] * g.params.width for g in decoding)
+        ready, chunks = self._prefill_plan(filling, rows_used)
         groups = [g for g in self.groups if id(g) in gammas or id(g) in ready]
         gammas.update((id(g), self._gamma(g)) for g in groups if id(g) not in gammas)
         start = time.perf_counter()
@@ -233,11 +235,11 @@ class BeamDecoder:
         """The group's prompt is not all in the target cache yet (it has produced nothing)."""
         return group.num_generated == 0 and self.ctx.kv.length(group.beams[0].slot) < group.seq.num_prompt
 
-    def _prefill_plan(self, rows_used: int) -> tuple[set[int], list[tuple[SeqWork, Group]]]:
-        """The prefilling groups whose prompt's rest fits this step (they take a normal round), and the chunks of
-        the others that the budget left by ``rows_used`` allows (``DecodeContext.prefill_chunks``: admission
-        order, at least a minimum chunk); a prefilling group in neither waits for a later step."""
-        filling = [g for g in self.groups if self._prefilling(g)]
+    def _prefill_plan(self, filling: Sequence[Group], rows_used: int) -> tuple[set[int], list[tuple[SeqWork, Group]]]:
+        """Of the prefilling groups (``filling``), those whose prompt's rest fits this step (they take a normal
+        round), and the chunks of the others that the budget left by ``rows_used`` allows
+        (``DecodeContext.prefill_chunks``: admission order, at least a minimum chunk); a prefilling group in
+        neither waits for a later step."""
         ready: set[int] = set()
         chunks: list[tuple[SeqWork, Group]] = []
         for group, item in zip(filling, self.ctx.prefill_chunks([g.seq for g in filling], rows_used)):
