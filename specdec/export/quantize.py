@@ -35,17 +35,25 @@ Formats, and why:
   RoPE layout and ``specdec.models.gguf_blocks.read_gguf_tensors`` undoes it as transformers does; each
   converted tensor is checked bit-exact against the loaded fp32 weights before it is used.
 
-``accuracy_level`` 0 (fp32 activations) is what the graph ships with by default, because it keeps
-speculation exact: the graph computes its stored weights in fp32, so a row's logits do not depend on
-how many rows share the step and greedy ``ems`` stays token-identical to greedy ``ar`` on the same
-graph. Level 4 (int8 activation blocks, ``specdec-export --quantize-activations int8``) is faster
-for decode steps of a few rows, but the rounding of a row's activations then depends on the step's
-shape (one-row ``ar`` steps against multi-row verification), so ems and ar answers drift apart after
-near-ties: measured in ``benchmarks/results/edge_cpu.md``; logits move by up to ~5 on random packs,
-held-out perplexity by 0.1 % (int4) to 1.4 % (int8) (``benchmarks/results/quantize.md``).
-At level 0, MLAS has no fp32-activation kernel for 8-bit weights (5x slower than fp32), so a tensor
-that would be 8-bit under ``int4`` (the GGUF's Q8_0 embedding as the tied head) stays an fp32 Gemm
-(``fp32_at_exact_level``). The export is validated at level 0, where the graph computes its stored
+``accuracy_level`` 4 (int8 activation blocks, ``--quantize-activations int8``) is what the graph
+ships with by default: MLAS's int8 kernels are the fast ones at every row count (one decode row, a
+verification chain, a prefill chunk), and they are row-independent: a row's product is bitwise the
+same whether it is multiplied alone or beside other rows. So are the prepacked fp32 ``Gemm`` (the
+Q4_1 offsets below: MLAS takes its one-row path only for an unpacked B) and the per-row norms, and
+the ONNX Runtime lowering keeps its attention off MLAS's one-row path (``ort_fuse``), so a row's
+logits do not depend on the step it is in and greedy ``ems`` equals greedy ``ar`` on the same graph
+bit for bit (``tests/test_batch_invariance.py``). What the int8 rounding of activations costs is
+quality against the fp32 export: held-out perplexity 0.1 % (int4 from the GGUF) to 1.4 % (int8 RTN)
+higher (``benchmarks/results/quantize.md``), and greedy answers that part from the fp32 export's
+after a near-tie, as llama.cpp's own (it rounds activations to 8 bits too) do
+(``benchmarks/results/edge_cpu.md``). Level 0 (fp32 activations, ``--quantize-activations fp32``)
+computes the stored weights in fp32, so its answers are the fp32 export's; but MLAS multiplies one
+row with a GEMV and several by unpacking the weights to an fp32 GEMM, whose sums round differently
+(~1e-5 in the logits, ``test_fp32_activations_are_not_batch_invariant``): ems equals ar there only
+as it does on the fp32 export, up to a near-tie, and steps of several rows pay the unpacking. MLAS
+has no fp32-activation kernel for 8-bit weights (5x slower than fp32), so at level 0 a tensor that
+would be 8-bit under ``int4`` (the GGUF's Q8_0 embedding as the tied head) stays an fp32 Gemm
+(``fp32_at_level``). The export is validated at level 0, where the graph computes its stored
 weights exactly, so the check tests the graph and not the rounding (``quantize_and_validate``).
 
 The rewrite matches every graph weight row for row against the source tensors (exact fp32
@@ -81,12 +89,13 @@ from specdec.export.blocks import (
 )
 
 MODES = {"int4": 4, "int8": 8}
-#: the level a graph is checked at and ships with by default (fp32 activations: exact speculation), and the
-#: faster, inexact one (int8 activation blocks) that ``--quantize-activations int8`` asks for (module docstring)
-EXACT_ACCURACY_LEVEL, FAST_ACCURACY_LEVEL = 0, 4
-ACCURACY_LEVEL = EXACT_ACCURACY_LEVEL
+#: MatMulNBits ``accuracy_level``: fp32 activations (the stored weights computed exactly: the level a graph is
+#: checked at) and int8 activation blocks (fast and row-independent: what a graph ships with by default)
+FP32_ACTIVATIONS, INT8_ACTIVATIONS = 0, 4
+CHECK_LEVEL = FP32_ACTIVATIONS
+ACCURACY_LEVEL = INT8_ACTIVATIONS
 #: ``--quantize-activations`` choices
-ACTIVATIONS = {"fp32": EXACT_ACCURACY_LEVEL, "int8": FAST_ACCURACY_LEVEL}
+ACTIVATIONS = {"fp32": FP32_ACTIVATIONS, "int8": INT8_ACTIVATIONS}
 MS_DOMAIN = "com.microsoft"
 #: the projections quantized in every decoder layer (Hugging Face names), besides the LM head
 LINEAR_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -134,21 +143,21 @@ def source_blocks(model: Any, bits: int, use_gguf: bool = True,
     return out
 
 
-def fp32_at_exact_level(blocks: Mapping[str, BlockQuant], bits: int, accuracy_level: int) -> set[str]:
+def fp32_at_level(blocks: Mapping[str, BlockQuant], bits: int, accuracy_level: int) -> set[str]:
     """The tensors left as fp32 Gemms: at level 0, those wider than asked (8-bit under ``int4``), which MLAS
     runs 5x slower than fp32 without int8 activations (module docstring)."""
-    if accuracy_level != EXACT_ACCURACY_LEVEL:
+    if accuracy_level != FP32_ACTIVATIONS:
         return set()
     return {name for name, block in blocks.items() if block.bits > bits}
 
 
 def quantize_export(model: Any, graph: str | os.PathLike, mode: str, *, use_gguf: bool = True,
-                    accuracy_level: int = EXACT_ACCURACY_LEVEL) -> tuple[Any, dict]:
+                    accuracy_level: int = ACCURACY_LEVEL) -> tuple[Any, dict]:
     """Quantize the exported ``graph`` of ``model`` in place; (the de-quantized model, the manifest's summary).
 
     ``use_gguf=False`` rounds the fp32 weights even when the model came from a block-quantized GGUF
     (what a second rounding costs: ``benchmarks/quantize_quality.py``). ``accuracy_level`` is the
-    level the graph will ship with; it decides which tensors stay fp32 (``fp32_at_exact_level``).
+    level the graph is written at; it decides which tensors stay fp32 (``fp32_at_level``).
     The embedding table is gathered from blocks too (``embedding_block``), whatever the level: a
     gather de-quantizes rows, it multiplies nothing.
     """
@@ -157,11 +166,11 @@ def quantize_export(model: Any, graph: str | os.PathLike, mode: str, *, use_gguf
     bits = MODES[mode]
     blocks = source_blocks(model, bits, use_gguf=use_gguf)
     table = embedding_block(model, bits, blocks, use_gguf)
-    kept = fp32_at_exact_level(blocks, bits, accuracy_level)
+    kept = fp32_at_level(blocks, bits, accuracy_level)
     blocks = {name: block for name, block in blocks.items() if name not in kept}
     reference = {name: model.state_dict[name].detach().float().numpy() for name in blocks}
     embedding = None if table is None else (table, model.state_dict[EMBEDDING].detach().float().numpy())
-    summary = quantize_graph(graph, blocks, reference, EXACT_ACCURACY_LEVEL,
+    summary = quantize_graph(graph, blocks, reference, accuracy_level,
                              keep={name: model.state_dict[name].detach().float().numpy() for name in kept},
                              embedding=embedding)
     return (dequantized_model(model, blocks, table),
@@ -210,15 +219,17 @@ def quantize_and_validate(model: Any, graph: str | os.PathLike, mode: str, toler
 
     reference_model, summary = quantize_export(model, graph, mode, use_gguf=use_gguf, accuracy_level=accuracy_level)
     reference = TorchBackend(reference_model)
+    if accuracy_level != CHECK_LEVEL:
+        set_accuracy_level(graph, CHECK_LEVEL)
     error = max_logit_error(reference, OrtBackend(graph))
     if error > tolerance:
         raise QuantizeError(f"{graph}: the quantized graph differs from the torch reference over its de-quantized "
                             f"weights by {error:.3g} (tolerance {tolerance}): not writing a broken export")
-    if accuracy_level != EXACT_ACCURACY_LEVEL:
+    if accuracy_level != CHECK_LEVEL:
         set_accuracy_level(graph, accuracy_level)
     shipped = OrtBackend(graph)
     return {**summary, "accuracy_level": accuracy_level,
-            "validation_max_abs_logit_error_exact_level": error,
+            "validation_max_abs_logit_error_fp32_activations": error,
             "max_abs_logit_error_vs_dequantized": max_logit_error(reference, shipped),
             "max_abs_logit_error_vs_fp32": max_logit_error(TorchBackend(model), OrtBackend(graph))}
 
@@ -310,7 +321,7 @@ def _linear_weight(node: Any, inits: Mapping[str, Any]) -> tuple[str, bool] | No
 
 
 def quantize_graph(path: str | os.PathLike, blocks: Mapping[str, BlockQuant], reference: Mapping[str, np.ndarray],
-                   accuracy_level: int = EXACT_ACCURACY_LEVEL, keep: Mapping[str, np.ndarray] | None = None,
+                   accuracy_level: int = ACCURACY_LEVEL, keep: Mapping[str, np.ndarray] | None = None,
                    embedding: tuple[BlockQuant, np.ndarray] | None = None) -> dict:
     """Rewrite the graph at ``path`` in place: every linear layer becomes MatMulNBits; returns a summary.
 
@@ -351,7 +362,7 @@ def quantize_graph(path: str | os.PathLike, blocks: Mapping[str, BlockQuant], re
             raise QuantizeError(f"{out}: {node.op_type} {node.name!r} multiplies by {name}, which matches no "
                                 "linear weight of the model: not leaving it in fp32 unnoticed")
         if all(n in (keep or {}) for n, _, _ in runs):
-            new_nodes.append(node)  # left in fp32 on purpose (``fp32_at_exact_level``)
+            new_nodes.append(node)  # left in fp32 on purpose (``fp32_at_level``)
             continue
         block = concat_rows([blocks[n].take(a, b) for n, a, b in runs])
         used.update(n for n, _, _ in runs)

@@ -177,8 +177,9 @@ class OrtBackend:
             raise OnnxModelError(f"{self.path}: ONNX Runtime runs this graph on CUDA, but this torch has no CUDA, so "
                                  "the caches cannot live on the device: install a CUDA build of torch, or run on "
                                  "the CPU (providers=['CPUExecutionProvider'])")
+        spare = ort_fuse.SPARE_POSITIONS if self.fuse_report is not None and self.fuse_report.attention else 0
         return TorchKVStorage(self.num_layers, num_slots, int(self.num_kv_heads), max_len, int(self.head_dim),
-                              self.dtype, device=self.device)
+                              self.dtype, device=self.device, spare=spare)
 
     def step(self, batch: PackedBatch, cache: TorchKVStorage) -> torch.Tensor:
         self.calls += 1
@@ -187,7 +188,7 @@ class OrtBackend:
         if self.fuse_report is None or not self.fuse_report.attention:
             return self._run(self.session, feeds, cache)
         past, new = batch.past_lens.tolist(), batch.cu_seqlens.diff().tolist()
-        groups = ort_fuse.gqa_groups(past, new, cache.max_len, cache.num_slots)
+        groups = ort_fuse.gqa_groups(past, new, cache.buffer_len, cache.num_slots)
         if groups is None:  # one sequence fills the whole context next to idle slots: GQA cannot pad it
             if self._unfused is None:
                 self._unfused = self._open(())

@@ -14,6 +14,16 @@ measurements: docs/export.md, "The ONNX Runtime lowering"; ``benchmarks/results/
   new K/V appended in place), other slots are idle entries (``query_seqlens = 0``); the tree mask
   is an additive ``attention_bias``; RoPE stays outside GQA. GQA needs ``past + S <= max_len`` for
   every slot, which the reference does not: ``gqa_groups`` says how the backend splits a step.
+  A sequence with one new row runs as two query rows, the second a copy of the first whose output
+  is dropped and whose K/V land one position past the sequence (garbage the next step overwrites;
+  ``SPARE_POSITIONS`` keeps room for it at the end of the context). Why: GQA multiplies each slot's
+  rows by its keys with MLAS's GEMM, which takes a separate one-row path (``M = 1``) whose sums
+  round differently; with two rows or more, a row's output is bitwise the same whatever the slot's
+  row count and whatever shares the step. So a decode row equals the same row inside a verification
+  chain bit for bit, and with ``MatMulNBits`` at int8 activations (itself row-independent) the
+  whole graph's logits of a row do not depend on the step's shape: greedy ``ems`` equals ``ar`` by
+  construction (``tests/test_batch_invariance.py``). It costs one attention row per decoding
+  sequence, nothing in the projections.
 * **rmsnorm** -> ``SimplifiedLayerNormalization`` (ORT's own fusion wants ``Div``, the exporter
   emits ``Reciprocal``/``Mul``); **skip_rmsnorm** -> ``SkipSimplifiedLayerNormalization`` for a
   residual ``Add`` feeding a norm (ORT does not fuse it: the sum has other consumers).
@@ -31,12 +41,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from specdec.plugins import onnx_op
+from specdec.runtime.backends.onnx_edit import GraphEditor
 
 MS_DOMAIN = "com.microsoft"
 REWRITES = ("attention", "rmsnorm", "skip_rmsnorm", "rotary")
+#: cache positions past ``max_len`` the fused attention needs: a one-row sequence's discarded second query row
+#: writes its K/V there when the sequence sits at the last position (module docstring)
+SPARE_POSITIONS = 1
 _FLOATS = {TensorProto.FLOAT: "float32", TensorProto.FLOAT16: "float16"}
 _LOWEST = {TensorProto.FLOAT: -3.4028234663852886e38, TensorProto.FLOAT16: -65504.0}
 
@@ -74,16 +88,18 @@ def gqa_groups(past_lens: Sequence[int], new_lens: Sequence[int], max_len: int,
                num_slots: int) -> list[list[int]] | None:
     """Sequences grouped into sub-steps that GQA accepts, ``[all]`` when the whole step does; None if none exists.
 
-    GQA pads every slot's chunk to ``S = max(new_lens)`` and needs ``P + S <= max_len`` for each
-    slot (``P`` = past of an active slot, 1 for an idle one). A sequence near the end of its
-    context fails that next to a long prefill, although its own rows fit; such sequences go to a
-    later group with its own, smaller ``S``. None: one sequence fills the whole context while
-    other slots are idle (the fused graph cannot run it; the caller runs the unfused graph).
+    ``max_len`` is the cache buffer's length (with its ``SPARE_POSITIONS``). GQA pads every slot's
+    chunk to ``S`` = the most rows a sequence runs (a one-row sequence runs two) and needs
+    ``P + S <= max_len`` for each slot (``P`` = past of an active slot, 1 for an idle one). A
+    sequence near the end of its context fails that next to a long prefill, although its own rows
+    fit; such sequences go to a later group with its own, smaller ``S``. None: one sequence fills
+    the whole buffer while other slots are idle (the fused graph cannot run it; the caller runs the
+    unfused graph).
     """
     pending = list(range(len(new_lens)))
     groups: list[list[int]] = []
     while pending:
-        width = max(new_lens[i] for i in pending)
+        width = max(max(new_lens[i], 2) for i in pending)
         fit = [i for i in pending if past_lens[i] + width <= max_len]
         if not fit or (width + 1 > max_len and len(fit) < num_slots):  # an idle slot (P = 1) cannot hold S
             return None
@@ -102,64 +118,6 @@ class FuseReport:
     @property
     def attention(self) -> bool:
         return self.counts["attention"] > 0
-
-
-class _Graph:
-    """Node-list editing with fresh names: ``g.add(op, *inputs, **attrs)`` returns the new node's output."""
-
-    def __init__(self, model: onnx.ModelProto) -> None:
-        self.model = model
-        self.graph = model.graph
-        self.consts = {i.name: i for i in self.graph.initializer}
-        self.producer: dict[str, onnx.NodeProto] = {}
-        self.consumers: dict[str, list[onnx.NodeProto]] = {}
-        for node in self.graph.node:
-            for out in node.output:
-                self.producer[out] = node
-            for inp in node.input:
-                self.consumers.setdefault(inp, []).append(node)
-        self._count = 0
-        self.new_nodes: list[onnx.NodeProto] = []
-        self.shared: dict[tuple, object] = {}  # tensors built once and used by several rewrites
-
-    def name(self, tag: str) -> str:
-        self._count += 1
-        return f"ort_fuse/{tag}/{self._count}"
-
-    def add(self, op: str, *inputs: str, outputs: Sequence[str] | None = None, domain: str = "", n_out: int = 1,
-            **attrs: object) -> str:
-        outs = list(outputs) if outputs is not None else [self.name(op) for _ in range(n_out)]
-        self.new_nodes.append(helper.make_node(op, list(inputs), outs, name=self.name(op + "_node"), domain=domain,
-                                               **attrs))
-        return outs[0]
-
-    def ints(self, *values: int) -> str:
-        return self.add("Constant", value=helper.make_tensor(self.name("c"), TensorProto.INT64, [len(values)],
-                                                               list(values)))
-
-    def scalar(self, value: float, dtype: int) -> str:
-        return self.add("Constant", value=helper.make_tensor(self.name("c"), dtype, [], [value]))
-
-    def const_value(self, name: str) -> list[float] | None:
-        """The values of a constant tensor (initializer or Constant node), flattened; None if not constant."""
-        if name in self.consts:
-            return numpy_helper.to_array(self.consts[name]).reshape(-1).tolist()
-        node = self.producer.get(name)
-        if node is not None and node.op_type == "Constant" and node.domain == "":
-            for attr in node.attribute:
-                if attr.name == "value":
-                    return numpy_helper.to_array(attr.t).reshape(-1).tolist()
-        return None
-
-    def node_of(self, name: str, op: str) -> onnx.NodeProto | None:
-        node = self.producer.get(name)
-        return node if node is not None and node.op_type == op and node.domain == "" else None
-
-    def attr(self, node: onnx.NodeProto, name: str, default: object = None) -> object:
-        for a in node.attribute:
-            if a.name == name:
-                return helper.get_attribute_value(a)
-        return default
 
 
 # --------------------------------------------------------------------------------------------- attention
@@ -181,7 +139,7 @@ class _Prelude:
     bias: dict[int, str] = field(default_factory=dict)  # dtype -> additive [slots, 1, S, L]
 
 
-def _prelude(g: _Graph, cu_seqlens: str, past_lens: str, slot_ids: str, tree_mask: str, k_cache: str) -> _Prelude:
+def _prelude(g: GraphEditor, cu_seqlens: str, past_lens: str, slot_ids: str, tree_mask: str, k_cache: str) -> _Prelude:
     i64 = TensorProto.INT64
     c0, c1, cm1 = g.ints(0), g.ints(1), g.ints(-1)
     cu = g.add("Cast", cu_seqlens, to=i64)
@@ -191,17 +149,20 @@ def _prelude(g: _Graph, cu_seqlens: str, past_lens: str, slot_ids: str, tree_mas
     starts = g.add("Slice", cu, c0, cm1)  # [B]
     ends = g.add("Slice", cu, c1, n_cu)  # [B]
     new = g.add("Sub", ends, starts)  # [B]
-    width = g.add("Max", g.add("ReduceMax", new, keepdims=1), c1)  # [1] = S
+    # a one-row sequence runs as two query rows, the second a discarded copy (PAD_QUERY_ROWS)
+    run = g.add("Add", new, g.add("Cast", g.add("Equal", new, c1), to=i64))  # [B]
+    width = g.add("Max", g.add("ReduceMax", run, keepdims=1), c1)  # [1] = S
     n_slots = g.add("Shape", k_cache, start=0, end=1)  # [1]
     zeros = g.add("ConstantOfShape", n_slots, value=helper.make_tensor(g.name("z"), i64, [1], [0]))  # [slots]
 
     def per_slot(values: str) -> str:
         return g.add("ScatterElements", zeros, slots, values, axis=0)
 
-    q_len = per_slot(new)  # [slots] 0 for an idle slot
+    q_len = per_slot(new)  # [slots] real rows, 0 for an idle slot
+    q_run = per_slot(run)  # [slots] rows GQA runs (and writes K/V for)
     start = per_slot(starts)
     past_s = per_slot(past)
-    seq_total = g.add("Add", past, new)  # [B]
+    seq_total = g.add("Add", past, run)  # [B]
     seqlens_k = per_slot(g.add("Max", g.add("Sub", seq_total, c1), c0))  # idle: 0 (= one cached token, unread)
     total = g.add("Max", g.add("ReduceMax", seq_total, keepdims=1), c1)  # [1] = L
 
@@ -234,11 +195,11 @@ def _prelude(g: _Graph, cu_seqlens: str, past_lens: str, slot_ids: str, tree_mas
     i32 = TensorProto.INT32
     pad_shape = g.add("Concat", n_slots, width, cm1, axis=0)
     return _Prelude(num_slots=n_slots, width=width, pad_index=pad, pad_shape=pad_shape, unpad_index=unpad,
-                    seqlens_k=g.add("Cast", seqlens_k, to=i32), query_seqlens=g.add("Cast", q_len, to=i32),
+                    seqlens_k=g.add("Cast", seqlens_k, to=i32), query_seqlens=g.add("Cast", q_run, to=i32),
                     total=g.add("Cast", g.add("Squeeze", total), to=i32), allowed=allowed)
 
 
-def _bias(g: _Graph, pre: _Prelude, dtype: int) -> str:
+def _bias(g: GraphEditor, pre: _Prelude, dtype: int) -> str:
     if dtype not in pre.bias:
         pre.bias[dtype] = g.add("Where", pre.allowed, g.scalar(0.0, dtype), g.scalar(_LOWEST[dtype], dtype))
     return pre.bias[dtype]
@@ -257,7 +218,7 @@ class _Rope:
     cast: int | None  # dtype the tables are cast to (fp16 graphs)
 
 
-def _rope_table(g: _Graph, table: str, kind: str) -> tuple[str, int | None] | None:
+def _rope_table(g: GraphEditor, table: str, kind: str) -> tuple[str, int | None] | None:
     """(f, cast dtype) when ``table`` is ``Unsqueeze(Cast?(kind(Concat(f, f))), [1])``, else None."""
     unsq = g.node_of(table, "Unsqueeze")
     if unsq is None or len(unsq.input) < 2 or g.const_value(unsq.input[1]) != [1]:
@@ -270,18 +231,24 @@ def _rope_table(g: _Graph, table: str, kind: str) -> tuple[str, int | None] | No
     return cat.input[0], (int(g.attr(cast, "to")) if cast else None)
 
 
-def _rope_tables(g: _Graph, rope: _Rope) -> tuple[str, str]:
-    """The per-token ``[T, D/2]`` tables ``Cos(f)``, ``Sin(f)``: the first halves of the graph's own tables."""
+def _rope_tables(g: GraphEditor, rope: _Rope) -> tuple[str, str]:
+    """The per-token tables ``Cos(f)``, ``Sin(f)`` (the first halves of the graph's own), one row longer.
+
+    ``RotaryEmbedding`` refuses an input with more padded rows than its tables have rows, and a
+    step of one decoding sequence has one token but two padded rows (its discarded second query
+    row): the extra row (a copy of the first, never indexed) makes ``T + 1 >= S`` hold always.
+    """
     key = ("rope", rope.f, rope.cast)
     if key not in g.shared:
-        cos, sin = g.add("Cos", rope.f), g.add("Sin", rope.f)
+        f = g.add("Concat", rope.f, g.add("Slice", rope.f, g.ints(0), g.ints(1), g.ints(0)), axis=0)  # [T + 1, D/2]
+        cos, sin = g.add("Cos", f), g.add("Sin", f)
         if rope.cast is not None:
             cos, sin = g.add("Cast", cos, to=rope.cast), g.add("Cast", sin, to=rope.cast)
         g.shared[key] = (cos, sin)
     return g.shared[key]
 
 
-def _match_rope(g: _Graph, root: onnx.NodeProto, dims: dict[str, list[int | None]]) -> _Rope | None:
+def _match_rope(g: GraphEditor, root: onnx.NodeProto, dims: dict[str, list[int | None]]) -> _Rope | None:
     for a, b in (root.input, reversed(root.input)):
         m1, m2 = g.node_of(a, "Mul"), g.node_of(b, "Mul")
         if not (m1 and m2):
@@ -309,7 +276,7 @@ def _match_rope(g: _Graph, root: onnx.NodeProto, dims: dict[str, list[int | None
     return None
 
 
-def _match_ropes(g: _Graph, dims: dict[str, list[int | None]]) -> dict[str, _Rope]:
+def _match_ropes(g: GraphEditor, dims: dict[str, list[int | None]]) -> dict[str, _Rope]:
     """Every RoPE of the graph, by the name of its output."""
     ropes = {}
     for root in g.graph.node:
@@ -320,7 +287,7 @@ def _match_ropes(g: _Graph, dims: dict[str, list[int | None]]) -> dict[str, _Rop
     return ropes
 
 
-def _fuse_rotary(g: _Graph, ropes: dict[str, _Rope], fused: set[int], report: FuseReport) -> set[int]:
+def _fuse_rotary(g: GraphEditor, ropes: dict[str, _Rope], fused: set[int], report: FuseReport) -> set[int]:
     """The RoPEs still needed outside fused attention -> RotaryEmbedding over ``[T, H, 1, D]`` (batch T)."""
     outputs = {o.name for o in g.graph.output}
     replaced: set[int] = set()
@@ -344,7 +311,7 @@ def _fuse_rotary(g: _Graph, ropes: dict[str, _Rope], fused: set[int], report: Fu
 # --------------------------------------------------------------------------------------------- attention + rotary
 
 
-def _rows_2d(g: _Graph, x: str, dims: dict[str, list[int | None]]) -> str | None:
+def _rows_2d(g: GraphEditor, x: str, dims: dict[str, list[int | None]]) -> str | None:
     """``y`` when ``x`` is ``Reshape(y [T, H*D], [., H, D])`` (a view: gathering rows of y = gathering x's)."""
     node = g.node_of(x, "Reshape")
     src = dims.get(node.input[0]) if node else None
@@ -354,7 +321,7 @@ def _rows_2d(g: _Graph, x: str, dims: dict[str, list[int | None]]) -> str | None
     return node.input[0] if src[1] == out[1] * out[2] else None
 
 
-def _fuse_attention(g: _Graph, types: dict[str, int], dims: dict[str, list[int | None]],
+def _fuse_attention(g: GraphEditor, types: dict[str, int], dims: dict[str, list[int | None]],
                     ropes: dict[str, _Rope], report: FuseReport) -> set[int]:
     """Replace every RaggedTreeAttention node by the GQA lowering; returns the ids of the replaced nodes.
 
@@ -411,12 +378,12 @@ def _fuse_attention(g: _Graph, types: dict[str, int], dims: dict[str, list[int |
 # --------------------------------------------------------------------------------------------- rmsnorm
 
 
-def _is_const(g: _Graph, name: str, value: float) -> bool:
+def _is_const(g: GraphEditor, name: str, value: float) -> bool:
     values = g.const_value(name)
     return values is not None and len(values) == 1 and float(values[0]) == value
 
 
-def _last_axis(g: _Graph, node: onnx.NodeProto, ranks: dict[str, int]) -> bool:
+def _last_axis(g: GraphEditor, node: onnx.NodeProto, ranks: dict[str, int]) -> bool:
     """ReduceMean/Slice/Concat over the last axis only (axes as input or attribute)."""
     rank = ranks.get(node.input[0])
     if node.op_type == "ReduceMean":
@@ -430,7 +397,7 @@ def _last_axis(g: _Graph, node: onnx.NodeProto, ranks: dict[str, int]) -> bool:
     return int(axes[0]) == -1 or (rank is not None and int(axes[0]) == rank - 1)
 
 
-def _fuse_rmsnorm(g: _Graph, types: dict[str, int], ranks: dict[str, int], report: FuseReport) -> set[int]:
+def _fuse_rmsnorm(g: GraphEditor, types: dict[str, int], ranks: dict[str, int], report: FuseReport) -> set[int]:
     """``w * (x * 1 / Sqrt(ReduceMean(x ** 2) + eps))`` (fp16: casts around it) -> SimplifiedLayerNormalization."""
     replaced: set[int] = set()
     for root in g.graph.node:
@@ -472,7 +439,7 @@ def _fuse_rmsnorm(g: _Graph, types: dict[str, int], ranks: dict[str, int], repor
     return replaced
 
 
-def _fuse_skip(g: _Graph, report: FuseReport) -> set[int]:
+def _fuse_skip(g: GraphEditor, report: FuseReport) -> set[int]:
     """``n = SimplifiedLayerNormalization(a + b, w)`` -> ``SkipSimplifiedLayerNormalization(a, b, w)`` (n and a + b)."""
     replaced: set[int] = set()
     for norm in list(g.new_nodes):
@@ -559,7 +526,7 @@ def fuse_model(model: onnx.ModelProto, rewrites: Sequence[str] = REWRITES) -> Fu
     rewrites = [r for r in rewrites if r not in missing]
     types, dims = _tensor_info(model)
     ranks = {name: len(d) for name, d in dims.items()}
-    g = _Graph(model)
+    g = GraphEditor(model)
     removed: set[int] = set()
     ropes = _match_ropes(g, dims) if "rotary" in rewrites else {}
     if "attention" in rewrites:

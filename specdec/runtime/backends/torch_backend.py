@@ -37,11 +37,17 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class TorchKVStorage:
-    """Slot-major per-layer caches held as torch tensors."""
+    """Slot-major per-layer caches held as torch tensors.
+
+    ``max_len`` positions belong to sequences; ``spare`` more at the end of each slot are scratch
+    for a backend whose kernel writes past a sequence (the ONNX Runtime lowering's discarded query
+    row, ``ort_fuse.SPARE_POSITIONS``). ``buffer_len`` is both together.
+    """
 
     def __init__(self, num_layers: int, num_slots: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: str | torch.device = "cpu") -> None:
-        shape = (num_slots, kv_heads, max_len, head_dim)
+                 dtype: torch.dtype, device: str | torch.device = "cpu", spare: int = 0) -> None:
+        self.buffer_len = max_len + spare
+        shape = (num_slots, kv_heads, self.buffer_len, head_dim)
         self.num_slots, self.max_len = num_slots, max_len
         self.device = torch.device(device)
         self.k = [zeroed(shape, dtype, self.device) for _ in range(num_layers)]

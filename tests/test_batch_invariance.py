@@ -1,0 +1,98 @@
+"""A row's logits do not depend on the step it is in: bit for bit, on the ONNX Runtime lowering of quantized graphs.
+
+Why this is the exactness argument of the quantized exports: greedy ``ems`` equals greedy ``ar`` if
+every verified row gets the logits a one-row ``ar`` step gives it, and a request's sampled output
+does not depend on its batch neighbours if nothing else in the step touches its rows. With
+``MatMulNBits`` at int8 activations (row-independent in MLAS) and the fused attention's discarded
+second query row for one-row sequences (``ort_fuse``: GQA then never takes MLAS's one-row GEMM
+path), a row's logits are a function of its own token and its own cached prefix only. These tests
+decode the same token sequences twice, one token per step alone and in random ragged steps beside
+other sequences, prefills and forests, and compare every position's logits bitwise.
+
+The negative control (fp32 activations, where MLAS runs one row through a GEMV and several through
+a de-quantized GEMM) shows the comparison sees a difference of one rounding.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from invariance import MAX_LEN, differing_positions, one_token_per_step, random_steps, sequences_to_the_end
+
+from specdec.export import quantize as q
+from specdec.export.onnx import export_onnx
+from specdec.models.loading import tiny_random
+from specdec.runtime.backends.onnxruntime import OrtBackend
+from specdec.runtime.packed import ROOT, SeqWork, pack
+
+
+@pytest.fixture(scope="module", params=["int4", "int8"])
+def quantized_graph(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model = tiny_random(seed=9, num_layers=2, vocab_size=160)
+    graph = export_onnx(model, tmp_path_factory.mktemp(request.param) / "model.onnx")
+    q.quantize_and_validate(model, graph, request.param, tolerance=1e-4)  # the shipped level: int8 activations
+    return graph
+
+
+def test_every_row_of_a_quantized_graph_is_bitwise_the_same_in_any_step(quantized_graph: Path) -> None:
+    backend = OrtBackend(quantized_graph)
+    assert backend.fuse_report is not None and backend.fuse_report.attention  # the fused lowering is what runs
+    rng = random.Random(0)
+    sequences = sequences_to_the_end(rng, 160)
+    want = one_token_per_step(backend, sequences)
+    for trial in range(3):
+        got = random_steps(backend, sequences, random.Random(trial))
+        assert differing_positions(want, got) == []
+    assert backend.unfused_steps == 0
+
+
+def test_a_forest_gets_the_same_logits_beside_any_other_work(quantized_graph: Path) -> None:
+    """DSBD verifies forests: a forest's rows depend on its own slot only, not on what else shares the step."""
+    backend = OrtBackend(quantized_graph)
+    rng = random.Random(1)
+    prefix = [rng.randrange(160) for _ in range(12)]
+    forest = SeqWork(0, len(prefix), [rng.randrange(160) for _ in range(6)], parents=[ROOT, 0, 0, 1, ROOT, 4])
+
+    def forest_logits(others: list[SeqWork]) -> torch.Tensor:
+        cache = backend.allocate_cache(4, MAX_LEN)
+        backend.step(pack([SeqWork(0, 0, prefix, logits="none")]), cache)
+        for w in others:  # the others' own prefixes
+            backend.step(pack([SeqWork(w.slot_id, 0, [1] * w.past_len, logits="none")]), cache)
+        return backend.step(pack([forest, *others]), cache)[: len(forest.token_ids)]
+
+    alone = forest_logits([])
+    for others in ([SeqWork(2, 5, [7])], [SeqWork(1, 20, [3, 4, 5, 6, 7, 8, 9, 10, 11]), SeqWork(3, 2, [9])]):
+        assert torch.equal(forest_logits(others), alone)
+
+
+def test_fp32_activations_are_not_batch_invariant(tmp_path: Path) -> None:
+    """The negative control: at fp32 activations one row and several rows take different MLAS kernels, and the
+    comparison above sees it."""
+    model = tiny_random(seed=9, num_layers=2, vocab_size=160)
+    graph = export_onnx(model, tmp_path / "model.onnx")
+    q.quantize_and_validate(model, graph, "int4", tolerance=1e-4, accuracy_level=q.FP32_ACTIVATIONS)
+    backend = OrtBackend(graph)
+    rng = random.Random(0)
+    sequences = sequences_to_the_end(rng, 160)
+    want = one_token_per_step(backend, sequences)
+    got = random_steps(backend, sequences, random.Random(0))
+    assert differing_positions(want, got)
+    assert max((w - g).abs().max().item() for w, g in zip(want, got)) < 1e-3  # a rounding, not a bug
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("graph", ["fp32", "int4"])
+def test_real_smollm2_rows_are_bitwise_the_same_in_any_step(graph: str, request: pytest.FixtureRequest) -> None:
+    """The same on the real SmolLM2 graphs: the fp32 export (its linear layers are prepacked Gemms, row-independent
+    too) and the int4 one (the GGUF's Q4_1 blocks with their offset corrections and the Q8_0 head, int8
+    activations)."""
+    path = (request.getfixturevalue("smollm2_export") / "target" / "model.onnx" if graph == "fp32"
+            else request.getfixturevalue("smollm2_int4_graph"))
+    backend = OrtBackend(path)
+    sequences = sequences_to_the_end(random.Random(2), backend.vocab_size, (MAX_LEN, 21, 6))
+    want = one_token_per_step(backend, sequences)
+    got = random_steps(backend, sequences, random.Random(5))
+    assert differing_positions(want, got) == []
