@@ -48,7 +48,7 @@ from specdec.bench.harness import BenchConfig, MethodRuns, int_list, machine_inf
 from specdec.bench.report import write_report
 from specdec.bench.workloads import build_workload
 from specdec.models.drafts import load_pair
-from specdec.models.loading import DEFAULT_TARGET
+from specdec.models.presets import DEFAULT_TARGET
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.costs import calibrate
 from specdec.runtime.draft_length import DraftLength

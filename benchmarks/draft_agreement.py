@@ -41,7 +41,8 @@ from specdec.bench.workloads import build_workload
 from specdec.distill.net import DraftNet
 from specdec.distill.records import generate_records
 from specdec.models.drafts import resolve_draft
-from specdec.models.loading import DEFAULT_TARGET, load_model
+from specdec.models.loading import load_model
+from specdec.models.presets import DEFAULT_TARGET
 
 # a sibling script, not a package
 sys.path.insert(0, str(Path(__file__).parent))

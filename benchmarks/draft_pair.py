@@ -65,7 +65,8 @@ from specdec.bench.harness import (
 )
 from specdec.bench.workloads import MAX_DOC_CHARS, MIN_DOC_CHARS, build_workload
 from specdec.models.drafts import load_pair
-from specdec.models.loading import DEFAULT_TARGET, LoadedModel
+from specdec.models.loading import LoadedModel
+from specdec.models.presets import DEFAULT_TARGET
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.costs import step_costs
 from specdec.runtime.drafters import Drafter, ModelDrafter, NgramDrafter

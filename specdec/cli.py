@@ -8,9 +8,10 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
-from specdec.models.drafts import DraftLoadError, DraftMismatchError, resolve_draft, shipped_draft_for
-from specdec.models.loading import DEFAULT_TARGET, LoadedModel, ModelResolutionError, load_model
+from specdec.models.errors import DraftLoadError, DraftMismatchError, ModelResolutionError
+from specdec.models.presets import DEFAULT_TARGET
 from specdec.runtime.costs import calibrate_engine
 from specdec.runtime.draft_length import add_draft_length_args, check_draft_length_args, draft_length_from
 from specdec.runtime.drafters import DRAFTER_NAMES
@@ -45,6 +46,8 @@ def _open_engine(args: argparse.Namespace) -> Engine:
                                       torch_threads=1)
         except ExportDirError as exc:
             raise ModelResolutionError(str(exc)) from exc
+    from specdec.models.loading import LoadedModel, load_model  # the torch side: only a model that is not an export
+
     target = load_model(args.target)
     if args.draft and args.drafter not in (None, "model", "hybrid"):
         raise SystemExit("error: --draft PATH goes with no --drafter or --drafter hybrid, not ngram|none")
@@ -54,10 +57,12 @@ def _open_engine(args: argparse.Namespace) -> Engine:
                               hybrid=args.drafter == "hybrid" and isinstance(draft, LoadedModel))
 
 
-def _draft_for(method: Method, target: LoadedModel, args: argparse.Namespace) -> LoadedModel | str | None:
+def _draft_for(method: Method, target: Any, args: argparse.Namespace) -> Any:
     """The drafter ``method`` runs with: ``--draft``, else the target's shipped draft where a model is needed
     (dsbd's forests, the hybrid drafter), else ``--drafter`` (prompt lookup by default); nothing for a method that
     does not draft."""
+    from specdec.models.drafts import resolve_draft, shipped_draft_for
+
     if not method.uses_drafter:
         return None
     if args.draft:

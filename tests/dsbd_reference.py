@@ -3,7 +3,8 @@
 The exactness tests compare the runtime's beam decoder against it draw for draw and measure its
 per-slot law; it lives with the tests because nothing in the package runs it. It calls the core
 through the module (``dsbd.verify_layer``, ...), so the negative controls that patch one of those
-functions see the patched one.
+functions see the patched one. Arrays are numpy and the RNG a ``numpy.random.Generator``, as in the
+runtime, so one seed gives the runtime and the reference the same stream of uniforms.
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from specdec.runtime import dsbd
 from specdec.runtime.dsbd import Beam
 from specdec.runtime.sampling import SamplingParams
 
-ProbsFn = Callable[[tuple[int, ...]], torch.Tensor]
+ProbsFn = Callable[[tuple[int, ...]], np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class RoundResult:
 
 
 def _memo_beam_distribution(kind: str, beams: Sequence[Beam], absent: Sequence[bool], fn: ProbsFn,
-                            params: SamplingParams, memo: dict | None) -> torch.Tensor:
+                            params: SamplingParams, memo: dict | None) -> np.ndarray:
     """``p_beam`` of ``beams`` under ``fn`` (absent parents: score -inf), cached in ``memo`` by state.
 
     The key holds ``fn`` and ``params`` too, so one dict may serve several models and settings,
@@ -54,15 +55,15 @@ def _memo_beam_distribution(kind: str, beams: Sequence[Beam], absent: Sequence[b
     key = (kind, fn, params, tuple(beams), tuple(absent))
     if memo is not None and key in memo:
         return memo[key]
-    scores = torch.tensor([-math.inf if gone else b.score for b, gone in zip(beams, absent)], dtype=torch.float64)
-    table = torch.stack([fn(b.prefix) for b in beams])
+    scores = np.array([-math.inf if gone else b.score for b, gone in zip(beams, absent)], dtype=np.float64)
+    table = np.stack([fn(b.prefix) for b in beams])
     result = dsbd.beam_distribution(scores, table, params)
     if memo is not None:
         memo[key] = result
     return result
 
 
-def _extend(parents: Sequence[Beam], flat: Sequence[int], dist: torch.Tensor, vocab: int) -> list[Beam]:
+def _extend(parents: Sequence[Beam], flat: Sequence[int], dist: np.ndarray, vocab: int) -> list[Beam]:
     """New beams for flat pairs, scored ``log dist(pair)``."""
     return [Beam((*parents[x // vocab].prefix, x % vocab), math.log(float(dist[x]))) for x in flat]
 
@@ -76,7 +77,7 @@ def _trace(parents: Sequence[Beam], valid: Sequence[bool], outputs: Sequence[int
 
 
 def dsbd_round(input_beams: Sequence[tuple[tuple[int, ...], float]], target_fn: ProbsFn, draft_fn: ProbsFn,
-               params: SamplingParams, w_s: int, gamma: int, width: int, generator: torch.Generator, *,
+               params: SamplingParams, w_s: int, gamma: int, width: int, generator: np.random.Generator, *,
                threshold: float | None = None, w_min: int = 1, memo: dict | None = None) -> RoundResult:
     """One DSBD round over pure table models, for exactness tests (no KV, no batching).
 
@@ -96,21 +97,21 @@ def dsbd_round(input_beams: Sequence[tuple[tuple[int, ...], float]], target_fn: 
         raise ValueError(f"need gamma >= 0, w_s >= 1, width >= 1; got {gamma}, {w_s}, {width}")
     roots = [Beam(tuple(prefix), float(score)) for prefix, score in input_beams]
     # the forest: per layer, the draft's parents, q_beam over them, and the drafted nodes
-    forest: list[tuple[list[Beam], torch.Tensor, list[int]]] = []
+    forest: list[tuple[list[Beam], np.ndarray, list[int]]] = []
     parents = roots
     for _ in range(gamma):
         q_beam = _memo_beam_distribution("draft", parents, [False] * len(parents), draft_fn, params, memo)
         nodes = dsbd.draft_layer(q_beam, w_s, generator)
         forest.append((parents, q_beam, nodes))
-        parents = _extend(parents, nodes, q_beam, q_beam.numel() // len(parents))
+        parents = _extend(parents, nodes, q_beam, q_beam.size // len(parents))
     # verification: target beams are the valid parents, with the target's scores
     target_beams, valid = list(roots), [True] * len(roots)
     layers: list[LayerTrace] = []
     for draft_parents, q_beam, nodes in forest:
-        vocab = q_beam.numel() // len(draft_parents)
+        vocab = q_beam.size // len(draft_parents)
         pb = _memo_beam_distribution("target", target_beams, [not ok for ok in valid], target_fn, params, memo)
         layer_width = width if threshold is None else dsbd.dynamic_width(pb, q_beam, w_s, threshold, w_min)
-        verdict = dsbd.verify_layer(pb, q_beam, nodes, torch.tensor(valid), layer_width, generator)
+        verdict = dsbd.verify_layer(pb, q_beam, nodes, np.array(valid), layer_width, generator)
         layers.append(_trace(target_beams, valid, verdict.outputs, vocab, verdict.passed, len(nodes),
                              len(verdict.accepted)))
         if not verdict.passed:
@@ -125,7 +126,7 @@ def dsbd_round(input_beams: Sequence[tuple[tuple[int, ...], float]], target_fn: 
         target_beams = [Beam((*draft_parents[x // vocab].prefix, x % vocab),
                              math.log(float(pb[x])) if ok else -math.inf) for x, ok in zip(nodes, valid)]
     pb = _memo_beam_distribution("target", target_beams, [not ok for ok in valid], target_fn, params, memo)
-    vocab = pb.numel() // len(target_beams)
+    vocab = pb.size // len(target_beams)
     outputs = dsbd.sample_pairs_iid(pb, width, generator).tolist()
     layers.append(_trace(target_beams, valid, outputs, vocab, True, 0, 0))
     return RoundResult(_extend(target_beams, outputs, pb, vocab), layers)

@@ -21,7 +21,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
+import numpy as np
 
 from specdec.runtime.packed import PackedBatch
 
@@ -50,19 +50,19 @@ class ScriptedKV:
     """Per-slot token ids standing in for K/V: ``ids[slot, pos]`` is the token written at ``pos`` (-1: never)."""
 
     def __init__(self, num_slots: int, max_len: int) -> None:
-        self.num_slots, self.max_len = num_slots, max_len
-        self.ids = torch.full((num_slots, max_len), -1, dtype=torch.long)
+        self.num_slots, self.max_len, self.buffer_len = num_slots, max_len, max_len
+        self.ids = np.full((num_slots, max_len), -1, dtype=np.int64)
 
     def move(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
-        self.ids[slot, list(dst)] = self.ids[slot, list(src)].clone()
+        self.ids[slot, list(dst)] = self.ids[slot, list(src)].copy()
 
     def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
         self.ids[dst_slot, :length] = self.ids[src_slot, :length]
 
-    def read(self, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def read(self, slot: int, length: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """One "layer" whose K and V are the token ids, shaped ``[1, length, 1]``."""
-        k = self.ids[slot, :length].to(torch.float32).view(1, length, 1)
-        return [(k, k.clone())]
+        k = self.ids[slot, :length].astype(np.float32).reshape(1, length, 1)
+        return [(k, k.copy())]
 
 
 class ScriptedBackend:
@@ -87,17 +87,17 @@ class ScriptedBackend:
 
     def rows_in(self, call: int) -> list[int]:
         """New tokens of each sequence in call ``call`` (a prefill's prompt, or last token + drafts)."""
-        return torch.diff(self.batches[call].cu_seqlens).tolist()
+        return np.diff(self.batches[call].cu_seqlens).tolist()
 
     def allocate_cache(self, num_slots: int, max_len: int) -> ScriptedKV:
         return ScriptedKV(num_slots, max_len)
 
-    def step(self, batch: PackedBatch, cache: ScriptedKV) -> torch.Tensor:
+    def step(self, batch: PackedBatch, cache: ScriptedKV) -> np.ndarray:
         """Write each new token at ``past + j`` of its slot; logits of row t = one-hot of ``rule`` after its context."""
         self.calls += 1
         self.rows_processed += batch.num_tokens
         self.batches.append(batch)
-        logits = torch.zeros(batch.num_tokens, self.vocab_size)
+        logits = np.zeros((batch.num_tokens, self.vocab_size), dtype=np.float32)
         bounds = batch.cu_seqlens.tolist()
         for b, (start, end) in enumerate(itertools.pairwise(bounds)):
             slot, past = int(batch.slot_ids[b]), int(batch.past_lens[b])
@@ -108,12 +108,12 @@ class ScriptedBackend:
                 cached = cached[batch.cache_mask[b, :past]]
             prefix = cached.tolist()
             new = batch.input_ids[start:end].tolist()
-            cache.ids[slot, past : past + len(new)] = torch.as_tensor(new, dtype=torch.long)
+            cache.ids[slot, past : past + len(new)] = new
             for j in range(len(new)):
                 seen = batch.tree_mask[start + j, : len(new)].tolist()
                 context = prefix + [tok for tok, visible in zip(new, seen) if visible]
                 logits[start + j, self.rule(context)] = PEAK
-        return logits[batch.logits_indices.long()]
+        return logits[batch.logits_indices.astype(np.int64)]
 
 
 #: what the small tokenizer is trained on: English prose, chat-like questions, and multi-byte text

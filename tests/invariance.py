@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-import torch
+import numpy as np
 
 from specdec.runtime.backends.onnxruntime import OrtBackend
 from specdec.runtime.packed import ROOT, SeqWork, pack
@@ -18,23 +18,23 @@ from specdec.runtime.packed import ROOT, SeqWork, pack
 MAX_LEN = 48
 
 
-def one_token_per_step(backend: OrtBackend, sequences: Sequence[list[int]]) -> list[torch.Tensor]:
+def one_token_per_step(backend: OrtBackend, sequences: Sequence[list[int]]) -> list[np.ndarray]:
     """Each sequence alone in slot 0, one token per step: the logits of every position (the reference)."""
     out = []
     for tokens in sequences:
         cache = backend.allocate_cache(1, MAX_LEN)
-        out.append(torch.stack([backend.step(pack([SeqWork(0, i, [t])]), cache)[0].clone()
-                                for i, t in enumerate(tokens)]))
+        out.append(np.stack([backend.step(pack([SeqWork(0, i, [t])]), cache)[0].copy()
+                             for i, t in enumerate(tokens)]))
     return out
 
 
-def random_steps(backend: OrtBackend, sequences: Sequence[list[int]], rng: random.Random) -> list[torch.Tensor]:
+def random_steps(backend: OrtBackend, sequences: Sequence[list[int]], rng: random.Random) -> list[np.ndarray]:
     """All sequences in one cache, advanced together in random chunks (1 to 9 rows; some sit a step out), each in a
     random slot, with a random forest in a spare slot beside them now and then: every position's logits."""
     slots = rng.sample(range(len(sequences) + 2), len(sequences) + 1)
     cache = backend.allocate_cache(len(sequences) + 2, MAX_LEN)
     done = [0] * len(sequences)
-    logits: list[list[torch.Tensor]] = [[] for _ in sequences]
+    logits: list[list[np.ndarray]] = [[] for _ in sequences]
     while any(d < len(s) for d, s in zip(done, sequences)):
         work, owners = [], []
         for i, tokens in enumerate(sequences):
@@ -53,10 +53,10 @@ def random_steps(backend: OrtBackend, sequences: Sequence[list[int]], rng: rando
             owner = next(((i, n) for i, n in owners if slots[i] == w.slot_id), None)
             if owner is not None:
                 i, n = owner
-                logits[i].extend(r.clone() for r in rows[offset:offset + n])
+                logits[i].extend(r.copy() for r in rows[offset:offset + n])
                 done[i] += n
             offset += len(w.token_ids)
-    return [torch.stack(rows) for rows in logits]
+    return [np.stack(rows) for rows in logits]
 
 
 def sequences_to_the_end(rng: random.Random, vocab_size: int, lengths: Sequence[int] = (MAX_LEN, 17, 30, 3)
@@ -66,6 +66,7 @@ def sequences_to_the_end(rng: random.Random, vocab_size: int, lengths: Sequence[
     return [[rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
 
 
-def differing_positions(want: Sequence[torch.Tensor], got: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
-    assert [w.shape for w in want] == [g.shape for g in got]
-    return [(s, p) for s, (w, g) in enumerate(zip(want, got)) for p in range(w.shape[0]) if not torch.equal(w[p], g[p])]
+def differing_positions(want: Sequence[np.ndarray], got: Sequence[np.ndarray]) -> list[tuple[int, int]]:
+    assert [w.shape for w in want] == [g.shape for g in got] and [w.dtype for w in want] == [g.dtype for g in got]
+    return [(s, p) for s, (w, g) in enumerate(zip(want, got)) for p in range(w.shape[0])
+            if not np.array_equal(w[p], g[p])]

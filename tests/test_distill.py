@@ -15,7 +15,8 @@ from specdec.distill.prompts import builtin_prompts, load_prompts, pre_query_ids
 from specdec.distill.records import Record, collect_data
 from specdec.distill.settings import DistillSettings
 from specdec.distill.train import distill
-from specdec.models.drafts import DraftLoadError, is_draft_dir, load_draft
+from specdec.models.drafts import is_draft_dir, load_draft
+from specdec.models.errors import DraftLoadError
 from specdec.models.loading import LoadedModel, load_model, save_model, tiny_random
 from specdec.runtime.engine import Engine
 
@@ -158,7 +159,10 @@ def test_the_kept_weights_are_the_best_validated_step(tiny_target: Path, tmp_pat
     recomputed from the written (fp16) weights on the validation split, is the manifest's and not above the
     validation loss of the last step's weights."""
     out = tmp_path / "draft"
-    settings = _settings(tiny_target, out, steps=20, lr=3e-2, validate_s=0.0)  # a rate high enough to overshoot
+    # a rate high enough to overshoot: at 0.3 the validation loss bottoms out within the first steps (step 3 here)
+    # and stays well above that minimum for the rest of the 20. At 3e-2 it wobbles but mostly keeps falling, so
+    # whether the last step was the best depended on the sampled data (it was, once the sampler's RNG changed)
+    settings = _settings(tiny_target, out, steps=20, lr=0.3, validate_s=0.0)
     manifest = distill(settings, command="test")
     assert 0 <= manifest["kept_step"] < 20  # deterministic (seeded, one thread): the last step is not the best
     target = load_model(tiny_target)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,12 +14,12 @@ from specdec.runtime.dsbd import verify_layer_greedy
 V = 5
 
 
-def _logits(*rows: list[float]) -> torch.Tensor:
-    return torch.log(torch.tensor(rows, dtype=torch.float64))
+def _logits(*rows: list[float]) -> np.ndarray:
+    return np.log(np.array(rows, dtype=np.float64))
 
 
 def test_a_layer_that_drafted_every_pick_passes_and_finds_each_pick_where_it_was_drafted() -> None:
-    scores = torch.tensor([0.0, math.log(0.5)], dtype=torch.float64)
+    scores = np.array([0.0, math.log(0.5)], dtype=np.float64)
     logits = _logits([0.6, 0.3, 0.05, 0.03, 0.02], [0.9, 0.05, 0.03, 0.01, 0.01])
     # joint: (0,0)=.6 (1,0)=.45 (0,1)=.3 ...: beam search keeps (0,0) and (1,0)
     nodes = [1 * V + 0, 0 * V + 4, 0 * V + 0]
@@ -29,7 +29,7 @@ def test_a_layer_that_drafted_every_pick_passes_and_finds_each_pick_where_it_was
 
 
 def test_one_missing_pick_fails_the_layer_and_the_round_continues_from_the_target_picks() -> None:
-    scores = torch.tensor([0.0, math.log(0.5)], dtype=torch.float64)
+    scores = np.array([0.0, math.log(0.5)], dtype=np.float64)
     logits = _logits([0.6, 0.3, 0.05, 0.03, 0.02], [0.9, 0.05, 0.03, 0.01, 0.01])
     verdict = verify_layer_greedy(scores, logits, [0 * V + 0, 0 * V + 1], width=2)
     assert verdict.found == [0, -1] and not verdict.passed and verdict.accepted == 1
@@ -37,7 +37,7 @@ def test_one_missing_pick_fails_the_layer_and_the_round_continues_from_the_targe
 
 
 def test_invalid_parents_are_never_picked_and_duplicate_drafts_count_once() -> None:
-    scores = torch.tensor([-math.inf, 0.0], dtype=torch.float64)  # parent 0 was not accepted last layer
+    scores = np.array([-math.inf, 0.0], dtype=np.float64)  # parent 0 was not accepted last layer
     logits = _logits([0.97, 0.01, 0.01, 0.005, 0.005], [0.5, 0.4, 0.05, 0.03, 0.02])
     nodes = [0 * V + 0, 1 * V + 1, 1 * V + 1, 1 * V + 0]
     verdict = verify_layer_greedy(scores, logits, nodes, width=2)
@@ -46,7 +46,7 @@ def test_invalid_parents_are_never_picked_and_duplicate_drafts_count_once() -> N
 
 
 def test_an_empty_layer_never_passes() -> None:
-    verdict = verify_layer_greedy(torch.zeros(1, dtype=torch.float64), _logits([0.5, 0.2, 0.1, 0.1, 0.1]), [], 1)
+    verdict = verify_layer_greedy(np.zeros(1, dtype=np.float64), _logits([0.5, 0.2, 0.1, 0.1, 0.1]), [], 1)
     assert verdict.found == [-1] and not verdict.passed
 
 
@@ -72,8 +72,8 @@ def test_matches_a_plain_loop_reference(data: st.DataObject) -> None:
     live = sum(s > -math.inf for s in scores) * V
     width = data.draw(st.integers(1, min(4, live)))
     nodes = data.draw(st.lists(st.integers(0, parents * V - 1), max_size=6))
-    verdict = verify_layer_greedy(torch.tensor(scores, dtype=torch.float64),
-                                  torch.log(torch.tensor(probs, dtype=torch.float64)), nodes, width)
+    verdict = verify_layer_greedy(np.array(scores, dtype=np.float64), np.log(np.array(probs, dtype=np.float64)),
+                                  nodes, width)
     expected = _reference(scores, probs, nodes, width)
     assert verdict.found == expected
     assert verdict.passed == all(i >= 0 for i in expected)
@@ -82,4 +82,4 @@ def test_matches_a_plain_loop_reference(data: st.DataObject) -> None:
 @pytest.mark.parametrize("width", [0, 6])
 def test_a_width_beam_search_cannot_fill_is_refused(width: int) -> None:
     with pytest.raises(ValueError, match="width must be in"):
-        verify_layer_greedy(torch.zeros(1, dtype=torch.float64), _logits([0.5, 0.2, 0.1, 0.1, 0.1]), [0], width)
+        verify_layer_greedy(np.zeros(1, dtype=np.float64), _logits([0.5, 0.2, 0.1, 0.1, 0.1]), [0], width)

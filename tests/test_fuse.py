@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 
+import numpy as np
 import onnx
 import pytest
 import torch
@@ -75,7 +76,7 @@ def test_fused_caches_are_written_in_place_and_equal_the_reference(tiny_export) 
     backend, ref = OrtBackend(path), TorchBackend(model)
     cache, ref_cache = backend.allocate_cache(3, 32), ref.allocate_cache(3, 32)
     assert cache.buffer_len == 32 + ort_fuse.SPARE_POSITIONS and ref_cache.buffer_len == 32
-    pointers = [t.data_ptr() for t in (*cache.k, *cache.v)]
+    pointers = [t.ctypes.data for t in (*cache.k, *cache.v)]
     written, committed = [0] * 3, [0] * 3  # per slot: the end of what sequences wrote, and of what they kept
     for work in random_packs(model.vocab_size, 3, 32, seed=4):
         backend.step(pack(work), cache)
@@ -85,23 +86,24 @@ def test_fused_caches_are_written_in_place_and_equal_the_reference(tiny_export) 
                 written[w.slot_id] = max(written[w.slot_id], w.past_len + len(w.token_ids))
                 committed[w.slot_id] = w.past_len + (len(w.token_ids) if w.logits == "last" else 1)  # as packs do
     assert backend.inplace_ok  # GQA's present outputs are the bound cache buffers, checked by pointer every step
-    assert [t.data_ptr() for t in (*cache.k, *cache.v)] == pointers
+    assert [t.ctypes.data for t in (*cache.k, *cache.v)] == pointers
     for got, want in zip((*cache.k, *cache.v), (*ref_cache.k, *ref_cache.v)):
+        want = want.numpy()  # the reference's caches are torch tensors
         for slot in range(3):
             # the kept rows where the reference put them (past them, rows a later step overwrites: a one-row
             # sequence's discarded second query row writes there, ort_fuse), and nothing past what was written
             # but that copy
             kept = slice(0, committed[slot])
-            assert torch.allclose(got[slot, :, kept], want[slot, :, kept], rtol=0, atol=1e-5)
-            assert float(got[slot, :, written[slot] + 1:].abs().sum()) == 0
-    assert any(float(t.abs().sum()) > 0 for t in cache.k)
+            assert np.allclose(got[slot, :, kept], want[slot, :, kept], rtol=0, atol=1e-5)
+            assert float(np.abs(got[slot, :, written[slot] + 1:]).sum()) == 0
+    assert any(float(np.abs(t).sum()) > 0 for t in cache.k)
 
 
 def test_steps_gqa_cannot_pad_are_split_or_run_unfused_and_stay_exact(gqa_graph) -> None:
     """GQA pads each slot's chunk to the longest one and needs past + S <= buffer per slot; the reference does not.
     With the spare position every step fits in one or more groups; a cache without it (not this backend's
     allocate_cache) falls back to the unfused graph where no group fits."""
-    from specdec.runtime.backends.torch_backend import TorchKVStorage
+    from specdec.runtime.backends.host_cache import HostKVStorage
 
     model, path = gqa_graph
     ref = TorchBackend(model)
@@ -115,16 +117,18 @@ def test_steps_gqa_cannot_pad_are_split_or_run_unfused_and_stay_exact(gqa_graph)
     ]
     for work in steps:
         batch = pack(work)
-        assert float((backend.step(batch, cache) - ref.step(batch, ref_cache)).abs().max()) < 1e-4
+        assert float(np.abs(backend.step(batch, cache) - ref.step(batch, ref_cache)).max()) < 1e-4
     assert backend.split_steps == 2 and backend.unfused_steps == 0 and backend.inplace_ok
-    bare = TorchKVStorage(backend.num_layers, 2, int(backend.num_kv_heads), 16, int(backend.head_dim), backend.dtype)
+    bare = HostKVStorage(backend.num_layers, 2, int(backend.num_kv_heads), 16, int(backend.head_dim),
+                         backend.np_dtype)
+    assert bare.buffer_len == 16
     bare_ref = ref.allocate_cache(2, 16)
     for work in ([SeqWork(0, 0, list(range(1, 16)))], [SeqWork(0, 15, [7])]):  # the last row's copy has no room
         batch = pack(work)
-        assert float((backend.step(batch, bare) - ref.step(batch, bare_ref)).abs().max()) < 1e-4
+        assert float(np.abs(backend.step(batch, bare) - ref.step(batch, bare_ref)).max()) < 1e-4
     assert backend.unfused_steps == 1
-    for got, want in zip((*cache.k, *cache.v), (*ref_cache.k, *ref_cache.v)):
-        assert float((got[:, :, :16] - want).abs().max()) < 1e-5  # (the spare position holds slot 2's last copy)
+    for got, want in zip((*cache.k, *cache.v), (*ref_cache.k, *ref_cache.v)):  # host arrays, the reference's torch
+        assert float(np.abs(got[:, :, :16] - want.numpy()).max()) < 1e-5  # (the spare position: slot 2's last copy)
 
 
 def test_gqa_groups() -> None:

@@ -28,7 +28,8 @@ from fakes import small_tokenizer
 
 from specdec.export.cli import default_out
 from specdec.export.cli import main as export_main
-from specdec.models.loading import ModelResolutionError, load_model
+from specdec.models.errors import ModelResolutionError
+from specdec.models.loading import load_model
 
 REPO = "specdec-test/tiny-llama"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

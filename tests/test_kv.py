@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -60,12 +61,12 @@ class KVMachine(RuleBasedStateMachine):
             k[slot, :, pos] = value + 1000.0 * layer
             v[slot, :, pos] = -value - 1000.0 * layer
 
-    def _expected_kv(self, values: list[float]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _expected_kv(self, values: list[float]) -> list[tuple[np.ndarray, np.ndarray]]:
         heads, dim = self.storage.k[0].shape[1], self.storage.k[0].shape[3]
         out = []
         for layer in range(len(self.storage.k)):
-            col = torch.tensor(values, dtype=torch.float32) + 1000.0 * layer
-            k = col[None, :, None].expand(heads, len(values), dim)
+            col = np.asarray(values, dtype=np.float32) + np.float32(1000.0 * layer)
+            k = np.broadcast_to(col[None, :, None], (heads, len(values), dim))
             out.append((k, -k))
         return out
 
@@ -228,16 +229,16 @@ class KVMachine(RuleBasedStateMachine):
         assert mask.shape == (len(slots), MAX_LEN)
         for row, slot in enumerate(slots):
             length = len(self.committed[slot])
-            want = torch.tensor([p not in self.holes[slot] for p in range(length)], dtype=torch.bool)
-            assert torch.equal(mask[row, :length], want)
+            want = np.array([p not in self.holes[slot] for p in range(length)], dtype=bool)
+            assert np.array_equal(mask[row, :length], want)
 
     @invariant()
     def committed_contents(self) -> None:
         for slot, values in self.committed.items():
             got = self.storage.read(slot, len(values))
             for (k, v), (k_want, v_want) in zip(got, self._expected_kv(values)):
-                assert torch.equal(k, k_want)
-                assert torch.equal(v, v_want)
+                assert np.array_equal(k, k_want)
+                assert np.array_equal(v, v_want)
 
 
 KVMachine.TestCase.settings = settings(
@@ -297,8 +298,8 @@ def test_commit_moves_tree_path_to_the_front() -> None:
     assert kv.length(slot) == 6
     after = storage.read(slot, 10)
     for layer, ((k, v), (k0, v0)) in enumerate(zip(after, before)):
-        assert torch.equal(k[:, :3], k0[:, :3])  # the committed prefix is untouched
-        assert torch.equal(v[:, :3], v0[:, :3])
+        assert np.array_equal(k[:, :3], k0[:, :3])  # the committed prefix is untouched
+        assert np.array_equal(v[:, :3], v0[:, :3])
         assert k[:, 3:6, 0].tolist() == [[100 * layer + p for p in (4, 6, 7)]] * k.shape[0]
         assert v[:, 3:6, 0].tolist() == [[-(100 * layer + p) for p in (4, 6, 7)]] * v.shape[0]
         assert (storage.k[layer][other] == 7.0).all()  # other slots untouched
@@ -343,8 +344,8 @@ def test_context_overflow() -> None:
 # -- with a real model: compaction equals a from-scratch prefill -------------------------
 
 
-def _random_forest(n: int, roots: int, gen: torch.Generator) -> list[int]:
-    return [ROOT if j < roots else int(torch.randint(-1, j, (1,), generator=gen)) for j in range(n)]
+def _random_forest(n: int, roots: int, gen: np.random.Generator) -> list[int]:
+    return [ROOT if j < roots else int(gen.integers(-1, j)) for j in range(n)]
 
 
 def _path_to(parents: list[int], node: int) -> list[int]:
@@ -357,8 +358,8 @@ def _path_to(parents: list[int], node: int) -> list[int]:
 
 def _assert_same_kv(storage: TorchKVStorage, slot_a: int, slot_b: int, length: int) -> None:
     for layer, ((ka, va), (kb, vb)) in enumerate(zip(storage.read(slot_a, length), storage.read(slot_b, length))):
-        assert torch.allclose(ka, kb, atol=1e-5), f"layer {layer} K: max |Δ| {(ka - kb).abs().max()}"
-        assert torch.allclose(va, vb, atol=1e-5), f"layer {layer} V: max |Δ| {(va - vb).abs().max()}"
+        assert np.allclose(ka, kb, atol=1e-5), f"layer {layer} K: max |Δ| {np.abs(ka - kb).max()}"
+        assert np.allclose(va, vb, atol=1e-5), f"layer {layer} V: max |Δ| {np.abs(va - vb).max()}"
 
 
 @settings(max_examples=20, deadline=None)
@@ -369,29 +370,28 @@ def test_compaction_equals_from_scratch_prefill(seed: int) -> None:
     backend = _tiny_backend()
     storage = backend.allocate_cache(6, 48)
     kv = KVCacheManager(storage)
-    gen = torch.Generator().manual_seed(seed)
+    gen = np.random.default_rng(seed)
     vocab = backend.vocab_size
     num_seqs = 2
     slots = [kv.alloc() for _ in range(num_seqs)]
-    prompts = [torch.randint(0, vocab, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen).tolist()
-               for _ in range(num_seqs)]
+    prompts = [gen.integers(0, vocab, int(gen.integers(1, 12))).tolist() for _ in range(num_seqs)]
     backend.step(pack([SeqWork(s, 0, p, logits="last") for s, p in zip(slots, prompts)]), storage)
     for s, p in zip(slots, prompts):
         kv.commit(s, len(p))
 
     forests, tokens = [], []
     for _ in slots:
-        n = int(torch.randint(3, 14, (1,), generator=gen))
-        roots = int(torch.randint(2, 4, (1,), generator=gen))
+        n = int(gen.integers(3, 14))
+        roots = int(gen.integers(2, 4))
         forests.append(_random_forest(n, roots, gen))
-        tokens.append(torch.randint(0, vocab, (n,), generator=gen).tolist())
+        tokens.append(gen.integers(0, vocab, n).tolist())
     work = [SeqWork(s, kv.length(s), t, parents=f) for s, t, f in zip(slots, tokens, forests)]
     backend.step(pack(work), storage)
 
     paths = []
     for s, t, f in zip(slots, tokens, forests):
         leaves = [j for j in range(len(f)) if j not in f]
-        leaf = leaves[int(torch.randint(0, len(leaves), (1,), generator=gen))]
+        leaf = leaves[int(gen.integers(0, len(leaves)))]
         path = _path_to(f, leaf)
         kv.commit(s, path)
         paths.append([t[j] for j in path])
@@ -406,12 +406,12 @@ def test_compaction_equals_from_scratch_prefill(seed: int) -> None:
         kv.free(ref)
 
     # the compacted slot continues exactly like the from-scratch one
-    nxt = [int(torch.randint(0, vocab, (1,), generator=gen)) for _ in slots]
+    nxt = [int(gen.integers(0, vocab)) for _ in slots]
     got = backend.step(pack([SeqWork(s, kv.length(s), [x]) for s, x in zip(slots, nxt)]), storage)
     ref_slot = kv.alloc()
     for i, (p, path, x) in enumerate(zip(prompts, paths, nxt)):
         want = backend.step(pack([SeqWork(ref_slot, 0, [*p, *path, x], logits="last")]), storage)
-        assert torch.allclose(got[i], want[0], atol=1e-5)
+        assert np.allclose(got[i], want[0], atol=1e-5)
 
 
 def test_compaction_with_inner_node_accepted(backend: TorchBackend) -> None:
@@ -447,25 +447,25 @@ def test_fork_copies_prefix_and_diverges_independently(backend: TorchBackend) ->
     assert kv.length(new) == len(prompt)
     _assert_same_kv(storage, src, new, len(prompt))
     for (ka, va), (kb, vb) in zip(storage.read(src, len(prompt)), storage.read(new, len(prompt))):
-        assert torch.equal(ka, kb) and torch.equal(va, vb)  # a copy, bit for bit
+        assert np.array_equal(ka, kb) and np.array_equal(va, vb)  # a copy, bit for bit
 
     # the two beams continue differently; each matches its own from-scratch prefill
     la = backend.step(pack([SeqWork(new, kv.length(new), [50, 51])]), storage)
     kv.commit(new, 2)
     for (k0, v0), (k1, v1) in zip(src_before, storage.read(src, 32)):
-        assert torch.equal(k0, k1) and torch.equal(v0, v1)  # writes to the fork leave the source alone
+        assert np.array_equal(k0, k1) and np.array_equal(v0, v1)  # writes to the fork leave the source alone
     fork_after = storage.read(new, kv.length(new))
     lb = backend.step(pack([SeqWork(src, kv.length(src), [70])]), storage)
     kv.commit(src, 1)
     for (k0, v0), (k1, v1) in zip(fork_after, storage.read(new, kv.length(new))):
-        assert torch.equal(k0, k1) and torch.equal(v0, v1)  # writes to the source leave the fork alone
+        assert np.array_equal(k0, k1) and np.array_equal(v0, v1)  # writes to the source leave the fork alone
 
     ref = kv.alloc()
     want_a = backend.step(pack([SeqWork(ref, 0, [*prompt, 50, 51])]), storage)
-    assert torch.allclose(la, want_a[-2:], atol=1e-5)
+    assert np.allclose(la, want_a[-2:], atol=1e-5)
     _assert_same_kv(storage, new, ref, len(prompt) + 2)
     want_b = backend.step(pack([SeqWork(ref, 0, [*prompt, 70], logits="last")]), storage)
-    assert torch.allclose(lb, want_b, atol=1e-5)
+    assert np.allclose(lb, want_b, atol=1e-5)
 
 
 def test_padded_holes_are_invisible(backend: TorchBackend) -> None:
@@ -488,7 +488,7 @@ def test_padded_holes_are_invisible(backend: TorchBackend) -> None:
     )
     ref = kv.alloc()
     want = backend.step(pack([SeqWork(ref, 0, [*prompt, 40, 50, 51])]), storage)
-    assert torch.allclose(got, want[-2:], atol=1e-5)
+    assert np.allclose(got, want[-2:], atol=1e-5)
 
 
 def test_fork_keeps_holes() -> None:
@@ -499,7 +499,7 @@ def test_fork_keeps_holes() -> None:
     assert kv.num_tokens(new) == 2 and kv.length(new) == 4
     mask = kv.cache_mask([slot, new])
     assert mask is not None
-    assert torch.equal(mask[0], mask[1])
+    assert np.array_equal(mask[0], mask[1])
     kv.commit_padded(new, 0, 2)  # the copy's holes are its own
     assert kv.num_tokens(slot) == 2 and kv.num_tokens(new) == 2
     assert kv.length(slot) == 4 and kv.length(new) == 6

@@ -2,8 +2,8 @@
 
 A 12-token target makes the law of the first tokens enumerable: the exact joint law of the
 first four generated tokens (12**4 cells) comes from the Hugging Face reference model
-(``LoadedModel.to_hf()``, independent of the runtime's torch backend) and the sampler's own
-warping. ``Engine.generate`` then decodes 20,000 seeded requests and the empirical law is
+(``LoadedModel.to_hf()``, independent of the runtime's backends: the one use of torch here) and
+the sampler's own warping. ``Engine.generate`` then decodes 20,000 seeded requests and the empirical law is
 compared with the exact one.
 
 Why four tokens with ``num_draft_tokens=2``: ``k_i`` is capped at ``max_tokens - generated - 1``
@@ -83,40 +83,47 @@ def draft() -> LoadedModel:
 
 
 def exact_joint(model: LoadedModel, params: SamplingParams, n: int = NUM_TOKENS) -> np.ndarray:
-    """The exact law ``[V] * n`` of the first ``n`` sampled tokens after ``PROMPT``."""
+    """The exact law ``[V] * n`` of the first ``n`` sampled tokens after ``PROMPT``.
+
+    ``model.to_hf()`` is the Hugging Face reference model (torch in, torch out), or any callable of the same
+    shape whose ``logits`` may also be numpy (``test_quantize``'s graph); they become float32 numpy, the rows
+    the runtime's backends hand the sampler.
+    """
     conts = torch.tensor(list(itertools.product(range(VOCAB), repeat=n - 1)), dtype=torch.int64)
     ids = torch.cat([torch.tensor(PROMPT).expand(len(conts), -1), conts], dim=1)
     with torch.no_grad():
-        logits = model.to_hf()(ids).logits[:, len(PROMPT) - 1 :].float()  # [V^(n-1), n, V]
-    probs = warp(logits, params).double()
-    probs = (probs / probs.sum(-1, keepdim=True)).reshape(*[VOCAB] * (n - 1), n, VOCAB).numpy()
+        out = model.to_hf()(ids).logits[:, len(PROMPT) - 1 :]  # [V^(n-1), n, V]
+        logits = torch.as_tensor(out).float().numpy()
+    probs = warp(logits, params).astype(np.float64)
+    probs = (probs / probs.sum(-1, keepdims=True)).reshape(*[VOCAB] * (n - 1), n, VOCAB)
     logits = logits.reshape(*[VOCAB] * (n - 1), n, VOCAB)
     joint = np.ones([VOCAB] * n)
     for j in range(n):
         # law of token j given tokens < j: any continuation beyond j gives the same row
         index = (*[slice(None)] * j, *[0] * (n - 1 - j), j)
         reachable = np.ravel(joint.sum(axis=tuple(range(j, n))) > 0)  # contexts of positive probability
-        _assert_warp_well_conditioned(logits[index].reshape(-1, VOCAB)[torch.from_numpy(reachable)], params)
+        _assert_warp_well_conditioned(logits[index].reshape(-1, VOCAB)[reachable], params)
         row = probs[index]  # [V] * (j + 1)
         joint = joint * row.reshape(*row.shape, *[1] * (n - 1 - j))
     return joint
 
 
-def _assert_warp_well_conditioned(logits: torch.Tensor, params: SamplingParams) -> None:
+def _assert_warp_well_conditioned(logits: np.ndarray, params: SamplingParams) -> None:
     """No top-k or top-p decision within 1e-4 of its threshold in any reachable context.
 
     The runtime's logits differ from the reference model's by rounding (~1e-6); this margin
     makes sure that cannot change which tokens the warping keeps, so the enumerated law is
     the one the runtime samples from.
     """
-    scores = torch.sort(logits.double() / params.temperature, dim=-1, descending=True).values
+    scores = -np.sort(-(logits.astype(np.float64) / params.temperature), axis=-1)  # descending
     if 0 < params.top_k < VOCAB:
         assert float((scores[:, params.top_k - 1] - scores[:, params.top_k]).min()) > 1e-4
         scores[:, params.top_k :] = -math.inf
     if params.top_p < 1.0:
-        probs = torch.softmax(scores, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        assert float((mass_before - params.top_p).abs().min()) > 1e-4
+        exp = np.exp(scores - scores[:, :1])
+        probs = exp / exp.sum(axis=-1, keepdims=True)
+        mass_before = np.cumsum(probs, axis=-1) - probs
+        assert float(np.abs(mass_before - params.top_p).min()) > 1e-4
 
 
 # -- running the engine --------------------------------------------------------------------
@@ -302,7 +309,7 @@ def test_check_rejects_a_subtly_wrong_verifier(target: LoadedModel, draft: Loade
         out = []
         for j, x in enumerate(drafts):
             qx = 1.0 if draft_probs is None else float(draft_probs[j, x])
-            if float(torch.rand((), generator=generator)) * qx < float(target_probs[j, x]):
+            if generator.random() * qx < float(target_probs[j, x]):
                 out.append(int(x))
                 continue
             return [*out, sample(target_probs[j], generator)]

@@ -21,7 +21,7 @@ from onnx import TensorProto, helper
 from specdec.plugins import onnx_op
 from specdec.plugins.reference import ragged_tree_attention
 from specdec.plugins.torch_op import TRANSLATION_TABLE
-from specdec.runtime.packed import ROOT, SeqWork, pack
+from specdec.runtime.packed import ROOT, PackedBatch, SeqWork, pack
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -122,7 +122,7 @@ def _random_case(
     packed = pack(items)  # drops the empty items; the op must also accept them, so rebuild the index tensors
     lens = [len(w.token_ids) for w in items]
     cu = torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32)
-    tree_mask = packed.tree_mask.clone()
+    tree_mask = torch.from_numpy(packed.tree_mask.copy())  # the torch plugin's input (pack() is numpy)
     for b, n in enumerate(lens):  # columns >= n_b belong to no token of b: set garbage the op must ignore
         if n and n < tree_mask.shape[1]:
             tree_mask[cu[b] : cu[b + 1], n:] = torch.rand(n, tree_mask.shape[1] - n, generator=gen) < 0.5
@@ -146,6 +146,12 @@ def _random_case(
         tree_mask=tree_mask,
         idle_slots=idle + [w.slot_id for w, n in zip(items, lens) if n == 0],
     )
+
+
+def _torch_index(packed: PackedBatch) -> tuple[torch.Tensor, ...]:
+    """``cu_seqlens, past_lens, slot_ids, tree_mask`` of a (numpy) pack as the torch tensors the plugins take."""
+    return tuple(torch.from_numpy(getattr(packed, n).copy()) for n in ("cu_seqlens", "past_lens", "slot_ids",
+                                                                        "tree_mask"))
 
 
 def _max_abs(a: np.ndarray, b: np.ndarray) -> float:
@@ -249,10 +255,7 @@ def test_single_sequence_shapes() -> None:
             torch.randn(n, 1, 4, generator=gen),
             kc,
             vc,
-            packed.cu_seqlens,
-            packed.past_lens,
-            packed.slot_ids,
-            packed.tree_mask,
+            *_torch_index(packed),
             idle_slots=[0, 1],
         )
         _assert_matches(case, session.run(None, case.feeds()), atol=1e-5)
@@ -350,7 +353,7 @@ def _module_inputs(seed: int, work: list[SeqWork], slots: int, max_len: int) -> 
     packed = pack(work)
     caches = [[torch.randn(slots, 2, max_len, 4, generator=gen) for _ in range(2)] for _ in range(2)]
     x = torch.randn(packed.num_tokens, 16, generator=gen)
-    return (x, packed.cu_seqlens, packed.past_lens, packed.slot_ids, packed.tree_mask, caches[0], caches[1])
+    return (x, *_torch_index(packed), caches[0], caches[1])
 
 
 @pytest.fixture(scope="module")

@@ -2,32 +2,32 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
-import torch
 from forests import visible_new
 
 from specdec.runtime.packed import ROOT, PackedBatch, SeqWork, pack
 
 
-def _mask(rows: list[str]) -> torch.Tensor:
+def _mask(rows: list[str]) -> np.ndarray:
     """Bool matrix from strings of '1' (True) and '.' (False)."""
-    return torch.tensor([[c == "1" for c in row] for row in rows], dtype=torch.bool)
+    return np.array([[c == "1" for c in row] for row in rows], dtype=bool)
 
 
-def _i32(values: list[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32)
+def _i32(values: list[int]) -> np.ndarray:
+    return np.array(values, dtype=np.int32)
 
 
-def _i64(values: list[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64)
+def _i64(values: list[int]) -> np.ndarray:
+    return np.array(values, dtype=np.int64)
 
 
-def _assert_batch(batch: PackedBatch, **expected: torch.Tensor) -> None:
+def _assert_batch(batch: PackedBatch, **expected: np.ndarray) -> None:
     for name, want in expected.items():
         got = getattr(batch, name)
         assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
         assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-        assert torch.equal(got, want), f"{name}:\n{got}\n!=\n{want}"
+        assert np.array_equal(got, want), f"{name}:\n{got}\n!=\n{want}"
 
 
 # -- the docstring's worked example -------------------------------------------------------
@@ -87,7 +87,7 @@ def test_chain_is_lower_triangular(n: int) -> None:
         cu_seqlens=_i32([0, n]),
         past_lens=_i32([3]),
         slot_ids=_i32([1]),
-        tree_mask=torch.ones(n, n, dtype=torch.bool).tril(),
+        tree_mask=np.tri(n, dtype=bool),
         logits_indices=_i32(list(range(n))),
     )
 
@@ -97,7 +97,7 @@ def test_explicit_chain_parents_equal_implicit_chain() -> None:
     explicit = pack([SeqWork(0, 4, [5, 6, 7, 8], parents=[ROOT, 0, 1, 2])])
     for name in ("input_ids", "position_ids", "cu_seqlens", "past_lens", "slot_ids", "tree_mask",
                  "logits_indices"):
-        assert torch.equal(getattr(implicit, name), getattr(explicit, name)), name
+        assert np.array_equal(getattr(implicit, name), getattr(explicit, name)), name
 
 
 def test_tree_mask_width_is_longest_sequence() -> None:
@@ -151,18 +151,18 @@ def test_forest_three_trees_depths_and_ancestors() -> None:
             ".......1",
         ]),
     )
-    assert torch.equal(batch.tree_mask, visible_new(parents))
+    assert np.array_equal(batch.tree_mask, visible_new(parents).numpy())
 
 
 def test_random_forests_match_ancestor_definition() -> None:
-    gen = torch.Generator().manual_seed(0)
+    gen = np.random.default_rng(0)
     work, masks, positions = [], [], []
     for seq in range(6):
-        n = int(torch.randint(1, 12, (1,), generator=gen))
-        parents = [int(torch.randint(-1, j, (1,), generator=gen)) if j else ROOT for j in range(n)]
-        past = int(torch.randint(0, 20, (1,), generator=gen))
+        n = int(gen.integers(1, 12))
+        parents = [int(gen.integers(-1, j)) if j else ROOT for j in range(n)]
+        past = int(gen.integers(0, 20))
         work.append(SeqWork(seq, past, list(range(n)), parents=parents))
-        masks.append(visible_new(parents))
+        masks.append(visible_new(parents).numpy())
         positions.extend(past + d for d in _depths(parents))
     batch = pack(work)
     s_max = max(m.shape[0] for m in masks)
@@ -170,7 +170,7 @@ def test_random_forests_match_ancestor_definition() -> None:
     start = 0
     for m in masks:
         n = m.shape[0]
-        assert torch.equal(batch.tree_mask[start : start + n, :n], m)
+        assert np.array_equal(batch.tree_mask[start : start + n, :n], m)
         assert not batch.tree_mask[start : start + n, n:].any()
         start += n
     _assert_batch(batch, position_ids=_i64(positions))
@@ -299,16 +299,16 @@ def test_logit_offsets() -> None:
 
 
 def test_cache_mask_is_cut_to_longest_past() -> None:
-    mask = torch.rand(3, 16) > 0.3
+    mask = np.random.default_rng(0).random((3, 16)) > 0.3
     batch = pack([SeqWork(0, 4, [1]), SeqWork(1, 9, [2, 3]), SeqWork(2, 2, [4])], cache_mask=mask)
     assert batch.cache_mask is not None
     assert batch.cache_mask.shape == (3, 9)
-    assert torch.equal(batch.cache_mask, mask[:, :9])
+    assert np.array_equal(batch.cache_mask, mask[:, :9])
 
 
 def test_cache_mask_rows_of_empty_sequences_are_dropped() -> None:
     """One mask row per work item (as ``KVCacheManager.cache_mask(slots)`` gives); empty items drop out."""
-    mask = torch.zeros(4, 10, dtype=torch.bool)
+    mask = np.zeros((4, 10), dtype=bool)
     for row in range(4):
         mask[row, row] = True  # row r is identifiable by its single set column
     batch = pack(
@@ -317,11 +317,11 @@ def test_cache_mask_rows_of_empty_sequences_are_dropped() -> None:
     )
     assert batch.cache_mask is not None
     assert batch.cache_mask.shape == (2, 6)
-    assert torch.equal(batch.cache_mask, mask[[0, 2], :6])
+    assert np.array_equal(batch.cache_mask, mask[[0, 2], :6])
 
 
 def test_cache_mask_width_zero_when_no_past() -> None:
-    mask = torch.ones(2, 4, dtype=torch.bool)
+    mask = np.ones((2, 4), dtype=bool)
     batch = pack([SeqWork(0, 0, [1, 2]), SeqWork(1, 0, [3])], cache_mask=mask)
     assert batch.cache_mask is not None
     assert batch.cache_mask.shape == (2, 0)

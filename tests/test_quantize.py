@@ -462,7 +462,7 @@ class GraphLaw:
     def __call__(self, ids: torch.Tensor) -> SimpleNamespace:
         cache = self.backend.allocate_cache(len(ids), ids.shape[1])
         logits = self.backend.step(pack([SeqWork(i, 0, row.tolist()) for i, row in enumerate(ids)]), cache)
-        return SimpleNamespace(logits=logits.reshape(len(ids), ids.shape[1], -1))
+        return SimpleNamespace(logits=logits.reshape(len(ids), ids.shape[1], -1))  # numpy: exact_joint takes both
 
 
 @pytest.mark.statistical

@@ -29,15 +29,9 @@ from test_lossless_sampling import (
 
 from specdec.export.cli import main as export_main
 from specdec.export.validate import max_logit_error
-from specdec.models.loading import (
-    HEAD_TOKEN_IDS_FILE,
-    LoadedModel,
-    ModelResolutionError,
-    load_model,
-    restrict_head,
-    save_model,
-    tiny_random,
-)
+from specdec.models.errors import ModelResolutionError
+from specdec.models.export_meta import HEAD_TOKEN_IDS_FILE
+from specdec.models.loading import LoadedModel, load_model, restrict_head, save_model, tiny_random
 from specdec.models.manifest import read_manifest
 from specdec.runtime.backends.onnxruntime import OrtBackend
 from specdec.runtime.backends.torch_backend import TorchBackend
@@ -85,9 +79,10 @@ def test_restrict_head_takes_rows_of_the_lm_head_or_the_tied_embeddings() -> Non
     from specdec.runtime.packed import SeqWork, pack
 
     a, b = TorchBackend(full), TorchBackend(small)
-    assert (b.vocab_size, b.head_size) == (32, 4) and torch.equal(b.head_token_ids, small.head_token_ids)
-    want = a.step(pack([SeqWork(0, 0, ids)]), a.allocate_cache(1, 8))[:, small.head_token_ids]
-    assert torch.allclose(b.step(pack([SeqWork(0, 0, ids)]), b.allocate_cache(1, 8)), want, atol=1e-6)
+    assert (b.vocab_size, b.head_size) == (32, 4) and b.head_token_ids.dtype == np.int64
+    assert np.array_equal(b.head_token_ids, small.head_token_ids.numpy())
+    want = a.step(pack([SeqWork(0, 0, ids)]), a.allocate_cache(1, 8))[:, b.head_token_ids]
+    assert np.allclose(b.step(pack([SeqWork(0, 0, ids)]), b.allocate_cache(1, 8)), want, atol=1e-6)
 
 
 def test_save_load_round_trip_keeps_the_head_map(tmp_path) -> None:
@@ -153,7 +148,7 @@ def test_greedy_ems_and_vanilla_with_a_restricted_draft_equal_ar(greedy_target: 
 
 def test_sampled_draft_probs_cover_the_full_vocabulary_and_vanish_off_the_head(greedy_target: LoadedModel) -> None:
     draft = restrict_head(greedy_target, EVEN)
-    head = draft.head_token_ids
+    head = draft.head_token_ids.numpy()
     drafter = ModelDrafter(TorchBackend(draft), max_batch=2, max_len=64)
     assert drafter.vocab_size == GREEDY_VOCAB
     params = [SamplingParams(1.0, seed=1), SamplingParams(1.3, top_k=7, top_p=0.8, seed=2)]
@@ -163,16 +158,16 @@ def test_sampled_draft_probs_cover_the_full_vocabulary_and_vanish_off_the_head(g
     hf = draft.to_hf()
     for seq, d, p in zip(seqs, drafts, params):
         assert d.probs.shape == (len(d.tokens), GREEDY_VOCAB)
-        assert torch.allclose(d.probs.sum(-1), torch.ones(len(d.tokens)), atol=1e-6)
-        off = torch.ones(GREEDY_VOCAB, dtype=torch.bool)
+        assert np.allclose(d.probs.sum(-1), np.ones(len(d.tokens)), atol=1e-6)
+        off = np.ones(GREEDY_VOCAB, dtype=bool)
         off[head] = False
-        assert float(d.probs[:, off].abs().max()) == 0.0
+        assert float(np.abs(d.probs[:, off]).max()) == 0.0
         assert all(t in _head_set(draft) and float(d.probs[j, t]) > 0 for j, t in enumerate(d.tokens))
         # q over the head is the warped law of the reference model's K logits, at each draft position
         ids = torch.tensor([seq.tokens + d.tokens[:-1]])
         with torch.no_grad():
             logits = hf(ids).logits[0, len(seq.tokens) - 1 :]
-        assert torch.allclose(d.probs[:, head], warp(logits, p), atol=1e-5)
+        assert np.allclose(d.probs[:, head], warp(logits.numpy(), p), atol=1e-5)
 
 
 # -- sampling: lossless --------------------------------------------------------------------
@@ -221,8 +216,8 @@ def test_check_rejects_q_scattered_to_the_wrong_columns(lossless_target: LoadedM
     """Negative control: q placed in columns 0..K-1 instead of at the head's token ids (a
     forgotten map) is caught with a quarter of the samples."""
 
-    def first_columns(self, q: torch.Tensor) -> torch.Tensor:
-        full = q.new_zeros(q.shape[0], self.vocab_size)
+    def first_columns(self, q: np.ndarray) -> np.ndarray:
+        full = np.zeros((q.shape[0], self.vocab_size), dtype=q.dtype)
         full[:, : q.shape[1]] = q
         return full
 
@@ -262,7 +257,7 @@ def test_onnx_export_of_a_restricted_draft_matches_torch(restricted_export) -> N
     assert manifest["draft"]["validation_max_abs_logit_error"] < 1e-4
     backend = OrtBackend(out / manifest["draft"]["graph"])
     assert (backend.vocab_size, backend.head_size) == (128, 64)
-    assert torch.equal(backend.head_token_ids, draft.head_token_ids)
+    assert np.array_equal(backend.head_token_ids, draft.head_token_ids.numpy())
     assert max_logit_error(TorchBackend(draft), backend, num_slots=5, max_len=48, seed=1) < 1e-4
 
 
@@ -270,7 +265,7 @@ def test_engine_from_export_with_a_restricted_draft_equals_torch_ar(restricted_e
     target, draft, out = restricted_export
     ort_engine = Engine.from_export(out)
     assert isinstance(ort_engine.drafter, ModelDrafter)
-    assert torch.equal(ort_engine.drafter.head_token_ids, draft.head_token_ids)
+    assert np.array_equal(ort_engine.drafter.head_token_ids, draft.head_token_ids.numpy())
     torch_engine = Engine.from_models(target, None, max_batch=4, max_len=128)
     g = torch.Generator().manual_seed(1)
     requests = [Request(torch.randint(0, 128, (n,), generator=g).tolist(), max_tokens=m)

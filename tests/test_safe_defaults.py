@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from specdec.export.cli import main as export_main
-from specdec.models.loading import ModelResolutionError, load_export_metadata
+from specdec.models.export_meta import ModelResolutionError, load_export_metadata
 from specdec.models.manifest import ExportDirError, export_path, read_manifest
 from specdec.runtime.engine import Engine
 

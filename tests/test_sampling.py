@@ -17,7 +17,6 @@ from functools import cache
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
@@ -27,6 +26,7 @@ from specdec.runtime.sampling import (
     SamplingParams,
     next_token,
     sample,
+    sample_many,
     verify_greedy,
     verify_sampling,
     warp,
@@ -35,14 +35,10 @@ from specdec.runtime.sampling import (
 ALPHA = 1e-3  # a correct sampler fails one check with probability 0.001 (see module docstring)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tests run thousands of tiny ops; a second intra-op thread only adds hand-off cost
-    (measured: ~300x slower per op on a loaded 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _draw(probs: np.ndarray, g: np.random.Generator) -> int:
+    """One draw from ``probs`` by numpy's own ``Generator.choice``: the tests' draft proposals and wrong
+    samplers do not go through the sampler under test."""
+    return int(g.choice(probs.size, p=probs))
 
 
 def chi_square_pvalue(counts: Counter, probs: dict[tuple[int, ...], float] | np.ndarray) -> float:
@@ -110,16 +106,17 @@ def test_tiny_positive_temperature_is_refused_or_sampled(temperature: float) -> 
     except InvalidRequestError as exc:
         assert "temperature" in str(exc)
         return  # refused up front, naming the parameter
-    probs = warp(torch.tensor([5.0, 1.0, -2.0]), params)
-    assert torch.isfinite(probs).all() and float(probs.sum()) == pytest.approx(1.0)
-    assert next_token(torch.tensor([5.0, 1.0, -2.0]), params, torch.Generator().manual_seed(0)) == 0
+    logits = np.array([5.0, 1.0, -2.0], dtype=np.float32)
+    probs = warp(logits, params)
+    assert np.isfinite(probs).all() and float(probs.sum()) == pytest.approx(1.0)
+    assert next_token(logits, params, np.random.default_rng(0)) == 0
 
 
 @pytest.mark.parametrize("temperature", [1e-5, 1e-3])
 def test_smallest_accepted_temperatures_give_finite_probabilities(temperature: float) -> None:
-    logits = torch.tensor([[300.0, 299.0, -300.0, 0.0], [-1e4, -1e4, -2e4, -1e4 - 1e-2]])
+    logits = np.array([[300.0, 299.0, -300.0, 0.0], [-1e4, -1e4, -2e4, -1e4 - 1e-2]], dtype=np.float32)
     probs = warp(logits, SamplingParams(temperature=temperature, top_k=3, top_p=0.9))
-    assert torch.isfinite(probs).all()
+    assert probs.dtype == np.float32 and np.isfinite(probs).all()
     assert probs.sum(-1).tolist() == pytest.approx([1.0, 1.0])
     assert probs[0].tolist() == [1.0, 0.0, 0.0, 0.0]
     assert probs[1].tolist() == [0.5, 0.5, 0.0, 0.0]  # an exact tie for the max shares the mass
@@ -127,9 +124,10 @@ def test_smallest_accepted_temperatures_give_finite_probabilities(temperature: f
 
 def test_seeded_generators_repeat_and_unseeded_ones_differ() -> None:
     a, b = SamplingParams(1.0, seed=7).make_generator(), SamplingParams(1.0, seed=7).make_generator()
-    assert torch.equal(torch.rand(16, generator=a), torch.rand(16, generator=b))
+    assert isinstance(a, np.random.Generator)
+    assert np.array_equal(a.random(16), b.random(16))
     c, d = SamplingParams(1.0).make_generator(), SamplingParams(1.0).make_generator()
-    assert not torch.equal(torch.rand(16, generator=c), torch.rand(16, generator=d))
+    assert not np.array_equal(c.random(16), d.random(16))
 
 
 # -- warp vs an independent reference ------------------------------------------------------
@@ -160,8 +158,8 @@ def reference_warp(logits: Sequence[float], temperature: float, top_k: int, top_
 
 
 def _softmax(scores: np.ndarray) -> np.ndarray:
-    e = np.exp(scores - scores.max())
-    return e / e.sum()
+    e = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
 
 
 def _top_p_boundary_gap(logits: Sequence[float], temperature: float, top_k: int, top_p: float) -> float:
@@ -174,61 +172,63 @@ def _top_p_boundary_gap(logits: Sequence[float], temperature: float, top_k: int,
 
 
 def test_warp_matches_reference_on_hand_cases() -> None:
-    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    logits = np.log(np.array([0.4, 0.3, 0.2, 0.1], dtype=np.float32))
     # top-k first, then top-p on the renormalised survivors: [4/7, 3/7] then 4/7 >= 0.5 ends it
-    assert torch.allclose(warp(logits, SamplingParams(1.0, top_k=2, top_p=0.5)), torch.tensor([1.0, 0, 0, 0]))
+    assert np.allclose(warp(logits, SamplingParams(1.0, top_k=2, top_p=0.5)), [1.0, 0, 0, 0])
     # top-p alone keeps 0.4 and 0.3 (mass before 0.3 is 0.4 < 0.5)
-    assert torch.allclose(warp(logits, SamplingParams(1.0, top_p=0.5)), torch.tensor([4 / 7, 3 / 7, 0, 0]))
+    assert np.allclose(warp(logits, SamplingParams(1.0, top_p=0.5)), [4 / 7, 3 / 7, 0, 0])
     # temperature 0.5 squares the probabilities before renormalising
-    squared = torch.tensor([0.16, 0.09, 0.04, 0.01]) / 0.30
-    assert torch.allclose(warp(logits, SamplingParams(0.5)), squared, atol=1e-6)
+    squared = np.array([0.16, 0.09, 0.04, 0.01]) / 0.30
+    assert np.allclose(warp(logits, SamplingParams(0.5)), squared, atol=1e-6)
     # top_k >= V and top_p == 1 are no-ops
     plain = warp(logits, SamplingParams(1.0))
-    assert torch.allclose(warp(logits, SamplingParams(1.0, top_k=4)), plain)
-    assert torch.allclose(warp(logits, SamplingParams(1.0, top_k=40)), plain)
-    assert torch.allclose(plain, torch.tensor([0.4, 0.3, 0.2, 0.1]), atol=1e-6)
+    assert plain.dtype == np.float32
+    assert np.allclose(warp(logits, SamplingParams(1.0, top_k=4)), plain)
+    assert np.allclose(warp(logits, SamplingParams(1.0, top_k=40)), plain)
+    assert np.allclose(plain, [0.4, 0.3, 0.2, 0.1], atol=1e-6)
 
 
 def test_warp_top_k_keeps_every_token_tied_with_the_kth() -> None:
-    logits = torch.tensor([3.0, 2.0, 2.0, 1.0, 2.0, -1.0])
+    logits = np.array([3.0, 2.0, 2.0, 1.0, 2.0, -1.0], dtype=np.float32)
     probs = warp(logits, SamplingParams(1.0, top_k=2))
     assert (probs > 0).tolist() == [True, True, True, False, True, False]
     expected = reference_warp(logits.tolist(), 1.0, 2, 1.0)
-    np.testing.assert_allclose(probs.numpy(), expected, atol=1e-6)
+    np.testing.assert_allclose(probs, expected, atol=1e-6)
 
 
 def test_warp_top_p_with_ties_across_the_threshold_keeps_the_right_count() -> None:
     # four equal tokens, top_p = 0.5: exactly two survive (which two is unspecified, as in HF)
-    probs = warp(torch.zeros(4), SamplingParams(1.0, top_p=0.5))
+    probs = warp(np.zeros(4, dtype=np.float32), SamplingParams(1.0, top_p=0.5))
     assert sorted(probs.tolist()) == [0.0, 0.0, 0.5, 0.5]
     # four tied tokens after one of mass 0.5: top_p = 0.55 keeps the top one and one of the ties
-    logits = torch.log(torch.tensor([0.5, 0.125, 0.125, 0.125, 0.125]))
+    logits = np.log(np.array([0.5, 0.125, 0.125, 0.125, 0.125], dtype=np.float32))
     kept = warp(logits, SamplingParams(1.0, top_p=0.55))
     assert float(kept[0]) == pytest.approx(0.8) and sorted(kept[1:].tolist()) == pytest.approx([0, 0, 0, 0.2])
 
 
 @pytest.mark.parametrize("top_p", [1e-9, 0.01, 0.3])
 def test_warp_top_p_always_keeps_the_most_likely_token(top_p: float) -> None:
-    logits = torch.tensor([0.0, 4.0, 1.0, -2.0])
+    logits = np.array([0.0, 4.0, 1.0, -2.0], dtype=np.float32)
     probs = warp(logits, SamplingParams(1.0, top_p=top_p))
     assert probs.tolist() == [0.0, 1.0, 0.0, 0.0]
     # ... also with -inf logits (masked vocabulary) present
-    masked = warp(torch.tensor([-math.inf, 1.0, -math.inf]), SamplingParams(0.7, top_k=2, top_p=top_p))
+    masked = warp(np.array([-math.inf, 1.0, -math.inf], dtype=np.float32), SamplingParams(0.7, top_k=2, top_p=top_p))
     assert masked.tolist() == [0.0, 1.0, 0.0]
 
 
 def test_warp_is_batched_over_leading_dimensions() -> None:
-    logits = torch.randn(3, 2, 7, generator=torch.Generator().manual_seed(0))
+    logits = np.random.default_rng(0).standard_normal((3, 2, 7)).astype(np.float32)
     params = SamplingParams(0.9, top_k=4, top_p=0.8)
     batched = warp(logits, params)
+    assert batched.shape == (3, 2, 7)
     for i in range(3):
         for j in range(2):
-            assert torch.allclose(batched[i, j], warp(logits[i, j], params))
+            assert np.allclose(batched[i, j], warp(logits[i, j], params))
 
 
 def test_warp_refuses_greedy_params() -> None:
     with pytest.raises(ValueError, match="greedy"):
-        warp(torch.zeros(3), SamplingParams(0.0))
+        warp(np.zeros(3, dtype=np.float32), SamplingParams(0.0))
 
 
 # Logits on a grid of quarters: ties are exact in float32 and float64 alike, and distinct
@@ -245,7 +245,7 @@ def test_warp_matches_hf_style_reference(logits: list[float], temperature: float
                                          top_p: float) -> None:
     assume(_top_p_boundary_gap(logits, temperature, top_k, top_p) > 1e-5)
     params = SamplingParams(temperature, top_k, top_p)
-    got = warp(torch.tensor(logits), params).double().numpy()
+    got = warp(np.array(logits, dtype=np.float32), params).astype(np.float64)
     want = reference_warp(logits, temperature, top_k, top_p)
     assert got.sum() == pytest.approx(1.0, abs=1e-5)
     # which of several tied tokens straddling the top-p threshold survive is unspecified
@@ -255,6 +255,69 @@ def test_warp_matches_hf_style_reference(logits: list[float], temperature: float
     kept, dropped = before_top_p[want > 0], before_top_p[(want == 0) & (before_top_p > 0)]
     if not np.intersect1d(kept, dropped).size:
         np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+# -- drawing tokens --------------------------------------------------------------------------
+
+
+class _FixedUniforms:
+    """A stand-in for ``numpy.random.Generator`` whose ``random()`` returns the given uniforms, in order."""
+
+    def __init__(self, values: Sequence[float]) -> None:
+        self.values = [float(v) for v in values]
+
+    def random(self, size: int | None = None) -> float | np.ndarray:
+        if size is None:
+            return self.values.pop(0)
+        out, self.values = np.array(self.values[:size]), self.values[size:]
+        assert out.size == size, "the test gave too few uniforms"
+        return out
+
+
+#: the ends of what ``Generator.random()`` returns: [0, 1)
+LOWEST, HIGHEST = 0.0, float(np.nextafter(1.0, 0.0))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("scale", [1.0, 0.37, 1e-30])  # a residual max(0, p - q) is passed unnormalised
+def test_sample_never_draws_a_zero_probability_token_even_at_the_edges(dtype: type, scale: float) -> None:
+    """Zero-probability tokens (first, inner, last) own an empty interval of the CDF, so no uniform reaches them:
+    neither the ends of [0, 1) nor uniforms within a few ulps of every inner boundary."""
+    probs = (np.array([0.0, 0.0, 0.3, 0.0, 0.45, 0.25, 0.0, 0.0]) * scale).astype(dtype)
+    possible = set(np.flatnonzero(probs).tolist())
+    assert sample_many(probs, 2, _FixedUniforms([LOWEST, HIGHEST])).tolist() == [2, 5]
+    assert sample(probs, _FixedUniforms([LOWEST])) == 2 and sample(probs, _FixedUniforms([HIGHEST])) == 5
+    cdf = np.cumsum(probs, dtype=np.float64)
+    near = []
+    for boundary in cdf[:-1] / cdf[-1]:
+        below = above = float(boundary)
+        near.append(below)
+        for _ in range(4):
+            below, above = float(np.nextafter(below, 0.0)), float(np.nextafter(above, 1.0))
+            near += [below, above]
+    near = [u for u in near if 0.0 <= u < 1.0]
+    drawn = sample_many(probs, len(near), _FixedUniforms(near))
+    assert drawn.dtype == np.int64 and set(drawn.tolist()) <= possible
+    assert set(drawn.tolist()) == possible  # every boundary was straddled: each side was drawn
+    drawn = sample_many(probs, 100_000, np.random.default_rng(0))
+    assert set(drawn.tolist()) == possible
+    with pytest.raises(ValueError, match="positive mass"):
+        sample_many(np.zeros(4, dtype=dtype), 1, np.random.default_rng(0))
+
+
+@pytest.mark.statistical
+def test_sample_many_draws_the_law_of_its_unnormalised_float32_input() -> None:
+    """200,000 draws from a float32 vector that does not sum to 1 (a residual, as verify_sampling passes it)
+    follow the normalised law; the same check on the same draws rejects a law moved by 0.01."""
+    probs = (P_ONE * 0.37).astype(np.float32)
+    counts = Counter(sample_many(probs, 200_000, np.random.default_rng(30)).tolist())
+    pvalue = chi_square_pvalue(counts, P_ONE)
+    moved = P_ONE.copy()
+    moved[0], moved[1] = moved[0] - 0.01, moved[1] + 0.01
+    wrong = chi_square_pvalue(counts, moved)
+    print(f"sample_many: p = {pvalue:.3g}; against a law moved by 0.01: p = {wrong:.3g}")
+    assert pvalue > ALPHA
+    assert wrong < 1e-12
 
 
 # -- greedy verification -------------------------------------------------------------------
@@ -275,27 +338,27 @@ def test_verify_greedy(drafts: list[int], argmax: list[int], expected: list[int]
 
 
 def test_next_token_greedy_is_argmax_and_consumes_no_randomness() -> None:
-    g = torch.Generator().manual_seed(0)
-    state = g.get_state()
-    assert next_token(torch.tensor([0.1, 2.0, -1.0]), SamplingParams(0.0), g) == 1
-    assert torch.equal(g.get_state(), state)
+    g = np.random.default_rng(0)
+    state = g.bit_generator.state
+    assert next_token(np.array([0.1, 2.0, -1.0], dtype=np.float32), SamplingParams(0.0), g) == 1
+    assert g.bit_generator.state == state
 
 
 # -- sampling verification: hand cases -----------------------------------------------------
 
 
 def test_verify_sampling_accepts_everything_when_draft_equals_target() -> None:
-    g = torch.Generator().manual_seed(1)
-    q = torch.tensor([[0.2, 0.3, 0.5], [0.6, 0.2, 0.2]])
-    p = torch.cat([q, torch.tensor([[0.0, 0.0, 1.0]])])
+    g = np.random.default_rng(1)
+    q = np.array([[0.2, 0.3, 0.5], [0.6, 0.2, 0.2]], dtype=np.float32)
+    p = np.concatenate([q, np.array([[0.0, 0.0, 1.0]], dtype=np.float32)])
     for _ in range(200):
         assert verify_sampling([2, 0], q, p, g) == [2, 0, 2]
 
 
 def test_verify_sampling_always_rejects_a_token_the_target_rules_out() -> None:
-    g = torch.Generator().manual_seed(2)
-    q = torch.tensor([[0.5, 0.5, 0.0]])
-    p = torch.tensor([[0.0, 0.3, 0.7], [1.0, 0.0, 0.0]])
+    g = np.random.default_rng(2)
+    q = np.array([[0.5, 0.5, 0.0]], dtype=np.float32)
+    p = np.array([[0.0, 0.3, 0.7], [1.0, 0.0, 0.0]], dtype=np.float32)
     outs = {tuple(verify_sampling([0], q, p, g)) for _ in range(300)}
     # residual norm(max(0, p - q)) = [0, 0, 1]: token 2, never the rejected draft
     assert outs == {(2,)}
@@ -305,19 +368,19 @@ def test_verify_sampling_always_rejects_a_token_the_target_rules_out() -> None:
 
 
 def test_verify_sampling_empty_draft_samples_from_the_last_row() -> None:
-    g = torch.Generator().manual_seed(3)
-    p = torch.tensor([[0.0, 0.0, 1.0, 0.0]])
-    assert verify_sampling([], torch.zeros(0, 4), p, g) == [2]
+    g = np.random.default_rng(3)
+    p = np.array([[0.0, 0.0, 1.0, 0.0]], dtype=np.float32)
+    assert verify_sampling([], np.zeros((0, 4), dtype=np.float32), p, g) == [2]
     assert verify_sampling([], None, p, g) == [2]
 
 
 def test_verify_sampling_output_is_an_accepted_prefix_plus_one() -> None:
-    g = torch.Generator().manual_seed(4)
-    gen = torch.Generator().manual_seed(5)
+    g = np.random.default_rng(4)
+    gen = np.random.default_rng(5)
     for _ in range(300):
-        q = torch.softmax(torch.randn(3, 6, generator=gen) * 2, -1)
-        p = torch.softmax(torch.randn(4, 6, generator=gen) * 2, -1)
-        drafts = [int(torch.multinomial(q[j], 1, generator=gen)) for j in range(3)]
+        q = _softmax(gen.standard_normal((3, 6)) * 2).astype(np.float32)
+        p = _softmax(gen.standard_normal((4, 6)) * 2).astype(np.float32)
+        drafts = [_draw(q[j], gen) for j in range(3)]
         out = verify_sampling(drafts, q, p, g)
         assert 1 <= len(out) <= 4
         assert out[:-1] == drafts[: len(out) - 1]
@@ -333,17 +396,17 @@ Q_ONE = np.array([0.1, 0.5, 0.0, 0.15, 0.25])  # draft: token 2 never proposed, 
 N_ONE = 20_000
 
 
-def _first_token_counts(n: int, seed: int, draw: Callable[[torch.Generator], int]) -> Counter:
-    g = torch.Generator().manual_seed(seed)
+def _first_token_counts(n: int, seed: int, draw: Callable[[np.random.Generator], int]) -> Counter:
+    g = np.random.default_rng(seed)
     return Counter(draw(g) for _ in range(n))
 
 
-def _one_position_draw(p: torch.Tensor, q: torch.Tensor | None, fixed: int | None = None):
-    bonus = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0])  # never emitted if verification is right
+def _one_position_draw(p: np.ndarray, q: np.ndarray | None, fixed: int | None = None):
+    bonus = np.array([0.0, 0.0, 0.0, 0.0, 1.0], dtype=np.float32)  # never emitted if verification is right
 
-    def draw(g: torch.Generator) -> int:
-        x = fixed if fixed is not None else int(torch.multinomial(q, 1, generator=g))
-        out = verify_sampling([x], None if q is None else q[None], torch.stack([p, bonus]), g)
+    def draw(g: np.random.Generator) -> int:
+        x = fixed if fixed is not None else _draw(q, g)
+        out = verify_sampling([x], None if q is None else q[None], np.stack([p, bonus]), g)
         return out[0]
 
     return draw
@@ -351,7 +414,8 @@ def _one_position_draw(p: torch.Tensor, q: torch.Tensor | None, fixed: int | Non
 
 @pytest.mark.statistical
 def test_verify_sampling_first_token_has_the_target_law() -> None:
-    p, q = torch.tensor(P_ONE, dtype=torch.float32), torch.tensor(Q_ONE, dtype=torch.float32)
+    # float32, as warp() gives them: the float64 P_ONE of the check differs by rounding only (~1e-8)
+    p, q = P_ONE.astype(np.float32), Q_ONE.astype(np.float32)
     counts = _first_token_counts(N_ONE, 10, _one_position_draw(p, q))
     pvalue = chi_square_pvalue(counts, P_ONE)
     print(f"one position, sampled draft: p = {pvalue:.3g}")
@@ -361,7 +425,7 @@ def test_verify_sampling_first_token_has_the_target_law() -> None:
 @pytest.mark.parametrize("fixed", [1, 3, 4])  # a likely token, a less likely one, an impossible one
 @pytest.mark.statistical
 def test_verify_sampling_point_mass_draft_has_the_target_law(fixed: int) -> None:
-    p = torch.tensor(P_ONE, dtype=torch.float32)
+    p = P_ONE.astype(np.float32)
     counts = _first_token_counts(N_ONE, 20 + fixed, _one_position_draw(p, None, fixed))
     pvalue = chi_square_pvalue(counts, P_ONE)
     print(f"one position, point-mass draft {fixed}: p = {pvalue:.3g}")
@@ -371,16 +435,16 @@ def test_verify_sampling_point_mass_draft_has_the_target_law(fixed: int) -> None
 @pytest.mark.statistical
 def test_one_position_check_rejects_wrong_samplers() -> None:
     """Negative controls: the same check, on as many draws, fails two wrong samplers."""
-    p, q = torch.tensor(P_ONE, dtype=torch.float32), torch.tensor(Q_ONE, dtype=torch.float32)
+    p, q = P_ONE.astype(np.float32), Q_ONE.astype(np.float32)
 
-    def from_draft(g: torch.Generator) -> int:  # plain sampling from q (= accepting every draft)
-        return int(torch.multinomial(q, 1, generator=g))
+    def from_draft(g: np.random.Generator) -> int:  # plain sampling from q (= accepting every draft)
+        return _draw(q, g)
 
-    def resample_from_p(g: torch.Generator) -> int:  # a classic bug: on rejection draw from p, not the residual
-        x = int(torch.multinomial(q, 1, generator=g))
-        if float(torch.rand((), generator=g)) * float(q[x]) < float(p[x]):
+    def resample_from_p(g: np.random.Generator) -> int:  # a classic bug: on rejection draw from p, not the residual
+        x = _draw(q, g)
+        if g.random() * float(q[x]) < float(p[x]):
             return x
-        return int(torch.multinomial(p, 1, generator=g))
+        return _draw(p, g)
 
     # drawing from q emits token 4, which p rules out: the zero-probability assertion fires;
     # the chi-square on the possible tokens alone rejects it as well
@@ -401,12 +465,14 @@ N_CHAIN = 20_000
 
 
 @cache
-def _chain_law(kind: str, prefix: tuple[int, ...]) -> torch.Tensor:
-    """A fixed pseudo-random law after ``prefix``; p rules one token out, q another."""
+def _chain_law(kind: str, prefix: tuple[int, ...]) -> np.ndarray:
+    """A fixed pseudo-random law after ``prefix`` (float32, as warp() gives it); p rules one token out, q another."""
     rng = np.random.default_rng([ord(kind), len(prefix), *prefix])
     law = rng.dirichlet(np.full(V_CHAIN, 0.8))
     law[(sum(prefix) + (0 if kind == "p" else 1)) % V_CHAIN] = 0.0
-    return torch.tensor(law / law.sum(), dtype=torch.float32)
+    law = (law / law.sum()).astype(np.float32)
+    law.flags.writeable = False  # cached: shared by every call
+    return law
 
 
 def _exact_chain_joint(n: int) -> dict[tuple[int, ...], float]:
@@ -420,10 +486,10 @@ def _exact_chain_joint(n: int) -> dict[tuple[int, ...], float]:
     return joint
 
 
-Verifier = Callable[[list[int], "torch.Tensor | None", torch.Tensor, torch.Generator], list[int]]
+Verifier = Callable[[list[int], "np.ndarray | None", np.ndarray, np.random.Generator], list[int]]
 
 
-def _chain_decode(k: int, n: int, g: torch.Generator, point_mass: bool,
+def _chain_decode(k: int, n: int, g: np.random.Generator, point_mass: bool,
                   verifier: Verifier = verify_sampling) -> tuple[int, ...]:
     out: list[int] = []
     while len(out) < n:
@@ -436,9 +502,9 @@ def _chain_decode(k: int, n: int, g: torch.Generator, point_mass: bool,
             else:
                 q = _chain_law("q", ctx)
                 qs.append(q)
-                drafts.append(int(torch.multinomial(q, 1, generator=g)))
-        p = torch.stack([_chain_law("p", (*out, *drafts[:j])) for j in range(k + 1)])
-        out += verifier(drafts, None if point_mass else torch.stack(qs), p, g)
+                drafts.append(_draw(q, g))
+        p = np.stack([_chain_law("p", (*out, *drafts[:j])) for j in range(k + 1)])
+        out += verifier(drafts, None if point_mass else np.stack(qs), p, g)
     return tuple(out[:n])
 
 
@@ -452,7 +518,7 @@ def _chain_decode(k: int, n: int, g: torch.Generator, point_mass: bool,
 )
 @pytest.mark.statistical
 def test_verify_sampling_chain_joint_law_equals_target(k: int, n: int, point_mass: bool) -> None:
-    g = torch.Generator().manual_seed(100 + 10 * k + point_mass)
+    g = np.random.default_rng(100 + 10 * k + point_mass)
     counts = Counter(_chain_decode(k, n, g, point_mass) for _ in range(N_CHAIN))
     pvalue = chi_square_pvalue(counts, _exact_chain_joint(n))
     print(f"chain k={k}, {n} tokens, point_mass={point_mass}: p = {pvalue:.3g}")
@@ -466,7 +532,7 @@ def test_chain_check_rejects_accepting_every_draft() -> None:
     def accept_all(drafts, q, p, g):
         return [*drafts, sample(p[len(drafts)], g)]
 
-    g = torch.Generator().manual_seed(7)
+    g = np.random.default_rng(7)
     counts = Counter(_chain_decode(3, 3, g, False, accept_all) for _ in range(N_CHAIN))
     exact = _exact_chain_joint(3)
     assert any(exact[c] == 0.0 for c in counts)  # it even emits impossible sequences
@@ -480,16 +546,16 @@ def test_chain_check_rejects_accepting_every_draft() -> None:
 
 
 def _verify_many(seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    data = torch.Generator().manual_seed(99)  # the same inputs for every call of this helper
+    g = np.random.default_rng(seed)
+    data = np.random.default_rng(99)  # the same inputs for every call of this helper
     outs = []
     for _ in range(200):
-        q = torch.softmax(torch.randn(3, 8, generator=data), -1)
-        p = torch.softmax(torch.randn(4, 8, generator=data), -1)
-        drafts = [int(torch.multinomial(q[j], 1, generator=data)) for j in range(3)]
+        q = _softmax(data.standard_normal((3, 8))).astype(np.float32)
+        p = _softmax(data.standard_normal((4, 8))).astype(np.float32)
+        drafts = [_draw(q[j], data) for j in range(3)]
         outs.append(verify_sampling(drafts, q, p, g))
         outs.append(verify_sampling(drafts, None, p, g))
-        outs.append([next_token(torch.log(p[0]), SamplingParams(0.8, top_k=5, top_p=0.9), g)])
+        outs.append([next_token(np.log(p[0]), SamplingParams(0.8, top_k=5, top_p=0.9), g)])
     return outs
 
 

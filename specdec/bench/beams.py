@@ -61,7 +61,7 @@ from specdec.bench.harness import machine_info
 from specdec.bench.report import pareto_markdown, pareto_notes, plot_pareto, write_report
 from specdec.bench.workloads import QAItem, build_workload, exact_match, first_choice, qa_set
 from specdec.models.drafts import load_pair
-from specdec.models.loading import DEFAULT_TARGET
+from specdec.models.presets import DEFAULT_TARGET
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.beams import continuation_logprob
 from specdec.runtime.draft_length import DraftLength

@@ -50,7 +50,8 @@ from specdec.bench.harness import (
 )
 from specdec.bench.report import ems_notes, throughput_table, write_results
 from specdec.bench.workloads import MAX_DOC_CHARS, MIN_DOC_CHARS, build_workload, collect_documents
-from specdec.models.loading import DEFAULT_TARGET, LoadedModel, load_model
+from specdec.models.loading import LoadedModel, load_model
+from specdec.models.presets import DEFAULT_TARGET
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.drafters import NgramDrafter
 from specdec.runtime.engine import Engine, GenerationResult

@@ -6,9 +6,7 @@ import argparse
 import sys
 
 from specdec.distill.settings import DistillSettings
-from specdec.distill.train import distill
-from specdec.models.drafts import DraftLoadError
-from specdec.models.loading import ModelResolutionError
+from specdec.models.errors import DraftLoadError, ModelResolutionError
 
 
 def add_distill_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -47,6 +45,8 @@ def distill_main(args: argparse.Namespace) -> int:
     if settings.steps is not None:
         settings.minutes = None
     try:
+        from specdec.distill.train import distill  # torch: loaded for this command only, not by `specdec`'s parser
+
         manifest = distill(settings, command=" ".join(["specdec", "distill", *sys.argv[2:]]))
     except (ModelResolutionError, DraftLoadError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -92,7 +92,7 @@ def evaluate(net: DraftNet, target: LoadedModel, records: Sequence[Record]) -> d
     count = 0
     for r in records:
         cache = backend.allocate_cache(1, len(r.tokens) + 1)
-        p_all = torch.softmax(backend.step(pack([SeqWork(0, 0, r.tokens, logits="all")]), cache).float(), -1)
+        p_all = torch.softmax(torch.as_tensor(backend.step(pack([SeqWork(0, 0, r.tokens, logits="all")]), cache)), -1)
         q_head = torch.softmax(net(torch.as_tensor([r.tokens]), torch.ones(1, len(r.tokens),
                                                                                dtype=torch.long))[0].float(), -1)
         pos = torch.as_tensor(r.positions, dtype=torch.long) - 1

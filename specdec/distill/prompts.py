@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from specdec.distill.records import generate_records
 from specdec.distill.settings import DistillSettings
-from specdec.models.drafts import DraftLoadError
+from specdec.models.errors import DraftLoadError
 from specdec.models.loading import LoadedModel
 
 _TOPICS = ["the water cycle", "black holes", "photosynthesis", "the French revolution", "prime numbers",

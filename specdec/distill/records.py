@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from specdec.models.drafts import DraftLoadError
+from specdec.models.errors import DraftLoadError
 from specdec.models.loading import LoadedModel
 
 
@@ -38,8 +38,9 @@ class Record:
         return tuple(self.tokens[: self.positions[0]])
 
 
-def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    logp = torch.log_softmax(logits.float(), dim=-1)
+def _topk(logits: Any, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's top-``k`` ids and log-probabilities of logits rows (the runtime's numpy rows, or a tensor)."""
+    logp = torch.log_softmax(torch.as_tensor(logits).float(), dim=-1)
     values, ids = torch.topk(logp, k, dim=-1)
     return ids.to(torch.int32), values.to(torch.float16)
 
@@ -58,7 +59,7 @@ def generate_records(target: LoadedModel, prompts: Sequence[str], *, max_new_tok
     teacher: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {r.request_id: [] for r in requests}
     finished: dict[str, list[int]] = {}
 
-    def on_logits(seq: Any, logits: torch.Tensor) -> None:
+    def on_logits(seq: Any, logits: Any) -> None:
         ids, logp = _topk(logits, teacher_k)
         teacher[seq.request.request_id].append((len(seq.tokens), ids, logp))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdec.models.loading import DEFAULT_TARGET
+from specdec.models.presets import DEFAULT_TARGET
 
 
 @dataclass

@@ -27,7 +27,8 @@ from specdec.distill.data import distill_data
 from specdec.distill.net import DraftNet, check_growable, init_draft, select_head
 from specdec.distill.records import Record
 from specdec.distill.settings import DistillSettings
-from specdec.models.drafts import DRAFT_MANIFEST, FORMAT, DraftLoadError, load_draft, save_draft
+from specdec.models.drafts import DRAFT_MANIFEST, FORMAT, load_draft, save_draft
+from specdec.models.errors import DraftLoadError
 from specdec.models.loading import LoadedModel, load_model
 
 

@@ -37,16 +37,10 @@ import torch
 from tqdm.auto import tqdm
 
 from specdec.models.drafts import check_draft_compatible, resolve_draft
-from specdec.models.loading import (
-    DEFAULT_TARGET,
-    PRESETS,
-    LoadedModel,
-    ModelResolutionError,
-    atomic_directory,
-    load_model,
-    save_model,
-)
+from specdec.models.errors import ModelResolutionError
+from specdec.models.loading import LoadedModel, atomic_directory, load_model, save_model
 from specdec.models.manifest import FORMAT_VERSION, MANIFEST, ExportDirError, checksums, read_manifest
+from specdec.models.presets import DEFAULT_TARGET, PRESETS
 from specdec.runtime.costs import DraftCosts, calibrate_engine
 from specdec.runtime.draft_length import add_draft_length_args, check_draft_length_args
 from specdec.serving.repository import REPOSITORY_DIR, ServingOptions, write_repository

@@ -63,8 +63,9 @@ def _example_inputs(backend: TorchBackend) -> tuple[torch.Tensor, ...]:
     slots, max_len = 3, 16
     shape = (slots, backend.num_kv_heads, max_len, backend.head_dim)
     caches = [torch.zeros(shape, dtype=backend.dtype) for _ in range(2 * backend.num_layers)]
-    return (batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.past_lens, batch.slot_ids,
-            batch.tree_mask, batch.logits_indices, *caches)
+    packed = (batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.past_lens, batch.slot_ids,
+              batch.tree_mask, batch.logits_indices)
+    return (*(torch.from_numpy(a) for a in packed), *caches)
 
 
 def _dynamic_shapes(num_caches: int) -> tuple:

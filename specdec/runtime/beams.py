@@ -45,7 +45,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from specdec.runtime.backends.base import Backend
 from specdec.runtime.drafters import ForestDrafter
@@ -63,6 +63,7 @@ from specdec.runtime.loops import DecodeContext
 from specdec.runtime.metrics import RunMetrics
 from specdec.runtime.packed import ROOT, SeqWork, pack
 from specdec.runtime.request import CONTEXT, BeamCandidate, BeamParams, SeqState
+from specdec.runtime.sampling import log_softmax
 
 NodeRef = tuple[int, int]  # (root beam index, tree position); position -1 is the root's own last token
 
@@ -87,7 +88,7 @@ class Layer:
     ``parent * V + token`` refer to that list.
     """
 
-    q_beam: torch.Tensor | None  # flat [len(parents) * V]; None for greedy drafts
+    q_beam: np.ndarray | None  # flat [len(parents) * V]; None for greedy drafts
     nodes: list[int]  # flat (parent, token) indices, in draw order
     refs: list[NodeRef] = field(default_factory=list)  # each node's place in its root's tree
     scores: list[float] = field(default_factory=list)  # the draft's score of each node
@@ -219,7 +220,7 @@ class BeamDecoder:
                                draft_tokens=drafted, draft_seconds=draft_seconds)
         for item, _ in chunks:
             ctx.kv.commit(item.slot_id, len(item.token_ids))
-        logits: dict[tuple[int, int], torch.Tensor] = dict(zip(owners, rows))
+        logits: dict[tuple[int, int], np.ndarray] = dict(zip(owners, rows))
         for gi, group in enumerate(groups):
             ctx.count_call(group.seq)
             mine = {bi: logits[(gi, bi)] for bi in range(len(group.beams))}
@@ -324,8 +325,8 @@ class BeamDecoder:
                     self.drafter.keep(hyp.draft_slot, len(hyp.tokens) - self.drafter.cached_length(hyp.draft_slot))
             for group in drafting:
                 parents, scores = _layer_parents(group, depth)
-                rows = torch.stack([table[(id(group), r)] for r in parents])
-                self._draft_layer(group, parents, torch.tensor(scores, dtype=torch.float64), rows)
+                rows = np.stack([table[(id(group), r)] for r in parents])
+                self._draft_layer(group, parents, np.asarray(scores, dtype=np.float64), rows)
 
     def _draft_work(self, group: Group, b: int, depth: int,
                     parents: Sequence[NodeRef]) -> tuple[SeqWork, list[NodeRef]] | None:
@@ -344,7 +345,7 @@ class BeamDecoder:
         return SeqWork(slot, past, [t for t, _ in tree], [ROOT if p < 0 else p for _, p in tree],
                        logits=[pos for _, pos in mine]), mine
 
-    def _draft_layer(self, group: Group, parents: list[NodeRef], scores: torch.Tensor, logits: torch.Tensor) -> None:
+    def _draft_layer(self, group: Group, parents: list[NodeRef], scores: np.ndarray, logits: np.ndarray) -> None:
         """Draw one forest layer from the draft's beam distribution over ``parents`` and grow the trees."""
         params, gen = group.seq.request.sampling, group.seq.generator
         if params.greedy:
@@ -377,20 +378,21 @@ class BeamDecoder:
                        logits=[n - 1, *range(n, n + len(tree))])
 
     def _verify(self, group: Group,
-                rows: dict[int, torch.Tensor]) -> tuple[list[tuple[NodeRef, int, float]], int, int]:
+                rows: dict[int, np.ndarray]) -> tuple[list[tuple[NodeRef, int, float]], int, int]:
         """The round's output beams as (parent, token, score), the accepted drafts, and the layers that passed."""
         params, gen = group.seq.request.sampling, group.seq.generator
         eos = self.ctx.stopper.eos_ids
 
-        def logits_of(ref: NodeRef) -> torch.Tensor:
+        def logits_of(ref: NodeRef) -> np.ndarray:
             return rows[ref[0]][ref[1] + 1]
 
-        def table(refs: Sequence[NodeRef], valid: Sequence[bool]) -> torch.Tensor:
-            return torch.stack([logits_of(r) if ok else torch.zeros(self.vocab) for r, ok in zip(refs, valid)])
+        def table(refs: Sequence[NodeRef], valid: Sequence[bool]) -> np.ndarray:
+            return np.stack([logits_of(r) if ok else np.zeros(self.vocab, dtype=np.float32)
+                             for r, ok in zip(refs, valid)])
 
-        def masked(scores: Sequence[float], valid: Sequence[bool]) -> torch.Tensor:
+        def masked(scores: Sequence[float], valid: Sequence[bool]) -> np.ndarray:
             """Parent scores with invalid parents absent (-inf), as the beam distribution takes them."""
-            return torch.tensor([s if ok else -math.inf for s, ok in zip(scores, valid)], dtype=torch.float64)
+            return np.asarray([s if ok else -math.inf for s, ok in zip(scores, valid)], dtype=np.float64)
 
         parents: list[NodeRef] = [(b, -1) for b in range(len(group.beams))]
         valid = [True] * len(parents)
@@ -410,7 +412,7 @@ class BeamDecoder:
                 assert layer.q_beam is not None
                 width = dynamic_width(pb, layer.q_beam, group.params.width, group.params.threshold,
                                       group.params.min_width)
-                verdict = verify_layer(pb, layer.q_beam, layer.nodes, torch.tensor(valid), width, gen)
+                verdict = verify_layer(pb, layer.q_beam, layer.nodes, np.asarray(valid), width, gen)
                 accepted_total += len(verdict.accepted)
                 out = [(parents[x // self.vocab], x % self.vocab, math.log(float(pb[x]))) for x in verdict.outputs]
                 if not verdict.passed or any(t in eos for _, t, _ in out):
@@ -431,20 +433,20 @@ class BeamDecoder:
 
     # -- after verification: new beams and their caches -------------------------------------
     def _advance(self, group: Group, outputs: list[tuple[NodeRef, int, float]], tails: list[int],
-                 rows: dict[int, torch.Tensor]) -> None:
+                 rows: dict[int, np.ndarray]) -> None:
         """Turn the outputs into the group's beams; compact, fork and free the KV slots to match.
 
         ``rows[b]`` are root ``b``'s target logits (row 0: its last token, row 1 + j: tree node j).
         """
         ctx, seq = self.ctx, group.seq
         trees = group.trees or [[] for _ in group.beams]
-        log_probs: dict[NodeRef, torch.Tensor] = {}
+        log_probs: dict[NodeRef, np.ndarray] = {}
         logprob: dict[NodeRef, float] = {}
 
-        def lsm(ref: NodeRef) -> torch.Tensor:
+        def lsm(ref: NodeRef) -> np.ndarray:
             """Temperature-1 log-probabilities after ``ref`` (the answer's logprob is measured unwarped)."""
             if ref not in log_probs:
-                log_probs[ref] = torch.log_softmax(rows[ref[0]][ref[1] + 1].double(), dim=-1)
+                log_probs[ref] = log_softmax(rows[ref[0]][ref[1] + 1].astype(np.float64))
             return log_probs[ref]
 
         def lp(ref: NodeRef) -> float:
@@ -533,8 +535,8 @@ def continuation_logprob(backend: Backend, prompt_ids: Sequence[int], output_ids
     cache = backend.allocate_cache(1, len(tokens))
     first = len(prompt_ids) - 1
     logits = backend.step(pack([SeqWork(0, 0, tokens, logits=list(range(first, len(tokens) - 1)))]), cache)
-    log_probs = torch.log_softmax(logits.double(), dim=-1)
-    return float(log_probs[torch.arange(len(output_ids)), torch.as_tensor(list(output_ids))].sum())
+    log_probs = log_softmax(logits.astype(np.float64))
+    return float(log_probs[np.arange(len(output_ids)), np.asarray(list(output_ids))].sum())
 
 
 def _outputs(parents: Sequence[NodeRef], step: BeamStep) -> list[tuple[NodeRef, int, float]]:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-import torch
+import numpy as np
 
 from specdec.runtime.backends.base import Backend
 from specdec.runtime.kv import KVCacheManager
@@ -38,7 +38,7 @@ class Draft:
     """Proposed tokens and, for sampled drafts, the distribution q each was drawn from."""
 
     tokens: list[int]  # target token ids
-    probs: torch.Tensor | None = None  # [len(tokens), V] over the full vocabulary; None = deterministic proposal
+    probs: np.ndarray | None = None  # [len(tokens), V] over the full vocabulary; None = deterministic proposal
 
 
 class Drafter(Protocol):
@@ -91,7 +91,7 @@ class ForestDrafter(Drafter, Protocol):
         """Commit the next ``count`` rows the last forest step wrote into ``slot``."""
         ...
 
-    def forest_step(self, work: Sequence[SeqWork]) -> torch.Tensor:
+    def forest_step(self, work: Sequence[SeqWork]) -> np.ndarray:
         """One ragged draft step over ``work``: logits ``[rows, V]`` over the target's vocabulary (-inf off a
         restricted head), in the order of the work items' logit rows."""
         ...
@@ -160,9 +160,8 @@ class ModelDrafter:
         self.backend = backend
         self.vocab_size = backend.vocab_size
         head = getattr(backend, "head_token_ids", None)
-        self.head_token_ids: torch.Tensor | None = None if head is None else head.to(torch.long)
+        self.head_token_ids: np.ndarray | None = None if head is None else np.asarray(head, dtype=np.int64)
         self._head_list: list[int] | None = None if head is None else self.head_token_ids.tolist()
-        self._head_on: dict[torch.device, torch.Tensor] = {}  # head ids on the logits' device
         self.kv = KVCacheManager(backend.allocate_cache(max_batch, max_len))
         self._slot: dict[int, int] = {}  # id(seq) -> draft slot
         self._cached: dict[int, list[int]] = {}  # id(seq) -> token ids whose K/V the slot holds
@@ -184,7 +183,7 @@ class ModelDrafter:
 
     def propose(self, seqs: Sequence[SeqState], ks: Sequence[int]) -> list[Draft]:
         drafts = [Draft([]) for _ in seqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        probs: list[list[np.ndarray]] = [[] for _ in seqs]
         active = [i for i, k in enumerate(ks) if k > 0]
         feed = {i: self._sync(seqs[i]) for i in active}
         for depth in range(max((ks[i] for i in active), default=0)):
@@ -200,7 +199,7 @@ class ModelDrafter:
                 self._cached[id(seq)].extend(feed[i])
                 params = seq.request.sampling
                 if params.greedy:
-                    column = int(torch.argmax(logits[row]))
+                    column = int(np.argmax(logits[row]))
                 else:
                     q = warp(logits[row], params)  # over the head's columns
                     column = sample(q, seq.generator)
@@ -210,24 +209,24 @@ class ModelDrafter:
                 feed[i] = [token]
         for i, p in enumerate(probs):
             if p:
-                drafts[i].probs = self._full_vocab(torch.stack(p))
+                drafts[i].probs = self._full_vocab(np.stack(p))
         return drafts
 
-    def _full_vocab(self, q: torch.Tensor) -> torch.Tensor:
+    def _full_vocab(self, q: np.ndarray) -> np.ndarray:
         """``[n, head]`` draft probabilities as ``[n, V]``: a restricted head's q is 0 off the head."""
         if self.head_token_ids is None:
             return q
-        index = self._head_on.get(q.device)
-        if index is None:
-            index = self._head_on[q.device] = self.head_token_ids.to(q.device)
-        return q.new_zeros(q.shape[0], self.vocab_size).index_copy_(1, index, q)
+        full = np.zeros((q.shape[0], self.vocab_size), dtype=q.dtype)
+        full[:, self.head_token_ids] = q
+        return full
 
-    def full_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
+    def full_vocab_logits(self, logits: np.ndarray) -> np.ndarray:
         """``[n, head]`` draft logits as ``[n, V]``: -inf off a restricted head (q = 0 there)."""
         if self.head_token_ids is None:
             return logits
-        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
-        return full.index_copy_(1, self.head_token_ids.to(logits.device), logits)
+        full = np.full((logits.shape[0], self.vocab_size), -np.inf, dtype=logits.dtype)
+        full[:, self.head_token_ids] = logits
+        return full
 
     def release(self, seq: SeqState) -> None:
         slot = self._slot.pop(id(seq), None)
@@ -260,7 +259,7 @@ class ModelDrafter:
     def keep(self, slot: int, count: int) -> None:
         self.kv.commit(slot, count)
 
-    def forest_step(self, work: Sequence[SeqWork]) -> torch.Tensor:
+    def forest_step(self, work: Sequence[SeqWork]) -> np.ndarray:
         return self.full_vocab_logits(self.backend.step(pack(work), self.kv.storage))
 
 
@@ -320,7 +319,7 @@ class HybridDrafter:
     def keep(self, slot: int, count: int) -> None:
         self.model.keep(slot, count)
 
-    def forest_step(self, work: Sequence[SeqWork]) -> torch.Tensor:
+    def forest_step(self, work: Sequence[SeqWork]) -> np.ndarray:
         return self.model.forest_step(work)
 
 

@@ -1,4 +1,4 @@
-"""The model-free core of DSBD (dynamic-width speculative beam decoding), as pure torch functions.
+"""The model-free core of DSBD (dynamic-width speculative beam decoding), as pure numpy functions.
 
 Method and conventions: ``shared/docs/dsbd.md``. Everything here works on probability tensors
 that a runtime gets from one packed target call over a draft forest; nothing touches a model,
@@ -25,9 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-import torch
+import numpy as np
 
-from specdec.runtime.sampling import SamplingParams, sample, warp
+from specdec.runtime.sampling import SamplingParams, log_softmax, sample, sample_many, warp
 
 # When the residual max(0, p' - q) has total mass <= RESIDUAL_EPS the rejection that led to
 # it had probability exactly that mass (P(reject) = sum max(0, q - p') = sum max(0, p' - q)),
@@ -72,29 +72,26 @@ class LayerVerdict:
 # -- the beam distribution -------------------------------------------------------------------
 
 
-def _log_joint(scores: torch.Tensor, probs_or_logits: torch.Tensor, logits: bool) -> torch.Tensor:
+def _log_joint(scores: np.ndarray, probs_or_logits: np.ndarray, logits: bool) -> np.ndarray:
     """``s_b + log p(v | b)`` as a flat ``[W * V]`` float64 vector; ``-inf`` for absent parents."""
-    if scores.dim() != 1 or probs_or_logits.dim() != 2 or probs_or_logits.shape[0] != scores.shape[0]:
-        raise ValueError(f"expected scores [W] and a [W, V] table, got {tuple(scores.shape)} and "
-                         f"{tuple(probs_or_logits.shape)}")
-    scores = scores.double()
-    if torch.isnan(scores).any() or (scores == math.inf).any():
+    scores, table = np.asarray(scores, dtype=np.float64), np.asarray(probs_or_logits, dtype=np.float64)
+    if scores.ndim != 1 or table.ndim != 2 or table.shape[0] != scores.shape[0]:
+        raise ValueError(f"expected scores [W] and a [W, V] table, got {scores.shape} and {table.shape}")
+    if np.isnan(scores).any() or (scores == math.inf).any():
         raise ValueError(f"beam scores must be finite or -inf (absent parent), got {scores.tolist()}")
-    table = probs_or_logits.double()
     # log_softmax also for probabilities: it renormalises rows, and beam_step(logits=log(probs))
     # then computes bit for bit what the probability path does
-    log_p = torch.log_softmax(table if logits else torch.log(table), dim=-1)
-    absent = torch.isinf(scores)
-    # rows of absent parents may hold anything (even NaN): they never contribute
-    joint = (scores[:, None] + log_p.masked_fill(absent[:, None], 0.0)).masked_fill(absent[:, None], -math.inf)
-    joint = joint.flatten()
-    if not torch.isfinite(joint).any():
+    with np.errstate(divide="ignore", invalid="ignore"):  # rows of absent parents may hold anything (even NaN)
+        log_p = log_softmax(table if logits else np.log(table))
+    absent = np.isinf(scores)[:, None]
+    joint = np.where(absent, -math.inf, scores[:, None] + np.where(absent, 0.0, log_p)).reshape(-1)
+    if not np.isfinite(joint).any():
         raise ValueError("no (beam, token) pair has positive probability: every parent is absent")
     return joint
 
 
-def beam_distribution(scores: torch.Tensor, probs_or_logits: torch.Tensor, params: SamplingParams, *,
-                      logits: bool = False) -> torch.Tensor:
+def beam_distribution(scores: np.ndarray, probs_or_logits: np.ndarray, params: SamplingParams, *,
+                      logits: bool = False) -> np.ndarray:
     """``p_beam`` over the flat ``[W * V]`` pairs: ``warp(exp(s_b) * p(v | b))``, normalised (float64).
 
     ``probs_or_logits[b]`` is the *unwarped* next-token distribution of beam ``b`` (probabilities,
@@ -110,11 +107,11 @@ def beam_distribution(scores: torch.Tensor, probs_or_logits: torch.Tensor, param
         raise ValueError("temperature 0 is deterministic beam search: use beam_search_step")
     joint = _log_joint(scores, probs_or_logits, logits)
     # shift in float64 before warp() casts to float32, so large |scores| lose no precision
-    probs = warp(joint - joint.max(), params).double()
+    probs = warp(joint - joint.max(), params).astype(np.float64)
     return probs / probs.sum()
 
 
-def beam_search_step(scores: torch.Tensor, probs_or_logits: torch.Tensor, width: int, *,
+def beam_search_step(scores: np.ndarray, probs_or_logits: np.ndarray, width: int, *,
                      logits: bool = False) -> BeamStep:
     """Deterministic beam search (the temperature -> 0 limit): the ``width`` best pairs.
 
@@ -125,10 +122,10 @@ def beam_search_step(scores: torch.Tensor, probs_or_logits: torch.Tensor, width:
     reproducible; top-k / top-p never change the argmax set and are ignored.
     """
     joint = _log_joint(scores, probs_or_logits, logits)
-    live = int(torch.isfinite(joint).sum())
+    live = int(np.isfinite(joint).sum())
     if not 1 <= width <= live:
         raise ValueError(f"width must be in [1, {live}] (pairs of positive probability), got {width}")
-    order = torch.sort(joint, descending=True, stable=True).indices[:width]
+    order = np.argsort(-joint, kind="stable")[:width]  # descending, ties to the lower index
     vocab = probs_or_logits.shape[-1]
     return BeamStep([int(i) // vocab for i in order], [int(i) % vocab for i in order],
                     [float(joint[i]) for i in order])
@@ -137,17 +134,28 @@ def beam_search_step(scores: torch.Tensor, probs_or_logits: torch.Tensor, width:
 # -- sampling pairs --------------------------------------------------------------------------
 
 
-def sample_pairs_iid(p_beam: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
+def sample_pairs_iid(p_beam: np.ndarray, n: int, generator: np.random.Generator) -> np.ndarray:
     """``n`` flat (beam, token) indices drawn i.i.d. (with replacement) from a flat ``p_beam``."""
-    if p_beam.dim() != 1:
-        raise ValueError(f"p_beam must be the flat [W * V] vector, got shape {tuple(p_beam.shape)}")
+    if p_beam.ndim != 1:
+        raise ValueError(f"p_beam must be the flat [W * V] vector, got shape {p_beam.shape}")
     if n == 0:
-        return torch.zeros(0, dtype=torch.int64)
-    return torch.multinomial(p_beam, n, replacement=True, generator=generator)
+        return np.zeros(0, dtype=np.int64)
+    return sample_many(p_beam, n, generator)
 
 
-def beam_step(scores: torch.Tensor, logits: torch.Tensor, params: SamplingParams, width: int,
-              generator: torch.Generator, mode: Literal["iid", "without_replacement"] = "iid") -> BeamStep:
+def sample_pairs_without_replacement(p_beam: np.ndarray, n: int, generator: np.random.Generator) -> np.ndarray:
+    """``n`` distinct flat indices: successive draws from ``p_beam`` with the drawn ones removed (renormalised)."""
+    remaining = np.array(p_beam, dtype=np.float64)
+    drawn = []
+    for _ in range(n):
+        index = sample(remaining, generator)
+        drawn.append(index)
+        remaining[index] = 0.0
+    return np.asarray(drawn, dtype=np.int64)
+
+
+def beam_step(scores: np.ndarray, logits: np.ndarray, params: SamplingParams, width: int,
+              generator: np.random.Generator, mode: Literal["iid", "without_replacement"] = "iid") -> BeamStep:
     """One step of the target-only ``beam`` process: ``width`` new beams from ``W`` parents.
 
     ``logits`` is ``[W, V]``. Each drawn pair becomes a beam scored ``log p_beam(b, v)``
@@ -164,7 +172,7 @@ def beam_step(scores: torch.Tensor, logits: torch.Tensor, params: SamplingParams
         support = int((p_beam > 0).sum())
         if width > support:
             raise ValueError(f"cannot draw {width} distinct pairs from {support} of positive probability")
-        flat = torch.multinomial(p_beam, width, replacement=False, generator=generator)
+        flat = sample_pairs_without_replacement(p_beam, width, generator)
     else:
         raise ValueError(f"mode must be 'iid' or 'without_replacement', got {mode!r}")
     vocab = logits.shape[-1]
@@ -172,7 +180,7 @@ def beam_step(scores: torch.Tensor, logits: torch.Tensor, params: SamplingParams
                     [math.log(float(p_beam[i])) for i in flat])
 
 
-def draft_layer(q_beam: torch.Tensor, n: int, generator: torch.Generator) -> list[int]:
+def draft_layer(q_beam: np.ndarray, n: int, generator: np.random.Generator) -> list[int]:
     """The ``n = W_S`` draft nodes of one forest layer, drawn i.i.d. **with** replacement from ``q_beam``.
 
     The verifier's residual rule is exact only for i.i.d. drafts: drafts drawn without
@@ -185,27 +193,27 @@ def draft_layer(q_beam: torch.Tensor, n: int, generator: torch.Generator) -> lis
 # -- verification ----------------------------------------------------------------------------
 
 
-def _residual(current: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def _residual(current: np.ndarray, q: np.ndarray) -> np.ndarray:
     """``norm(max(0, p' - q))``, subtracted once; ``p'`` itself when the residual is degenerate (see RESIDUAL_EPS)."""
-    residual = torch.clamp(current - q, min=0.0)
+    residual = np.maximum(current - q, 0.0)
     mass = float(residual.sum())
     return current if mass <= RESIDUAL_EPS else residual / mass
 
 
-def _check_layer(pb: torch.Tensor, q_beam: torch.Tensor, valid_parent_mask: torch.Tensor) -> int:
+def _check_layer(pb: np.ndarray, q_beam: np.ndarray, valid_parent_mask: np.ndarray) -> int:
     """The vocabulary size, after checking that ``pb`` and ``q_beam`` share the parents x vocab space."""
-    parents = valid_parent_mask.numel()
-    if pb.shape != q_beam.shape or pb.dim() != 1 or parents == 0 or pb.numel() % parents:
-        raise ValueError(f"pb {tuple(pb.shape)} and q_beam {tuple(q_beam.shape)} must be flat vectors over the "
+    parents = valid_parent_mask.size
+    if pb.shape != q_beam.shape or pb.ndim != 1 or parents == 0 or pb.size % parents:
+        raise ValueError(f"pb {pb.shape} and q_beam {q_beam.shape} must be flat vectors over the "
                          f"same {parents} parents x vocabulary")
-    vocab = pb.numel() // parents
-    if float(pb.view(parents, vocab)[~valid_parent_mask.bool()].abs().sum()) > 0:
+    vocab = pb.size // parents
+    if float(np.abs(pb.reshape(parents, vocab)[~valid_parent_mask.astype(bool)]).sum()) > 0:
         raise ValueError("pb must be 0 on pairs of invalid parents (give them score -inf)")
     return vocab
 
 
-def verify_layer(pb: torch.Tensor, q_beam: torch.Tensor, nodes: Sequence[int], valid_parent_mask: torch.Tensor,
-                 width: int, generator: torch.Generator) -> LayerVerdict:
+def verify_layer(pb: np.ndarray, q_beam: np.ndarray, nodes: Sequence[int], valid_parent_mask: np.ndarray,
+                 width: int, generator: np.random.Generator) -> LayerVerdict:
     """Verify one forest layer: steps 4-6 of dsbd.md.
 
     ``pb`` and ``q_beam`` are flat over *all* the draft's parents of this layer x vocabulary;
@@ -226,17 +234,17 @@ def verify_layer(pb: torch.Tensor, q_beam: torch.Tensor, nodes: Sequence[int], v
     """
     if width < 1:
         raise ValueError(f"width must be >= 1, got {width}")
+    pb, q_beam, valid_parent_mask = np.asarray(pb), np.asarray(q_beam), np.asarray(valid_parent_mask)
     vocab = _check_layer(pb, q_beam, valid_parent_mask)
-    pb, q_beam = pb.double(), q_beam.double()
-    valid = valid_parent_mask.bool().tolist()
+    pb, q_beam = pb.astype(np.float64), q_beam.astype(np.float64)
+    valid = valid_parent_mask.astype(bool).tolist()
     current = pb
     accepted: list[int] = []
     for position, x in enumerate(nodes):
         qx = float(q_beam[x])
         if qx <= 0.0:
             raise ValueError(f"draft {x} has q_beam 0: drafts must be drawn from q_beam")
-        if valid[x // vocab] and float(torch.rand((), generator=generator, dtype=torch.float64)) * qx < float(
-                current[x]):
+        if valid[x // vocab] and generator.random() * qx < float(current[x]):
             accepted.append(position)
             if len(accepted) == width:
                 return LayerVerdict(accepted, True, [nodes[i] for i in accepted])
@@ -267,7 +275,7 @@ class GreedyLayerVerdict:
         return sum(i >= 0 for i in self.found)
 
 
-def verify_layer_greedy(scores: torch.Tensor, logits: torch.Tensor, nodes: Sequence[int],
+def verify_layer_greedy(scores: np.ndarray, logits: np.ndarray, nodes: Sequence[int],
                         width: int) -> GreedyLayerVerdict:
     """Greedy DSBD's layer check: the layer passes when the draft proposed every pair beam search picks.
 
@@ -287,22 +295,22 @@ def verify_layer_greedy(scores: torch.Tensor, logits: torch.Tensor, nodes: Seque
 # -- dynamic width ---------------------------------------------------------------------------
 
 
-def _acceptance_rates(pb: torch.Tensor, q: torch.Tensor, m: int) -> list[float]:
+def _acceptance_rates(pb: np.ndarray, q: np.ndarray, m: int) -> list[float]:
     """``alpha_1..alpha_m``: P(the k-th draft since the last acceptance is accepted | k-1 rejections)."""
-    current, q = pb.double().flatten(), q.double().flatten()
+    current, q = np.asarray(pb, dtype=np.float64).reshape(-1), np.asarray(q, dtype=np.float64).reshape(-1)
     if current.shape != q.shape:
-        raise ValueError(f"pb {tuple(pb.shape)} and q {tuple(q.shape)} must have the same shape")
+        raise ValueError(f"pb {np.shape(pb)} and q {np.shape(q)} must have the same shape")
     rates = []
     for _ in range(m):
         # sum min(p_k, q) = 1 - sum max(0, p_k - q): the second form is exactly 1 when p_k == q
         # (the first sums q's rounding errors), so "every draft is accepted" survives rounding
-        excess = float(torch.clamp(current - q, min=0.0).sum())
+        excess = float(np.maximum(current - q, 0.0).sum())
         rates.append(min(1.0, max(0.0, 1.0 - excess)))
         current = _residual(current, q)  # once per step
     return rates
 
 
-def acceptance_count_distribution(pb: torch.Tensor, q: torch.Tensor, m: int) -> torch.Tensor:
+def acceptance_count_distribution(pb: np.ndarray, q: np.ndarray, m: int) -> np.ndarray:
     """``[m + 1]`` float64: P(exactly k of ``m`` i.i.d. drafts from ``q`` are accepted), k = 0..m.
 
     The process is :func:`verify_layer` without the stop at a width. With
@@ -330,25 +338,25 @@ def acceptance_count_distribution(pb: torch.Tensor, q: torch.Tensor, m: int) -> 
         for k in range(1, n + 1):
             row[k] = sum(first[i - 1] * table[n - i][k - 1] for i in range(1, n + 1))
         table.append(row)
-    return torch.tensor(table[m], dtype=torch.float64)
+    return np.asarray(table[m], dtype=np.float64)
 
 
-def acceptance_probability(pb: torch.Tensor, q: torch.Tensor, m: int, k: int) -> float:
+def acceptance_probability(pb: np.ndarray, q: np.ndarray, m: int, k: int) -> float:
     """``P(m, k)``: probability that exactly ``k`` of ``m`` i.i.d. drafts from ``q`` are accepted."""
     if not 0 <= k <= m:
         return 0.0
     return float(acceptance_count_distribution(pb, q, m)[k])
 
 
-def acceptance_tail(pb: torch.Tensor, q: torch.Tensor, m: int) -> torch.Tensor:
+def acceptance_tail(pb: np.ndarray, q: np.ndarray, m: int) -> np.ndarray:
     """``[m + 1]``: P(at least K accepted among ``m`` drafts), K = 0..m (= P(a layer of width K passes))."""
     law = acceptance_count_distribution(pb, q, m)
-    tail = torch.flip(torch.cumsum(torch.flip(law, [0]), 0), [0]).clamp(0.0, 1.0)
+    tail = np.clip(np.cumsum(law[::-1])[::-1], 0.0, 1.0)
     tail[0] = 1.0  # exactly, not 1 - rounding
     return tail
 
 
-def dynamic_width(pb: torch.Tensor, q: torch.Tensor, w_s: int, threshold: float, w_min: int) -> int:
+def dynamic_width(pb: np.ndarray, q: np.ndarray, w_s: int, threshold: float, w_min: int) -> int:
     """The layer's width: ``max(w_min, max{K : P(>= K accepted among w_s) >= threshold})``.
 
     A function of (pb, q) only, decided before any draft is verified, so every slot of the

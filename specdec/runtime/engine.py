@@ -7,19 +7,17 @@ A request that fails validation gets an output carrying its error; the others ru
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 
-from specdec.models.drafts import DraftMismatchError, check_draft_compatible
-from specdec.models.loading import LoadedModel
+from specdec.models.errors import DraftMismatchError
 from specdec.runtime.backends.base import Backend
-from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.draft_length import DraftLength
 from specdec.runtime.drafters import Drafter, make_drafter
 from specdec.runtime.kv import KVCacheManager
@@ -83,15 +81,19 @@ class Engine:
         self.storage = target.allocate_cache(max_batch, max_len)
 
     @classmethod
-    def from_models(cls, target: LoadedModel, draft: LoadedModel | str | None = "ngram", *,
+    def from_models(cls, target: Any, draft: Any = "ngram", *,
                     max_batch: int = 16, max_len: int | None = None, num_draft_tokens: int = 4,
                     ngram: int = 3, min_ngram: int = 2, draft_length: DraftLength | None = None,
                     hybrid: bool = False) -> Engine:
-        """Torch backends for ``target`` and ``draft`` (a model, ``"ngram"`` or ``None``).
+        """Torch backends for ``target`` and ``draft`` (a ``LoadedModel``, ``"ngram"`` or ``None``).
 
         ``hybrid``: with a draft model, draft by prompt lookup where the context has a match and by
         the model elsewhere (``HybridDrafter``).
         """
+        from specdec.models.drafts import check_draft_compatible
+        from specdec.models.loading import LoadedModel
+        from specdec.runtime.backends.torch_backend import TorchBackend
+
         max_len = max_len or min(int(target.config.max_position_embeddings), 2048)
         backend = TorchBackend(target)
         if isinstance(draft, LoadedModel):
@@ -118,12 +120,12 @@ class Engine:
         Runtime's intra-op threads (default: all cores). ``device_id``: the GPU an ONNX Runtime (CUDA provider)
         or TensorRT export runs on, so each Triton instance of a multi-GPU node opens its own.
 
-        ``torch_threads``: for an ONNX Runtime or TensorRT export, set torch's (process-wide)
-        intra-op threads, which then run only the small ops between steps (sampling over the
-        vocabulary, argmax, masks). A serving process passes 1: torch's OpenMP workers otherwise
-        contend with ORT's for the cores (measured: ``benchmarks/results/ort_contention.md``).
+        ``torch_threads``: torch's (process-wide) intra-op threads where torch runs: a torch export, or a
+        TensorRT one (its caches). A serving process passes 1: torch's OpenMP workers otherwise contend
+        with the backend's for the cores (measured: ``benchmarks/results/ort_contention.md``). An ONNX
+        Runtime export on the CPU never imports torch: the loops run on numpy (``backends.base``).
         """
-        from specdec.models.loading import load_export_metadata, load_model
+        from specdec.models.export_meta import load_export_metadata
         from specdec.models.manifest import export_path, read_manifest
 
         root = Path(directory)
@@ -135,20 +137,22 @@ class Engine:
             raise ValueError(f"{root} has no draft model for the hybrid drafter (export it with --draft)")
         wants_model = drafter in (None, "model", "hybrid") and "draft" in manifest
         if backend_kind == "torch":
+            from specdec.models.loading import load_model
+
             target = load_model(root)
             model = load_model(root / "draft") if wants_model else None
             draft = model if model is not None else "ngram" if drafter in (None, "model") else drafter
             return cls.from_models(target, draft, max_batch=max_batch, max_len=max_len,
                                    num_draft_tokens=num_draft_tokens, draft_length=draft_length,
                                    hybrid=drafter == "hybrid")
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
         meta = load_export_metadata(root, "target")
         open_backend = _backend_opener(backend_kind, threads, device_id)
         target_backend = open_backend(export_path(root, manifest["target"]["graph"]), False)
         model = open_backend(export_path(root, manifest["draft"]["graph"]), True) if wants_model else None
         draft: Backend | str | None = drafter if drafter in ("hybrid", "none", "ngram") else model or "ngram"
         chosen = make_drafter(draft, max_batch=max_batch, max_len=max_len, model=model)
+        if torch_threads and "torch" in sys.modules:  # only where a backend runs torch (TensorRT's caches)
+            sys.modules["torch"].set_num_threads(torch_threads)
         return cls(target_backend, chosen, tokenizer=meta.tokenizer, eos_token_ids=meta.eos_token_ids,
                    max_batch=max_batch, max_len=max_len, num_draft_tokens=num_draft_tokens, draft_length=draft_length)
 

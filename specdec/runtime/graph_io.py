@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from specdec.runtime.packed import PackedBatch
 
@@ -47,7 +47,7 @@ class CacheMaskUnsupportedError(ValueError):
     """A step masks cached positions (``vanilla``'s KV holes), which an exported graph cannot express."""
 
 
-def graph_feeds(batch: PackedBatch) -> dict[str, torch.Tensor]:
+def graph_feeds(batch: PackedBatch) -> dict[str, np.ndarray]:
     """The packed batch as the graph's inputs, by name, in ``GRAPH_INPUTS`` order (caches not included).
 
     Raises ``CacheMaskUnsupportedError`` for a step with masked cache positions: the graph has

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
+import numpy as np
 
 from specdec.runtime.backends.base import KVStorage
 
@@ -37,7 +37,7 @@ class KVCacheManager:
         self.num_slots, self.max_len = storage.num_slots, storage.max_len
         self._free = list(range(self.num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._length: dict[int, int] = {}  # physical write position of each live slot
-        self._holes: dict[int, torch.Tensor] = {}  # slot -> bool [max_len], True = masked hole
+        self._holes: dict[int, np.ndarray] = {}  # slot -> bool [max_len], True = masked hole
 
     @property
     def num_free(self) -> int:
@@ -102,7 +102,7 @@ class KVCacheManager:
         base = self.length(slot)
         self.ensure_room(slot, advance)
         if accepted < advance:
-            holes = self._holes.setdefault(slot, torch.zeros(self.max_len, dtype=torch.bool))
+            holes = self._holes.setdefault(slot, np.zeros(self.max_len, dtype=bool))
             holes[base + accepted : base + advance] = True
         self._length[slot] = base + advance
 
@@ -128,14 +128,14 @@ class KVCacheManager:
         self.storage.copy_prefix(slot, new, length + written)
         self._length[new] = length
         if slot in self._holes:
-            self._holes[new] = self._holes[slot].clone()
+            self._holes[new] = self._holes[slot].copy()
         return new
 
-    def cache_mask(self, slots: Sequence[int]) -> torch.Tensor | None:
+    def cache_mask(self, slots: Sequence[int]) -> np.ndarray | None:
         """[B, max_len] visibility of cached positions, or None when no slot has holes."""
         if not any(s in self._holes for s in slots):
             return None
-        mask = torch.ones(len(slots), self.max_len, dtype=torch.bool)
+        mask = np.ones((len(slots), self.max_len), dtype=bool)
         for row, slot in enumerate(slots):
             if slot in self._holes:
                 mask[row] = ~self._holes[slot]

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from specdec.runtime.backends.base import Backend
 from specdec.runtime.draft_length import DraftLength
@@ -48,7 +48,7 @@ class DecodeContext:
     on_finish: Callable[[SeqState], None] | None = None
     keep_running: Callable[[], bool] | None = None  # serving: wait for work instead of returning
     #: ``ar`` only: the target logits each sampled token was drawn from (distillation records them)
-    on_logits: Callable[[SeqState, torch.Tensor], None] | None = None
+    on_logits: Callable[[SeqState, np.ndarray], None] | None = None
     #: serving: whether a caller gave up on a sequence; every loop asks it when it retires sequences (after each
     #: step or round), so a cancelled sequence ends there, whether or not it streamed anything
     is_cancelled: Callable[[SeqState], bool] | None = None
@@ -150,7 +150,7 @@ class DecodeContext:
             self.fail(seq, exc)
 
     def step_isolated(self, seqs: Sequence[SeqState], work: Sequence[SeqWork], real_rows: int, prefill_rows: int,
-                      draft_tokens: int, draft_seconds: float = 0.0) -> list[torch.Tensor | None]:
+                      draft_tokens: int, draft_seconds: float = 0.0) -> list[np.ndarray | None]:
         """``target_step`` in which a failure that belongs to one sequence fails that sequence only.
 
         A step of several sequences that raises runs again one sequence at a time: each retry rewrites the same
@@ -167,7 +167,7 @@ class DecodeContext:
                 return [None]
             log.warning("a target step of %d sequences failed (%s: %s); running them one at a time",
                         len(work), type(exc).__name__, exc)
-        rows: list[torch.Tensor | None] = []
+        rows: list[np.ndarray | None] = []
         for seq, item in zip(seqs, work):
             prefill = len(item.token_ids) if item.past_len == 0 else 0
             try:
@@ -185,8 +185,8 @@ class DecodeContext:
                 self.fault_hook(seq, point)
 
     def target_step(self, work: Sequence[SeqWork], real_rows: int, prefill_rows: int, draft_tokens: int,
-                    draft_seconds: float = 0.0, cache_mask: torch.Tensor | None = None,
-                    active: int | None = None) -> list[torch.Tensor]:
+                    draft_seconds: float = 0.0, cache_mask: np.ndarray | None = None,
+                    active: int | None = None) -> list[np.ndarray]:
         """Run one packed target call; returns each work item's logits rows."""
         batch = pack(work, cache_mask)
         rows_before = self.target.rows_processed
@@ -197,7 +197,7 @@ class DecodeContext:
             prefill_rows=prefill_rows, draft_tokens=draft_tokens, accepted_draft_tokens=0,
             seconds=time.perf_counter() - start, draft_seconds=draft_seconds, active=active,
         ))
-        return list(torch.split(logits, [len(w.logit_offsets()) for w in work]))
+        return np.split(logits, np.cumsum([len(w.logit_offsets()) for w in work])[:-1])
 
     def count_call(self, seq: SeqState) -> None:
         """Record that ``seq`` took part in the last target step (and with how many others)."""
@@ -228,7 +228,7 @@ class DecodeContext:
                 budget -= n
         return work
 
-    def prefilled(self, seq: SeqState, item: SeqWork, logits: torch.Tensor) -> bool:
+    def prefilled(self, seq: SeqState, item: SeqWork, logits: np.ndarray) -> bool:
         """Commit a prefill chunk; after the prompt's last one emit the first token. Whether the prompt is done."""
         if item.logits == "none":
             self.kv.commit(seq.slot, len(item.token_ids))
@@ -236,25 +236,25 @@ class DecodeContext:
         self.start(seq, logits)
         return True
 
-    def start(self, seq: SeqState, logits: torch.Tensor) -> None:
+    def start(self, seq: SeqState, logits: np.ndarray) -> None:
         """After the prompt's prefill (or its last chunk): commit it and emit the first token."""
         self.kv.commit(seq.slot, seq.num_prompt - self.kv.length(seq.slot))
         self.count_call(seq)
         self.next_from(seq, logits[-1])
 
-    def next_from(self, seq: SeqState, logits: torch.Tensor) -> None:
+    def next_from(self, seq: SeqState, logits: np.ndarray) -> None:
         """Emit the one token the target's ``logits`` give (greedy or sampled)."""
         self._fault([seq], "verify")
         if self.on_logits is not None:
             self.on_logits(seq, logits)
         self.emit(seq, [next_token(logits, seq.request.sampling, seq.generator)])
 
-    def verify(self, seq: SeqState, draft: Draft, logits: torch.Tensor) -> list[int]:
+    def verify(self, seq: SeqState, draft: Draft, logits: np.ndarray) -> list[int]:
         """Accepted drafts + one target token, from logits after [last, *drafts]."""
         self._fault([seq], "verify")
         params = seq.request.sampling
         if params.greedy:
-            tokens = verify_greedy(draft.tokens, torch.argmax(logits, dim=-1).tolist())
+            tokens = verify_greedy(draft.tokens, np.argmax(logits, axis=-1).tolist())
         else:
             tokens = verify_sampling(draft.tokens, draft.probs, warp(logits, params), seq.generator)
         accepted = len(tokens) - 1
@@ -309,7 +309,7 @@ def ar(ctx: DecodeContext) -> RunMetrics:
 
 
 def _prefill_done(ctx: DecodeContext, live: list[SeqState], filling: list[SeqState], chunks: Sequence[SeqWork],
-                  rows: Sequence[torch.Tensor | None]) -> tuple[list[SeqState], list[SeqState]]:
+                  rows: Sequence[np.ndarray | None]) -> tuple[list[SeqState], list[SeqState]]:
     """After a step: commit its prefill chunks, move prompts prefilled in full to the live sequences, retire.
 
     Returns (live, still prefilling); a prompt whose chunk failed is retired with its error.

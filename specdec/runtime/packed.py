@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 ROOT = -1  # parent index of a token attached directly to the committed prefix
 
@@ -58,14 +58,14 @@ class SeqWork:
 class PackedBatch:
     """All new tokens of all sequences, concatenated with no padding (see design.md)."""
 
-    input_ids: torch.Tensor  # [T] int64
-    position_ids: torch.Tensor  # [T] int64, logical position = past + depth
-    cu_seqlens: torch.Tensor  # [B + 1] int32, prefix sums of new tokens per sequence
-    past_lens: torch.Tensor  # [B] int32, where each sequence's new K/V are written
-    slot_ids: torch.Tensor  # [B] int32, KV-cache slot of each sequence
-    tree_mask: torch.Tensor  # [T, S_max] bool, row t may see new token j of its own sequence
-    logits_indices: torch.Tensor  # [R] int32, rows that need logits, in sequence order
-    cache_mask: torch.Tensor | None = None  # [B, max(past_lens)] bool, visible cached positions
+    input_ids: np.ndarray  # [T] int64
+    position_ids: np.ndarray  # [T] int64, logical position = past + depth
+    cu_seqlens: np.ndarray  # [B + 1] int32, prefix sums of new tokens per sequence
+    past_lens: np.ndarray  # [B] int32, where each sequence's new K/V are written
+    slot_ids: np.ndarray  # [B] int32, KV-cache slot of each sequence
+    tree_mask: np.ndarray  # [T, S_max] bool, row t may see new token j of its own sequence
+    logits_indices: np.ndarray  # [R] int32, rows that need logits, in sequence order
+    cache_mask: np.ndarray | None = None  # [B, max(past_lens)] bool, visible cached positions
 
     @property
     def num_tokens(self) -> int:
@@ -76,7 +76,7 @@ class PackedBatch:
         return int(self.slot_ids.shape[0])
 
 
-def pack(work: Sequence[SeqWork], cache_mask: torch.Tensor | None = None) -> PackedBatch:
+def pack(work: Sequence[SeqWork], cache_mask: np.ndarray | None = None) -> PackedBatch:
     """Build the packed batch for ``work`` (sequences with no new tokens are dropped).
 
     Worked example — three sequences: a prefill of 3 tokens in slot 4, a chain of 2 in
@@ -96,25 +96,25 @@ def pack(work: Sequence[SeqWork], cache_mask: torch.Tensor | None = None) -> Pac
     seq_lens = [len(w.token_ids) for w in items]
     total = sum(seq_lens)
     s_max = max(seq_lens, default=0)
-    input_ids = torch.empty(total, dtype=torch.int64)
-    position_ids = torch.empty(total, dtype=torch.int64)
-    tree_mask = torch.zeros(total, max(s_max, 1), dtype=torch.bool)
+    input_ids = np.empty(total, dtype=np.int64)
+    position_ids = np.empty(total, dtype=np.int64)
+    tree_mask = np.zeros((total, max(s_max, 1)), dtype=bool)
     logits_rows: list[int] = []
     start = 0
     for w in items:
         n = len(w.token_ids)
-        input_ids[start : start + n] = torch.as_tensor(list(w.token_ids), dtype=torch.int64)
+        input_ids[start : start + n] = w.token_ids
         base = w.past_len if w.position_offset is None else w.position_offset
         if w.parents is None:
-            position_ids[start : start + n] = torch.arange(base, base + n)
-            tree_mask[start : start + n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+            position_ids[start : start + n] = np.arange(base, base + n)
+            tree_mask[start : start + n, :n] = np.tri(n, dtype=bool)
         else:
             _fill_tree(w.parents, base, position_ids[start : start + n], tree_mask[start : start + n])
         logits_rows.extend(start + off for off in w.logit_offsets())
         start += n
-    cu = torch.zeros(len(items) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.as_tensor(seq_lens, dtype=torch.int32), 0)
-    past = torch.as_tensor([w.past_len for w in items], dtype=torch.int32)
+    cu = np.zeros(len(items) + 1, dtype=np.int32)
+    cu[1:] = np.cumsum(seq_lens, dtype=np.int32)
+    past = np.array([w.past_len for w in items], dtype=np.int32)
     if cache_mask is not None:
         width = int(past.max()) if len(items) else 0
         cache_mask = cache_mask[keep, :width]
@@ -123,14 +123,14 @@ def pack(work: Sequence[SeqWork], cache_mask: torch.Tensor | None = None) -> Pac
         position_ids=position_ids,
         cu_seqlens=cu,
         past_lens=past,
-        slot_ids=torch.as_tensor([w.slot_id for w in items], dtype=torch.int32),
+        slot_ids=np.array([w.slot_id for w in items], dtype=np.int32),
         tree_mask=tree_mask,
-        logits_indices=torch.as_tensor(logits_rows, dtype=torch.int32),
+        logits_indices=np.array(logits_rows, dtype=np.int32),
         cache_mask=cache_mask,
     )
 
 
-def _fill_tree(parents: Sequence[int], base: int, positions: torch.Tensor, mask: torch.Tensor) -> None:
+def _fill_tree(parents: Sequence[int], base: int, positions: np.ndarray, mask: np.ndarray) -> None:
     """Rows of one sequence's tree: ancestors + self visible, position = base + depth."""
     depth = [0] * len(parents)
     for j, parent in enumerate(parents):
@@ -142,4 +142,4 @@ def _fill_tree(parents: Sequence[int], base: int, positions: torch.Tensor, mask:
         else:
             raise ValueError(f"tree node {j} has parent {parent}: parents must precede their children")
         mask[j, j] = True
-    positions.copy_(torch.as_tensor(depth, dtype=torch.int64) + base)
+    positions[:] = np.asarray(depth, dtype=np.int64) + base

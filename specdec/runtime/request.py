@@ -7,7 +7,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from specdec.runtime.draft_length import DraftStats
 from specdec.runtime.sampling import InvalidRequestError, SamplingParams
@@ -232,7 +232,7 @@ class SeqState:
     request: Request
     slot: int
     tokens: list[int]
-    generator: torch.Generator
+    generator: np.random.Generator
     metrics: RequestMetrics
     finish_reason: str | None = None
     #: set when this sequence alone failed (``DecodeContext.fail``): it ends with this error, its batch-mates go on

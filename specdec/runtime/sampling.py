@@ -5,6 +5,9 @@ Both are the *warped* distributions actually sampled from (temperature, then top
 top-p), so rejection sampling reproduces exactly what plain sampling from the target would.
 
 The acceptance rules are pure functions of (drafts, q, p, a generator): no backend, no I/O.
+Arrays are numpy (the runtime does not import torch: an ONNX Runtime engine's process holds the
+graph and its caches, not a second tensor library, ``benchmarks/results/edge_cpu.md``); a
+request's generator is its own ``numpy.random.Generator``.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 MIN_TEMPERATURE = 1e-5  # below this, logits / temperature overflows float32
 
@@ -53,41 +56,71 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def make_generator(self) -> torch.Generator:
+    def make_generator(self) -> np.random.Generator:
         """The request's own RNG stream, so its output does not depend on batch neighbours."""
-        return torch.Generator().manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
+        return np.random.default_rng(self.seed if self.seed is not None else secrets.randbits(63))
 
 
-def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities ``[..., V]`` after temperature, top-k and top-p (in that order)."""
+def softmax(scores: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis, in the input's dtype (shifted by the row maximum: -inf scores get probability 0)."""
+    shifted = scores - scores.max(axis=-1, keepdims=True)
+    exp = np.exp(shifted)
+    return exp / exp.sum(axis=-1, keepdims=True)
+
+
+def log_softmax(scores: np.ndarray) -> np.ndarray:
+    """Log-softmax over the last axis, in the input's dtype (float64 for the beam scores)."""
+    top = scores.max(axis=-1, keepdims=True)
+    shifted = scores - np.where(np.isfinite(top), top, 0.0)
+    with np.errstate(divide="ignore"):
+        return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Probabilities ``[..., V]`` (float32) after temperature, top-k and top-p (in that order)."""
     if params.greedy:
         raise ValueError("greedy requests are decided by argmax, not by a warped distribution")
-    logits = logits.float()
+    logits = np.asarray(logits, dtype=np.float32)
     # shift before dividing so a tiny temperature gives -inf gaps, never inf - inf = NaN
-    scores = (logits - logits.max(dim=-1, keepdim=True).values) / params.temperature
+    scores = (logits - logits.max(axis=-1, keepdims=True)) / np.float32(params.temperature)
     if params.top_k and params.top_k < scores.shape[-1]:
-        kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+        kth = np.partition(scores, -params.top_k, axis=-1)[..., -params.top_k:].min(axis=-1, keepdims=True)
+        scores = np.where(scores < kth, -np.inf, scores).astype(np.float32)
+    probs = softmax(scores)
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        order = np.argsort(-probs, axis=-1, kind="stable")
+        sorted_probs = np.take_along_axis(probs, order, axis=-1)
+        mass_before = np.cumsum(sorted_probs, axis=-1) - sorted_probs
         drop_sorted = mass_before >= params.top_p  # the first token is always kept
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        drop = np.zeros_like(drop_sorted)
+        np.put_along_axis(drop, order, drop_sorted, axis=-1)
+        probs = np.where(drop, np.float32(0.0), probs)
+        probs = probs / probs.sum(axis=-1, keepdims=True)
     return probs
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+def sample_many(probs: np.ndarray, n: int, generator: np.random.Generator) -> np.ndarray:
+    """``n`` i.i.d. draws (int64) from an unnormalised ``[V]`` distribution, by inverting its float64 CDF.
+
+    A zero-probability entry owns an empty interval of the CDF, so it is never drawn.
+    """
+    cdf = np.cumsum(probs, dtype=np.float64)
+    if not cdf.size or not cdf[-1] > 0:
+        raise ValueError("cannot sample from a distribution without positive mass")
+    draws = np.searchsorted(cdf, generator.random(n) * cdf[-1], side="right")
+    # a uniform that rounds up to the total mass lands past the end: it belongs to the last token with mass
+    return np.minimum(draws, int(np.flatnonzero(probs)[-1])).astype(np.int64)
+
+
+def sample(probs: np.ndarray, generator: np.random.Generator) -> int:
     """One token from a ``[V]`` distribution."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(sample_many(probs, 1, generator)[0])
 
 
-def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+def next_token(logits: np.ndarray, params: SamplingParams, generator: np.random.Generator) -> int:
     """The token plain decoding would emit from ``[V]`` logits."""
     if params.greedy:
-        return int(torch.argmax(logits))
+        return int(np.argmax(logits))
     return sample(warp(logits, params), generator)
 
 
@@ -108,26 +141,26 @@ def verify_greedy(draft_tokens: Sequence[int], target_argmax: Sequence[int]) -> 
 
 def verify_sampling(
     draft_tokens: Sequence[int],
-    draft_probs: torch.Tensor | None,  # [k, V] q of each draft, or None for point masses (n-gram)
-    target_probs: torch.Tensor,  # [k + 1, V] warped p after each fed token
-    generator: torch.Generator,
+    draft_probs: np.ndarray | None,  # [k, V] q of each draft, or None for point masses (n-gram)
+    target_probs: np.ndarray,  # [k + 1, V] warped p after each fed token
+    generator: np.random.Generator,
 ) -> list[int]:
     """Speculative sampling: accept x with prob min(1, p(x)/q(x)); else draw from norm(max(0, p - q))."""
     out: list[int] = []
     for j, x in enumerate(draft_tokens):
         p = target_probs[j]
         qx = 1.0 if draft_probs is None else float(draft_probs[j, x])
-        if float(torch.rand((), generator=generator)) * qx < float(p[x]):
+        if generator.random() * qx < float(p[x]):
             out.append(int(x))
             continue
         if draft_probs is None:
-            residual = p.clone()
+            residual = p.copy()
             residual[x] = 0.0
         else:
-            residual = torch.clamp(p - draft_probs[j], min=0.0)
+            residual = np.maximum(p - draft_probs[j], 0.0)
         total = float(residual.sum())
         # total == 0 only when p == q up to rounding, where rejection has probability 0
-        out.append(sample(residual / total if total > 0 else p, generator))
+        out.append(sample(residual if total > 0 else p, generator))
         return out
     out.append(sample(target_probs[len(draft_tokens)], generator))
     return out

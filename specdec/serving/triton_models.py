@@ -84,7 +84,7 @@ def _export_dir(args: dict[str, str]) -> Path:
 
 
 def _load_tokenizer(args: dict[str, str]) -> Any:
-    from specdec.models.loading import load_export_metadata
+    from specdec.models.export_meta import load_export_metadata
 
     return load_export_metadata(_export_dir(args), "target").tokenizer
 
@@ -176,8 +176,9 @@ def served_engine(export_dir: Path, params: Mapping[str, str], device_id: int = 
     """The engine ``specdec_engine`` serves, from its config parameters (also a benchmark's local twin of it).
 
     Empty parameters mean the defaults; ``max_batch`` and ``intra_op_threads`` 0 mean "as exported" and
-    "all cores". torch runs on one thread here: it only runs the small ops between ORT steps, and its
-    threads would contend with ORT's (``benchmarks/results/ort_contention.md``).
+    "all cores". An ONNX Runtime export on the CPU runs without torch (the loops are numpy); where a
+    backend brings torch (TensorRT's device caches) it runs on one thread, since its threads would
+    contend with the backend's (``benchmarks/results/ort_contention.md``).
     """
     from specdec.runtime.draft_length import DraftLength
     from specdec.runtime.engine import Engine

@@ -43,7 +43,7 @@ def ragged_feeds(inputs: Sequence[tuple[str, Sequence[int | str], int]], vocab_s
     caches = [(name, dims, elem) for name, dims, elem in inputs if name not in {t.name for t in GRAPH_INPUTS}]
     for work in random_packs(vocab_size, num_slots, max_len, seed=seed):
         batch = pack(work)
-        feed = {spec.name: getattr(batch, spec.name).numpy().astype(spec.dtype) for spec in GRAPH_INPUTS}
+        feed = {spec.name: getattr(batch, spec.name).astype(spec.dtype) for spec in GRAPH_INPUTS}
         for name, dims, elem in caches:
             shape = (num_slots, int(dims[1]), max_len, int(dims[3]))
             feed[name] = (0.5 * rng.standard_normal(shape)).astype(helper.tensor_dtype_to_np_dtype(elem))

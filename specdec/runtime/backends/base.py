@@ -2,7 +2,10 @@
 
 Every backend (torch, ONNX Runtime, TensorRT) implements ``step`` and a ``KVStorage``
 with the few cache moves the KV manager needs; decoding loops see neither raw caches nor
-a particular runtime.
+a particular runtime. What crosses this interface is numpy on the host: the packed batch in, the
+logits rows out (float32). Why: the loops, the sampler and the drafters then need no tensor
+library of their own, so an engine over an ONNX Runtime export never imports torch (its memory,
+``benchmarks/results/edge_cpu.md``); a torch or TensorRT backend converts at its own boundary.
 """
 
 from __future__ import annotations
@@ -10,16 +13,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-import torch
+import numpy as np
 
 from specdec.runtime.packed import PackedBatch
 
 
 class KVStorage(Protocol):
-    """Per-layer caches ``[slots, kv_heads, max_len, head_dim]`` and the moves on them."""
+    """Per-layer caches ``[slots, kv_heads, buffer_len, head_dim]`` and the moves on them.
+
+    ``max_len`` positions of a slot belong to its sequence; ``buffer_len`` (>= ``max_len``) may add
+    scratch positions a backend's kernel writes past a sequence (``ort_fuse.SPARE_POSITIONS``).
+    """
 
     num_slots: int
     max_len: int
+    buffer_len: int
 
     def move(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy positions ``src`` to ``dst`` inside ``slot`` in every layer (compaction)."""
@@ -27,8 +35,9 @@ class KVStorage(Protocol):
     def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
         """Copy positions ``[0, length)`` of ``src_slot`` into ``dst_slot`` (fork)."""
 
-    def read(self, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """K and V of ``[0, length)`` per layer, as ``[kv_heads, length, head_dim]`` copies (tests)."""
+    def read(self, slot: int, length: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """K and V of ``[0, length)`` per layer, as ``[kv_heads, length, head_dim]`` host copies (tests): in the
+        cache's own dtype for host caches, float32 for torch caches (numpy has no bfloat16)."""
 
 
 class Backend(Protocol):
@@ -44,13 +53,13 @@ class Backend(Protocol):
 
     vocab_size: int
     head_size: int
-    head_token_ids: torch.Tensor | None
+    head_token_ids: np.ndarray | None
     rows_processed: int
     calls: int
     supports_cache_mask: bool
 
     def allocate_cache(self, num_slots: int, max_len: int) -> KVStorage: ...
 
-    def step(self, batch: PackedBatch, cache: KVStorage) -> torch.Tensor:
-        """Logits ``[R, head_size]`` for ``batch.logits_indices``; writes the new K/V in place."""
+    def step(self, batch: PackedBatch, cache: KVStorage) -> np.ndarray:
+        """Logits ``[R, head_size]`` (float32, host) for ``batch.logits_indices``; writes the new K/V in place."""
         ...

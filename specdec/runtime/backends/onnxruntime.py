@@ -1,15 +1,17 @@
 """ONNX Runtime backend: runs an exported ragged-step graph with the caches bound in place.
 
-The caches are ordinary torch tensors (so the KV manager's moves and forks work on them
-directly); each step binds every ``past_key_values.*`` input and its ``present.*`` output
-to the same buffer through IOBinding, so the graph's attention writes the new K/V rows into
-the cache itself and no full-cache copy happens per step. ``inplace_ok`` records whether
-ORT really wrote through the bound buffer (checked by pointer on every step).
+On the CPU the caches are numpy arrays in host memory (``HostKVStorage``: the KV manager's moves
+and forks work on them directly, and the process needs no torch); each step binds every
+``past_key_values.*`` input and its ``present.*`` output to the same buffer through IOBinding, so
+the graph's attention writes the new K/V rows into the cache itself and no full-cache copy happens
+per step. ``inplace_ok`` records whether ORT really wrote through the bound buffer (checked by
+pointer on every step).
 
 On the CUDA execution provider (``onnxruntime-gpu``, the ``gpu`` extra) the caches are torch CUDA
 tensors on the session's device and are bound there (device pointers), so a step moves only its
-small packed inputs host to device and the logits rows back: no cache crosses PCIe. The caches
-stay torch tensors because the KV manager's compaction and forks run on them in place.
+small packed inputs host to device and the logits rows back: no cache crosses PCIe. There the
+caches are torch tensors (imported only then) because the KV manager's compaction and forks run on
+them in place on the device.
 
 The session runs the graph as ``ort_fuse`` lowers it for ONNX Runtime (GroupQueryAttention,
 fused RMSNorm and RoPE; the file itself is unchanged). A step that GroupQueryAttention's padded
@@ -26,11 +28,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from specdec.models.loading import HEAD_TOKEN_IDS_FILE, ModelResolutionError, read_head_token_ids
+from specdec.models.export_meta import HEAD_TOKEN_IDS_FILE, ModelResolutionError, read_head_token_ids
 from specdec.runtime.backends import ort_fuse
-from specdec.runtime.backends.torch_backend import TorchKVStorage
+from specdec.runtime.backends.base import KVStorage
+from specdec.runtime.backends.host_cache import HostKVStorage
 from specdec.runtime.graph_io import CACHE_INPUT, CACHE_OUTPUT, GRAPH_INPUTS, LOGITS, cache_names, graph_feeds
 from specdec.runtime.packed import PackedBatch
 
@@ -38,7 +40,6 @@ if TYPE_CHECKING:
     import onnxruntime
 
 _NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
-_TORCH_DTYPES = {np.float32: torch.float32, np.float16: torch.float16}
 FUSE_ENV = "SPECDEC_ORT_FUSE"  # "0": run the exported graph as it is; "a,b": only these ort_fuse rewrites
 
 
@@ -46,7 +47,7 @@ class OnnxModelError(RuntimeError):
     """An ONNX file is missing, corrupt, or not a specdec ragged-step graph."""
 
 
-def graph_head(graph: Path, head_size: int) -> tuple[torch.Tensor | None, int]:
+def graph_head(graph: Path, head_size: int) -> tuple[np.ndarray | None, int]:
     """(head_token_ids, vocab_size) of an exported graph whose logits have ``head_size`` columns.
 
     A full head's width is the vocabulary. A restricted head's map is ``head_token_ids.json``
@@ -133,7 +134,6 @@ class OrtBackend:
         first = inputs[CACHE_INPUT.format(layer=0, kind="key")]
         _, self.num_kv_heads, _, self.head_dim = first.shape
         self.np_dtype = _NP_DTYPES[first.type]
-        self.dtype = _TORCH_DTYPES[self.np_dtype]
         self.head_size = int(outputs[LOGITS].shape[-1])
         self.head_token_ids, self.vocab_size = graph_head(self.path, self.head_size)
         self._in_names = cache_names(self.num_layers, CACHE_INPUT)
@@ -171,23 +171,33 @@ class OrtBackend:
         except Exception as exc:  # ORT raises its own Fail/InvalidGraph/... types, onnx a DecodeError
             raise OnnxModelError(f"cannot load {self.path}: {exc}") from exc
 
-    def allocate_cache(self, num_slots: int, max_len: int) -> TorchKVStorage:
+    def allocate_cache(self, num_slots: int, max_len: int) -> KVStorage:
         """Caches on the session's device: host memory on the CPU EP, the GPU's own memory on the CUDA EP."""
-        if self.device.type == "cuda" and not torch.cuda.is_available():
+        spare = ort_fuse.SPARE_POSITIONS if self.fuse_report is not None and self.fuse_report.attention else 0
+        shape = (self.num_layers, num_slots, int(self.num_kv_heads), max_len, int(self.head_dim))
+        if self.device[0] == "cpu":
+            return HostKVStorage(*shape, dtype=self.np_dtype, spare=spare)
+        try:
+            import torch
+
+            from specdec.runtime.backends.torch_backend import TorchKVStorage
+        except ImportError as exc:
+            raise OnnxModelError(f"{self.path}: ONNX Runtime runs this graph on CUDA; its caches live on the device as "
+                                 "torch CUDA tensors, and torch is not installed") from exc
+        if not torch.cuda.is_available():
             raise OnnxModelError(f"{self.path}: ONNX Runtime runs this graph on CUDA, but this torch has no CUDA, so "
                                  "the caches cannot live on the device: install a CUDA build of torch, or run on "
                                  "the CPU (providers=['CPUExecutionProvider'])")
-        spare = ort_fuse.SPARE_POSITIONS if self.fuse_report is not None and self.fuse_report.attention else 0
-        return TorchKVStorage(self.num_layers, num_slots, int(self.num_kv_heads), max_len, int(self.head_dim),
-                              self.dtype, device=self.device, spare=spare)
+        dtype = torch.float32 if self.np_dtype == np.float32 else torch.float16
+        return TorchKVStorage(*shape, dtype, device=torch.device("cuda", self.device[1]), spare=spare)
 
-    def step(self, batch: PackedBatch, cache: TorchKVStorage) -> torch.Tensor:
+    def step(self, batch: PackedBatch, cache: KVStorage) -> np.ndarray:
         self.calls += 1
         self.rows_processed += batch.num_tokens
         feeds = graph_feeds(batch)
         if self.fuse_report is None or not self.fuse_report.attention:
             return self._run(self.session, feeds, cache)
-        past, new = batch.past_lens.tolist(), batch.cu_seqlens.diff().tolist()
+        past, new = batch.past_lens.tolist(), np.diff(batch.cu_seqlens).tolist()
         groups = ort_fuse.gqa_groups(past, new, cache.buffer_len, cache.num_slots)
         if groups is None:  # one sequence fills the whole context next to idle slots: GQA cannot pad it
             if self._unfused is None:
@@ -202,30 +212,45 @@ class OrtBackend:
             part, rows = split_batch(batch, seqs)
             out = self._run(self.session, graph_feeds(part), cache)
             if logits is None:
-                logits = out.new_empty((batch.logits_indices.shape[0], out.shape[1]))
+                logits = np.empty((batch.logits_indices.shape[0], out.shape[1]), dtype=out.dtype)
             logits[rows] = out
         return logits
 
-    def _run(self, session: onnxruntime.InferenceSession, feeds: dict[str, torch.Tensor],
-             cache: TorchKVStorage) -> torch.Tensor:
+    def _run(self, session: onnxruntime.InferenceSession, feeds: dict[str, np.ndarray],
+             cache: KVStorage) -> np.ndarray:
         binding = session.io_binding()
-        for name, tensor in feeds.items():
-            binding.bind_cpu_input(name, np.ascontiguousarray(tensor.numpy()))
+        for name, array in feeds.items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(array))
         binding.bind_output(LOGITS, "cpu")  # first, so it is outputs[0]; on CUDA ORT copies only these rows back
         buffers = [*cache.k, *cache.v]
-        if buffers and buffers[0].device != self.device:
-            raise OnnxModelError(f"{self.name}: the caches are on {buffers[0].device}, the session on {self.device} "
-                                 "(allocate them with this backend's allocate_cache)")
-        kind, index = self.device.type, self.device.index or 0
+        kind, index = self.device
+        if buffers and _device_of(buffers[0]) != self.device:
+            raise OnnxModelError(f"{self.name}: the caches are on {_device_name(_device_of(buffers[0]))}, the session "
+                                 f"on {_device_name(self.device)} (allocate them with this backend's allocate_cache)")
         for in_name, out_name, buf in zip(self._in_names, self._out_names, buffers):
-            shape = list(buf.shape)
-            binding.bind_input(in_name, kind, index, self.np_dtype, shape, buf.data_ptr())
-            binding.bind_output(out_name, kind, index, self.np_dtype, shape, buf.data_ptr())
+            shape, pointer = list(buf.shape), _pointer(buf)
+            binding.bind_input(in_name, kind, index, self.np_dtype, shape, pointer)
+            binding.bind_output(out_name, kind, index, self.np_dtype, shape, pointer)
         session.run_with_iobinding(binding)
         outputs = binding.get_outputs()
-        self.inplace_ok = self.inplace_ok and all(
-            o.data_ptr() == b.data_ptr() for o, b in zip(outputs[1:], buffers))
-        return torch.from_numpy(outputs[0].numpy())
+        self.inplace_ok = self.inplace_ok and all(o.data_ptr() == _pointer(b) for o, b in zip(outputs[1:], buffers))
+        return outputs[0].numpy()
+
+
+def _pointer(buffer: Any) -> int:
+    """The address of a cache buffer: a numpy array's data, or a torch (CUDA) tensor's."""
+    return buffer.ctypes.data if isinstance(buffer, np.ndarray) else buffer.data_ptr()
+
+
+def _device_name(device: tuple[str, int]) -> str:
+    return "cpu" if device[0] == "cpu" else f"{device[0]}:{device[1]}"
+
+
+def _device_of(buffer: Any) -> tuple[str, int]:
+    """("cpu", 0) for a host array, (kind, index) for a torch tensor."""
+    if isinstance(buffer, np.ndarray):
+        return ("cpu", 0)
+    return (buffer.device.type, buffer.device.index or 0)
 
 
 def default_providers(available: Sequence[str], device_id: int = 0) -> list[str | tuple[str, dict[str, str]]]:
@@ -237,14 +262,14 @@ def default_providers(available: Sequence[str], device_id: int = 0) -> list[str 
     return providers
 
 
-def cache_device(running: Sequence[str], requested: Sequence[Any]) -> torch.device:
-    """Where the caches live: the CUDA device the session runs on (its ``device_id`` option), else the host."""
+def cache_device(running: Sequence[str], requested: Sequence[Any]) -> tuple[str, int]:
+    """Where the caches live, as (kind, index): the CUDA device the session runs on (``device_id``), else the host."""
     if "CUDAExecutionProvider" not in running:
-        return torch.device("cpu")
+        return ("cpu", 0)
     for provider in requested:
         if isinstance(provider, tuple) and provider[0] == "CUDAExecutionProvider":
-            return torch.device("cuda", int(provider[1].get("device_id", 0)))
-    return torch.device("cuda", 0)
+            return ("cuda", int(provider[1].get("device_id", 0)))
+    return ("cuda", 0)
 
 
 def _rewrites(fuse: bool | Sequence[str] | None, providers: Sequence[Any]) -> tuple[str, ...]:
@@ -265,25 +290,25 @@ def _rewrites(fuse: bool | Sequence[str] | None, providers: Sequence[Any]) -> tu
     return tuple(fuse or ())
 
 
-def split_batch(batch: PackedBatch, seqs: Sequence[int]) -> tuple[PackedBatch, torch.Tensor]:
+def split_batch(batch: PackedBatch, seqs: Sequence[int]) -> tuple[PackedBatch, np.ndarray]:
     """The sub-step of sequences ``seqs`` (indices into the batch) and where its logits go in the batch's.
 
     Every operator but attention works row by row and attention within a sequence, so running
     the sub-steps one after another computes exactly the whole step.
     """
-    cu = batch.cu_seqlens.long()
-    seq_idx = torch.as_tensor(list(seqs), dtype=torch.long)
+    cu = batch.cu_seqlens.astype(np.int64)
+    seq_idx = np.asarray(list(seqs), dtype=np.int64)
     lens = cu[seq_idx + 1] - cu[seq_idx]
-    rows = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in seq_idx.tolist()])
-    new_row = torch.full((batch.num_tokens,), -1, dtype=torch.long)
-    new_row[rows] = torch.arange(rows.numel())
-    mapped = new_row[batch.logits_indices.long()]
-    where = torch.nonzero(mapped >= 0).flatten()
-    sub_cu = torch.zeros(len(seq_idx) + 1, dtype=torch.int32)
-    sub_cu[1:] = torch.cumsum(lens, 0)
+    rows = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in seq_idx])
+    new_row = np.full(batch.num_tokens, -1, dtype=np.int64)
+    new_row[rows] = np.arange(rows.size)
+    mapped = new_row[batch.logits_indices.astype(np.int64)]
+    where = np.flatnonzero(mapped >= 0)
+    sub_cu = np.zeros(len(seq_idx) + 1, dtype=np.int32)
+    sub_cu[1:] = np.cumsum(lens)
     part = PackedBatch(
         input_ids=batch.input_ids[rows], position_ids=batch.position_ids[rows], cu_seqlens=sub_cu,
         past_lens=batch.past_lens[seq_idx], slot_ids=batch.slot_ids[seq_idx],
-        tree_mask=batch.tree_mask[rows][:, : max(int(lens.max()), 1)].contiguous(),
-        logits_indices=mapped[where].to(torch.int32))
+        tree_mask=np.ascontiguousarray(batch.tree_mask[rows][:, : max(int(lens.max()), 1)]),
+        logits_indices=mapped[where].astype(np.int32))
     return part, where

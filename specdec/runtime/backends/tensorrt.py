@@ -26,6 +26,7 @@ import importlib
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from specdec.runtime.backends.onnxruntime import OnnxModelError, graph_head
@@ -48,16 +49,15 @@ class ShapeOutOfProfileError(ValueError):
 class TensorRTBackend:
     """A ``Backend`` over a TensorRT engine of a ``specdec-export --backend tensorrt`` graph.
 
-    ``output_device`` is where ``step`` returns the logits: ``"cpu"`` (default) matches the
-    other backends (the decoding loops and validation were written against CPU logits);
-    ``"cuda"`` keeps them on the GPU and saves the copy.
+    The caches live on ``device``; ``step`` returns the logits rows on the host, as every backend
+    does (``base.Backend``).
     """
 
     #: the engine has no cache_mask input (``graph_io``): a step with KV holes is refused
     supports_cache_mask = False
 
     def __init__(self, engine_path: str | os.PathLike, *, device: str | torch.device = "cuda",
-                 output_device: str | torch.device = "cpu", name: str | None = None) -> None:
+                 name: str | None = None) -> None:
         from specdec.plugins import trt_plugin
 
         self.path = Path(engine_path)
@@ -69,7 +69,6 @@ class TensorRTBackend:
         if not trt_plugin.register():
             raise EngineLoadError(f"cannot register the attention plugin: {trt_plugin.unavailable_reason()}")
         self.device = torch.device(device)
-        self.output_device = torch.device(output_device)
         self._logger = trt.Logger(trt.Logger.WARNING)
         with torch.cuda.device(self.device):
             self._runtime = trt.Runtime(self._logger)
@@ -138,8 +137,11 @@ class TensorRTBackend:
         self.context.set_tensor_address(name, tensor.data_ptr())
 
     @torch.inference_mode()
-    def step(self, batch: PackedBatch, cache: TorchKVStorage) -> torch.Tensor:
-        """Logits ``[R, vocab]`` (float32, on ``output_device``); the new K/V are written into ``cache`` in place."""
+    def step(self, batch: PackedBatch, cache: TorchKVStorage) -> np.ndarray:
+        """Logits ``[R, vocab]`` (float32, host: ``base.Backend``); the new K/V are written into ``cache`` in place.
+
+        Only the logits rows cross to the host (the caches stay on the device): the loops sample and verify
+        on the host, as they do for every backend."""
         self.calls += 1
         self.rows_processed += batch.num_tokens
         feeds = graph_feeds(batch)  # refuses a masked cache (vanilla's holes) before touching the GPU
@@ -147,14 +149,15 @@ class TensorRTBackend:
             raise TypeError(f"cache must come from this backend's allocate_cache() (CUDA storage on {self.device})")
         rows = int(batch.logits_indices.shape[0])
         if batch.num_tokens == 0:
-            return torch.empty(0, self.head_size, dtype=torch.float32, device=self.output_device)
+            return np.empty((0, self.head_size), dtype=np.float32)
 
         with torch.cuda.device(self.device):
             stream = torch.cuda.current_stream(self.device)
             if rows == 0:  # the profile starts at one row: compute one and return none
-                feeds["logits_indices"] = torch.zeros(1, dtype=torch.int32)
-            feeds = {name: t.to(device=self.device, dtype=self._torch_dtype(name)).contiguous()
-                     for name, t in feeds.items()}
+                feeds["logits_indices"] = np.zeros(1, dtype=np.int32)
+            feeds = {name: torch.from_numpy(np.ascontiguousarray(a)).to(device=self.device,
+                                                                        dtype=self._torch_dtype(name)).contiguous()
+                     for name, a in feeds.items()}
             for name, tensor in feeds.items():
                 self._bind_input(name, tensor)
             for in_name, out_name, buf in zip(self._in_names, self._out_names, (*cache.k, *cache.v)):
@@ -167,5 +170,4 @@ class TensorRTBackend:
             self.context.set_tensor_address(LOGITS, logits.data_ptr())
             if not self.context.execute_async_v3(stream.cuda_stream):
                 raise RuntimeError(f"TensorRT failed to enqueue the engine {self.path} (see the TensorRT log above)")
-            result = logits[:rows].float()
-            return result.to(self.output_device)
+            return logits[:rows].float().cpu().numpy()

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specdec.models.loading import LoadedModel, check_head_token_ids
+from specdec.models.export_meta import check_head_token_ids
+from specdec.models.loading import LoadedModel
 from specdec.plugins.reference import ragged_tree_attention
 from specdec.runtime.packed import PackedBatch
 
@@ -63,8 +64,10 @@ class TorchKVStorage:
         for cache in (*self.k, *self.v):
             cache[dst_slot, :, :length] = cache[src_slot, :, :length]
 
-    def read(self, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(k[slot, :, :length].to("cpu", copy=True), v[slot, :, :length].to("cpu", copy=True))
+    def read(self, slot: int, length: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Copies as float32 host arrays (``copy=True``: a CPU fp32 cache would otherwise be returned as a view)."""
+        return [(k[slot, :, :length].to("cpu", torch.float32, copy=True).numpy(),
+                 v[slot, :, :length].to("cpu", torch.float32, copy=True).numpy())
                 for k, v in zip(self.k, self.v)]
 
 
@@ -228,13 +231,17 @@ class TorchBackend:
         rows = h[logits_indices.long()]
         return F.linear(self._rms_norm(rows, self.final_norm), self.lm_head).float()
 
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+
     @torch.inference_mode()
-    def step(self, batch: PackedBatch, cache: TorchKVStorage) -> torch.Tensor:
+    def step(self, batch: PackedBatch, cache: TorchKVStorage) -> np.ndarray:
+        """The backend interface's step (numpy in and out, ``base.Backend``) over torch caches."""
         self.calls += 1
         self.rows_processed += batch.num_tokens
         cu, past, slots = batch.cu_seqlens.tolist(), batch.past_lens.tolist(), batch.slot_ids.tolist()
-        tree = batch.tree_mask.to(self.device)
-        cache_mask = None if batch.cache_mask is None else batch.cache_mask.to(self.device)
+        tree = self._tensor(batch.tree_mask)
+        cache_mask = None if batch.cache_mask is None else self._tensor(batch.cache_mask)
 
         attention = ragged_tree_attention
         if self.device.type == "cuda":  # the OpenAI Triton kernel the TensorRT plugin also runs
@@ -243,5 +250,6 @@ class TorchBackend:
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return attention(q, k, v, cache.k[layer], cache.v[layer], cu, past, slots, tree, self.scale, cache_mask)
 
-        return self.forward(batch.input_ids.to(self.device), batch.position_ids.to(self.device),
-                            batch.logits_indices.to(self.device), attend)
+        logits = self.forward(self._tensor(batch.input_ids), self._tensor(batch.position_ids),
+                              self._tensor(batch.logits_indices), attend)
+        return logits.cpu().numpy()

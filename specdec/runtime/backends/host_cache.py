@@ -1,0 +1,37 @@
+"""KV caches in host memory as numpy arrays: what a CPU backend (ONNX Runtime on the CPU) binds in place.
+
+Why numpy and ``np.zeros``: ``np.zeros`` is ``calloc``, whose large blocks are fresh zero pages of
+the kernel, so a cache sized ``max_batch x buffer_len`` is resident only where sequences wrote, as an
+edge runtime's is (``benchmarks/results/engine_memory.md``); and the engine over such a backend needs
+no tensor library besides numpy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class HostKVStorage:
+    """Slot-major per-layer caches ``[slots, kv_heads, buffer_len, head_dim]`` in host memory (``KVStorage``)."""
+
+    def __init__(self, num_layers: int, num_slots: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: np.dtype | type = np.float32, spare: int = 0) -> None:
+        """``spare`` positions past ``max_len`` in every slot are scratch for the backend (``KVStorage``)."""
+        self.num_slots, self.max_len, self.buffer_len = num_slots, max_len, max_len + spare
+        shape = (num_slots, kv_heads, self.buffer_len, head_dim)
+        self.k = [np.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.v = [np.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+
+    def move(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
+        src_i, dst_i = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+        for cache in (*self.k, *self.v):
+            cache[slot, :, dst_i] = cache[slot, :, src_i]
+
+    def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
+        for cache in (*self.k, *self.v):
+            cache[dst_slot, :, :length] = cache[src_slot, :, :length]
+
+    def read(self, slot: int, length: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        return [(k[slot, :, :length].copy(), v[slot, :, :length].copy()) for k, v in zip(self.k, self.v)]
