@@ -3,13 +3,13 @@
 The main job (``scripts/main.sh``) sends the demo mix (``specdec.runtime.prompts.DEFAULT_PROMPTS``: short
 chat answers and requests that quote or rework their prompt) concurrently to ``specdec serve`` with
 ``method=ems`` and again with ``method=ar``. Which export is fastest for that depends on the machine:
-int4 weights win one-row steps and lose wide ones on this CPU (``benchmarks/results/edge_cpu.md``), and
-the drafter that pays depends on the mix. This script exports each candidate, serves it on loopback,
+the weights' format trades bytes read per step against arithmetic per row (``benchmarks/results/edge_cpu.md``),
+and the drafter that pays depends on the mix. This script exports each candidate, serves it on loopback,
 sends the main job's requests (interleaved ems / ar, medians of ``--repeats``), checks that ems answers
 equal ar's token for token, and writes ``benchmarks/results/served_configs.{md,json,png}``; the main job
 serves the fastest exact one.
 
-    python benchmarks/served_configs.py            # ~12 min on 2 cores (4 exports, 4 servers)
+    python benchmarks/served_configs.py            # ~15 min on 2 cores (5 exports, 5 servers)
 """
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ CACHE = ROOT / "benchmarks" / ".cache" / "served"
 COMMON = ["--target", "smollm2-135m", "--draft", "smollm2-135m-draft", "--max-batch", "8", "--max-len", "2048",
           "--num-draft-tokens", "4", "--adaptive-draft", "--calibrate"]
 CANDIDATES = {
-    "fp32, draft model": [],
-    "fp32, hybrid": ["--drafter", "hybrid"],
-    "int4, draft model": ["--quantize", "int4"],
+    "fp32, n-gram": ["--drafter", "ngram"],
+    "int4, n-gram": ["--quantize", "int4", "--drafter", "ngram"],
     "int4, hybrid": ["--quantize", "int4", "--drafter", "hybrid"],
+    "int4, draft model": ["--quantize", "int4"],
+    "int8, n-gram": ["--quantize", "int8", "--drafter", "ngram"],
 }
 
 

@@ -295,11 +295,21 @@ class TritonServer:
     def is_ready(self) -> bool:
         return http_ready(self.http_url)
 
+    def metrics_up(self) -> bool:
+        """Whether the Prometheus endpoint answers (Triton opens it on its own, after the models may be ready)."""
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=2.0) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
     def wait_ready(self, timeout: float = 300.0, poll_s: float = 0.25) -> None:
-        """Block until ready; raise TritonStartError with the log if the server dies or the time runs out.
+        """Block until every model is ready and the metrics endpoint answers; raise TritonStartError with the log
+        if the server dies or the time runs out.
 
         Checking the process between probes turns "failed to load all models" into an error within a
-        poll interval instead of a silent timeout.
+        poll interval instead of a silent timeout. Why the metrics endpoint too: Triton reports ready before
+        it listens there, and on a busy machine a scrape right after "ready" was refused (a test saw it).
         """
         if self.process is None:
             raise TritonError("server not started")
@@ -311,7 +321,7 @@ class TritonServer:
                     f"tritonserver exited with code {code} while starting (log: {self.log_file})\n"
                     + error_summary(self.read_log())
                 )
-            if self.is_ready():
+            if self.is_ready() and self.metrics_up():
                 return
             if time.monotonic() >= deadline:
                 raise TritonStartError(
