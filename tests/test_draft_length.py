@@ -91,8 +91,8 @@ def test_a_sequence_that_stopped_drafting_probes_again() -> None:
         chosen.append(policy.choose(stats, 4, draft_cost=0.1))
         stats.record(chosen[-1], 0)
     assert chosen == [0, 0, 0, 1]
-    for _ in range(30):  # the text turned predictable: every probe and draft is accepted
-        k = policy.choose(stats, 4, draft_cost=0.1)
+    for _ in range(40):  # the text turned predictable: every probe and draft is accepted (the first probe after
+        k = policy.choose(stats, 4, draft_cost=0.1)  # the failed one waits twice as long: probe_backoff)
         stats.record(k, k, policy.memory)
     assert policy.choose(stats, 4, draft_cost=0.1) == 4
     # without fading, the 18 early rejections still hold k down
@@ -100,10 +100,38 @@ def test_a_sequence_that_stopped_drafting_probes_again() -> None:
     assert policy.choose(stale, 4, draft_cost=0.1) < 4
 
 
+def test_fruitless_probes_back_off_and_an_accepted_one_resets_the_wait() -> None:
+    """Probes whose drafts are rejected in a row wait 8, 16, 32, then 64 steps (probe_backoff 3); an acceptance
+    brings the wait back to 8. The steps between probes are counted on the sequence's own history only."""
+    policy = DraftLength(verify_cost=0.2, probe_every=8, probe_backoff=3)
+    stats = DraftStats([40], [1])  # drafts that never pay: k = 0 but for probes
+
+    def gaps(probes: int, accept: bool = False) -> list[int]:
+        out, since = [], 0
+        while len(out) < probes:
+            k = policy.choose(stats, 4, draft_cost=0.1)
+            since += 1
+            if k:
+                assert k == 1
+                out.append(since)
+                since = 0
+            stats.record(k, k if accept else 0, policy.memory)
+        return out
+
+    assert gaps(6) == [9, 17, 33, 65, 65, 65]  # a probe comes on the step after `wait` steps without a draft
+    assert stats.misses == 6
+    assert gaps(1, accept=True) == [65]
+    assert stats.misses == 0
+    assert gaps(2) == [9, 17]
+    no_backoff = DraftLength(verify_cost=0.2, probe_every=8, probe_backoff=0)
+    assert no_backoff.choose(DraftStats([40], [1], idle=8, misses=5), 4, draft_cost=0.1) == 1
+
+
 @pytest.mark.parametrize("kwargs,message", [
     ({"draft_cost": -0.1}, "draft_cost"), ({"verify_cost": -1.0}, "verify_cost"),
     ({"prior_acceptance": 1.5}, "prior_acceptance"), ({"prior_weight": 0.0}, "prior_weight"),
     ({"min_k": -1}, "min_k"), ({"probe_every": 0}, "probe_every"), ({"memory": 0.0}, "memory"),
+    ({"probe_backoff": -1}, "probe_backoff"),
 ])
 def test_bad_settings_are_refused(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -144,5 +172,5 @@ def test_adaptive_ems_equals_ar_while_k_follows_acceptance(tiny_target, draft_ki
         assert max(drafted) == 5 * len(prompts) and drafted[0] < drafted[2]
     elif draft_kind == "random":
         assert ems.run.summary()["acceptance_rate"] < 0.2
-        # drafting stops (0 drafts) except for a probe every 8 steps
+        # drafting stops (0 drafts) except for probes, 8 steps apart and further after each rejected one
         assert drafted[-1] <= len(prompts) and drafted.count(0) > len(drafted) // 2

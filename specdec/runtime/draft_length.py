@@ -42,6 +42,7 @@ class DraftStats:
     reached: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
     idle: int = 0  # steps since the last one with a draft
+    misses: int = 0  # verifications in a row whose drafts were all rejected
 
     def record(self, drafted: int, accepted: int, memory: float = 1.0) -> None:
         """One verification: ``drafted`` drafts, of which the first ``accepted`` were accepted.
@@ -53,6 +54,7 @@ class DraftStats:
         self.idle = 0 if drafted else self.idle + 1
         if not drafted:
             return
+        self.misses = 0 if accepted else self.misses + 1
         if memory != 1.0:
             self.reached = [memory * n for n in self.reached]
             self.accepted = [memory * n for n in self.accepted]
@@ -78,7 +80,12 @@ class DraftLength:
     ``min_k``: the shortest draft (0: a sequence whose drafts do not pay stops drafting).
     ``probe_every``: a sequence that stopped drafts one token again after that many steps
     without, so it notices when its text turns predictable (a list it starts to copy);
-    otherwise its estimate, and its k, could never change again.
+    otherwise its estimate, and its k, could never change again. ``probe_backoff``: each probe in
+    a row that got nothing accepted doubles that wait, up to ``probe_every * 2**probe_backoff``
+    steps (8 to 64 by default); an accepted draft resets it. Why: a probe costs a verified row,
+    and for a draft model also the draft steps that catch its cache up, so on this CPU a
+    sequence that probes every 8 steps in text its drafter cannot predict loses a few percent
+    against ``ar`` (``benchmarks/results/edge_cpu.md``); backed off, about half a percent.
     """
 
     draft_cost: float | None = None
@@ -88,6 +95,7 @@ class DraftLength:
     memory: float = 0.95
     min_k: int = 0
     probe_every: int = 8
+    probe_backoff: int = 3
 
     def __post_init__(self) -> None:
         if self.draft_cost is not None and self.draft_cost < 0:
@@ -104,6 +112,8 @@ class DraftLength:
             raise ValueError(f"min_k must be >= 0, got {self.min_k}")
         if self.probe_every < 1:
             raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
+        if self.probe_backoff < 0:
+            raise ValueError(f"probe_backoff must be >= 0, got {self.probe_backoff}")
 
     def rates(self, stats: DraftStats, depth: int) -> list[float]:
         """``beta_1..beta_depth``, each shrunk toward the one before (the first toward ``prior_acceptance``)."""
@@ -120,7 +130,8 @@ class DraftLength:
 
         ``rows``: draft and verified rows one unit of k adds per sequence of the step (1 for a chain;
         for a DSBD layer, W_S nodes over the group's live beams). A choice of 0 becomes 1 once the
-        sequence has gone ``probe_every`` steps without a draft.
+        sequence has gone ``probe_every`` steps without a draft (doubled per fruitless probe in a row, up to
+        ``probe_backoff`` times).
         """
         if k_max <= self.min_k:
             return max(0, k_max)
@@ -133,7 +144,8 @@ class DraftLength:
             value = expected / (1.0 + k * per_draft)
             if k >= self.min_k and value > best * (1 + 1e-9):
                 best_k, best = k, value
-        return 1 if best_k == 0 and stats.idle >= self.probe_every else best_k
+        wait = self.probe_every << min(stats.misses, self.probe_backoff)
+        return 1 if best_k == 0 and stats.idle >= wait else best_k
 
 
 def _cost(text: str) -> float:
