@@ -49,6 +49,25 @@ def test_every_row_of_a_quantized_graph_is_bitwise_the_same_in_any_step(quantize
     assert backend.unfused_steps == 0
 
 
+def test_long_odd_chunks_are_bitwise_the_same_as_one_token_per_step(quantized_graph: Path) -> None:
+    """GQA runs a slot's rows in blocks of 128: a chunk of 129 or 257 rows ends in a one-row block, which took
+    MLAS's one-row path until odd row counts got a discarded copy row (ort_fuse). Prompts prefilled in such
+    chunks, beside a decode row, equal the same tokens decoded one per step, at every position."""
+    backend = OrtBackend(quantized_graph)
+    rng = random.Random(7)
+    tokens = [rng.randrange(160) for _ in range(300)]
+    cache = backend.allocate_cache(2, 320)
+    want = np.stack([backend.step(pack([SeqWork(0, i, [t])]), cache)[0] for i, t in enumerate(tokens)])
+    chunked, done = [], 0
+    for n in (129, 1, 129, 41):
+        rows = backend.step(pack([SeqWork(1, 0, [7], logits="none"), SeqWork(0, done, tokens[done:done + n])]), cache)
+        chunked.extend(rows)
+        done += n
+    assert np.array_equal(np.stack(chunked), want)
+    whole = backend.step(pack([SeqWork(0, 0, tokens[:257])]), cache)
+    assert np.array_equal(whole, want[:257])
+
+
 def test_a_forest_gets_the_same_logits_beside_any_other_work(quantized_graph: Path) -> None:
     """DSBD verifies forests: a forest's rows depend on its own slot only, not on what else shares the step."""
     backend = OrtBackend(quantized_graph)

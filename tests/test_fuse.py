@@ -111,31 +111,38 @@ def test_steps_gqa_cannot_pad_are_split_or_run_unfused_and_stay_exact(gqa_graph)
     cache, ref_cache = backend.allocate_cache(3, 16), ref.allocate_cache(3, 16)
     steps = [
         [SeqWork(0, 0, list(range(1, 14)))],
-        [SeqWork(0, 13, [3]), SeqWork(1, 0, [4, 5, 6, 7, 8], parents=[ROOT, 0, 0, 1, ROOT])],  # 13 + 5 > 17: split
+        [SeqWork(0, 13, [3]), SeqWork(1, 0, [4, 5, 6, 7, 8], parents=[ROOT, 0, 0, 1, ROOT])],  # 13 + 6 > 17: split
         [SeqWork(2, 0, list(range(16)))],  # fills the context while slots are idle: the spare position holds S
-        [SeqWork(0, 14, [1, 2]), SeqWork(1, 1, [9, 9, 9]), SeqWork(2, 15, [7])],  # 15 + 3 > 17: two groups
+        [SeqWork(0, 14, [1, 2]), SeqWork(1, 1, [9, 9, 9]), SeqWork(2, 15, [7])],  # 14 + 4 > 17: two groups
     ]
+    real = np.zeros((3, 17), dtype=bool)  # positions whose last write was a real row (not an odd count's copy)
     for work in steps:
         batch = pack(work)
         assert float(np.abs(backend.step(batch, cache) - ref.step(batch, ref_cache)).max()) < 1e-4
+        for w in work:
+            n = len(w.token_ids)
+            real[w.slot_id, w.past_len : w.past_len + n] = True
+            real[w.slot_id, w.past_len + n] &= n % 2 == 0  # the discarded copy of an odd count lands here
     assert backend.split_steps == 2 and backend.unfused_steps == 0 and backend.inplace_ok
-    bare = HostKVStorage(backend.num_layers, 2, int(backend.num_kv_heads), 16, int(backend.head_dim),
+    bare = HostKVStorage(backend.num_layers, 1, int(backend.num_kv_heads), 16, int(backend.head_dim),
                          backend.np_dtype)
     assert bare.buffer_len == 16
-    bare_ref = ref.allocate_cache(2, 16)
+    bare_ref = ref.allocate_cache(1, 16)
     for work in ([SeqWork(0, 0, list(range(1, 16)))], [SeqWork(0, 15, [7])]):  # the last row's copy has no room
         batch = pack(work)
         assert float(np.abs(backend.step(batch, bare) - ref.step(batch, bare_ref)).max()) < 1e-4
     assert backend.unfused_steps == 1
     for got, want in zip((*cache.k, *cache.v), (*ref_cache.k, *ref_cache.v)):  # host arrays, the reference's torch
-        assert float(np.abs(got[:, :, :16] - want.numpy()).max()) < 1e-5  # (the spare position: slot 2's last copy)
+        for slot in range(3):
+            kept = real[slot, :16]
+            assert float(np.abs(got[slot][:, :16][:, kept] - want.numpy()[slot][:, kept]).max()) < 1e-5
 
 
 def test_gqa_groups() -> None:
     assert ort_fuse.gqa_groups([3, 0], [1, 5], max_len=16, num_slots=4) == [[0, 1]]
     assert ort_fuse.gqa_groups([13, 0], [1, 5], max_len=16, num_slots=4) == [[1], [0]]
-    assert ort_fuse.gqa_groups([14, 1, 15], [2, 3, 1], max_len=17, num_slots=3) == [[0, 1], [2]]
-    # a one-row sequence runs two query rows: at the last position it needs the spare one
+    assert ort_fuse.gqa_groups([14, 1, 15], [2, 3, 1], max_len=17, num_slots=3) == [[1], [0, 2]]
+    # an odd row count runs one more query row: a one-row sequence at the last position needs the spare one
     assert ort_fuse.gqa_groups([14, 1, 15], [2, 3, 1], max_len=16, num_slots=3) is None
     assert ort_fuse.gqa_groups([0], [16], max_len=16, num_slots=3) is None  # an idle slot cannot hold S = 16
     assert ort_fuse.gqa_groups([0], [16], max_len=17, num_slots=3) == [[0]]

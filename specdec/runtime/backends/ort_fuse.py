@@ -14,16 +14,17 @@ measurements: docs/export.md, "The ONNX Runtime lowering"; ``benchmarks/results/
   new K/V appended in place), other slots are idle entries (``query_seqlens = 0``); the tree mask
   is an additive ``attention_bias``; RoPE stays outside GQA. GQA needs ``past + S <= max_len`` for
   every slot, which the reference does not: ``gqa_groups`` says how the backend splits a step.
-  A sequence with one new row runs as two query rows, the second a copy of the first whose output
-  is dropped and whose K/V land one position past the sequence (garbage the next step overwrites;
-  ``SPARE_POSITIONS`` keeps room for it at the end of the context). Why: GQA multiplies each slot's
-  rows by its keys with MLAS's GEMM, which takes a separate one-row path (``M = 1``) whose sums
-  round differently; with two rows or more, a row's output is bitwise the same whatever the slot's
-  row count and whatever shares the step. So a decode row equals the same row inside a verification
-  chain bit for bit, and with ``MatMulNBits`` at int8 activations (itself row-independent) the
-  whole graph's logits of a row do not depend on the step's shape: greedy ``ems`` equals ``ar`` by
-  construction (``tests/test_batch_invariance.py``). It costs one attention row per decoding
-  sequence, nothing in the projections.
+  A sequence with an odd number of new rows runs one more query row, a copy of its last whose
+  output is dropped and whose K/V land one position past the sequence (garbage the next step
+  overwrites; ``SPARE_POSITIONS`` keeps room for it at the end of the context). Why: GQA multiplies
+  a slot's rows by its keys with MLAS's GEMM in blocks of 128 rows, and a block of a single row takes
+  a separate path whose sums round differently; with an even row count no block is a single row
+  (a one-row decode step, and a 129- or 257-row prefill chunk alike), and a row's output is bitwise
+  the same whatever the slot's row count and whatever shares the step. So a decode row equals the
+  same row inside a verification chain bit for bit, and with ``MatMulNBits`` at int8 activations
+  (itself row-independent) the whole graph's logits of a row do not depend on the step's shape:
+  greedy ``ems`` equals ``ar`` by construction (``tests/test_batch_invariance.py``). It costs one
+  attention row per odd-length sequence, nothing in the projections.
 * **rmsnorm** -> ``SimplifiedLayerNormalization`` (ORT's own fusion wants ``Div``, the exporter
   emits ``Reciprocal``/``Mul``); **skip_rmsnorm** -> ``SkipSimplifiedLayerNormalization`` for a
   residual ``Add`` feeding a norm (ORT does not fuse it: the sum has other consumers).
@@ -48,8 +49,8 @@ from specdec.runtime.backends.onnx_edit import GraphEditor
 
 MS_DOMAIN = "com.microsoft"
 REWRITES = ("attention", "rmsnorm", "skip_rmsnorm", "rotary")
-#: cache positions past ``max_len`` the fused attention needs: a one-row sequence's discarded second query row
-#: writes its K/V there when the sequence sits at the last position (module docstring)
+#: cache positions past ``max_len`` the fused attention needs: an odd-length sequence's discarded extra query row
+#: writes its K/V there when the sequence ends at the last position (module docstring)
 SPARE_POSITIONS = 1
 _FLOATS = {TensorProto.FLOAT: "float32", TensorProto.FLOAT16: "float16"}
 _LOWEST = {TensorProto.FLOAT: -3.4028234663852886e38, TensorProto.FLOAT16: -65504.0}
@@ -89,7 +90,7 @@ def gqa_groups(past_lens: Sequence[int], new_lens: Sequence[int], max_len: int,
     """Sequences grouped into sub-steps that GQA accepts, ``[all]`` when the whole step does; None if none exists.
 
     ``max_len`` is the cache buffer's length (with its ``SPARE_POSITIONS``). GQA pads every slot's
-    chunk to ``S`` = the most rows a sequence runs (a one-row sequence runs two) and needs
+    chunk to ``S`` = the most rows a sequence runs (an odd count runs one more) and needs
     ``P + S <= max_len`` for each slot (``P`` = past of an active slot, 1 for an idle one). A
     sequence near the end of its context fails that next to a long prefill, although its own rows
     fit; such sequences go to a later group with its own, smaller ``S``. None: one sequence fills
@@ -99,7 +100,7 @@ def gqa_groups(past_lens: Sequence[int], new_lens: Sequence[int], max_len: int,
     pending = list(range(len(new_lens)))
     groups: list[list[int]] = []
     while pending:
-        width = max(max(new_lens[i], 2) for i in pending)
+        width = max(new_lens[i] + new_lens[i] % 2 for i in pending)
         fit = [i for i in pending if past_lens[i] + width <= max_len]
         if not fit or (width + 1 > max_len and len(fit) < num_slots):  # an idle slot (P = 1) cannot hold S
             return None
@@ -149,8 +150,8 @@ def _prelude(g: GraphEditor, cu_seqlens: str, past_lens: str, slot_ids: str, tre
     starts = g.add("Slice", cu, c0, cm1)  # [B]
     ends = g.add("Slice", cu, c1, n_cu)  # [B]
     new = g.add("Sub", ends, starts)  # [B]
-    # a one-row sequence runs as two query rows, the second a discarded copy (PAD_QUERY_ROWS)
-    run = g.add("Add", new, g.add("Cast", g.add("Equal", new, c1), to=i64))  # [B]
+    # an odd row count runs one more query row, a discarded copy (module docstring: no one-row GEMM)
+    run = g.add("Add", new, g.add("Mod", new, g.ints(2)))  # [B]
     width = g.add("Max", g.add("ReduceMax", run, keepdims=1), c1)  # [1] = S
     n_slots = g.add("Shape", k_cache, start=0, end=1)  # [1]
     zeros = g.add("ConstantOfShape", n_slots, value=helper.make_tensor(g.name("z"), i64, [1], [0]))  # [slots]
