@@ -24,12 +24,19 @@ per-node timestamps add overhead of their own, so the ``model_run`` totals are a
 times of (1); shares are read from (2), speed from (1). Before timing, each variant's logits
 are compared with the torch reference on the same three steps after the same prefill.
 
+Two exports can be compared the same way instead, each lowered as ``OrtBackend`` serves it
+(``--before GRAPH --after GRAPH``): e.g. the int4 graph as it shipped with fp32 activations
+(``specdec-export --quantize int4 --quantize-activations fp32``) against the int8-activation,
+batch-invariant one (``--quantize int4``), written to ``--stem`` (``step_profile_int4``).
+
 Run::
 
     python benchmarks/step_profile.py            # ~6 minutes on a 2-core CPU (+1 min export once)
     python benchmarks/step_profile.py --graph deploy/target/model.onnx --rounds 3
+    python benchmarks/step_profile.py --before int4-fp32act/target/model.onnx --after int4/target/model.onnx \
+        --stem step_profile_int4
 
-Writes ``<out-dir>/step_profile.{json,md}`` (default ``benchmarks/results``).
+Writes ``<out-dir>/<stem>.{json,md,png}`` (default ``benchmarks/results/step_profile``).
 """
 
 from __future__ import annotations
@@ -46,18 +53,28 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnxruntime as ort
 import torch
 
 from specdec.bench.harness import machine_info
 from specdec.export.onnx import export_onnx
 from specdec.models.loading import load_model
+from specdec.runtime.backends.base import KVStorage
 from specdec.runtime.backends.onnxruntime import OrtBackend
-from specdec.runtime.backends.torch_backend import TorchBackend, TorchKVStorage
+from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.packed import PackedBatch, SeqWork, pack
 
 DEFAULT_GRAPH = Path(__file__).parent / ".cache" / "step-profile" / "model.onnx"
-VARIANTS = {"before": False, "after": True}  # OrtBackend(fuse=...)
+#: what the report says the two variants are, by mode
+DESCRIPTIONS = {
+    "fuse": ("SmolLM2-135M-Instruct, fp32. *before*: the exported graph as ORT inlines it (`OrtBackend(fuse=False)`); "
+             "*after*: `ort_fuse`'s lowering (GroupQueryAttention, SimplifiedLayerNormalization / "
+             "SkipSimplifiedLayerNormalization, RotaryEmbedding)"),
+    "graphs": ("SmolLM2-135M-Instruct, two exports, each lowered by `ort_fuse` as `OrtBackend` serves it. *before*: "
+               "`{before}`; *after*: `{after}`"),
+}
+Variant = tuple[Path, bool]  # (graph, OrtBackend(fuse=...))
 SLOTS, MAX_LEN, CONTEXT = 16, 1024, 200
 
 
@@ -73,11 +90,11 @@ def shapes() -> dict[str, PackedBatch]:
     }
 
 
-def prefilled_cache(backend: OrtBackend | TorchBackend) -> TorchKVStorage:
+def prefilled_cache(backend: OrtBackend | TorchBackend) -> KVStorage:
     """A cache whose slots 0..7 hold the K/V of ``PAST[s]`` prompt tokens (the same tokens for every backend)."""
     cache = backend.allocate_cache(SLOTS, MAX_LEN)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in PAST]
+    g = np.random.default_rng(0)
+    prompts = [g.integers(0, 49152, n).tolist() for n in PAST]
     for s, tokens in enumerate(prompts):
         backend.step(pack([SeqWork(s, 0, tokens, logits="last")]), cache)
     return cache
@@ -91,12 +108,12 @@ def check_exact(backends: dict[str, OrtBackend], steps: dict[str, PackedBatch]) 
     errors: dict[str, float] = {}
     for variant, backend in backends.items():
         cache = prefilled_cache(backend)
-        errors[variant] = max(float((want[name] - backend.step(batch, cache)).abs().max())
+        errors[variant] = max(float(np.abs(want[name] - backend.step(batch, cache)).max())
                               for name, batch in steps.items())
     return errors
 
 
-def time_steps(backends: dict[str, OrtBackend], steps: dict[str, PackedBatch], cache: TorchKVStorage,
+def time_steps(backends: dict[str, OrtBackend], steps: dict[str, PackedBatch], caches: dict[str, KVStorage],
                rounds: int, n: int) -> dict[str, dict[str, list[float]]]:
     """ms per step for every (shape, variant), ``rounds`` interleaved samples each (order alternates)."""
     samples: dict[str, dict[str, list[float]]] = {s: {v: [] for v in backends} for s in steps}
@@ -104,7 +121,7 @@ def time_steps(backends: dict[str, OrtBackend], steps: dict[str, PackedBatch], c
     for r in range(rounds):
         for shape, batch in steps.items():
             for variant in names if r % 2 == 0 else names[::-1]:
-                backend = backends[variant]
+                backend, cache = backends[variant], caches[variant]
                 backend.step(batch, cache)  # warm this shape
                 start = time.perf_counter()
                 for _ in range(n):
@@ -115,25 +132,26 @@ def time_steps(backends: dict[str, OrtBackend], steps: dict[str, PackedBatch], c
     return samples
 
 
-def profile_steps(graph: Path, steps: dict[str, PackedBatch], cache: TorchKVStorage, n: int,
+def profile_steps(variants: dict[str, Variant], steps: dict[str, PackedBatch], n: int,
                   threads: int, prefix: Path) -> dict[str, dict[str, Any]]:
     """Per-op and per-node kernel ms per step of each (shape, variant), from ORT's profiler."""
     backends = {v: OrtBackend(graph, fuse=f, intra_op_threads=threads, profile_prefix=str(prefix / v))
-                for v, f in VARIANTS.items()}
+                for v, (graph, f) in variants.items()}
+    caches = {v: prefilled_cache(b) for v, b in backends.items()}
     windows: dict[str, list[tuple[str, int]]] = {v: [] for v in backends}  # (shape, index of its first timed run)
     runs = dict.fromkeys(backends, 0)
     for shape, batch in steps.items():
         for variant, backend in backends.items():
             for _ in range(3):  # warm-up runs, not counted
-                backend.step(batch, cache)
+                backend.step(batch, caches[variant])
             windows[variant].append((shape, runs[variant] + 3))
             for _ in range(n):
-                backend.step(batch, cache)
+                backend.step(batch, caches[variant])
             runs[variant] += 3 + n
     out: dict[str, dict[str, Any]] = {s: {} for s in steps}
     for variant, backend in backends.items():
         events = json.loads(Path(backend.session.end_profiling()).read_text())
-        model_runs = [e for e in events if e.get("name") == "model_run"]
+        model_runs = [e for e in events if e.get("name") == "model_run"][len(PAST):]  # after the prefills
         kernels = [e for e in events if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")]
         for shape, first in windows[variant]:
             chosen = model_runs[first : first + n]
@@ -158,11 +176,9 @@ def profile_steps(graph: Path, steps: dict[str, PackedBatch], cache: TorchKVStor
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    lines = ["# One ONNX Runtime target step per operator: before / after `ort_fuse`", "",
-             f"SmolLM2-135M-Instruct, fp32, ORT {doc['onnxruntime']}, {doc['threads']} intra-op threads, cache "
-             f"{SLOTS} slots x {MAX_LEN}, context ~{CONTEXT}. *before*: the exported graph as ORT inlines it "
-             "(`OrtBackend(fuse=False)`); *after*: `ort_fuse`'s lowering (GroupQueryAttention, "
-             "SimplifiedLayerNormalization / SkipSimplifiedLayerNormalization, RotaryEmbedding). "
+    lines = [f"# One ONNX Runtime target step per operator: {doc['title']}", "",
+             f"{doc['description']}. ORT {doc['onnxruntime']}, {doc['threads']} intra-op threads, cache "
+             f"{SLOTS} slots x {MAX_LEN}, context ~{CONTEXT}. "
              f"Command: `{doc['command']}`. Machine: {doc['machine'].get('processor')}, "
              f"load average at start {doc['machine'].get('load_average')} (shared machine: other users' jobs ran "
              "during the measurement, so read medians, not single numbers).", "",
@@ -208,29 +224,40 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--graph", type=Path, default=None,
                         help=f"an exported target graph (default: export smollm2-135m to {DEFAULT_GRAPH})")
+    parser.add_argument("--before", type=Path, help="compare two exported graphs instead: the first (with --after)")
+    parser.add_argument("--after", type=Path, help="the second graph of --before")
+    parser.add_argument("--stem", default="step_profile", help="file names of the results")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (median kept)")
     parser.add_argument("--steps", type=int, default=8, help="steps per shape per round and in the profile")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)  # only the cache fills and the reference run in torch
-    graph = args.graph or DEFAULT_GRAPH
-    if not graph.is_file():
-        print(f"exporting smollm2-135m to {graph} ...", flush=True)
-        export_onnx(load_model("smollm2-135m"), graph)
+    if (args.before is None) != (args.after is None):
+        parser.error("--before and --after go together")
+    torch.set_num_threads(1)  # only the reference runs in torch
+    if args.before is not None:
+        variants: dict[str, Variant] = {"before": (args.before, True), "after": (args.after, True)}
+        mode, title = "graphs", "before / after"
+    else:
+        graph = args.graph or DEFAULT_GRAPH
+        if not graph.is_file():
+            print(f"exporting smollm2-135m to {graph} ...", flush=True)
+            export_onnx(load_model("smollm2-135m"), graph)
+        variants, mode, title = {"before": (graph, False), "after": (graph, True)}, "fuse", "before / after `ort_fuse`"
     steps = shapes()
-    backends = {v: OrtBackend(graph, fuse=f, intra_op_threads=args.threads) for v, f in VARIANTS.items()}
-    print("fused:", backends["after"].fuse_report, flush=True)
+    backends = {v: OrtBackend(graph, fuse=f, intra_op_threads=args.threads) for v, (graph, f) in variants.items()}
+    print("fused:", {v: b.fuse_report for v, b in backends.items()}, flush=True)
     errors = check_exact(backends, steps)
     print("max |logit error| vs torch:", errors, flush=True)
-    cache = prefilled_cache(backends["after"])
-    wall = time_steps(backends, steps, cache, args.rounds, args.steps)
-    del backends
+    caches = {v: prefilled_cache(b) for v, b in backends.items()}
+    wall = time_steps(backends, steps, caches, args.rounds, args.steps)
+    del backends, caches
     with tempfile.TemporaryDirectory() as tmp:
-        profile = profile_steps(graph, steps, cache, args.steps, args.threads, Path(tmp))
+        profile = profile_steps(variants, steps, args.steps, args.threads, Path(tmp))
     doc = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join(["python", "benchmarks/step_profile.py", *(argv if argv is not None else sys.argv[1:])]),
+        "title": title, "description": DESCRIPTIONS[mode].format(before=args.before, after=args.after),
         "machine": machine_info(), "onnxruntime": ort.__version__, "threads": args.threads,
         "cache": {"slots": SLOTS, "max_len": MAX_LEN, "context": CONTEXT}, "max_abs_logit_error": errors,
         "shapes": {s: {"rows": steps[s].num_tokens, "seqs": steps[s].num_seqs,
@@ -238,10 +265,10 @@ def main(argv: list[str] | None = None) -> int:
                        "wall_ms_samples": wall[s], "profile": profile[s]} for s in steps},
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "step_profile.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    (args.out_dir / f"{args.stem}.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     text = markdown(doc)
-    (args.out_dir / "step_profile.md").write_text(text, encoding="utf-8")
-    plot(doc, args.out_dir / "step_profile.png")
+    (args.out_dir / f"{args.stem}.md").write_text(text, encoding="utf-8")
+    plot(doc, args.out_dir / f"{args.stem}.png")
     print(text)
     return 0
 
@@ -262,7 +289,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("ms per target step (median)")
     ax.set_title(f"SmolLM2-135M on ONNX Runtime {doc['onnxruntime']}, {doc['threads']} threads: "
-                 "before / after ort_fuse", fontsize=9)
+                 f"{doc['title']}", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
