@@ -6,15 +6,16 @@
 # streamed answer and one DSBD (speculative beam sampling) answer, and stop the server. Extra arguments go to
 # the client (e.g. --max-tokens 64). EMS-SD runs with the adaptive draft length: each sequence drafts 0-4
 # tokens per step, as its own acceptance says pays on this machine, priced by what a draft token and a
-# verified row cost here (--calibrate times the exported graphs before the server starts). The graphs are int4
-# (the GGUF's own 4-bit blocks, int8 activations: batch-invariant, so ems answers equal ar's bit for bit): of
-# the candidate exports served with this job's requests, the fastest exact one on this CPU
+# verified row cost here (--calibrate times the exported graphs before the server starts), drafting by prompt
+# lookup where a request's context has a match and by the draft model elsewhere (--drafter hybrid). The graphs
+# are int4 (the GGUF's own 4-bit blocks, int8 activations: batch-invariant, so ems answers equal ar's bit for
+# bit): of the candidate exports served with this job's requests, the fastest exact one on this CPU
 # (benchmarks/results/served_configs.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 . .venv/bin/activate
-specdec-export --target smollm2-135m --draft smollm2-135m-draft --quantize int4 --out deploy --force --max-batch 8 \
+specdec-export --target smollm2-135m --draft smollm2-135m-draft --quantize int4 --drafter hybrid --out deploy --force --max-batch 8 \
   --max-len 2048 --num-draft-tokens 4 --adaptive-draft --calibrate
 
 read -r GRPC HTTP METRICS < <(python -c "from specdec.serving.server import free_ports; print(*free_ports())")
