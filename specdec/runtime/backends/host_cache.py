@@ -13,7 +13,27 @@ from collections.abc import Sequence
 import numpy as np
 
 
-class HostKVStorage:
+class SlotMajorMoves:
+    """The KV manager's moves on slot-major per-layer caches ``self.k`` / ``self.v``, for numpy and torch alike.
+
+    Both index the same way (a list of positions is advanced indexing, which copies the source before the
+    assignment, so overlapping compaction moves are safe), so every storage shares this one implementation.
+    """
+
+    k: list
+    v: list
+
+    def move(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
+        src_list, dst_list = list(src), list(dst)
+        for cache in (*self.k, *self.v):
+            cache[slot, :, dst_list] = cache[slot, :, src_list]
+
+    def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
+        for cache in (*self.k, *self.v):
+            cache[dst_slot, :, :length] = cache[src_slot, :, :length]
+
+
+class HostKVStorage(SlotMajorMoves):
     """Slot-major per-layer caches ``[slots, kv_heads, buffer_len, head_dim]`` in host memory (``KVStorage``)."""
 
     def __init__(self, num_layers: int, num_slots: int, kv_heads: int, max_len: int, head_dim: int,
@@ -23,15 +43,6 @@ class HostKVStorage:
         shape = (num_slots, kv_heads, self.buffer_len, head_dim)
         self.k = [np.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.v = [np.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-
-    def move(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
-        src_i, dst_i = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
-        for cache in (*self.k, *self.v):
-            cache[slot, :, dst_i] = cache[slot, :, src_i]
-
-    def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
-        for cache in (*self.k, *self.v):
-            cache[dst_slot, :, :length] = cache[src_slot, :, :length]
 
     def read(self, slot: int, length: int) -> list[tuple[np.ndarray, np.ndarray]]:
         return [(k[slot, :, :length].copy(), v[slot, :, :length].copy()) for k, v in zip(self.k, self.v)]

@@ -9,7 +9,7 @@ is cheaper than three.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from specdec.models.export_meta import check_head_token_ids
 from specdec.models.loading import LoadedModel
 from specdec.plugins.reference import ragged_tree_attention
+from specdec.runtime.backends.host_cache import SlotMajorMoves
 from specdec.runtime.packed import PackedBatch
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -37,7 +38,7 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-class TorchKVStorage:
+class TorchKVStorage(SlotMajorMoves):
     """Slot-major per-layer caches held as torch tensors.
 
     ``max_len`` positions belong to sequences; ``spare`` more at the end of each slot are scratch
@@ -53,16 +54,6 @@ class TorchKVStorage:
         self.device = torch.device(device)
         self.k = [zeroed(shape, dtype, self.device) for _ in range(num_layers)]
         self.v = [zeroed(shape, dtype, self.device) for _ in range(num_layers)]
-
-    def move(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
-        src_t = torch.as_tensor(list(src), dtype=torch.long, device=self.device)
-        dst_t = torch.as_tensor(list(dst), dtype=torch.long, device=self.device)
-        for cache in (*self.k, *self.v):
-            cache[slot, :, dst_t] = cache[slot, :, src_t]
-
-    def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
-        for cache in (*self.k, *self.v):
-            cache[dst_slot, :, :length] = cache[src_slot, :, :length]
 
     def read(self, slot: int, length: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """Copies as float32 host arrays (``copy=True``: a CPU fp32 cache would otherwise be returned as a view)."""
