@@ -1,13 +1,14 @@
 """Resident memory of an engine opened on an export, with the KV caches filled at allocation or mapped lazily.
 
-``TorchKVStorage`` allocates its host caches with ``calloc`` (``torch_backend.zeroed``), so a cache sized
-``max_batch x max_len`` costs resident memory only for the positions sequences use; ``torch.zeros``
-writes every byte at once. Each row runs in a fresh process: open the export as ``specdec serve``
-sizes it (``--max-batch``, ``--max-len``), then answer one short chat request with ``ar``; VmHWM is
-the peak, VmRSS what stays.
+``HostKVStorage`` allocates the host caches with ``np.zeros`` (``calloc``), so a cache sized
+``max_batch x max_len`` costs resident memory only for the positions sequences use; a cache
+written at allocation (here: ``np.full``) is resident in full. Each row runs in a fresh process:
+open the export as ``specdec serve`` sizes it (``--max-batch``, ``--max-len``), then answer one short
+chat request with ``ar``; VmHWM is the peak, VmRSS what stays. The process imports no torch (the
+runtime is numpy); the report says so per row.
 
     python benchmarks/served_configs.py   # makes the exports under benchmarks/.cache/served
-    python benchmarks/engine_memory.py benchmarks/.cache/served/{int4,fp32}-draft-model
+    python benchmarks/engine_memory.py benchmarks/.cache/served/{int4,fp32}-n-gram
 
 Results: ``benchmarks/results/engine_memory.{md,json,png}``.
 """
@@ -25,29 +26,29 @@ from typing import Any
 from tqdm import tqdm
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-FILLS = ("eager zero fill (torch.zeros)", "lazy pages (calloc)")
+FILLS = ("written at allocation (np.full)", "lazy pages (calloc)")
 
 
 def child(export: str, fill: str, max_batch: int, max_len: int) -> dict[str, Any]:
-    import torch
+    import numpy as np
 
-    import specdec.runtime.backends.torch_backend as tb
+    import specdec.runtime.backends.host_cache as hc
 
     if fill == FILLS[0]:
-        tb.zeroed = lambda shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device)
+        hc.np = type("eager", (), {"zeros": staticmethod(lambda shape, dtype: np.full(shape, 0, dtype=dtype))})
     from specdec.runtime.engine import Engine
 
     def status() -> dict[str, int]:
         return {line.split(":")[0]: int(line.split()[1]) // 1024 for line in open("/proc/self/status")
                 if line.startswith(("VmHWM", "VmRSS"))}
 
-    engine = Engine.from_export(export, max_batch=max_batch, max_len=max_len, drafter="ngram", threads=2,
-                                torch_threads=1)
+    engine = Engine.from_export(export, max_batch=max_batch, max_len=max_len, drafter="ngram", threads=2)
     opened = status()
     engine.generate([engine.request("Explain why the sky is blue in two sentences.", chat=True, max_tokens=32)],
                     "ar")
     done = status()
-    return {"open_rss_mb": opened["VmRSS"], "peak_mb": done["VmHWM"], "after_request_rss_mb": done["VmRSS"]}
+    return {"open_rss_mb": opened["VmRSS"], "peak_mb": done["VmHWM"], "after_request_rss_mb": done["VmRSS"],
+            "torch_imported": "torch" in sys.modules}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,10 +73,11 @@ def main(argv: list[str] | None = None) -> int:
              f"`python benchmarks/engine_memory.py {' '.join(args.exports)}`",
              f"- Each row a fresh process: `Engine.from_export(max_batch={args.max_batch}, max_len={args.max_len})` "
              "(the main job's served size), then one 32-token chat request with ar", "",
-             "| export | KV cache allocation | RSS after open (MB) | RSS after one request (MB) | peak (MB) |",
-             "|:---|:---|---:|---:|---:|"]
-    lines += [f"| {r['export']} | {r['fill']} | {r['open_rss_mb']} | {r['after_request_rss_mb']} | {r['peak_mb']} |"
-              for r in rows]
+             "| export | KV cache allocation | RSS after open (MB) | RSS after one request (MB) | peak (MB) | torch "
+             "imported |",
+             "|:---|:---|---:|---:|---:|:---|"]
+    lines += [f"| {r['export']} | {r['fill']} | {r['open_rss_mb']} | {r['after_request_rss_mb']} | {r['peak_mb']} | "
+              f"{'yes' if r['torch_imported'] else 'no'} |" for r in rows]
     text = "\n".join(lines) + "\n"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "engine_memory.md").write_text(text)
