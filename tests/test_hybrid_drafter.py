@@ -14,7 +14,7 @@ from test_cli import run_json
 from specdec.models.loading import tiny_random
 from specdec.runtime.drafters import HybridDrafter, ModelDrafter, NgramDrafter, make_drafter
 from specdec.runtime.engine import Engine
-from specdec.runtime.request import Request, SeqState
+from specdec.runtime.request import BeamParams, Request, SeqState
 
 VOCAB = 64
 
@@ -85,3 +85,26 @@ def test_generate_takes_the_hybrid_drafter_and_stays_exact(tiny_dir, capsys) -> 
     ar = run_json(capsys, *common, "--method", "ar")
     assert [o["token_ids"] for o in hybrid["outputs"]] == [o["token_ids"] for o in ar["outputs"]]
     assert hybrid["metrics"]["draft_tokens"] > 0
+
+
+def test_a_hybrid_export_serves_dsbd_with_its_draft_model(tiny_dir, tmp_path) -> None:
+    """The served engine runs dsbd wherever its drafter can beam-sample forests: the draft model alone or inside
+    the hybrid drafter (the main job serves a hybrid export and asks for a dsbd answer); prompt lookup cannot."""
+    from specdec.export.cli import main as export_main
+    from specdec.runtime.drafters import ForestDrafter
+    from specdec.runtime.methods import beam_method
+    from specdec.serving.repository import read_parameters
+    from specdec.serving.triton_models import served_engine
+
+    out = tmp_path / "deploy"
+    assert export_main(["--target", str(tiny_dir), "--draft", str(tiny_dir), "--drafter", "hybrid", "--out",
+                        str(out), "--max-batch", "2", "--max-len", "128"]) == 0
+    engine = served_engine(out, read_parameters(out / "triton_repo"))
+    assert isinstance(engine.drafter, HybridDrafter) and isinstance(engine.drafter, ForestDrafter)
+    assert beam_method(isinstance(engine.drafter, ForestDrafter)) == "dsbd"
+    assert not isinstance(NgramDrafter(), ForestDrafter)
+    request = engine.request("hello there", max_tokens=6, temperature=1.0, seed=3, num_draft_tokens=2,
+                             beam=BeamParams(width=2))
+    result = engine.sibling().generate([request], "dsbd")
+    assert result.outputs[0].error is None and result.outputs[0].token_ids
+    assert result.run.summary()["draft_tokens"] > 0  # the forests came from the hybrid drafter's draft model

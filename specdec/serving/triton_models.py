@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from specdec.runtime.drafters import ModelDrafter
+from specdec.runtime.drafters import ForestDrafter
 from specdec.runtime.methods import DEFAULT_METHOD, beam_method, get_method
 from specdec.runtime.request import Request, RequestMetrics
 from specdec.runtime.sampling import InvalidRequestError
@@ -213,8 +213,9 @@ class EngineModel:
         self.default_max_tokens = _param(params, "default_max_tokens", int, 0) or 64
         self.service = EngineService(self.engine, DEFAULT_METHOD).start()
         # beam requests run in a second loop over the same weights (its own caches): the speculative beam method
-        # where the export has a draft model, target-only beam decoding otherwise
-        self.has_draft_model = isinstance(self.engine.drafter, ModelDrafter)
+        # where the drafter can beam-sample forests (the draft model, alone or in the hybrid drafter), target-only
+        # beam decoding otherwise
+        self.has_draft_model = isinstance(self.engine.drafter, ForestDrafter)
         self.beam_service = EngineService(self.engine.sibling(), beam_method(self.has_draft_model)).start()
         self._ids = itertools.count()
         self._streams: dict[str, _Stream] = {}
