@@ -202,3 +202,26 @@ def test_a_bad_verify_cost_is_refused_before_any_work(tiny_dir, tmp_path, capsys
     with pytest.raises(SystemExit):
         main(["generate", "--target", str(tiny_dir), "--adaptive-draft", "--verify-cost", value, "--prompt", "x"])
     assert "--verify-cost" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_client_refuses_a_repeat_count_below_one(value: str, capsys: pytest.CaptureFixture) -> None:
+    """``specdec client --repeats`` is refused at parsing (exit 2, the flag named), before any request is sent."""
+    import argparse
+
+    from specdec.serving.client import add_client_args
+
+    parser = add_client_args(argparse.ArgumentParser(prog="specdec client"))
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--compare-ar", "--repeats", value])
+    assert exc.value.code == 2 and "--repeats" in capsys.readouterr().err
+    assert parser.parse_args(["--compare-ar", "--repeats", "3"]).repeats == 3
+
+
+def test_the_client_reports_the_run_of_median_wall_time() -> None:
+    from specdec.serving.client import _median_run
+
+    runs = [(["a"], 3.0), (["b"], 1.0), (["c"], 2.0)]
+    assert _median_run(runs) == (["c"], 2.0)
+    assert _median_run(runs[:2]) == (["b"], 1.0)  # an even count: the faster of the middle two
+    assert _median_run(runs[:1]) == (["a"], 3.0)

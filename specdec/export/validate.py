@@ -54,8 +54,8 @@ def max_logit_error(reference: Backend, candidate: Backend, *, num_slots: int = 
     columns, so both backends must agree on which token each column means.
     """
     ref_head, cand_head = getattr(reference, "head_token_ids", None), getattr(candidate, "head_token_ids", None)
-    if (ref_head is None) != (cand_head is None) or (ref_head is not None and
-                                                      not np.array_equal(np.asarray(ref_head), np.asarray(cand_head))):
+    same_head = (ref_head is None) == (cand_head is None) and (ref_head is None or np.array_equal(ref_head, cand_head))
+    if not same_head:
         raise ValueError("the exported model's head_token_ids differ from the reference's: its logits columns would "
                          "mean other tokens")
     ref_cache = reference.allocate_cache(num_slots, max_len)

@@ -120,10 +120,11 @@ class Engine:
         Runtime's intra-op threads (default: all cores). ``device_id``: the GPU an ONNX Runtime (CUDA provider)
         or TensorRT export runs on, so each Triton instance of a multi-GPU node opens its own.
 
-        ``torch_threads``: torch's (process-wide) intra-op threads where torch runs: a torch export, or a
-        TensorRT one (its caches). A serving process passes 1: torch's OpenMP workers otherwise contend
-        with the backend's for the cores (measured: ``benchmarks/results/ort_contention.md``). An ONNX
-        Runtime export on the CPU never imports torch: the loops run on numpy (``backends.base``).
+        ``torch_threads``: torch's (process-wide) intra-op threads, set only where an export's backend
+        brings torch (a TensorRT export's caches, ONNX Runtime's CUDA caches). A serving process passes 1:
+        torch's OpenMP workers otherwise contend with the backend's for the cores (measured:
+        ``benchmarks/results/ort_contention.md``). An ONNX Runtime export on the CPU never imports torch:
+        the loops run on numpy (``backends.base``).
         """
         from specdec.models.export_meta import load_export_metadata
         from specdec.models.manifest import export_path, read_manifest

@@ -208,6 +208,17 @@ def run_concurrent(url: str, prompts: Sequence[str], concurrency: int, stream: b
 # --------------------------------------------------------------------------- `specdec client`
 
 
+def _at_least_one(text: str) -> int:
+    """A count flag's value: an integer >= 1 (refused at parsing, before any request is sent)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_client_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--url", default="127.0.0.1:8001", help="gRPC address of `specdec serve`")
     parser.add_argument("--prompt", action="append", help="a prompt (repeatable; default: the demo prompts)")
@@ -230,7 +241,7 @@ def add_client_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int, default=0, help="client threads (default: one per prompt)")
     parser.add_argument("--compare-ar", action="store_true",
                         help="send the same prompts again with method=ar and print the speed-up")
-    parser.add_argument("--repeats", type=int, default=1,
+    parser.add_argument("--repeats", type=_at_least_one, default=1,
                         help="with --compare-ar: warm up once, then send both methods this many times, "
                              "interleaved, and report the median of each (a single cold run mostly measures the "
                              "first one's warm-up)")
@@ -287,7 +298,7 @@ def client_main(args: argparse.Namespace) -> int:
     if compare and args.repeats > 1:  # warm-up, untimed: the server's first steps of these shapes allocate
         run_concurrent(args.url, prompts, concurrency, args.stream, **_params(args, args.method))
     runs: dict[str, list[tuple[list[Answer | ClientError], float]]] = {args.method: [], BASELINE_METHOD: []}
-    for _ in range(max(1, args.repeats) if compare else 1):
+    for _ in range(args.repeats if compare else 1):
         for method in (args.method, BASELINE_METHOD) if compare else (args.method,):
             runs[method].append(run_concurrent(args.url, prompts, concurrency, args.stream, **_params(args, method)))
     answers, wall = _median_run(runs[args.method])

@@ -4,8 +4,9 @@ On the CPU the caches are numpy arrays in host memory (``HostKVStorage``: the KV
 and forks work on them directly, and the process needs no torch); each step binds every
 ``past_key_values.*`` input and its ``present.*`` output to the same buffer through IOBinding, so
 the graph's attention writes the new K/V rows into the cache itself and no full-cache copy happens
-per step. ``inplace_ok`` records whether ORT really wrote through the bound buffer (checked by
-pointer on every step).
+per step. The binding is made once per cache and kept (each step rebinds only the packed inputs
+and the logits); ``inplace_ok`` records whether ORT really wrote through the bound buffers
+(checked by pointer on each binding's first step).
 
 On the CUDA execution provider (``onnxruntime-gpu``, the ``gpu`` extra) the caches are torch CUDA
 tensors on the session's device and are bound there (device pointers), so a step moves only its
