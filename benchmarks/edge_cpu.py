@@ -167,6 +167,7 @@ class Contestant:
     method: str | None = None  # specdec: ar / ems
     drafter: str | None = None  # specdec ems: "ngram", "draft" or "hybrid" (n-gram where the context matches)
     lookup: bool = False  # hf: prompt lookup decoding
+    kv_cache: str | None = None  # specdec: the KV caches' type when not the export's own (fp16 for int8/int4)
 
     @property
     def key(self) -> str:
@@ -184,6 +185,10 @@ def contestants(batches: Sequence[int]) -> list[Contestant]:
         for method, drafter, tag in SPECDEC_METHODS[:2] if precision == "int8" else SPECDEC_METHODS:
             name = f"specdec {precision} {method}" + (f" {DRAFTER_LABELS[drafter]}" if drafter else "")
             rows += [Contestant(name, "specdec", b, ("specdec", precision, tag), precision, method, drafter)
+                     for b in batches]
+        if precision != "fp32":  # what the quantized exports' fp16 caches cost: ar over fp32 caches beside them
+            rows += [Contestant(f"specdec {precision} ar fp32 caches", "specdec", b,
+                                ("specdec", precision, "ar", "fp32-caches"), precision, "ar", kv_cache="float32")
                      for b in batches]
     return rows
 
@@ -312,7 +317,7 @@ def run_specdec(spec: dict[str, Any]) -> dict[str, Any]:
     drafter = {"ngram": "ngram", "draft": None, "hybrid": "hybrid"}.get(spec["drafter"], "none")
     engine = Engine.from_export(root, max_batch=spec["batch"], max_len=spec["max_len"],
                                 num_draft_tokens=spec["k"] if speculative else 0, drafter=drafter,
-                                threads=spec["threads"], torch_threads=1,
+                                threads=spec["threads"], torch_threads=1, kv_cache_dtype=spec.get("kv_cache"),
                                 draft_length=draft_length_from(adaptive, measured) if speculative else None)
     load_seconds = time.perf_counter() - start
     eos = set(spec["eos"])
@@ -660,7 +665,8 @@ def markdown_report(doc: dict[str, Any]) -> str:
         f"- Command: `{meta['command']}` (total {meta['elapsed_seconds']:.0f} s)",
         f"- Model: {meta['gguf']} (llama.cpp runs it as Q4_1; HF and the specdec fp32 export run its fp32 "
         "conversion; specdec int4 holds the file's own Q4_1 / Q8_0 blocks, int8 rounds the fp32 weights to 8-bit "
-        "blocks; both at int8 activations, the exports' default)",
+        "blocks; both at int8 activations and over fp16 KV caches, the quantized exports' defaults, as llama.cpp's "
+        "caches are fp16; the *fp32 caches* rows run the same graphs over fp32 caches)",
         f"- Greedy, {cfg['max_tokens']} new tokens at most per request (EOS ends earlier), {cfg['threads']} threads "
         f"for every contestant (llama.cpp n_threads, torch intra-op for HF, ONNX Runtime intra-op for specdec, "
         "whose engine imports no torch)",
@@ -794,7 +800,8 @@ def run_interleaved(plan: Sequence[Contestant], common: dict[str, Any], repeats:
             for c in [*plan[shift:], *plan[:shift]]:
                 bar.set_postfix_str(f"{c.key} #{repeat + 1}")
                 spec = {**common, "kind": c.kind, "batch": c.batch, "method": c.method, "drafter": c.drafter,
-                        "lookup": c.lookup, "k": args.ngram_k if c.drafter in ("ngram", "hybrid") else args.draft_k,
+                        "lookup": c.lookup, "kv_cache": c.kv_cache,
+                        "k": args.ngram_k if c.drafter in ("ngram", "hybrid") else args.draft_k,
                         "export": exports.get(c.precision or "", {}).get("dir")}
                 slug = "".join(ch if ch.isalnum() else "_" for ch in c.key)
                 runs[c.key].append(run_child(spec, work, slug))

@@ -37,8 +37,11 @@ def quantized_graph(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
     return graph
 
 
-def test_every_row_of_a_quantized_graph_is_bitwise_the_same_in_any_step(quantized_graph: Path) -> None:
-    backend = OrtBackend(quantized_graph)
+@pytest.mark.parametrize("cache_dtype", [None, "float16"])
+def test_every_row_of_a_quantized_graph_is_bitwise_the_same_in_any_step(quantized_graph: Path,
+                                                                        cache_dtype: str | None) -> None:
+    """Also with fp16 caches (``ort_cache_dtype``): casts around the attention are elementwise."""
+    backend = OrtBackend(quantized_graph, cache_dtype=cache_dtype)
     assert backend.fuse_report is not None and backend.fuse_report.attention  # the fused lowering is what runs
     rng = random.Random(0)
     sequences = sequences_to_the_end(rng, 160)
@@ -49,11 +52,13 @@ def test_every_row_of_a_quantized_graph_is_bitwise_the_same_in_any_step(quantize
     assert backend.unfused_steps == 0
 
 
-def test_long_odd_chunks_are_bitwise_the_same_as_one_token_per_step(quantized_graph: Path) -> None:
+@pytest.mark.parametrize("cache_dtype", [None, "float16"])
+def test_long_odd_chunks_are_bitwise_the_same_as_one_token_per_step(quantized_graph: Path,
+                                                                    cache_dtype: str | None) -> None:
     """GQA runs a slot's rows in blocks of 128: a chunk of 129 or 257 rows ends in a one-row block, which took
     MLAS's one-row path until odd row counts got a discarded copy row (ort_fuse). Prompts prefilled in such
     chunks, beside a decode row, equal the same tokens decoded one per step, at every position."""
-    backend = OrtBackend(quantized_graph)
+    backend = OrtBackend(quantized_graph, cache_dtype=cache_dtype)
     rng = random.Random(7)
     tokens = [rng.randrange(160) for _ in range(300)]
     cache = backend.allocate_cache(2, 320)
@@ -68,9 +73,10 @@ def test_long_odd_chunks_are_bitwise_the_same_as_one_token_per_step(quantized_gr
     assert np.array_equal(whole, want[:257])
 
 
-def test_a_forest_gets_the_same_logits_beside_any_other_work(quantized_graph: Path) -> None:
+@pytest.mark.parametrize("cache_dtype", [None, "float16"])
+def test_a_forest_gets_the_same_logits_beside_any_other_work(quantized_graph: Path, cache_dtype: str | None) -> None:
     """DSBD verifies forests: a forest's rows depend on its own slot only, not on what else shares the step."""
-    backend = OrtBackend(quantized_graph)
+    backend = OrtBackend(quantized_graph, cache_dtype=cache_dtype)
     rng = random.Random(1)
     prefix = [rng.randrange(160) for _ in range(12)]
     forest = SeqWork(0, len(prefix), [rng.randrange(160) for _ in range(6)], parents=[ROOT, 0, 0, 1, ROOT, 4])
@@ -103,14 +109,15 @@ def test_fp32_activations_are_not_batch_invariant(tmp_path: Path) -> None:
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("graph", ["fp32", "int4"])
-def test_real_smollm2_rows_are_bitwise_the_same_in_any_step(graph: str, request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize(("graph", "cache_dtype"), [("fp32", None), ("int4", None), ("int4", "float16")])
+def test_real_smollm2_rows_are_bitwise_the_same_in_any_step(graph: str, cache_dtype: str | None,
+                                                            request: pytest.FixtureRequest) -> None:
     """The same on the real SmolLM2 graphs: the fp32 export (its linear layers are prepacked Gemms, row-independent
     too) and the int4 one (the GGUF's Q4_1 blocks with their offset corrections and the Q8_0 head, int8
-    activations)."""
+    activations), the latter also with the fp16 caches a quantized export ships."""
     path = (request.getfixturevalue("smollm2_export") / "target" / "model.onnx" if graph == "fp32"
             else request.getfixturevalue("smollm2_int4_graph"))
-    backend = OrtBackend(path)
+    backend = OrtBackend(path, cache_dtype=cache_dtype)
     sequences = sequences_to_the_end(random.Random(2), backend.vocab_size, (MAX_LEN, 21, 6))
     want = one_token_per_step(backend, sequences)
     got = random_steps(backend, sequences, random.Random(5))

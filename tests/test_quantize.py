@@ -415,8 +415,11 @@ def test_quantized_graphs_have_no_fp32_linear_weights(quantized_export: tuple[st
 
 
 def test_greedy_ems_equals_ar_on_the_quantized_graphs(quantized_export: tuple[str, Path]) -> None:
+    """On the caches a quantized export serves: fp16, as edge runtimes keep them (the manifest says so)."""
     _, out = quantized_export
+    assert read_manifest(out)["kv_cache_dtype"] == "float16"
     engine = Engine.from_export(out)
+    assert engine.target.np_dtype == np.float16 and engine.drafter.backend.np_dtype == np.float16
     g = torch.Generator().manual_seed(1)
     requests = [Request(torch.randint(0, 128, (n,), generator=g).tolist(), max_tokens=m)
                 for n, m in ((1, 12), (40, 20), (7, 3), (90, 16))]
@@ -428,7 +431,8 @@ def test_greedy_ems_equals_ar_on_the_quantized_graphs(quantized_export: tuple[st
     # must give what a one-row ar step gives it
     from specdec.runtime.drafters import ModelDrafter
 
-    itself = Engine(engine.target, ModelDrafter(OrtBackend(out / "target" / "model.onnx"), 4, engine.max_len),
+    itself = Engine(engine.target, ModelDrafter(OrtBackend(out / "target" / "model.onnx", cache_dtype="float16"), 4,
+                                                engine.max_len),
                     max_batch=4, max_len=engine.max_len, num_draft_tokens=4)
     selfdrafted = itself.generate(requests, "ems")
     assert [o.token_ids for o in selfdrafted.outputs] == [o.token_ids for o in want]

@@ -120,13 +120,17 @@ def _export_model(model: LoadedModel, sub: str, tmp: Path, backend: str, dtype: 
 def export(target: str, draft: str | None, out: Path, force: bool = False, backend: str = "onnx",
            dtype: str = "float32", max_batch: int = 16, max_len: int = 2048,
            serving: ServingOptions | None = None, calibrate: bool = False, quantize: str | None = None,
-           activations: str = "int8", offline: bool = False, command: Sequence[str] | None = None) -> Path:
+           activations: str = "int8", offline: bool = False, command: Sequence[str] | None = None,
+           kv_cache: str | None = None) -> Path:
     """Write ``out`` (see module docstring); refuses an existing directory unless ``force``.
 
     ``quantize`` ("int4", "int8"): weight-only block quantization of the target and draft graphs,
     ONNX Runtime only (``MatMulNBits`` is an ORT contrib op) and an fp32 graph only.
     ``activations``: "int8" (default: ORT's int8 kernels, row-independent, so greedy ems equals greedy ar
     bit for bit) or "fp32" (the stored weights in fp32 arithmetic: the fp32 export's answers, slower steps).
+    ``kv_cache``: the type the served KV caches are stored in ("float16" halves an fp32 graph's, ONNX
+    Runtime only: ``specdec.runtime.backends.ort_cache_dtype``); default: float16 for a quantized
+    export (an edge runtime's caches), the graph's dtype otherwise.
 
     ``calibrate``: time the exported graphs on this machine and price the adaptive draft length
     with what they cost (``specdec.runtime.costs``): the manifest keeps the measurement and the
@@ -142,6 +146,7 @@ def export(target: str, draft: str | None, out: Path, force: bool = False, backe
         raise ExportDirError(f"unsupported dtype {dtype!r}: choose float32 or float16")
     if quantize is not None:
         _check_quantize(quantize, backend, dtype)
+    kv_cache = _kv_cache_dtype(kv_cache, backend, dtype, quantize)
     if out.exists() and not force:
         raise ExportDirError(f"{out} already exists: pass --force to overwrite it")
     if backend == "tensorrt":
@@ -174,6 +179,7 @@ def export(target: str, draft: str | None, out: Path, force: bool = False, backe
             "max_len": max_len,
             "drafter": "model" if draft_model is not None else "ngram",
             "quantize": quantize,
+            "kv_cache_dtype": kv_cache,
             "target": _export_model(target_model, "target", tmp, backend, dtype, stages, max_batch, max_len,
                                     quantize, activations),
         }
@@ -254,6 +260,21 @@ def _check_quantize(quantize: str, backend: str, dtype: str) -> None:
                              "ONNX Runtime's CPU MatMulNBits has no fast fp16 path off ARM")
 
 
+def _kv_cache_dtype(kv_cache: str | None, backend: str, dtype: str, quantize: str | None) -> str:
+    """The served caches' type: ``kv_cache``, else fp16 for a quantized export and the graph's dtype otherwise."""
+    chosen = kv_cache or ("float16" if quantize else dtype)
+    if chosen not in VALIDATION_TOLERANCE:
+        raise ExportDirError(f"unknown --kv-cache {chosen!r}: choose float32 or float16")
+    if chosen == dtype:
+        return chosen
+    if dtype == "float16":
+        raise ExportDirError("--kv-cache float32 needs --dtype float32: an fp16 graph computes attention in fp16")
+    if backend != "onnx":
+        raise ExportDirError(f"--kv-cache float16 on a float32 graph needs --backend onnx (ONNX Runtime narrows the "
+                             f"caches when it opens the graph); {backend} keeps the graph's: use --dtype float16")
+    return chosen
+
+
 def _calibrate(root: Path, max_batch: int, serving: ServingOptions | None) -> DraftCosts:
     """The draft and verification prices of the graphs in ``root``, on the backend and threads that will serve."""
     from specdec.runtime.engine import Engine
@@ -301,6 +322,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="with --quantize: int8 (default) runs ORT's int8 kernels, fast and row-independent "
                         "(greedy ems = ar bit for bit); fp32 computes the stored weights in fp32 (answers equal the "
                         "fp32 export's), slower above one row")
+    parser.add_argument("--kv-cache", choices=("float32", "float16"),
+                        help="the type the served KV caches are stored in (default: float16 with --quantize, as edge "
+                             "runtimes keep them, else --dtype); float16 over a float32 graph: ONNX Runtime only")
     parser.add_argument("--drafter", choices=("ngram", "hybrid"),
                         help="served drafter: ngram (prompt lookup), or hybrid (prompt lookup where the context "
                         "matches, the --draft model elsewhere); default: the draft model, or ngram without one")
@@ -339,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = export(args.target, draft, out_dir, args.force, args.backend, args.dtype, args.max_batch,
                      args.max_len, serving, calibrate=args.calibrate, quantize=args.quantize,
                      activations=args.quantize_activations, offline=args.offline,
-                     command=list(argv) if argv is not None else None)
+                     command=list(argv) if argv is not None else None, kv_cache=args.kv_cache)
     except (ModelResolutionError, ExportDirError, ValueError, RuntimeError) as exc:
         # RuntimeError: TensorRT unavailable, engine build failure, plugin fallback
         print(f"error: {exc}", file=sys.stderr)

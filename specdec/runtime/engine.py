@@ -30,17 +30,20 @@ from specdec.runtime.scheduler import Scheduler
 from specdec.runtime.text import cut_at_stop, decode_tokens, encode_text
 
 
-def _backend_opener(kind: str, threads: int | None = None, device_id: int = 0) -> Callable[[Path, bool], Backend]:
+def _backend_opener(kind: str, threads: int | None = None, device_id: int = 0,
+                    cache_dtype: str | None = None) -> Callable[[Path, bool], Backend]:
     """How to open one exported graph of this export's backend kind; the flag says it is the draft.
 
     ``device_id``: the GPU its session and caches live on (a Triton instance's ``model_instance_device_id``);
-    an ONNX Runtime session without the CUDA provider runs on the host whatever it says.
+    an ONNX Runtime session without the CUDA provider runs on the host whatever it says. ``cache_dtype``:
+    the KV caches' type where the export narrows them (the manifest's ``kv_cache_dtype``; ONNX Runtime only).
     """
     if kind == "onnx":
         from specdec.runtime.backends.onnxruntime import OrtBackend
 
         # a draft's idle ORT workers must not spin: they would hold the cores of the target's next step
-        return lambda graph, draft: OrtBackend(graph, intra_op_threads=threads, spin=not draft, device_id=device_id)
+        return lambda graph, draft: OrtBackend(graph, intra_op_threads=threads, spin=not draft, device_id=device_id,
+                                               cache_dtype=cache_dtype)
     if kind == "tensorrt":
         from specdec.runtime.backends.tensorrt import TensorRTBackend
 
@@ -112,7 +115,8 @@ class Engine:
     def from_export(cls, directory: str | Path, *, max_batch: int | None = None, max_len: int | None = None,
                     num_draft_tokens: int = 4, drafter: str | None = None,
                     threads: int | None = None, draft_length: DraftLength | None = None,
-                    torch_threads: int | None = None, device_id: int = 0) -> Engine:
+                    torch_threads: int | None = None, device_id: int = 0,
+                    kv_cache_dtype: str | None = None) -> Engine:
         """An engine over a ``specdec-export`` directory, on the backend it was exported for.
 
         The manifest's checksums are verified first, so a corrupt graph is refused at load.
@@ -124,7 +128,8 @@ class Engine:
         brings torch (a TensorRT export's caches, ONNX Runtime's CUDA caches). A serving process passes 1:
         torch's OpenMP workers otherwise contend with the backend's for the cores (measured:
         ``benchmarks/results/ort_contention.md``). An ONNX Runtime export on the CPU never imports torch:
-        the loops run on numpy (``backends.base``).
+        the loops run on numpy (``backends.base``). The KV caches take the type ``kv_cache_dtype`` says,
+        else the manifest's (a quantized export's: fp16), else the graph's own.
         """
         from specdec.models.export_meta import load_export_metadata
         from specdec.models.manifest import export_path, read_manifest
@@ -147,7 +152,8 @@ class Engine:
                                    num_draft_tokens=num_draft_tokens, draft_length=draft_length,
                                    hybrid=drafter == "hybrid")
         meta = load_export_metadata(root, "target")
-        open_backend = _backend_opener(backend_kind, threads, device_id)
+        cache_dtype = kv_cache_dtype or manifest.get("kv_cache_dtype")
+        open_backend = _backend_opener(backend_kind, threads, device_id, cache_dtype)
         target_backend = open_backend(export_path(root, manifest["target"]["graph"]), False)
         model = open_backend(export_path(root, manifest["draft"]["graph"]), True) if wants_model else None
         draft: Backend | str | None = drafter if drafter in ("hybrid", "none", "ngram") else model or "ngram"

@@ -69,3 +69,36 @@ class GraphEditor:
             if a.name == name:
                 return helper.get_attribute_value(a)
         return default
+
+
+def live_sorted(graph: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """The nodes that reach a graph output, in a topological order close to the given one."""
+    producer = {out: i for i, n in enumerate(nodes) for out in n.output if out}
+    live: set[int] = set()
+    stack = [producer[o.name] for o in graph.output if o.name in producer]
+    while stack:
+        i = stack.pop()
+        if i in live:
+            continue
+        live.add(i)
+        stack.extend(producer[name] for name in nodes[i].input if name in producer)
+    order: list[onnx.NodeProto] = []
+    done: set[int] = set()
+
+    def visit(i: int) -> None:  # iterative DFS: the graph is thousands of nodes deep
+        todo = [(i, False)]
+        while todo:
+            j, expanded = todo.pop()
+            if j in done:
+                continue
+            if expanded:
+                done.add(j)
+                order.append(nodes[j])
+                continue
+            todo.append((j, True))
+            todo.extend((producer[n], False) for n in reversed(nodes[j].input)
+                        if n in producer and producer[n] not in done)
+
+    for i in sorted(live):
+        visit(i)
+    return order

@@ -23,6 +23,7 @@ same computation: only attention mixes rows, and only within a sequence.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import weakref
 from collections.abc import Sequence
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from specdec.models.export_meta import HEAD_TOKEN_IDS_FILE, ModelResolutionError, read_head_token_ids
-from specdec.runtime.backends import ort_fuse
+from specdec.runtime.backends import ort_cache_dtype, ort_fuse
 from specdec.runtime.backends.base import KVStorage
 from specdec.runtime.backends.host_cache import HostKVStorage
 from specdec.runtime.graph_io import CACHE_INPUT, CACHE_OUTPUT, GRAPH_INPUTS, LOGITS, cache_names, graph_feeds
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     import onnxruntime
 
 _NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+_log = logging.getLogger(__name__)
 FUSE_ENV = "SPECDEC_ORT_FUSE"  # "0": run the exported graph as it is; "a,b": only these ort_fuse rewrites
 
 
@@ -103,7 +105,7 @@ class OrtBackend:
     def __init__(self, path: str | os.PathLike, *, providers: Sequence[Any] | None = None,
                  intra_op_threads: int | None = None, name: str | None = None, spin: bool = True,
                  fuse: bool | Sequence[str] | None = None, profile_prefix: str | None = None,
-                 device_id: int = 0) -> None:
+                 device_id: int = 0, cache_dtype: str | None = None) -> None:
         """``spin``: let the session's idle worker threads spin-wait for the next run (ORT's default).
 
         Why a draft opens without: its workers spin on after each short draft step and hold the
@@ -114,7 +116,9 @@ class OrtBackend:
         None reads ``$SPECDEC_ORT_FUSE`` and defaults to all. Off is for comparison and debugging.
         ``profile_prefix`` turns on ORT's per-node profiler (``end_profiling`` writes the JSON).
         ``device_id``: the GPU the CUDA execution provider runs on (a Triton instance's
-        ``model_instance_device_id``); ignored on the CPU.
+        ``model_instance_device_id``); ignored on the CPU. ``cache_dtype``: store the KV caches as
+        this type ("float16": half the memory of an fp32 graph's, ``ort_cache_dtype``); None keeps
+        the graph's own.
         """
         import onnxruntime as ort
 
@@ -122,10 +126,19 @@ class OrtBackend:
         self.name = name or self.path.stem
         if not self.path.is_file():
             raise OnnxModelError(f"{self.path} does not exist")
-        self._options = dict(intra_op_threads=intra_op_threads, spin=spin, profile_prefix=profile_prefix)
+        if cache_dtype is not None and cache_dtype not in ort_cache_dtype.CACHE_DTYPES:
+            raise ValueError(f"cache_dtype {cache_dtype!r}: choose one of {sorted(ort_cache_dtype.CACHE_DTYPES)}")
         self._providers = providers or default_providers(ort.get_available_providers(), device_id)
+        rewrites = _rewrites(fuse, self._providers)
+        if cache_dtype is not None and ("attention" not in rewrites or not ort_fuse.gqa_supported()):
+            # unfused, every step would cast the whole caches both ways (ort_cache_dtype): keep the graph's type
+            _log.warning("%s: attention is not fused here, so the KV caches keep the graph's type instead of %s",
+                         self.name, cache_dtype)
+            cache_dtype = None
+        self._options = dict(intra_op_threads=intra_op_threads, spin=spin, profile_prefix=profile_prefix,
+                             cache_dtype=cache_dtype)
         self.fuse_report: ort_fuse.FuseReport | None = None
-        self.session = self._open(_rewrites(fuse, self._providers))
+        self.session = self._open(rewrites)
         self._unfused = None  # opened on the first step the fused graph cannot run (see step)
         inputs = {i.name: i for i in self.session.get_inputs()}
         outputs = {o.name: o for o in self.session.get_outputs()}
@@ -165,9 +178,13 @@ class OrtBackend:
             options.profile_file_prefix = self._options["profile_prefix"]
         try:
             model: str | bytes = str(self.path)
-            if rewrites:
+            cache_dtype = self._options["cache_dtype"]
+            if rewrites or cache_dtype:
                 proto = onnx.load(str(self.path), load_external_data=False)
-                self.fuse_report = ort_fuse.fuse_model(proto, rewrites)
+                if rewrites:
+                    self.fuse_report = ort_fuse.fuse_model(proto, rewrites)
+                if cache_dtype:
+                    ort_cache_dtype.retype_caches(proto, cache_dtype)
                 model = proto.SerializeToString()
                 options.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                                  str(_external_data_folder(proto, self.path)))

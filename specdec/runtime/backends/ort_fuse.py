@@ -45,7 +45,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from specdec.plugins import onnx_op
-from specdec.runtime.backends.onnx_edit import GraphEditor
+from specdec.runtime.backends.onnx_edit import GraphEditor, live_sorted
 
 MS_DOMAIN = "com.microsoft"
 REWRITES = ("attention", "rmsnorm", "skip_rmsnorm", "rotary")
@@ -477,39 +477,6 @@ def _tensor_info(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, list
     return types, dims
 
 
-def _live_sorted(graph: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
-    """The nodes that reach a graph output, in a topological order close to the given one."""
-    producer = {out: i for i, n in enumerate(nodes) for out in n.output if out}
-    live: set[int] = set()
-    stack = [producer[o.name] for o in graph.output if o.name in producer]
-    while stack:
-        i = stack.pop()
-        if i in live:
-            continue
-        live.add(i)
-        stack.extend(producer[name] for name in nodes[i].input if name in producer)
-    order: list[onnx.NodeProto] = []
-    done: set[int] = set()
-
-    def visit(i: int) -> None:  # iterative DFS: the graph is thousands of nodes deep
-        todo = [(i, False)]
-        while todo:
-            j, expanded = todo.pop()
-            if j in done:
-                continue
-            if expanded:
-                done.add(j)
-                order.append(nodes[j])
-                continue
-            todo.append((j, True))
-            todo.extend((producer[n], False) for n in reversed(nodes[j].input)
-                        if n in producer and producer[n] not in done)
-
-    for i in sorted(live):
-        visit(i)
-    return order
-
-
 def fuse_model(model: onnx.ModelProto, rewrites: Sequence[str] = REWRITES) -> FuseReport:
     """Rewrite ``model`` (a ragged-step graph, weights not needed) in place for ONNX Runtime; says what changed.
 
@@ -538,7 +505,7 @@ def fuse_model(model: onnx.ModelProto, rewrites: Sequence[str] = REWRITES) -> Fu
         if "skip_rmsnorm" in rewrites:
             removed |= _fuse_skip(g, report)
     nodes = [n for n in (*model.graph.node, *g.new_nodes) if id(n) not in removed]
-    kept = _live_sorted(model.graph, nodes)
+    kept = live_sorted(model.graph, nodes)
     del model.graph.node[:]
     model.graph.node.extend(kept)
     used = {name for n in kept for name in n.input} | {o.name for o in model.graph.output}

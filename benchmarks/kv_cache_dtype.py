@@ -1,0 +1,154 @@
+"""fp16 vs fp32 KV caches on the SmolLM2 exports: what the logits, the greedy argmax and the step times do.
+
+Why this benchmark: a quantized export serves fp16 caches by default (``--kv-cache``), and the claim
+behind that default is that fp16 rounding of K and V changes nothing that matters next to the graph's
+own rounding (int8 activations) and costs no time. Measured per export (fp32 and int4) and cache type,
+over real text (a standard-library source file, teacher-forced: a 300-token prefill, then 50 one-token
+decode steps): the largest logit change against the same graph's fp32 caches, and the share of
+positions whose argmax equals the fp32 export's with fp32 caches. Step times: 1 x 1, 8 x 1 and 8 x 5
+rows at context 300, in blocks of back-to-back steps, the cache types and shapes interleaved, medians.
+
+    python benchmarks/edge_cpu.py ...   # makes the exports under benchmarks/.cache/edge
+    python benchmarks/kv_cache_dtype.py
+
+Results: ``benchmarks/results/kv_cache_dtype.{md,json,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from specdec.models.export_meta import load_export_metadata
+from specdec.runtime.backends.onnxruntime import OrtBackend
+from specdec.runtime.packed import SeqWork, pack
+
+HERE = Path(__file__).resolve().parent
+DTYPES = ("float32", "float16")
+SHAPES = ((1, 1), (8, 1), (8, 5))  # (sequences, rows each)
+CONTEXT = 300
+#: steps per shape per round; the first is untimed: after another session's steps a step costs more (idle
+#: worker threads of the other session still spinning, caches holding its data), which no decoding loop pays
+BLOCK = 4
+
+
+def teacher_forced(graph: Path, cache_dtype: str, ids: list[int], threads: int) -> np.ndarray:
+    """Logits of every position: a ``CONTEXT``-token prefill, then one decode step per remaining token."""
+    backend = OrtBackend(graph, intra_op_threads=threads, cache_dtype=cache_dtype)
+    cache = backend.allocate_cache(1, len(ids) + 8)
+    rows = [backend.step(pack([SeqWork(0, 0, ids[:CONTEXT])]), cache)]
+    rows += [backend.step(pack([SeqWork(0, i, [ids[i]])]), cache) for i in range(CONTEXT, len(ids))]
+    return np.concatenate(rows)
+
+
+def step_times(graph: Path, rounds: int, threads: int) -> dict[str, dict[str, float]]:
+    """Median ms per shape and cache type, the types interleaved (rotated each round)."""
+    backends = {d: OrtBackend(graph, intra_op_threads=threads, cache_dtype=d) for d in DTYPES}
+    work: dict[tuple[str, tuple[int, int]], tuple[OrtBackend, Any, Any]] = {}
+    for dtype, backend in backends.items():
+        cache = backend.allocate_cache(8, CONTEXT + 8)
+        tokens = [(7919 * i) % backend.vocab_size for i in range(8 * CONTEXT)]
+        backend.step(pack([SeqWork(s, 0, tokens[s * CONTEXT:(s + 1) * CONTEXT], logits="none") for s in range(8)]),
+                     cache)
+        for seqs, rows in SHAPES:
+            batch = pack([SeqWork(s, CONTEXT, tokens[:rows]) for s in range(seqs)])
+            work[dtype, (seqs, rows)] = (backend, batch, cache)
+    keys = list(work)
+    for key in keys:  # first touch, untimed
+        work[key][0].step(*work[key][1:])
+    samples: dict[tuple[str, tuple[int, int]], list[float]] = {key: [] for key in keys}
+    for r in tqdm(range(rounds), desc=f"{graph.parent.parent.name} steps", leave=False):
+        for key in keys[r % len(keys):] + keys[: r % len(keys)]:
+            backend, batch, cache = work[key]
+            for i in range(BLOCK):  # back to back, as a decoding loop runs them: the first pays the switch
+                start = time.perf_counter()
+                backend.step(batch, cache)
+                if i:
+                    samples[key].append((time.perf_counter() - start) * 1000)
+    return {d: {f"{s}x{n}": round(statistics.median(samples[d, (s, n)]), 2) for s, n in SHAPES} for d in DTYPES}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fp32", type=Path, default=HERE / ".cache/edge/fp32", help="an fp32 export")
+    parser.add_argument("--int4", type=Path, default=HERE / ".cache/edge/int4", help="a --quantize int4 export")
+    parser.add_argument("--tokens", type=int, default=350, help="teacher-forced positions (the first 300 prefilled)")
+    parser.add_argument("--rounds", type=int, default=25)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out-dir", type=Path, default=HERE / "results")
+    args = parser.parse_args(argv)
+    if args.tokens <= CONTEXT:
+        parser.error(f"--tokens must exceed the {CONTEXT}-token prefill")
+    started = time.time()
+    meta = load_export_metadata(args.fp32, "target")
+    ids = meta.tokenizer(inspect.getsource(inspect))["input_ids"][: args.tokens]
+    exports = {"fp32": args.fp32, "int4": args.int4}
+    logits = {(name, d): teacher_forced(path / "target" / "model.onnx", d, ids, args.threads)
+              for name, path in tqdm(exports.items(), desc="teacher forcing") for d in DTYPES}
+    reference = logits["fp32", "float32"].argmax(1)
+    quality = [{"export": name, "cache": d,
+                "max_abs_logit_change_vs_fp32_cache": round(float(np.abs(got - logits[name, "float32"]).max()), 4),
+                "argmax_agreement_with_fp32_export": round(float((got.argmax(1) == reference).mean()), 4)}
+               for (name, d), got in logits.items()]
+    times = {name: step_times(path / "target" / "model.onnx", args.rounds, args.threads)
+             for name, path in exports.items()}
+    per_token_kib = {}
+    for d in DTYPES:
+        b = OrtBackend(args.int4 / "target" / "model.onnx", cache_dtype=d)
+        width = 2 * b.num_layers * int(b.num_kv_heads) * int(b.head_dim)
+        per_token_kib[d] = width * np.dtype(b.np_dtype).itemsize / 1024
+    record = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "positions": len(ids), "quality": quality,
+              "step_ms": times, "kv_kib_per_token": per_token_kib, "seconds": round(time.time() - started, 1)}
+    lines = ["# KV-cache type: fp16 vs fp32 caches on the SmolLM2 exports", "",
+             f"- Date: {record['date']}; command: `python benchmarks/kv_cache_dtype.py "
+             f"{' '.join(argv or sys.argv[1:])}` ({record['seconds']} s); {args.threads} threads",
+             f"- Text: `inspect.py`'s source, {len(ids)} tokens teacher-forced ({CONTEXT} prefilled, then one per "
+             "step)",
+             f"- K+V per token: {per_token_kib['float32']:.1f} KiB fp32, {per_token_kib['float16']:.1f} KiB fp16", "",
+             "| export | caches | max logit change vs the same graph's fp32 caches | argmax = fp32 export's "
+             "(fp32 caches) |", "|:---|:---|---:|---:|"]
+    lines += [f"| {q['export']} | {q['cache']} | {q['max_abs_logit_change_vs_fp32_cache']} | "
+              f"{100 * q['argmax_agreement_with_fp32_export']:.1f}% |" for q in quality]
+    lines += ["", f"Step times (ms; context {CONTEXT}; median over {args.rounds} interleaved rounds of {BLOCK} "
+              "back-to-back steps, the first untimed):", "",
+              "| export | caches | " + " | ".join(f"{s} x {n} rows" for s, n in SHAPES) + " |",
+              "|:---|:---|" + "---:|" * len(SHAPES)]
+    lines += [f"| {name} | {d} | " + " | ".join(str(times[name][d][f"{s}x{n}"]) for s, n in SHAPES) + " |"
+              for name in exports for d in DTYPES]
+    text = "\n".join(lines) + "\n"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "kv_cache_dtype.md").write_text(text)
+    (args.out_dir / "kv_cache_dtype.json").write_text(json.dumps(record, indent=2) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    labels = [f"{s} x {n}" for s, n in SHAPES]
+    width = 0.2
+    for i, (name, d) in enumerate((n, d) for n in exports for d in DTYPES):
+        ax.bar([j + (i - 1.5) * width for j in range(len(SHAPES))], [times[name][d][f"{s}x{n}"] for s, n in SHAPES],
+               width, label=f"{name}, {d} caches")
+    ax.set_xticks(range(len(SHAPES)), labels)
+    ax.set_ylabel("ms per step")
+    ax.set_title(f"SmolLM2 step time by KV-cache type (context {CONTEXT})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args.out_dir / "kv_cache_dtype.png", dpi=120)
+    plt.close(fig)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
