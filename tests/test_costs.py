@@ -14,7 +14,7 @@ from specdec.cli import _open_engine, add_generate_args, build_engine, main
 from specdec.export.cli import main as export_main
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.costs import DraftCosts, calibrate, calibrate_engine, draft_costs, loop_costs, step_costs
-from specdec.runtime.draft_length import DraftLength
+from specdec.runtime.draft_length import DraftLength, batch_prices, prices_text
 from specdec.runtime.engine import Engine
 from specdec.serving.repository import ServingOptions, read_parameters, render_configs
 from specdec.serving.triton_models import served_engine
@@ -41,12 +41,17 @@ def test_prices_are_per_draft_token_medians_over_batch_sizes() -> None:
                          _record(16, 40.0, 80.0, 2.0, 72.0)])
     assert costs.verify_cost == pytest.approx(0.2)
     assert costs.draft_cost == pytest.approx(0.1)  # 0.1, 0.1, 0.05
+    # and per batch size, what greedy sequences are priced by
+    assert costs.verify_by_batch == ((1, 0.1), (4, 0.3), (16, 0.2))
+    assert costs.draft_by_batch == ((1, 0.1), (4, 0.1), (16, 0.05))
+    assert costs.as_dict()["verify_cost_by_batch"] == [[1, 0.1], [4, 0.3], [16, 0.2]]
     assert costs.as_dict()["batch_sizes"] == [1, 4, 16] and costs.as_dict()["k"] == 4
     assert costs.as_dict()["plain_ms"] == [10.0, 20.0, 40.0]
     # a speculative step timed below its draft steps' share (noise) prices the rest at 0, not below
     assert draft_costs([_record(1, 10.0, 11.0, 1.0, 7.0)]).verify_cost == 0.0
     lookup = draft_costs([_record(1, 10.0, 12.0, None, 12.0, k=2)])
     assert lookup.draft_cost is None and lookup.verify_cost == pytest.approx(0.1)  # nothing drafted: no draft price
+    assert lookup.draft_by_batch == () and lookup.verify_by_batch == ((1, 0.1),)
     with pytest.raises(ValueError, match="no step-cost records"):
         draft_costs([])
 
@@ -94,12 +99,13 @@ def test_serving_options_take_measured_prices_only_where_none_was_set() -> None:
     assert 'key: "draft_cost" value: { string_value: "" }' in config
 
 
-def _engine_prices(config: str) -> tuple[str, str]:
+def _engine_prices(config: str, by_batch: bool = False) -> tuple[str, str]:
     def value(key: str) -> str:
         line = next(line for line in config.splitlines() if f'key: "{key}"' in line)
         return line.split('string_value: "')[1].split('"')[0]
 
-    return value("verify_cost"), value("draft_cost")
+    return ((value("verify_cost_by_batch"), value("draft_cost_by_batch")) if by_batch
+            else (value("verify_cost"), value("draft_cost")))
 
 
 @pytest.mark.parametrize("backend", ["torch", "onnx"])
@@ -111,26 +117,37 @@ def test_an_export_calibrated_on_this_machine_serves_and_generates_with_its_pric
     assert "calibrated on this machine" in capsys.readouterr().out
     measured = json.loads((out / "manifest.json").read_text())["calibration"]
     assert measured["batch_sizes"] == [1, 2] and measured["draft_cost"] > 0 and measured["verify_cost"] >= 0
+    # the prices per batch size (for greedy requests), one per measured batch size; the flat ones are their medians
+    verify_by_batch, draft_by_batch = (tuple(map(tuple, measured[key]))
+                                       for key in ("verify_cost_by_batch", "draft_cost_by_batch"))
+    assert [b for b, _ in verify_by_batch] == [b for b, _ in draft_by_batch] == [1, 2]
+    assert measured["verify_cost"] == pytest.approx(sum(p for _, p in verify_by_batch) / 2, abs=1e-4)
     config = (out / "triton_repo" / "specdec_engine" / "config.pbtxt").read_text()
     assert _engine_prices(config) == (str(measured["verify_cost"]), str(measured["draft_cost"]))
+    assert _engine_prices(config, by_batch=True) == (prices_text(verify_by_batch), prices_text(draft_by_batch))
+    calibrated = DraftLength(verify_cost=measured["verify_cost"], draft_cost=measured["draft_cost"],
+                             verify_by_batch=verify_by_batch, draft_by_batch=draft_by_batch)
     # the engine the server builds from that config (Triton's EngineModel, or a benchmark's local twin)
     served = served_engine(out, read_parameters(out / "triton_repo"))
-    assert served.draft_length == DraftLength(verify_cost=measured["verify_cost"], draft_cost=measured["draft_cost"])
+    assert served.draft_length == calibrated
     # `specdec generate` over the export prices its policy the same way, unless told otherwise
     parser = argparse.ArgumentParser()
     add_generate_args(parser)
     engine = _open_engine(parser.parse_args(["--target", str(out), "--adaptive-draft"]))
-    assert engine.draft_length == DraftLength(verify_cost=measured["verify_cost"], draft_cost=measured["draft_cost"])
+    assert engine.draft_length == calibrated
     pinned = _open_engine(parser.parse_args(["--target", str(out), "--adaptive-draft", "--verify-cost", "0"]))
-    assert pinned.draft_length == DraftLength(verify_cost=0.0, draft_cost=measured["draft_cost"])
+    assert pinned.draft_length == DraftLength(verify_cost=0.0, draft_cost=measured["draft_cost"],
+                                              draft_by_batch=draft_by_batch)
     # an explicit price is kept over the measured one in the served config too
     again = tmp_path / "pinned"
     assert export_main(["--target", str(tiny_dir), "--draft", str(tiny_dir), "--out", str(again), "--backend",
                         backend, "--max-batch", "2", "--max-len", "256", "--adaptive-draft", "--calibrate",
                         "--draft-cost", "0.5"]) == 0
     measured = json.loads((again / "manifest.json").read_text())["calibration"]
-    verify, draft = _engine_prices((again / "triton_repo" / "specdec_engine" / "config.pbtxt").read_text())
-    assert (verify, draft) == (str(measured["verify_cost"]), "0.5")
+    config = (again / "triton_repo" / "specdec_engine" / "config.pbtxt").read_text()
+    assert _engine_prices(config) == (str(measured["verify_cost"]), "0.5")
+    # the pinned draft price has no per-batch variant; the measured verification price keeps its own
+    assert _engine_prices(config, by_batch=True) == (prices_text(batch_prices(measured["verify_cost_by_batch"])), "")
 
 
 def test_generate_calibrates_first_and_stays_exact(tiny_dir, capsys) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from specdec.models.loading import tiny_random
 from specdec.runtime.backends.torch_backend import TorchBackend
-from specdec.runtime.draft_length import DraftLength, DraftStats
+from specdec.runtime.draft_length import DraftLength, DraftStats, batch_prices, parse_prices, price_at, prices_text
 from specdec.runtime.drafters import ModelDrafter, NgramDrafter
 from specdec.runtime.engine import Engine
 from specdec.runtime.request import Request
@@ -174,3 +174,55 @@ def test_adaptive_ems_equals_ar_while_k_follows_acceptance(tiny_target, draft_ki
         assert ems.run.summary()["acceptance_rate"] < 0.2
         # drafting stops (0 drafts) except for probes, 8 steps apart and further after each rejected one
         assert drafted[-1] <= len(prompts) and drafted.count(0) > len(drafted) // 2
+
+
+# -- prices per batch size ---------------------------------------------------------------------------------
+
+
+def test_prices_per_batch_size_interpolate_and_round_trip_through_a_config() -> None:
+    prices = batch_prices([[4, 0.4], [1, 0.1], [8, 0.6]])  # as a manifest keeps them, in any order
+    assert prices == ((1, 0.1), (4, 0.4), (8, 0.6))
+    assert [price_at(prices, b) for b in (1, 2, 4, 6, 8, 16)] == pytest.approx([0.1, 0.2, 0.4, 0.5, 0.6, 0.6])
+    assert price_at(((2, 0.3),), 1) == 0.3  # below the smallest measured size: its price
+    assert parse_prices(prices_text(prices)) == prices and parse_prices("") == ()
+    for bad in ("1:0.1,1:0.2", "0:0.1", "2:-1", "two:0.1", "1-0.1"):
+        with pytest.raises(ValueError):
+            parse_prices(bad)
+
+
+def test_a_greedy_sequence_is_priced_at_its_batch_size_a_sampled_one_is_not() -> None:
+    """Acceptance 0.5: one draft pays at batch 1 (0.2 a draft: 1.5 tokens for 1.2 steps) but not at batch 8 (0.9 a
+    draft); the flat prices (the medians a sampled sequence pays) sit between."""
+    policy = DraftLength(verify_cost=0.3, draft_cost=0.1, prior_weight=1.0,
+                         verify_by_batch=((1, 0.1), (8, 0.8)), draft_by_batch=((1, 0.1), (8, 0.1)))
+    stats = DraftStats([100.0, 50.0], [50.0, 25.0])
+    assert policy.prices(0.0, 1) == (0.1, 0.1) and policy.prices(0.0, 8) == (0.1, 0.8)
+    assert policy.prices(0.0) == (0.1, 0.3)
+    assert policy.choose(stats, 4, draft_cost=0.0, batch=1) >= 1
+    assert policy.choose(stats, 4, draft_cost=0.0, batch=8) == 0
+    assert policy.choose(stats, 4, draft_cost=0.0) == 1  # flat 0.4 a draft: 1.5 / 1.4 pays
+    # without a measured draft price per batch size the drafter's own (prompt lookup: 0) is used
+    lookup = DraftLength(verify_cost=0.3, verify_by_batch=((1, 0.1), (8, 0.8)))
+    assert lookup.prices(0.0, 8) == (0.0, 0.8) and lookup.prices(0.0) == (0.0, 0.3)
+
+
+def test_the_loop_prices_greedy_requests_by_the_batch_and_sampled_ones_alone(tiny_target) -> None:
+    """In a batch of four, the greedy requests see the batch's (prohibitive) price and stop drafting after their
+    prior; the sampled ones, priced alone (free), draft every step; greedy output still equals ar."""
+    from specdec.runtime.sampling import SamplingParams
+
+    backend = TorchBackend(tiny_target)
+    policy = DraftLength(verify_cost=0.0, draft_cost=0.0, verify_by_batch=((1, 0.0), (4, 5.0)), probe_every=1000)
+    engine = Engine(backend, ModelDrafter(TorchBackend(tiny_target), 4, 256), max_batch=4, max_len=256,
+                    num_draft_tokens=3, draft_length=policy)
+    prompts = [[5, 6, 7], [9] * 20, [1, 2, 3, 4] * 6, [40]]
+    greedy = [Request(p, max_tokens=24) for p in prompts]
+    sampled = [Request(p, max_tokens=24, sampling=SamplingParams(temperature=1.0, seed=i)) for i, p in
+               enumerate(prompts)]
+    ems = engine.generate(greedy, "ems")
+    assert [o.token_ids for o in ems.outputs] == [o.token_ids for o in engine.generate(greedy, "ar").outputs]
+    assert sum(s.draft_tokens for s in ems.run.steps[1:]) == 0  # 1 + 3·0.5 tokens for 1 + 3·5 steps: never
+    mixed = engine.generate([*greedy[:2], *sampled[2:]], "ems")
+    assert [o.metrics.draft_tokens > 0 for o in mixed.outputs] == [False, False, True, True]
+    alone = [engine.generate([r], "ems").outputs[0].token_ids for r in sampled[2:]]
+    assert [o.token_ids for o in mixed.outputs[2:]] == alone  # a seeded sampled request: the same in any batch

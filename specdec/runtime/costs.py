@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from specdec.runtime.backends.base import Backend, KVStorage
+from specdec.runtime.draft_length import DRAFT_BY_BATCH, VERIFY_BY_BATCH, BatchPrices, batch_prices
 from specdec.runtime.drafters import ModelDrafter
 from specdec.runtime.packed import PackedBatch, SeqWork, pack
 
@@ -158,15 +159,21 @@ class DraftCosts:
     ``draft_cost``: one draft step over one plain target step (None: no draft model was measured).
     ``verify_cost``: the rest of what one more draft token adds to a speculative step, in plain
     target steps: its verified row and whatever the draft steps cost the target's step after them.
+    ``verify_by_batch`` / ``draft_by_batch``: the same per measured batch size (``draft_length``
+    prices greedy sequences by them).
     """
 
     draft_cost: float | None
     verify_cost: float
     records: tuple[dict[str, Any], ...]
+    verify_by_batch: BatchPrices = ()
+    draft_by_batch: BatchPrices = ()
 
     def as_dict(self) -> dict[str, Any]:
         """JSON form, as an export's manifest keeps it."""
         return {"draft_cost": self.draft_cost, "verify_cost": self.verify_cost,
+                VERIFY_BY_BATCH: [list(p) for p in self.verify_by_batch],
+                DRAFT_BY_BATCH: [list(p) for p in self.draft_by_batch],
                 "batch_sizes": [r["batch_size"] for r in self.records],
                 "k": self.records[0]["k"] if self.records else None,
                 "context": self.records[0]["context"] if self.records else None,
@@ -174,33 +181,36 @@ class DraftCosts:
 
 
 def draft_costs(records: Sequence[dict[str, Any]]) -> DraftCosts:
-    """The prices from ``loop_costs`` records: medians over the batch sizes measured.
+    """The prices from ``loop_costs`` records: per batch size, and their medians over the batch sizes.
 
     Per record, one draft token adds (spec / plain − 1) / k plain steps; draft_cost is the draft
-    step's share (draft / plain) and verify_cost the rest, floored at 0 (timing noise). One price
-    for every batch size, because the policy's choice must not depend on batch-mates (a seeded
-    request gives the same output in any batch).
+    step's share (draft / plain) and verify_cost the rest, floored at 0 (timing noise). The medians
+    are the batch-independent prices a sampled sequence is charged (its choice must not depend on
+    batch-mates: a seeded request gives the same output in any batch); greedy sequences are charged
+    the price at their step's batch size.
     """
     if not records:
         raise ValueError("no step-cost records to price from")
-    verify, draft = [], []
+    verify: dict[int, float] = {}
+    draft: dict[int, float] = {}
     for r in records:
         per_draft = (r["spec_ms"] / r["plain_ms"] - 1.0) / r["k"]
         share = 0.0 if r["draft_ms"] is None else r["draft_ms"] / r["plain_ms"]
-        verify.append(max(0.0, per_draft - share))
+        verify[r["batch_size"]] = round(max(0.0, per_draft - share), 4)
         if r["draft_ms"] is not None:
-            draft.append(share)
-    return DraftCosts(round(statistics.median(draft), 4) if draft else None,
-                      round(statistics.median(verify), 4), tuple(records))
+            draft[r["batch_size"]] = round(share, 4)
+    return DraftCosts(round(statistics.median(draft.values()), 4) if draft else None,
+                      round(statistics.median(verify.values()), 4), tuple(records),
+                      verify_by_batch=batch_prices(verify.items()), draft_by_batch=batch_prices(draft.items()))
 
 
-def calibrate(target: Backend, draft: Backend | None, *, batch_sizes: Sequence[int] = (1, 4), k: int = 4,
+def calibrate(target: Backend, draft: Backend | None, *, batch_sizes: Sequence[int] = (1, 4, 8), k: int = 4,
               context: int = 128, steps: int = 10) -> DraftCosts:
     """Measure the draft and verification prices of these backends (seconds for SmolLM2 on a CPU)."""
     return draft_costs([loop_costs(target, draft, b, context=context, k=k, steps=steps) for b in batch_sizes])
 
 
-def calibrate_engine(engine: Engine, *, batch_sizes: Sequence[int] = (1, 4), k: int = 4, context: int = 128,
+def calibrate_engine(engine: Engine, *, batch_sizes: Sequence[int] = (1, 4, 8), k: int = 4, context: int = 128,
                      steps: int = 10) -> DraftCosts:
     """``calibrate`` on an engine's own target and draft backends (prompt lookup: no draft step to time).
 

@@ -16,18 +16,70 @@ with the most tokens per cost. Each ``beta_j`` is the sequence's own count, shru
 rate one depth shallower (``prior_acceptance`` at depth 1), so a short history or a depth never
 drafted yet does not swing k.
 
-Exactness: k is fixed before the drafts are drawn and depends only on the sequence's own past,
-and verification is exact for any such k. Greedy output is unchanged and sampling keeps the
-target's law. Nothing depends on batch-mates, so a seeded request gives the same output alone
-and in any batch.
+Batch size: what a draft costs depends on how many sequences share the step. A step's fixed
+part (weights read, per-op overhead) is shared by its sequences, while a verified row is paid by
+the one that drafts it; so relative to a sequence's share of a one-row step, a row costs more the
+larger the batch (SmolLM2 int4 on this CPU: 0.13 of a step at batch 1, 0.41 at batch 4;
+``benchmarks/results/edge_cpu.md``). Priced by one number, the policy drafts too little alone and
+too much in a full batch, where ``ems`` fell behind ``ar``. With prices calibrated per batch size
+(``verify_by_batch``, ``draft_by_batch``) a greedy sequence is priced at its step's batch size.
+
+Exactness: k is fixed before the drafts are drawn and depends only on the sequence's own past
+(and, for a greedy one, on how many sequences share the step), and verification is exact for any
+such k. Greedy output is unchanged whatever k is, so pricing it by the batch changes only speed.
+A sampled sequence's drafts consume its random draws, so its k must not depend on batch-mates: it
+is priced at the batch-independent price, and a seeded request gives the same output alone and in
+any batch.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
+import bisect
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+#: a price per batch size: ((batch size, price), ...), batch sizes increasing
+BatchPrices = tuple[tuple[int, float], ...]
+#: the calibration's keys (``costs.DraftCosts.as_dict``, an export's manifest) of the prices per batch size
+VERIFY_BY_BATCH, DRAFT_BY_BATCH = "verify_cost_by_batch", "draft_cost_by_batch"
+
+
+def price_at(prices: BatchPrices, batch: int) -> float:
+    """The price at ``batch``: linear between the measured batch sizes, the nearest one's outside them."""
+    sizes = [b for b, _ in prices]
+    i = bisect.bisect_left(sizes, batch)
+    if i < len(sizes) and sizes[i] == batch:
+        return prices[i][1]
+    if i == 0:
+        return prices[0][1]
+    if i == len(sizes):
+        return prices[-1][1]
+    (b0, p0), (b1, p1) = prices[i - 1], prices[i]
+    return p0 + (p1 - p0) * (batch - b0) / (b1 - b0)
+
+
+def prices_text(prices: BatchPrices) -> str:
+    """``"1:0.13,4:0.41"``: prices per batch size as a config parameter holds them (``parse_prices``)."""
+    return ",".join(f"{b}:{p:g}" for b, p in prices)
+
+
+def parse_prices(text: str) -> BatchPrices:
+    """The inverse of ``prices_text`` ("" is no prices); ValueError names what is malformed."""
+    try:
+        pairs = [item.split(":") for item in text.split(",") if item.strip()]
+        return batch_prices([(int(b), float(p)) for b, p in pairs])
+    except ValueError as exc:
+        raise ValueError(f"prices per batch size must read 'batch:price,...', got {text!r}: {exc}") from None
+
+
+def batch_prices(pairs: Sequence[Sequence[float]] | None) -> BatchPrices:
+    """A ``BatchPrices`` from (batch size, price) pairs as a manifest keeps them (JSON lists), checked."""
+    out = tuple(sorted((int(b), float(p)) for b, p in (pairs or ())))
+    if any(b < 1 or not p >= 0 for b, p in out) or len({b for b, _ in out}) != len(out):
+        raise ValueError(f"prices per batch size need distinct batch sizes >= 1 and prices >= 0, got {list(out)}")
+    return out
 
 
 @dataclass
@@ -86,6 +138,8 @@ class DraftLength:
     and for a draft model also the draft steps that catch its cache up, so on this CPU a
     sequence that probes every 8 steps in text its drafter cannot predict loses a few percent
     against ``ar`` (``benchmarks/results/edge_cpu.md``); backed off, about half a percent.
+    ``verify_by_batch`` / ``draft_by_batch``: the same prices per batch size (module docstring), used
+    for greedy sequences; each replaces its flat price there when given.
     """
 
     draft_cost: float | None = None
@@ -96,8 +150,12 @@ class DraftLength:
     min_k: int = 0
     probe_every: int = 8
     probe_backoff: int = 3
+    verify_by_batch: BatchPrices = ()
+    draft_by_batch: BatchPrices = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "verify_by_batch", batch_prices(self.verify_by_batch))
+        object.__setattr__(self, "draft_by_batch", batch_prices(self.draft_by_batch))
         if self.draft_cost is not None and self.draft_cost < 0:
             raise ValueError(f"draft_cost must be >= 0, got {self.draft_cost}")
         if self.verify_cost < 0:
@@ -125,17 +183,30 @@ class DraftLength:
             out.append(prior)
         return out
 
-    def choose(self, stats: DraftStats, k_max: int, draft_cost: float, rows: float = 1.0) -> int:
+    def prices(self, drafter_cost: float, batch: int | None = None) -> tuple[float, float]:
+        """(a draft token, a verified row) in one-row target steps: at ``batch`` sequences where prices per batch
+        size were measured, else the flat ones (``draft_cost``, else the drafter's own ``drafter_cost``)."""
+        draft = self.draft_cost if self.draft_cost is not None else drafter_cost
+        verify = self.verify_cost
+        if batch is not None:
+            draft = price_at(self.draft_by_batch, batch) if self.draft_by_batch else draft
+            verify = price_at(self.verify_by_batch, batch) if self.verify_by_batch else verify
+        return draft, verify
+
+    def choose(self, stats: DraftStats, k_max: int, draft_cost: float, rows: float = 1.0,
+               batch: int | None = None) -> int:
         """The k in ``[min(min_k, k_max), k_max]`` with the most expected tokens per unit of cost (ties: shorter).
 
+        ``draft_cost``: the drafter's own price of a draft token (used where the policy has none).
         ``rows``: draft and verified rows one unit of k adds per sequence of the step (1 for a chain;
-        for a DSBD layer, W_S nodes over the group's live beams). A choice of 0 becomes 1 once the
-        sequence has gone ``probe_every`` steps without a draft (doubled per fruitless probe in a row, up to
-        ``probe_backoff`` times).
+        for a DSBD layer, W_S nodes over the group's live beams). ``batch``: the sequences sharing the
+        step, for a greedy sequence (prices per batch size); None: the batch-independent prices. A choice
+        of 0 becomes 1 once the sequence has gone ``probe_every`` steps without a draft (doubled per
+        fruitless probe in a row, up to ``probe_backoff`` times).
         """
         if k_max <= self.min_k:
             return max(0, k_max)
-        per_draft = ((self.draft_cost if self.draft_cost is not None else draft_cost) + self.verify_cost) * rows
+        per_draft = sum(self.prices(draft_cost, batch)) * rows
         best_k, best = (0, 1.0) if self.min_k == 0 else (-1, -1.0)
         expected, survive = 1.0, 1.0
         for k, beta in enumerate(self.rates(stats, k_max), start=1):
@@ -187,7 +258,9 @@ def check_draft_length_args(parser: argparse.ArgumentParser, args: argparse.Name
 def draft_length_from(args: argparse.Namespace, measured: Mapping[str, Any] | None = None) -> DraftLength | None:
     """The policy those options ask for (None: a fixed k); ``measured``: costs calibrated on this hardware.
 
-    A cost given on the command line wins over a measured one, and a measured one over the default.
+    A cost given on the command line wins over a measured one (flat and per batch size alike), and a
+    measured one over the default. The measured draft prices per batch size go with the measured flat
+    one: a caller that drops ``draft_cost`` (prompt lookup's tokens cost nothing) drops them too.
     """
     if not args.adaptive_draft:
         return None
@@ -195,4 +268,7 @@ def draft_length_from(args: argparse.Namespace, measured: Mapping[str, Any] | No
     verify = args.verify_cost if args.verify_cost is not None else measured.get("verify_cost")
     draft = args.draft_cost if args.draft_cost is not None else measured.get("draft_cost")
     return DraftLength(verify_cost=DraftLength.verify_cost if verify is None else float(verify),
-                       draft_cost=None if draft is None else float(draft))
+                       draft_cost=None if draft is None else float(draft),
+                       verify_by_batch=batch_prices(measured.get(VERIFY_BY_BATCH)) if args.verify_cost is None else (),
+                       draft_by_batch=batch_prices(measured.get(DRAFT_BY_BATCH))
+                       if args.draft_cost is None and measured.get("draft_cost") is not None else ())

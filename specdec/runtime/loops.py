@@ -76,12 +76,14 @@ class DecodeContext:
         """k_i per sequence: its requested k, capped so it never drafts past max_tokens or the context.
 
         With an adaptive ``draft_length`` that k is the most a sequence drafts; the policy picks
-        k_i from the sequence's own acceptance so far.
+        k_i from the sequence's own acceptance so far, a greedy sequence at the prices of a step of
+        ``len(seqs)`` sequences (``draft_length``: its output does not depend on k).
         """
         ks = []
         for seq in seqs:
             room = self.kv.room(seq.slot) - 1  # rows written: last token + k drafts
-            ks.append(self.choose_draft_length(seq, max(0, min(self.draft_budget(seq, seq.num_generated), room))))
+            k_max = max(0, min(self.draft_budget(seq, seq.num_generated), room))
+            ks.append(self.choose_draft_length(seq, k_max, batch=len(seqs) if seq.request.sampling.greedy else None))
         return ks
 
     def draft_budget(self, seq: SeqState, generated: int) -> int:
@@ -101,14 +103,16 @@ class DecodeContext:
         seq.finish_reason = CANCELLED
         return True
 
-    def choose_draft_length(self, seq: SeqState, k_max: int, rows: float = 1.0) -> int:
+    def choose_draft_length(self, seq: SeqState, k_max: int, rows: float = 1.0, batch: int | None = None) -> int:
         """``k_max``, or with an adaptive ``draft_length`` what ``seq``'s own history says pays (chains and forests).
 
         ``rows``: draft and verified rows one unit of k adds per sequence of the step (a DSBD layer: W_S per beam).
+        ``batch``: the step's sequences, to price a greedy sequence by its batch size (None: batch-independent).
         """
         if self.draft_length is None:
             return k_max
-        return self.draft_length.choose(seq.draft_stats, k_max, getattr(self.drafter, "relative_cost", 0.0), rows)
+        return self.draft_length.choose(seq.draft_stats, k_max, getattr(self.drafter, "relative_cost", 0.0), rows,
+                                        batch)
 
     def record_drafts(self, seq: SeqState, drafted: int, accepted: int) -> None:
         """``seq``'s verification, for the adaptive draft length: ``accepted`` of ``drafted`` (in order) passed."""

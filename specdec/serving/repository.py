@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from specdec.runtime.costs import DraftCosts
+from specdec.runtime.draft_length import BatchPrices, prices_text
 from specdec.serving import protocol
 
 REPOSITORY_DIR = "triton_repo"
@@ -48,6 +49,9 @@ class ServingOptions:
     # else DraftLength's default verify cost and the drafter's own draft cost)
     verify_cost: float | None = None
     draft_cost: float | None = None
+    # the same per batch size, for greedy requests (``DraftLength``); set by a calibration whose flat price is used
+    verify_by_batch: BatchPrices = ()
+    draft_by_batch: BatchPrices = ()
     default_max_tokens: int = 64
     drafter: str = ""  # "" = as exported; "ngram", "hybrid" or "none" overrides
     max_concurrency: int = 64  # requests in flight at once per entry point
@@ -73,9 +77,13 @@ class ServingOptions:
             raise ValueError(f"gpus must be distinct device ids >= 0, got {list(self.gpus)}")
 
     def priced(self, measured: DraftCosts) -> ServingOptions:
-        """These options with the costs left unset (None) taken from a calibration: what is set explicitly wins."""
-        return replace(self, verify_cost=measured.verify_cost if self.verify_cost is None else self.verify_cost,
-                       draft_cost=measured.draft_cost if self.draft_cost is None else self.draft_cost)
+        """These options with the costs left unset (None) taken from a calibration: what is set explicitly wins
+        (and a price set explicitly has no per-batch-size variant)."""
+        verify, draft = self.verify_cost is None, self.draft_cost is None
+        return replace(self, verify_cost=measured.verify_cost if verify else self.verify_cost,
+                       draft_cost=measured.draft_cost if draft else self.draft_cost,
+                       verify_by_batch=measured.verify_by_batch if verify else (),
+                       draft_by_batch=measured.draft_by_batch if draft else ())
 
 
 def _tensor(spec: protocol.TensorSpec, optional: bool | None = None) -> str:
@@ -119,7 +127,9 @@ def render_configs(export_dir_from_repo: str, options: ServingOptions) -> dict[s
               "max_batch": options.max_batch, "adaptive_draft": int(options.adaptive_draft),
               "prefill_budget": options.prefill_budget,
               "verify_cost": "" if options.verify_cost is None else options.verify_cost,
-              "draft_cost": "" if options.draft_cost is None else options.draft_cost}
+              "draft_cost": "" if options.draft_cost is None else options.draft_cost,
+              "verify_cost_by_batch": prices_text(options.verify_by_batch),
+              "draft_cost_by_batch": prices_text(options.draft_by_batch)}
     entry = {"max_concurrency": options.max_concurrency, "max_queue": options.max_queue,
              **{name: getattr(options.limits, name) for name in protocol.Limits.__dataclass_fields__}}
     models = {

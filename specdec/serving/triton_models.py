@@ -180,7 +180,7 @@ def served_engine(export_dir: Path, params: Mapping[str, str], device_id: int = 
     backend brings torch (TensorRT's device caches) it runs on one thread, since its threads would
     contend with the backend's (``benchmarks/results/ort_contention.md``).
     """
-    from specdec.runtime.draft_length import DraftLength
+    from specdec.runtime.draft_length import DraftLength, parse_prices
     from specdec.runtime.engine import Engine
 
     def number(name: str, default: int | None = None) -> int | None:
@@ -194,7 +194,10 @@ def served_engine(export_dir: Path, params: Mapping[str, str], device_id: int = 
         export_dir, max_batch=number("max_batch") or None, threads=number("intra_op_threads") or None,
         num_draft_tokens=number("num_draft_tokens", 4), drafter=params.get("drafter") or None, torch_threads=1,
         draft_length=DraftLength(verify_cost=cost("verify_cost", DraftLength.verify_cost),
-                                 draft_cost=cost("draft_cost")) if number("adaptive_draft", 0) else None,
+                                 draft_cost=cost("draft_cost"),
+                                 verify_by_batch=parse_prices(params.get("verify_cost_by_batch", "")),
+                                 draft_by_batch=parse_prices(params.get("draft_cost_by_batch", "")))
+        if number("adaptive_draft", 0) else None,
         device_id=device_id,
     )
 
