@@ -560,13 +560,14 @@ def test_serving_options_reach_the_configs() -> None:
     """Each option lands in the parameters of the model that reads it."""
     options = ServingOptions(intra_op_threads=3, num_draft_tokens=7, default_max_tokens=99, drafter="ngram",
                              max_concurrency=5, max_batch=6, adaptive_draft=True, verify_cost=0.02,
-                             draft_cost=0.25, prefill_budget=64, max_queue=9,
+                             draft_cost=0.25, prefill_budget=64, max_queue=9, verify_by_batch=((1, 0.01), (8, 0.3)),
                              limits=protocol.Limits(max_prompt_bytes=1000, max_stop_strings=3, max_stop_bytes=20))
     rendered = render_configs("../x", options)
     assert config_parameters(rendered["specdec_engine"]) == {"export_dir": "../x", "intra_op_threads": "3",
                                                       "num_draft_tokens": "7", "default_max_tokens": "99",
                                                       "drafter": "ngram", "max_batch": "6", "adaptive_draft": "1",
                                                       "verify_cost": "0.02", "draft_cost": "0.25",
+                                                      "verify_cost_by_batch": "1:0.01,8:0.3", "draft_cost_by_batch": "",
                                                       "prefill_budget": "64"}
     assert config_parameters(render_configs("../x", ServingOptions())["specdec_engine"])["adaptive_draft"] == "0"
     for model in ("specdec", "specdec_stream"):
