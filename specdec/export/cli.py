@@ -282,7 +282,8 @@ def _calibrate(root: Path, max_batch: int, serving: ServingOptions | None) -> Dr
     threads = (serving.intra_op_threads if serving else 0) or None
     before = torch.get_num_threads()  # timed as served (torch on one thread), then restored for the caller
     try:
-        engine = Engine.from_export(root, max_batch=min(4, max_batch), max_len=256, threads=threads,
+        # room for the batch sizes and the context calibrate_engine times (its defaults: 1, 4, 8 and 256 tokens)
+        engine = Engine.from_export(root, max_batch=min(8, max_batch), max_len=512, threads=threads,
                                     torch_threads=1)
         return calibrate_engine(engine)
     finally:
