@@ -19,9 +19,10 @@ drafted yet does not swing k.
 Batch size: what a draft costs depends on how many sequences share the step. A step's fixed
 part (weights read, per-op overhead) is shared by its sequences, while a verified row is paid by
 the one that drafts it; so relative to a sequence's share of a one-row step, a row costs more the
-larger the batch (SmolLM2 int4 on this CPU: 0.13 of a step at batch 1, 0.41 at batch 4;
-``benchmarks/results/edge_cpu.md``). Priced by one number, the policy drafts too little alone and
-too much in a full batch, where ``ems`` fell behind ``ar``. With prices calibrated per batch size
+larger the batch (SmolLM2 int4 on this CPU: 0.13 of a step at batch 1, 0.33 at 4, 0.39 at 8: the
+exports' calibration in ``benchmarks/results/edge_cpu.md``). Priced by one number, the policy
+drafts too little alone and too much in a full batch, where ``ems`` fell behind ``ar``. With prices
+calibrated per batch size
 (``verify_by_batch``, ``draft_by_batch``) a greedy sequence is priced at its step's batch size.
 
 Exactness: k is fixed before the drafts are drawn and depends only on the sequence's own past
