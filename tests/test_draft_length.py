@@ -226,3 +226,29 @@ def test_the_loop_prices_greedy_requests_by_the_batch_and_sampled_ones_alone(tin
     assert [o.metrics.draft_tokens > 0 for o in mixed.outputs] == [False, False, True, True]
     alone = [engine.generate([r], "ems").outputs[0].token_ids for r in sampled[2:]]
     assert [o.token_ids for o in mixed.outputs[2:]] == alone  # a seeded sampled request: the same in any batch
+
+
+def test_a_greedy_request_starts_from_the_pooled_acceptance_a_sampled_one_from_the_prior(tiny_target) -> None:
+    """After requests whose drafts the target rejected, a new greedy request does not draft in its first step (its
+    prior is the pooled acceptance), a fresh engine's does (prior 0.5); a seeded sampled request ignores the pool:
+    the same output on either engine. Greedy output equals ar throughout."""
+    from specdec.runtime.sampling import SamplingParams
+
+    def engine() -> Engine:
+        unrelated = ModelDrafter(TorchBackend(tiny_random(seed=12, vocab_size=96, num_layers=1)), 4, 256)
+        return Engine(TorchBackend(tiny_target), unrelated, max_batch=4, max_len=256, num_draft_tokens=3,
+                      draft_length=DraftLength(verify_cost=0.2, draft_cost=0.1))
+
+    seasoned, fresh = engine(), engine()
+    history = seasoned.generate([Request([3, 1, 4, 1, 5][: 1 + i], max_tokens=30) for i in range(4)], "ems")
+    assert history.run.summary()["acceptance_rate"] < 0.2
+    assert seasoned.draft_length.pooled_prior(seasoned.pooled_drafts) < 0.3  # one draft's break-even: 0.1 + 0.2
+    greedy = Request([9, 2, 6, 5], max_tokens=12)
+    first_drafts = [e.generate([greedy], "ems").run.steps[1].draft_tokens for e in (seasoned, fresh)]
+    assert first_drafts[0] == 0 and first_drafts[1] > 0
+    def answer(e: Engine, request: Request, method: str) -> list[int]:
+        return e.generate([request], method).outputs[0].token_ids
+
+    assert answer(seasoned, greedy, "ems") == answer(fresh, greedy, "ar")
+    sampled = Request([9, 2, 6, 5], max_tokens=12, sampling=SamplingParams(temperature=1.0, seed=7))
+    assert answer(seasoned, sampled, "ems") == answer(fresh, sampled, "ems")

@@ -31,6 +31,12 @@ such k. Greedy output is unchanged whatever k is, so pricing it by the batch cha
 A sampled sequence's drafts consume its random draws, so its k must not depend on batch-mates: it
 is priced at the batch-independent price, and a seeded request gives the same output alone and in
 any batch.
+
+Prior: a sequence that has verified nothing yet drafts by ``prior_acceptance`` (0.5), whatever the
+drafter; a drafter that rarely agrees with the target pays for those first drafts on every request,
+which on short answers is much of what it drafts at all (the main job's). A greedy sequence (again:
+k changes only speed) starts instead from the acceptance the engine has pooled over the sequences
+before it (``pooled_prior``), so a new request drafts as the drafter has been doing lately.
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ from typing import Any
 
 #: a price per batch size: ((batch size, price), ...), batch sizes increasing
 BatchPrices = tuple[tuple[int, float], ...]
+#: how much of the pooled acceptance (``DraftLength.pooled_prior``) each verification of any sequence keeps: about
+#: the last 200 verifications count, a few dozen steps of a full batch
+POOLED_MEMORY = 0.995
 #: the calibration's keys (``costs.DraftCosts.as_dict``, an export's manifest) of the prices per batch size
 VERIFY_BY_BATCH, DRAFT_BY_BATCH = "verify_cost_by_batch", "draft_cost_by_batch"
 
@@ -174,9 +183,15 @@ class DraftLength:
         if self.probe_backoff < 0:
             raise ValueError(f"probe_backoff must be >= 0, got {self.probe_backoff}")
 
-    def rates(self, stats: DraftStats, depth: int) -> list[float]:
-        """``beta_1..beta_depth``, each shrunk toward the one before (the first toward ``prior_acceptance``)."""
-        prior, out = self.prior_acceptance, []
+    def pooled_prior(self, pooled: DraftStats) -> float:
+        """The depth-1 acceptance pooled over earlier sequences (``DraftStats`` of every verification), shrunk
+        toward ``prior_acceptance``: a greedy sequence's prior."""
+        return self.rates(pooled, 1)[0]
+
+    def rates(self, stats: DraftStats, depth: int, prior: float | None = None) -> list[float]:
+        """``beta_1..beta_depth``, each shrunk toward the one before (the first toward ``prior``, by default
+        ``prior_acceptance``)."""
+        prior, out = (self.prior_acceptance if prior is None else prior), []
         for j in range(depth):
             reached = stats.reached[j] if j < len(stats.reached) else 0
             accepted = stats.accepted[j] if j < len(stats.accepted) else 0
@@ -195,22 +210,23 @@ class DraftLength:
         return draft, verify
 
     def choose(self, stats: DraftStats, k_max: int, draft_cost: float, rows: float = 1.0,
-               batch: int | None = None) -> int:
+               batch: int | None = None, prior: float | None = None) -> int:
         """The k in ``[min(min_k, k_max), k_max]`` with the most expected tokens per unit of cost (ties: shorter).
 
         ``draft_cost``: the drafter's own price of a draft token (used where the policy has none).
         ``rows``: draft and verified rows one unit of k adds per sequence of the step (1 for a chain;
         for a DSBD layer, W_S nodes over the group's live beams). ``batch``: the sequences sharing the
-        step, for a greedy sequence (prices per batch size); None: the batch-independent prices. A choice
-        of 0 becomes 1 once the sequence has gone ``probe_every`` steps without a draft (doubled per
-        fruitless probe in a row, up to ``probe_backoff`` times).
+        step, for a greedy sequence (prices per batch size); None: the batch-independent prices. ``prior``:
+        the depth-1 rate before any verification (a greedy sequence's ``pooled_prior``; None:
+        ``prior_acceptance``). A choice of 0 becomes 1 once the sequence has gone ``probe_every`` steps
+        without a draft (doubled per fruitless probe in a row, up to ``probe_backoff`` times).
         """
         if k_max <= self.min_k:
             return max(0, k_max)
         per_draft = sum(self.prices(draft_cost, batch)) * rows
         best_k, best = (0, 1.0) if self.min_k == 0 else (-1, -1.0)
         expected, survive = 1.0, 1.0
-        for k, beta in enumerate(self.rates(stats, k_max), start=1):
+        for k, beta in enumerate(self.rates(stats, k_max, prior), start=1):
             survive *= beta
             expected += survive
             value = expected / (1.0 + k * per_draft)

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from specdec.models.errors import DraftMismatchError
 from specdec.runtime.backends.base import Backend
-from specdec.runtime.draft_length import DraftLength
+from specdec.runtime.draft_length import DraftLength, DraftStats
 from specdec.runtime.drafters import Drafter, make_drafter
 from specdec.runtime.kv import KVCacheManager
 from specdec.runtime.loops import DecodeContext, FaultHook
@@ -77,6 +77,8 @@ class Engine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_batch, self.max_len, self.num_draft_tokens = max_batch, max_len, num_draft_tokens
         self.draft_length = draft_length
+        #: every sequence's verifications, pooled across runs: a greedy sequence's prior acceptance (``draft_length``)
+        self.pooled_drafts = DraftStats()
         #: a test's fault injection, called at each sequence's per-step points (``DecodeContext.fault_hook``)
         self.fault_hook: FaultHook | None = None
         #: rows a ragged step may spend on prompt prefills (``DecodeContext.prefill_budget``; None: whole prompts)
@@ -223,7 +225,8 @@ class Engine:
         stopper = StopChecker(self.eos_token_ids, self.max_len, self.decode if self.tokenizer else None)
         return DecodeContext(self.target, KVCacheManager(self.storage), scheduler, stopper, self.drafter,
                              self.num_draft_tokens, on_tokens, on_finish, keep_running, on_logits, is_cancelled,
-                             self.draft_length, fault_hook=self.fault_hook, prefill_budget=self.prefill_budget)
+                             self.draft_length, fault_hook=self.fault_hook, prefill_budget=self.prefill_budget,
+                             pooled_drafts=self.pooled_drafts)
 
     def generate(self, requests: Sequence[Request | Exception], method: str = DEFAULT_METHOD,
                  progress: bool = False) -> GenerationResult:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specdec.runtime.backends.base import Backend
-from specdec.runtime.draft_length import DraftLength
+from specdec.runtime.draft_length import POOLED_MEMORY, DraftLength, DraftStats
 from specdec.runtime.drafters import Draft, Drafter
 from specdec.runtime.kv import KVCacheManager
 from specdec.runtime.metrics import RunMetrics, StepRecord
@@ -54,6 +54,8 @@ class DecodeContext:
     is_cancelled: Callable[[SeqState], bool] | None = None
     #: adaptive draft length: each sequence's k from its own acceptance, at most the k above (None: always that k)
     draft_length: DraftLength | None = None
+    #: every sequence's verifications pooled (the engine's, kept across runs): a greedy sequence's prior acceptance
+    pooled_drafts: DraftStats = field(default_factory=DraftStats)
     run: RunMetrics = field(default_factory=lambda: RunMetrics("?"))
     fault_hook: FaultHook | None = None
     #: rows a ragged step may spend on prompt prefills (None: every admitted prompt whole, in its first step).
@@ -83,7 +85,8 @@ class DecodeContext:
         for seq in seqs:
             room = self.kv.room(seq.slot) - 1  # rows written: last token + k drafts
             k_max = max(0, min(self.draft_budget(seq, seq.num_generated), room))
-            ks.append(self.choose_draft_length(seq, k_max, batch=len(seqs) if seq.request.sampling.greedy else None))
+            ks.append(self.choose_draft_length(seq, k_max, greedy_batch=len(seqs) if seq.request.sampling.greedy
+                                               else None))
         return ks
 
     def draft_budget(self, seq: SeqState, generated: int) -> int:
@@ -103,20 +106,25 @@ class DecodeContext:
         seq.finish_reason = CANCELLED
         return True
 
-    def choose_draft_length(self, seq: SeqState, k_max: int, rows: float = 1.0, batch: int | None = None) -> int:
+    def choose_draft_length(self, seq: SeqState, k_max: int, rows: float = 1.0,
+                            greedy_batch: int | None = None) -> int:
         """``k_max``, or with an adaptive ``draft_length`` what ``seq``'s own history says pays (chains and forests).
 
         ``rows``: draft and verified rows one unit of k adds per sequence of the step (a DSBD layer: W_S per beam).
-        ``batch``: the step's sequences, to price a greedy sequence by its batch size (None: batch-independent).
+        ``greedy_batch``: for a greedy sequence, the step's sequences: it is priced at that batch size and starts
+        from the pooled acceptance (``draft_length``: its output does not depend on k); None: batch- and
+        history-independent, as a sampled sequence must be.
         """
         if self.draft_length is None:
             return k_max
+        prior = None if greedy_batch is None else self.draft_length.pooled_prior(self.pooled_drafts)
         return self.draft_length.choose(seq.draft_stats, k_max, getattr(self.drafter, "relative_cost", 0.0), rows,
-                                        batch)
+                                        greedy_batch, prior)
 
     def record_drafts(self, seq: SeqState, drafted: int, accepted: int) -> None:
         """``seq``'s verification, for the adaptive draft length: ``accepted`` of ``drafted`` (in order) passed."""
         seq.draft_stats.record(drafted, accepted, 1.0 if self.draft_length is None else self.draft_length.memory)
+        self.pooled_drafts.record(drafted, accepted, POOLED_MEMORY)
 
     def propose(self, seqs: Sequence[SeqState], ks: Sequence[int] | None = None) -> tuple[list[Draft], float]:
         """Drafts for ``seqs``. A drafter that raises costs only speed: each sequence is asked alone, and one
