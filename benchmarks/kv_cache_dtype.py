@@ -6,7 +6,8 @@ own rounding (int8 activations) and costs no time. Measured per export (fp32 and
 over real text (a standard-library source file, teacher-forced: a 300-token prefill, then 50 one-token
 decode steps): the largest logit change against the same graph's fp32 caches, and the share of
 positions whose argmax equals the fp32 export's with fp32 caches. Step times: 1 x 1, 8 x 1 and 8 x 5
-rows at context 300, in blocks of back-to-back steps, the cache types and shapes interleaved, medians.
+rows at context 300 in cache buffers of 320 and 2,048 positions per slot, in blocks of back-to-back
+steps, the cache types and shapes interleaved, medians.
 
     python benchmarks/edge_cpu.py ...   # makes the exports under benchmarks/.cache/edge
     python benchmarks/kv_cache_dtype.py
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import statistics
 import sys
 import time
@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from specdec.bench.report import write_report
 from specdec.models.export_meta import load_export_metadata
 from specdec.runtime.backends.onnxruntime import OrtBackend
 from specdec.runtime.packed import SeqWork, pack
@@ -36,6 +37,9 @@ HERE = Path(__file__).resolve().parent
 DTYPES = ("float32", "float16")
 SHAPES = ((1, 1), (8, 1), (8, 5))  # (sequences, rows each)
 CONTEXT = 300
+#: cache buffer lengths (positions per slot) the steps run over: just room for the context, and the export default.
+#: Why both: ORT's fp16 attention costs more with a longer buffer at the same context
+BUFFERS = (CONTEXT + 20, 2048)
 #: steps per shape per round; the first is untimed: after another session's steps a step costs more (idle
 #: worker threads of the other session still spinning, caches holding its data), which no decoding loop pays
 BLOCK = 4
@@ -51,21 +55,22 @@ def teacher_forced(graph: Path, cache_dtype: str, ids: list[int], threads: int) 
 
 
 def step_times(graph: Path, rounds: int, threads: int) -> dict[str, dict[str, float]]:
-    """Median ms per shape and cache type, the types interleaved (rotated each round)."""
+    """Median ms per shape, buffer length and cache type (keys ``"8x1@2048"``), all interleaved (rotated each round)."""
     backends = {d: OrtBackend(graph, intra_op_threads=threads, cache_dtype=d) for d in DTYPES}
-    work: dict[tuple[str, tuple[int, int]], tuple[OrtBackend, Any, Any]] = {}
+    work: dict[tuple[str, str], tuple[OrtBackend, Any, Any]] = {}
     for dtype, backend in backends.items():
-        cache = backend.allocate_cache(8, CONTEXT + 8)
         tokens = [(7919 * i) % backend.vocab_size for i in range(8 * CONTEXT)]
-        backend.step(pack([SeqWork(s, 0, tokens[s * CONTEXT:(s + 1) * CONTEXT], logits="none") for s in range(8)]),
-                     cache)
-        for seqs, rows in SHAPES:
-            batch = pack([SeqWork(s, CONTEXT, tokens[:rows]) for s in range(seqs)])
-            work[dtype, (seqs, rows)] = (backend, batch, cache)
+        for buffer in BUFFERS:
+            cache = backend.allocate_cache(8, buffer)
+            backend.step(pack([SeqWork(s, 0, tokens[s * CONTEXT:(s + 1) * CONTEXT], logits="none")
+                               for s in range(8)]), cache)
+            for seqs, rows in SHAPES:
+                batch = pack([SeqWork(s, CONTEXT, tokens[:rows]) for s in range(seqs)])
+                work[dtype, f"{seqs}x{rows}@{buffer}"] = (backend, batch, cache)
     keys = list(work)
     for key in keys:  # first touch, untimed
         work[key][0].step(*work[key][1:])
-    samples: dict[tuple[str, tuple[int, int]], list[float]] = {key: [] for key in keys}
+    samples: dict[tuple[str, str], list[float]] = {key: [] for key in keys}
     for r in tqdm(range(rounds), desc=f"{graph.parent.parent.name} steps", leave=False):
         for key in keys[r % len(keys):] + keys[: r % len(keys)]:
             backend, batch, cache = work[key]
@@ -74,7 +79,8 @@ def step_times(graph: Path, rounds: int, threads: int) -> dict[str, dict[str, fl
                 backend.step(batch, cache)
                 if i:
                     samples[key].append((time.perf_counter() - start) * 1000)
-    return {d: {f"{s}x{n}": round(statistics.median(samples[d, (s, n)]), 2) for s, n in SHAPES} for d in DTYPES}
+    return {d: {shape: round(statistics.median(samples[d, shape]), 2) for dd, shape in keys if dd == d}
+            for d in DTYPES}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,48 +112,59 @@ def main(argv: list[str] | None = None) -> int:
         b = OrtBackend(args.int4 / "target" / "model.onnx", cache_dtype=d)
         width = 2 * b.num_layers * int(b.num_kv_heads) * int(b.head_dim)
         per_token_kib[d] = width * np.dtype(b.np_dtype).itemsize / 1024
-    record = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "positions": len(ids), "quality": quality,
-              "step_ms": times, "kv_kib_per_token": per_token_kib, "seconds": round(time.time() - started, 1)}
+    doc = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "command": f"python benchmarks/kv_cache_dtype.py {' '.join(argv or sys.argv[1:])}".strip(),
+           "threads": args.threads, "rounds": args.rounds, "positions": len(ids), "quality": quality,
+           "step_ms": times, "kv_kib_per_token": per_token_kib, "seconds": round(time.time() - started, 1)}
+    print(write_report(doc, args.out_dir, "kv_cache_dtype", markdown, draw))
+    return 0
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The report: agreement and logit changes per export and cache type, then the step times."""
+    kib = doc["kv_kib_per_token"]
     lines = ["# KV-cache type: fp16 vs fp32 caches on the SmolLM2 exports", "",
-             f"- Date: {record['date']}; command: `python benchmarks/kv_cache_dtype.py "
-             f"{' '.join(argv or sys.argv[1:])}` ({record['seconds']} s); {args.threads} threads",
-             f"- Text: `inspect.py`'s source, {len(ids)} tokens teacher-forced ({CONTEXT} prefilled, then one per "
-             "step)",
-             f"- K+V per token: {per_token_kib['float32']:.1f} KiB fp32, {per_token_kib['float16']:.1f} KiB fp16", "",
+             f"- Date: {doc['date']}; command: `{doc['command']}` ({doc['seconds']} s); {doc['threads']} threads",
+             f"- Text: `inspect.py`'s source, {doc['positions']} tokens teacher-forced ({CONTEXT} prefilled, then one "
+             "per step)",
+             f"- K+V per token: {kib['float32']:.1f} KiB fp32, {kib['float16']:.1f} KiB fp16", "",
              "| export | caches | max logit change vs the same graph's fp32 caches | argmax = fp32 export's "
              "(fp32 caches) |", "|:---|:---|---:|---:|"]
     lines += [f"| {q['export']} | {q['cache']} | {q['max_abs_logit_change_vs_fp32_cache']} | "
-              f"{100 * q['argmax_agreement_with_fp32_export']:.1f}% |" for q in quality]
-    lines += ["", f"Step times (ms; context {CONTEXT}; median over {args.rounds} interleaved rounds of {BLOCK} "
-              "back-to-back steps, the first untimed):", "",
-              "| export | caches | " + " | ".join(f"{s} x {n} rows" for s, n in SHAPES) + " |",
-              "|:---|:---|" + "---:|" * len(SHAPES)]
-    lines += [f"| {name} | {d} | " + " | ".join(str(times[name][d][f"{s}x{n}"]) for s, n in SHAPES) + " |"
-              for name in exports for d in DTYPES]
-    text = "\n".join(lines) + "\n"
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "kv_cache_dtype.md").write_text(text)
-    (args.out_dir / "kv_cache_dtype.json").write_text(json.dumps(record, indent=2) + "\n")
+              f"{100 * q['argmax_agreement_with_fp32_export']:.1f}% |" for q in doc["quality"]]
+    columns = [f"{s}x{n}@{b}" for b in BUFFERS for s, n in SHAPES]
+    lines += ["", f"Step times (ms; context {CONTEXT} in a cache buffer of {' or '.join(map(str, BUFFERS))} positions "
+              f"per slot; median over {doc['rounds']} interleaved rounds of {BLOCK} back-to-back steps, the first "
+              "untimed):", "",
+              "| export | caches | " + " | ".join(c.replace("x", " x ").replace("@", " rows, buffer ")
+                                                  for c in columns) + " |",
+              "|:---|:---|" + "---:|" * len(columns)]
+    lines += [f"| {name} | {d} | " + " | ".join(str(per[d][c]) for c in columns) + " |"
+              for name, per in doc["step_ms"].items() for d in DTYPES]
+    return "\n".join(lines) + "\n"
+
+
+def draw(doc: dict[str, Any], path: Path) -> None:
+    """Step time per shape, one bar per export and cache type."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    labels = [f"{s} x {n}" for s, n in SHAPES]
+    columns = [f"{s}x{n}@{b}" for b in BUFFERS for s, n in SHAPES]
+    fig, ax = plt.subplots(figsize=(9, 3.8))
     width = 0.2
-    for i, (name, d) in enumerate((n, d) for n in exports for d in DTYPES):
-        ax.bar([j + (i - 1.5) * width for j in range(len(SHAPES))], [times[name][d][f"{s}x{n}"] for s, n in SHAPES],
-               width, label=f"{name}, {d} caches")
-    ax.set_xticks(range(len(SHAPES)), labels)
+    bars = [(name, d) for name in doc["step_ms"] for d in DTYPES]
+    for i, (name, d) in enumerate(bars):
+        ax.bar([j + (i - (len(bars) - 1) / 2) * width for j in range(len(columns))],
+               [doc["step_ms"][name][d][c] for c in columns], width, label=f"{name}, {d} caches")
+    ax.set_xticks(range(len(columns)), [c.replace("@", "\nbuffer ") for c in columns], fontsize=8)
     ax.set_ylabel("ms per step")
     ax.set_title(f"SmolLM2 step time by KV-cache type (context {CONTEXT})")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(args.out_dir / "kv_cache_dtype.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    print(text)
-    return 0
 
 
 if __name__ == "__main__":

@@ -251,8 +251,10 @@ def test_ems_ngram_sampling_is_lossless(target: LoadedModel, plain_law: np.ndarr
 class RecordedLength(DraftLength):
     """The adaptive policy, counting its (cap, chosen k) decisions in ``CHOSEN``."""
 
-    def choose(self, stats: DraftStats, k_max: int, draft_cost: float, rows: float = 1.0) -> int:
-        k = super().choose(stats, k_max, draft_cost, rows)
+    def choose(self, stats: DraftStats, k_max: int, draft_cost: float, rows: float = 1.0,
+               batch: int | None = None, prior: float | None = None) -> int:
+        assert batch is None and prior is None  # sampled sequences: priced alone, from the fixed prior
+        k = super().choose(stats, k_max, draft_cost, rows, batch=batch, prior=prior)
         CHOSEN[(k_max, k)] += 1
         return k
 

@@ -119,7 +119,7 @@ class DecodeContext:
             return k_max
         prior = None if greedy_batch is None else self.draft_length.pooled_prior(self.pooled_drafts)
         return self.draft_length.choose(seq.draft_stats, k_max, getattr(self.drafter, "relative_cost", 0.0), rows,
-                                        greedy_batch, prior)
+                                        batch=greedy_batch, prior=prior)
 
     def record_drafts(self, seq: SeqState, drafted: int, accepted: int) -> None:
         """``seq``'s verification, for the adaptive draft length: ``accepted`` of ``drafted`` (in order) passed."""
