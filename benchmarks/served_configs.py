@@ -38,8 +38,8 @@ CACHE = ROOT / "benchmarks" / ".cache" / "served"
 #: what every candidate shares with the main job's export
 COMMON = ["--target", "smollm2-135m", "--draft", "smollm2-135m-draft", "--max-batch", "8", "--max-len", "2048",
           "--num-draft-tokens", "4", "--adaptive-draft", "--calibrate"]
-#: the quantized ones over fp32 caches, as the main job serves them (fp16 caches cost batched steps a fifth here:
-#: benchmarks/results/kv_cache_dtype.md)
+#: the quantized ones over fp32 caches, as the main job serves them (fp16 caches cost steps up to a fifth in some
+#: runs here: benchmarks/results/kv_cache_dtype.md, edge_cpu.md)
 CANDIDATES = {
     "fp32, n-gram": ["--drafter", "ngram"],
     "int4, n-gram": ["--quantize", "int4", "--drafter", "ngram", "--kv-cache", "float32"],

@@ -11,8 +11,9 @@
 # are int4 (the GGUF's own 4-bit blocks, int8 activations: batch-invariant, so ems answers equal ar's bit for
 # bit): of the candidate exports served with this job's requests, the fastest exact one on this CPU
 # (benchmarks/results/served_configs.md). Its KV caches are fp32 (--kv-cache), not the quantized exports'
-# fp16 default: this job serves batches, and on this CPU ONNX Runtime's attention converts fp16 caches to
-# fp32 per query head, about a fifth of a batch-4/8 step (benchmarks/results/edge_cpu.md, kv_cache_dtype.md).
+# fp16 default: this job serves batches with memory to spare, and on this CPU ONNX Runtime's attention converts
+# fp16 caches to fp32 per query head, which cost up to a fifth of a batched step in some runs and int4 at batch 1
+# 58.5 against 74.1 tok/s (benchmarks/results/edge_cpu.md, kv_cache_dtype.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
