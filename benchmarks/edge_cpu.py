@@ -651,12 +651,11 @@ def _export_line(precision: str, export: dict[str, Any]) -> str:
     cal = export.get("calibration") or {}
     prices = (f"; calibrated: a draft token costs {cal.get('draft_cost')} and a verified row {cal.get('verify_cost')} "
               "of a target step") if cal else ""
-    by_batch = {b: [p, None] for b, p in cal.get("draft_cost_by_batch") or []}
-    for b, p in cal.get("verify_cost_by_batch") or []:
-        by_batch.setdefault(b, [None, None])[1] = p
-    if by_batch:  # what greedy requests are priced by (the flat prices above are their medians)
+    draft, verify = (dict(map(tuple, cal.get(key) or [])) for key in ("draft_cost_by_batch", "verify_cost_by_batch"))
+    if draft or verify:  # what greedy requests are priced by (the flat prices above are their medians)
         prices += "; per batch size (draft / row): " + ", ".join(
-            f"B={b} {_cell(d, '{:.3f}')} / {_cell(v, '{:.3f}')}" for b, (d, v) in sorted(by_batch.items()))
+            f"B={b} {_cell(draft.get(b), '{:.3f}')} / {_cell(verify.get(b), '{:.3f}')}"
+            for b in sorted({*draft, *verify}))
     return f"- {precision}: `{export['command']}` ({made}){prices}"
 
 

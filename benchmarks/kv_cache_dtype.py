@@ -107,11 +107,9 @@ def main(argv: list[str] | None = None) -> int:
                for (name, d), got in logits.items()]
     times = {name: step_times(path / "target" / "model.onnx", args.rounds, args.threads)
              for name, path in exports.items()}
-    per_token_kib = {}
-    for d in DTYPES:
-        b = OrtBackend(args.int4 / "target" / "model.onnx", cache_dtype=d)
-        width = 2 * b.num_layers * int(b.num_kv_heads) * int(b.head_dim)
-        per_token_kib[d] = width * np.dtype(b.np_dtype).itemsize / 1024
+    b = OrtBackend(args.int4 / "target" / "model.onnx")
+    width = 2 * b.num_layers * int(b.num_kv_heads) * int(b.head_dim)  # K and V values per token, all layers
+    per_token_kib = {d: width * np.dtype(d).itemsize / 1024 for d in DTYPES}
     doc = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "command": f"python benchmarks/kv_cache_dtype.py {' '.join(argv or sys.argv[1:])}".strip(),
            "threads": args.threads, "rounds": args.rounds, "positions": len(ids), "quality": quality,

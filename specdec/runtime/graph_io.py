@@ -10,6 +10,8 @@ here, for both backends, instead of silently attending to the holes.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +38,12 @@ GRAPH_INPUTS = (
 CACHE_INPUT = "past_key_values.{layer}.{kind}"  # kind: key | value; [slots, kv_heads, max_len, head_dim]
 CACHE_OUTPUT = "present.{layer}.{kind}"
 LOGITS = "logits"  # float32 [rows, head]: head = vocab, or K for a restricted draft head (head_token_ids.json)
+
+
+def cache_layers(input_names: Iterable[str]) -> int:
+    """How many layers' caches a graph takes, counted from its input names (one ``past_key_values.L.key`` each)."""
+    key = re.compile(CACHE_INPUT.format(layer="LAYER", kind="key").replace(".", r"\.").replace("LAYER", r"\d+"))
+    return sum(1 for name in input_names if key.fullmatch(name))
 
 
 def cache_names(num_layers: int, template: str) -> list[str]:

@@ -36,7 +36,15 @@ from specdec.models.export_meta import HEAD_TOKEN_IDS_FILE, ModelResolutionError
 from specdec.runtime.backends import ort_cache_dtype, ort_fuse
 from specdec.runtime.backends.base import KVStorage
 from specdec.runtime.backends.host_cache import HostKVStorage
-from specdec.runtime.graph_io import CACHE_INPUT, CACHE_OUTPUT, GRAPH_INPUTS, LOGITS, cache_names, graph_feeds
+from specdec.runtime.graph_io import (
+    CACHE_INPUT,
+    CACHE_OUTPUT,
+    GRAPH_INPUTS,
+    LOGITS,
+    cache_layers,
+    cache_names,
+    graph_feeds,
+)
 from specdec.runtime.packed import PackedBatch
 
 if TYPE_CHECKING:
@@ -145,7 +153,7 @@ class OrtBackend:
         missing = [t.name for t in GRAPH_INPUTS if t.name not in inputs] + [n for n in (LOGITS,) if n not in outputs]
         if missing:
             raise OnnxModelError(f"{self.path} is not a specdec ragged-step graph: missing {missing}")
-        self.num_layers = sum(1 for n in inputs if n.startswith("past_key_values.") and n.endswith(".key"))
+        self.num_layers = cache_layers(inputs)
         first = inputs[CACHE_INPUT.format(layer=0, kind="key")]
         _, self.num_kv_heads, _, self.head_dim = first.shape
         self.np_dtype = _NP_DTYPES[first.type]

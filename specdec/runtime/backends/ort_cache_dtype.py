@@ -28,17 +28,18 @@ from onnx import TensorProto
 
 from specdec.plugins import onnx_op
 from specdec.runtime.backends.onnx_edit import GraphEditor, live_sorted
-from specdec.runtime.graph_io import CACHE_INPUT, CACHE_OUTPUT, cache_names
+from specdec.runtime.backends.ort_fuse import MS_DOMAIN
+from specdec.runtime.graph_io import CACHE_INPUT, CACHE_OUTPUT, cache_layers, cache_names
 
 #: cache types this rewrite stores, by the name the options and manifests use
 CACHE_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
-_GQA = ("com.microsoft", "GroupQueryAttention")
+_GQA = (MS_DOMAIN, "GroupQueryAttention")
 _GQA_FLOAT_INPUTS = (0, 1, 2, 10)  # query, key, value, attention_bias (its schema type T: the cache's)
 
 
 def _cache_tensors(graph: onnx.GraphProto) -> tuple[set[str], set[str]]:
     """Names of the graph's cache inputs (``past_key_values.*``) and outputs (``present.*``)."""
-    layers = sum(1 for i in graph.input if i.name.startswith("past_key_values.") and i.name.endswith(".key"))
+    layers = cache_layers(i.name for i in graph.input)
     return set(cache_names(layers, CACHE_INPUT)), set(cache_names(layers, CACHE_OUTPUT))
 
 

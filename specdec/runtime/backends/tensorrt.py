@@ -31,7 +31,15 @@ import torch
 
 from specdec.runtime.backends.onnxruntime import OnnxModelError, graph_head
 from specdec.runtime.backends.torch_backend import TorchKVStorage
-from specdec.runtime.graph_io import CACHE_INPUT, CACHE_OUTPUT, GRAPH_INPUTS, LOGITS, cache_names, graph_feeds
+from specdec.runtime.graph_io import (
+    CACHE_INPUT,
+    CACHE_OUTPUT,
+    GRAPH_INPUTS,
+    LOGITS,
+    cache_layers,
+    cache_names,
+    graph_feeds,
+)
 from specdec.runtime.packed import PackedBatch
 
 _TORCH_TYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT32": torch.int32,
@@ -85,7 +93,7 @@ class TensorRTBackend:
         shape_io = [n for n in names if self.engine.is_shape_inference_io(n)]
         if shape_io:
             raise EngineLoadError(f"{self.path} takes {shape_io} as shape tensors: not built from the plugin graph")
-        self.num_layers = sum(1 for n in self._inputs if n.startswith("past_key_values.") and n.endswith(".key"))
+        self.num_layers = cache_layers(self._inputs)
         trt_plugin.assert_plugin_layers(self.engine, expected=self.num_layers)
 
         first = CACHE_INPUT.format(layer=0, kind="key")
