@@ -671,7 +671,8 @@ def markdown_report(doc: dict[str, Any]) -> str:
         f"- Model: {meta['gguf']} (llama.cpp runs it as Q4_1; HF and the specdec fp32 export run its fp32 "
         "conversion; specdec int4 holds the file's own Q4_1 / Q8_0 blocks, int8 holds the same Q4_1 "
         "blocks exactly in 8-bit codes (a tensor keeps its source's weights when the source has fewer bits than "
-        "asked), so int4 and int8 differ in the kernel that runs them, not in the weights; both at int8 activations and over fp16 KV caches, the quantized exports' defaults, as llama.cpp's "
+        "asked), so int4 and int8 differ in the kernel that runs them, not in the weights; both at int8 "
+        "activations and over fp16 KV caches, the quantized exports' defaults, as llama.cpp's "
         "caches are fp16; the *fp32 caches* rows run the same graphs over fp32 caches)",
         f"- Greedy, {cfg['max_tokens']} new tokens at most per request (EOS ends earlier), {cfg['threads']} threads "
         f"for every contestant (llama.cpp n_threads, torch intra-op for HF, ONNX Runtime intra-op for specdec, "

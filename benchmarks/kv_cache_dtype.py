@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ import numpy as np
 from tqdm import tqdm
 
 from specdec.bench.report import write_report
+from specdec.bench.steps import BLOCK, interleaved_step_ms
 from specdec.models.export_meta import load_export_metadata
 from specdec.runtime.backends.onnxruntime import OrtBackend
 from specdec.runtime.packed import SeqWork, pack
@@ -40,9 +40,6 @@ CONTEXT = 300
 #: cache buffer lengths (positions per slot) the steps run over: just room for the context, and the export default.
 #: Why both: ORT's fp16 attention costs more with a longer buffer at the same context
 BUFFERS = (CONTEXT + 20, 2048)
-#: steps per shape per round; the first is untimed: after another session's steps a step costs more (idle
-#: worker threads of the other session still spinning, caches holding its data), which no decoding loop pays
-BLOCK = 4
 
 
 def teacher_forced(graph: Path, cache_dtype: str, ids: list[int], threads: int) -> np.ndarray:
@@ -67,20 +64,8 @@ def step_times(graph: Path, rounds: int, threads: int) -> dict[str, dict[str, fl
             for seqs, rows in SHAPES:
                 batch = pack([SeqWork(s, CONTEXT, tokens[:rows]) for s in range(seqs)])
                 work[dtype, f"{seqs}x{rows}@{buffer}"] = (backend, batch, cache)
-    keys = list(work)
-    for key in keys:  # first touch, untimed
-        work[key][0].step(*work[key][1:])
-    samples: dict[tuple[str, str], list[float]] = {key: [] for key in keys}
-    for r in tqdm(range(rounds), desc=f"{graph.parent.parent.name} steps", leave=False):
-        for key in keys[r % len(keys):] + keys[: r % len(keys)]:
-            backend, batch, cache = work[key]
-            for i in range(BLOCK):  # back to back, as a decoding loop runs them: the first pays the switch
-                start = time.perf_counter()
-                backend.step(batch, cache)
-                if i:
-                    samples[key].append((time.perf_counter() - start) * 1000)
-    return {d: {shape: round(statistics.median(samples[d, shape]), 2) for dd, shape in keys if dd == d}
-            for d in DTYPES}
+    medians = interleaved_step_ms(work, rounds, desc=f"{graph.parent.parent.name} steps")
+    return {d: {shape: ms for (dd, shape), ms in medians.items() if dd == d} for d in DTYPES}
 
 
 def main(argv: list[str] | None = None) -> int:

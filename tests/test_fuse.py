@@ -17,8 +17,9 @@ from specdec.export.onnx import count_attention_nodes, export_onnx
 from specdec.export.validate import max_logit_error, random_packs
 from specdec.models.loading import load_model, tiny_random
 from specdec.plugins import onnx_op
-from specdec.runtime.backends import ort_fuse
+from specdec.runtime.backends import ort_fold, ort_fuse
 from specdec.runtime.backends.onnxruntime import FUSE_ENV, OrtBackend
+from specdec.runtime.backends.ort_fold import FOLD_ROWS
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.packed import ROOT, SeqWork, pack
 
@@ -40,7 +41,14 @@ def gqa_graph(tmp_path_factory):
 
 
 def _ops(proto: onnx.ModelProto) -> collections.Counter:
-    return collections.Counter((n.domain, n.op_type) for n in proto.graph.node)
+    """(domain, op) counts of the graph's nodes, the nodes of its If branches included."""
+    def nodes(graph: onnx.GraphProto):
+        for n in graph.node:
+            yield n
+            for a in n.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    yield from nodes(a.g)
+    return collections.Counter((n.domain, n.op_type) for n in nodes(proto.graph))
 
 
 def test_every_pattern_is_lowered_and_the_file_keeps_its_custom_nodes(tiny_export) -> None:
@@ -52,7 +60,10 @@ def test_every_pattern_is_lowered_and_the_file_keeps_its_custom_nodes(tiny_expor
     ops = _ops(proto)
     assert report.counts == {"attention": layers, "rmsnorm": 2 * layers + 1, "skip_rmsnorm": 2 * layers - 1,
                              "rotary": 2 * layers}, report
-    assert ops[("com.microsoft", "GroupQueryAttention")] == layers
+    folded = report.fold > 1  # grouped-query heads: an If per layer, a GQA call in each of its two branches
+    assert report.fold == int(model.config.num_attention_heads) // int(model.config.num_key_value_heads)
+    assert ops[("", "If")] == (layers if folded else 0)
+    assert ops[("com.microsoft", "GroupQueryAttention")] == (2 * layers if folded else layers)
     assert ops[("com.microsoft", "RotaryEmbedding")] == 2 * layers
     assert ops[("com.microsoft", "SkipSimplifiedLayerNormalization")] == 2 * layers - 1
     assert ops[("", "SimplifiedLayerNormalization")] == 2  # the first layer's input norm and the final norm
@@ -78,24 +89,26 @@ def test_fused_caches_are_written_in_place_and_equal_the_reference(tiny_export) 
     assert cache.buffer_len == 32 + ort_fuse.SPARE_POSITIONS and ref_cache.buffer_len == 32
     pointers = [t.ctypes.data for t in (*cache.k, *cache.v)]
     written, committed = [0] * 3, [0] * 3  # per slot: the end of what sequences wrote, and of what they kept
+    fold = backend.fuse_report.fold
     for work in random_packs(model.vocab_size, 3, 32, seed=4):
         backend.step(pack(work), cache)
         ref.step(pack(work), ref_cache)
+        folded = fold > 1 and fold * max(len(w.token_ids) for w in work) <= FOLD_ROWS
         for w in work:
             if w.token_ids:
-                written[w.slot_id] = max(written[w.slot_id], w.past_len + len(w.token_ids))
+                n = len(w.token_ids)  # GQA writes fold * n rows folded, n + n % 2 padded (ort_fold, ort_fuse)
+                written[w.slot_id] = max(written[w.slot_id], w.past_len + (fold * n if folded else n + n % 2))
                 committed[w.slot_id] = w.past_len + (len(w.token_ids) if w.logits == "last" else 1)  # as packs do
     assert backend.inplace_ok  # GQA's present outputs are the bound cache buffers, checked by pointer every step
     assert [t.ctypes.data for t in (*cache.k, *cache.v)] == pointers
     for got, want in zip((*cache.k, *cache.v), (*ref_cache.k, *ref_cache.v)):
         want = want.numpy()  # the reference's caches are torch tensors
         for slot in range(3):
-            # the kept rows where the reference put them (past them, rows a later step overwrites: a one-row
-            # sequence's discarded second query row writes there, ort_fuse), and nothing past what was written
-            # but that copy
+            # the kept rows where the reference put them (past them, rows a later step overwrites: an odd
+            # sequence's discarded copy row, or a folded step's copies of its last row), and nothing past those
             kept = slice(0, committed[slot])
             assert np.allclose(got[slot, :, kept], want[slot, :, kept], rtol=0, atol=1e-5)
-            assert float(np.abs(got[slot, :, written[slot] + 1:]).sum()) == 0
+            assert float(np.abs(got[slot, :, written[slot]:]).sum()) == 0
     assert any(float(np.abs(t).sum()) > 0 for t in cache.k)
 
 
@@ -108,21 +121,28 @@ def test_steps_gqa_cannot_pad_are_split_or_run_unfused_and_stay_exact(gqa_graph)
     model, path = gqa_graph
     ref = TorchBackend(model)
     backend = OrtBackend(path)
-    cache, ref_cache = backend.allocate_cache(3, 16), ref.allocate_cache(3, 16)
+    fold = backend.fuse_report.fold
+    cache, ref_cache = backend.allocate_cache(3, 48), ref.allocate_cache(3, 48)
+    assert cache.buffer_len == 48 + 23
+    tree = [ROOT, *range(29)]
+    tree[4] = 0
     steps = [
-        [SeqWork(0, 0, list(range(1, 14)))],
-        [SeqWork(0, 13, [3]), SeqWork(1, 0, [4, 5, 6, 7, 8], parents=[ROOT, 0, 0, 1, ROOT])],  # 13 + 6 > 17: split
-        [SeqWork(2, 0, list(range(16)))],  # fills the context while slots are idle: the spare position holds S
-        [SeqWork(0, 14, [1, 2]), SeqWork(1, 1, [9, 9, 9]), SeqWork(2, 15, [7])],  # 14 + 4 > 17: two groups
+        [SeqWork(0, 0, list(range(1, 46)))],
+        [SeqWork(0, 45, [3]), SeqWork(1, 0, list(range(4, 34)), parents=tree)],  # 45 + 30 > 71: split
+        [SeqWork(2, 0, list(range(48)))],  # fills the context while slots are idle: the spare positions hold S
+        [SeqWork(0, 46, [1, 2]), SeqWork(1, 0, list(range(26))), SeqWork(2, 47, [7])],  # 46 + 26 > 71: two groups
     ]
-    real = np.zeros((3, 17), dtype=bool)  # positions whose last write was a real row (not an odd count's copy)
+    real = np.zeros((3, 48), dtype=bool)  # positions whose last write was a real row (not a discarded copy)
     for work in steps:
         batch = pack(work)
         assert float(np.abs(backend.step(batch, cache) - ref.step(batch, ref_cache)).max()) < 1e-4
-        for w in work:
-            n = len(w.token_ids)
-            real[w.slot_id, w.past_len : w.past_len + n] = True
-            real[w.slot_id, w.past_len + n] &= n % 2 == 0  # the discarded copy of an odd count lands here
+        new = [len(w.token_ids) for w in work]
+        for group in ort_fuse.gqa_groups([w.past_len for w in work], new, cache.buffer_len, 3, fold):
+            folded = fold * max(new[i] for i in group) <= FOLD_ROWS
+            for i in group:  # a folded step writes fold * n rows, a padded one n + n % 2 (copies past the real ones)
+                w, n = work[i], new[i]
+                real[w.slot_id, w.past_len : w.past_len + n] = True
+                real[w.slot_id, w.past_len + n : w.past_len + (fold * n if folded else n + n % 2)] = False
     assert backend.split_steps == 2 and backend.unfused_steps == 0 and backend.inplace_ok
     bare = HostKVStorage(backend.num_layers, 1, int(backend.num_kv_heads), 16, int(backend.head_dim),
                          backend.np_dtype)
@@ -134,8 +154,8 @@ def test_steps_gqa_cannot_pad_are_split_or_run_unfused_and_stay_exact(gqa_graph)
     assert backend.unfused_steps == 1
     for got, want in zip((*cache.k, *cache.v), (*ref_cache.k, *ref_cache.v)):  # host arrays, the reference's torch
         for slot in range(3):
-            kept = real[slot, :16]
-            assert float(np.abs(got[slot][:, :16][:, kept] - want.numpy()[slot][:, kept]).max()) < 1e-5
+            kept = real[slot]
+            assert float(np.abs(got[slot][:, :48][:, kept] - want.numpy()[slot][:, kept]).max()) < 1e-5
 
 
 def test_gqa_groups() -> None:
@@ -147,21 +167,26 @@ def test_gqa_groups() -> None:
     assert ort_fuse.gqa_groups([0], [16], max_len=16, num_slots=3) is None  # an idle slot cannot hold S = 16
     assert ort_fuse.gqa_groups([0], [16], max_len=17, num_slots=3) == [[0]]
     assert ort_fuse.gqa_groups([0], [16], max_len=16, num_slots=1) == [[0]]
+    # folded (fold 3): a decode row runs 3 rows, a chain of 8 runs 24; past 8 rows per sequence the padded width
+    assert ort_fuse.gqa_groups([13, 0], [1, 2], max_len=16, num_slots=4, fold=3) == [[1], [0]]  # 13 + 6 > 16
+    assert ort_fuse.gqa_groups([13, 0], [1, 1], max_len=16, num_slots=4, fold=3) == [[0, 1]]
+    assert ort_fuse.gqa_groups([40, 0], [1, 9], max_len=50, num_slots=4, fold=3) == [[0, 1]]  # padded width 10
+    assert ort_fuse.gqa_groups([40, 0], [1, 8], max_len=50, num_slots=4, fold=3) == [[1], [0]]  # folded width 24
 
 
 def test_without_the_split_gqa_refuses_the_step(monkeypatch, gqa_graph) -> None:
     """Negative control for the split: its precondition is real, ORT rejects the padded step outright."""
     backend = OrtBackend(gqa_graph[1])
-    cache = backend.allocate_cache(2, 16)
-    backend.step(pack([SeqWork(0, 0, list(range(1, 14)))]), cache)
-    monkeypatch.setattr(ort_fuse, "gqa_groups", lambda past, new, max_len, slots: [list(range(len(new)))])
+    cache = backend.allocate_cache(2, 48)
+    backend.step(pack([SeqWork(0, 0, list(range(1, 46)))]), cache)
+    monkeypatch.setattr(ort_fuse, "gqa_groups", lambda past, new, max_len, slots, fold: [list(range(len(new)))])
     with pytest.raises(Exception, match="does not fit in the KV cache"):
-        backend.step(pack([SeqWork(0, 13, [3]), SeqWork(1, 0, [4, 5, 6, 7, 8])]), cache)
+        backend.step(pack([SeqWork(0, 45, [3]), SeqWork(1, 0, list(range(4, 34)))]), cache)
 
 
 def _wrong_seqlens(original):
     def prelude(g, *args):
-        pre = original(g, *args)
+        pre = original(g, *args)  # either layout's prelude: both have query_seqlens
         one = g.add("Constant", value=onnx.helper.make_tensor("one", TensorProto.INT32, [], [1]))
         zero = g.add("Constant", value=onnx.helper.make_tensor("zero", TensorProto.INT32, [], [0]))
         pre.query_seqlens = g.add("Max", g.add("Sub", pre.query_seqlens, one), zero)  # each chunk's last row: padding
@@ -169,16 +194,34 @@ def _wrong_seqlens(original):
     return prelude
 
 
-@pytest.mark.parametrize("mistake", ["bias", "seqlens"])
+@pytest.mark.parametrize("mistake", ["bias", "seqlens", "folded bias", "folded seqlens"])
 def test_a_wrong_bias_or_seqlens_fails_the_agreement_check(mistake, monkeypatch, gqa_graph) -> None:
+    """Each layout checked on its own: the padded one with folding off (FOLD_ROWS 0), the folded one as it runs."""
     model, path = gqa_graph
-    if mistake == "bias":
+    if not mistake.startswith("folded"):
+        monkeypatch.setattr(ort_fold, "FOLD_ROWS", 0)
+    if mistake.endswith("bias"):
         monkeypatch.setitem(ort_fuse._LOWEST, TensorProto.FLOAT, 0.0)  # hidden keys get bias 0: the tree is ignored
-    else:
+    elif mistake == "seqlens":
         monkeypatch.setattr(ort_fuse, "_prelude", _wrong_seqlens(ort_fuse._prelude))
+    else:
+        monkeypatch.setattr(ort_fuse, "fold_prelude", _wrong_seqlens(ort_fuse.fold_prelude))
     wrong = OrtBackend(path)
     assert wrong.fuse_report.attention
     assert max_logit_error(TorchBackend(model), wrong, num_slots=5, max_len=48, seed=0) > 1e-3
+
+
+def test_the_folded_and_padded_layouts_give_the_same_bits(gqa_graph, monkeypatch) -> None:
+    """The If picks a layout per step; a row's logits must not depend on which (ort_fold)."""
+    _, path = gqa_graph
+    folded = OrtBackend(path)
+    monkeypatch.setattr(ort_fold, "FOLD_ROWS", 0)  # every step takes the padded branch
+    padded = OrtBackend(path)
+    assert folded.fuse_report.fold == padded.fuse_report.fold == 2
+    caches = folded.allocate_cache(5, 48), padded.allocate_cache(5, 48)
+    for work in random_packs(folded.vocab_size, 5, 48, seed=11):
+        batch = pack(work)
+        assert np.array_equal(folded.step(batch, caches[0]), padded.step(batch, caches[1]))
 
 
 def test_the_switch_turns_rewrites_off(tiny_export, monkeypatch) -> None:

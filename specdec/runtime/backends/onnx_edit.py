@@ -71,9 +71,21 @@ class GraphEditor:
         return default
 
 
+def outer_inputs(node: onnx.NodeProto) -> set[str]:
+    """The outer-scope names the subgraphs of ``node`` (an ``If``'s branches) read: its inputs beside ``input``."""
+    names: set[str] = set()
+    for attr in node.attribute:
+        for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+            made = {o for n in sub.node for o in n.output} | {i.name for i in sub.initializer}
+            for n in sub.node:
+                names |= {i for i in (*n.input, *outer_inputs(n)) if i and i not in made}
+    return names
+
+
 def live_sorted(graph: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
     """The nodes that reach a graph output, in a topological order close to the given one."""
     producer = {out: i for i, n in enumerate(nodes) for out in n.output if out}
+    inputs = [[*n.input, *sorted(outer_inputs(n))] for n in nodes]  # an If's branches read outer values too
     live: set[int] = set()
     stack = [producer[o.name] for o in graph.output if o.name in producer]
     while stack:
@@ -81,7 +93,7 @@ def live_sorted(graph: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> list[onn
         if i in live:
             continue
         live.add(i)
-        stack.extend(producer[name] for name in nodes[i].input if name in producer)
+        stack.extend(producer[name] for name in inputs[i] if name in producer)
     order: list[onnx.NodeProto] = []
     done: set[int] = set()
 
@@ -96,7 +108,7 @@ def live_sorted(graph: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> list[onn
                 order.append(nodes[j])
                 continue
             todo.append((j, True))
-            todo.extend((producer[n], False) for n in reversed(nodes[j].input)
+            todo.extend((producer[n], False) for n in reversed(inputs[j])
                         if n in producer and producer[n] not in done)
 
     for i in sorted(live):

@@ -227,7 +227,7 @@ class OrtBackend:
         if self.fuse_report is None or not self.fuse_report.attention:
             return self._run(self.session, feeds, cache)
         past, new = batch.past_lens.tolist(), np.diff(batch.cu_seqlens).tolist()
-        groups = ort_fuse.gqa_groups(past, new, cache.buffer_len, cache.num_slots)
+        groups = ort_fuse.gqa_groups(past, new, cache.buffer_len, cache.num_slots, self.fuse_report.fold)
         if groups is None:  # one sequence fills the whole context next to idle slots: GQA cannot pad it
             if self._unfused is None:
                 self._unfused = self._open(())

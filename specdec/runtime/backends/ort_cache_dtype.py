@@ -9,9 +9,10 @@ in-memory copy an ``OrtBackend`` opens; the caches it binds are then fp16 arrays
 How, per attention node (after ``ort_fuse``, so on either lowering):
 
 * ``GroupQueryAttention`` runs in the cache's type: its query, key, value and bias are cast down,
-  its output cast back up. The new K/V it appends are the cast-down ones, which is what the cache
-  holds anyway. ONNX Runtime's CPU kernel computes an fp16 GQA in fp32 inside (it converts the
-  fp16 inputs), so the only rounding added is that of q, k and v to fp16.
+  its output cast back up (inside the ``If`` branches of the folded lowering too, ``ort_fold``).
+  The new K/V it appends are the cast-down ones, which is what the cache holds anyway. ONNX
+  Runtime's CPU kernel computes an fp16 GQA in fp32 inside (it converts the fp16 inputs), so the
+  only rounding added is that of q, k and v to fp16.
 * ``RaggedTreeAttention`` (the unfused graph, the rare step GQA cannot pad) reads its caches cast
   up and writes them cast down, a whole-cache copy each way: correct, slow, and rare.
 
@@ -24,7 +25,7 @@ reported by ``benchmarks/edge_cpu.py``.
 from __future__ import annotations
 
 import onnx
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from specdec.plugins import onnx_op
 from specdec.runtime.backends.onnx_edit import GraphEditor, live_sorted
@@ -52,16 +53,60 @@ def cache_dtype_of(model: onnx.ModelProto) -> int:
     return types.pop()
 
 
-def _narrow_gqa(g: GraphEditor, node: onnx.NodeProto, to: int, down: dict[str, str]) -> None:
-    """GQA in the cache's type: its float inputs cast down (each tensor once: the bias is every layer's), output up."""
+def _narrow_gqa(g: GraphEditor, node: onnx.NodeProto, to: int, down: dict[str, str],
+                branch: list[onnx.NodeProto] | None = None) -> None:
+    """GQA in the cache's type: its float inputs cast down, its output up.
+
+    Outside a branch each tensor is cast once (the bias is every layer's); inside an ``If`` branch
+    (``branch``: the nodes to emit around ``node``) the branch's own tensors are cast there, the
+    outer ones (the bias) once outside.
+    """
+    made = {o for n in branch or () for o in n.output}
+    before = [] if branch is None else branch
     for i in _GQA_FLOAT_INPUTS:
-        if i < len(node.input) and node.input[i]:
-            if node.input[i] not in down:
-                down[node.input[i]] = g.add("Cast", node.input[i], to=to)
-            node.input[i] = down[node.input[i]]
+        name = node.input[i] if i < len(node.input) else ""
+        if not name:
+            continue
+        if name in made:
+            node.input[i] = g.name("low")
+            before.append(helper.make_node("Cast", [name], [node.input[i]], name=g.name("Cast_node"), to=to))
+        else:
+            if name not in down:
+                down[name] = g.add("Cast", name, to=to)
+            node.input[i] = down[name]
     result = node.output[0]
     node.output[0] = g.name("gqa_low")
-    g.add("Cast", node.output[0], outputs=[result], to=TensorProto.FLOAT)
+    if branch is None:
+        g.add("Cast", node.output[0], outputs=[result], to=TensorProto.FLOAT)
+        return
+    branch.append(node)
+    branch.append(helper.make_node("Cast", [node.output[0]], [result], name=g.name("Cast_node"), to=TensorProto.FLOAT))
+
+
+def _narrow_branches(g: GraphEditor, node: onnx.NodeProto, inputs: set[str], to: int, down: dict[str, str]) -> None:
+    """An ``If`` whose branches run GQA over the caches: each GQA narrowed, the branches' cache outputs retyped."""
+    for attr in node.attribute:
+        if attr.type != onnx.AttributeProto.GRAPH:
+            continue
+        branch: list[onnx.NodeProto] = []
+        present: set[str] = set()
+        for inner in attr.g.node:
+            if (inner.domain, inner.op_type) == _GQA and inner.input[3] in inputs:
+                present |= set(inner.output[1:3])
+                _narrow_gqa(g, inner, to, down, branch)
+                continue
+            _check_reader(inner, inputs)
+            branch.append(inner)
+        del attr.g.node[:]
+        attr.g.node.extend(branch)
+        for value in attr.g.output:
+            if value.name in present:
+                value.type.tensor_type.elem_type = to
+
+
+def _check_reader(node: onnx.NodeProto, inputs: set[str]) -> None:
+    if node.op_type != "Shape" and any(name in inputs for name in node.input):  # a shape ignores the type
+        raise ValueError(f"{node.op_type} node {node.name} reads a cache; only attention (and Shape) may")
 
 
 def _widen_reference(g: GraphEditor, node: onnx.NodeProto, to: int) -> None:
@@ -96,8 +141,10 @@ def retype_caches(model: onnx.ModelProto, dtype: str) -> bool:
             _narrow_gqa(g, node, to, down)
         elif kind == (onnx_op.DOMAIN, onnx_op.OP_TYPE) and node.input[3] in inputs:
             _widen_reference(g, node, to)
-        elif node.op_type != "Shape" and any(name in inputs for name in node.input):  # a shape ignores the type
-            raise ValueError(f"{node.op_type} node {node.name} reads a cache; only attention (and Shape) may")
+        elif kind == ("", "If"):
+            _narrow_branches(g, node, inputs, to, down)
+        else:
+            _check_reader(node, inputs)
     for value in (*model.graph.input, *model.graph.output):
         if value.name in inputs or value.name in outputs:
             value.type.tensor_type.elem_type = to

@@ -25,6 +25,10 @@ measurements: docs/export.md, "The ONNX Runtime lowering"; ``benchmarks/results/
   (itself row-independent) the whole graph's logits of a row do not depend on the step's shape:
   greedy ``ems`` equals ``ar`` by construction (``tests/test_batch_invariance.py``). It costs one
   attention row per odd-length sequence, nothing in the projections.
+  With grouped-query heads, decoding and verification steps run a *folded* layout instead (the
+  query heads of a kv group as rows of one GQA call: K/V packed once per kv head, not per query
+  head), chosen per step by an ``If`` per layer; ``ort_fold`` says why and how, and why the two
+  layouts give a row the same bits.
 * **rmsnorm** -> ``SimplifiedLayerNormalization`` (ORT's own fusion wants ``Div``, the exporter
   emits ``Reciprocal``/``Mul``); **skip_rmsnorm** -> ``SkipSimplifiedLayerNormalization`` for a
   residual ``Add`` feeding a norm (ORT does not fuse it: the sum has other consumers).
@@ -45,13 +49,14 @@ import onnx
 from onnx import TensorProto, helper
 
 from specdec.plugins import onnx_op
-from specdec.runtime.backends.onnx_edit import GraphEditor, live_sorted
+from specdec.runtime.backends.onnx_edit import GraphEditor, live_sorted, outer_inputs
+from specdec.runtime.backends.ort_fold import FOLD_ROWS, Branch, Fold, fold_prelude, gqa_width
 
 MS_DOMAIN = "com.microsoft"
 REWRITES = ("attention", "rmsnorm", "skip_rmsnorm", "rotary")
-#: cache positions past ``max_len`` the fused attention needs: an odd-length sequence's discarded extra query row
-#: writes its K/V there when the sequence ends at the last position (module docstring)
-SPARE_POSITIONS = 1
+#: cache positions past ``max_len`` the fused attention needs: the folded layout writes ``fold * n`` K/V rows for a
+#: sequence's n (at most FOLD_ROWS), the padded one an odd-length sequence's discarded copy row (module docstring)
+SPARE_POSITIONS = FOLD_ROWS - 1
 _FLOATS = {TensorProto.FLOAT: "float32", TensorProto.FLOAT16: "float16"}
 _LOWEST = {TensorProto.FLOAT: -3.4028234663852886e38, TensorProto.FLOAT16: -65504.0}
 
@@ -86,11 +91,12 @@ def gqa_supported() -> bool:
 
 
 def gqa_groups(past_lens: Sequence[int], new_lens: Sequence[int], max_len: int,
-               num_slots: int) -> list[list[int]] | None:
+               num_slots: int, fold: int = 1) -> list[list[int]] | None:
     """Sequences grouped into sub-steps that GQA accepts, ``[all]`` when the whole step does; None if none exists.
 
     ``max_len`` is the cache buffer's length (with its ``SPARE_POSITIONS``). GQA pads every slot's
-    chunk to ``S`` = the most rows a sequence runs (an odd count runs one more) and needs
+    chunk to ``S`` = ``ort_fold.gqa_width`` of the group (the most rows a sequence runs: an odd count
+    runs one more; folded, ``fold`` times its rows; ``fold``: the graph's ``FuseReport.fold``) and needs
     ``P + S <= max_len`` for each slot (``P`` = past of an active slot, 1 for an idle one). A
     sequence near the end of its context fails that next to a long prefill, although its own rows
     fit; such sequences go to a later group with its own, smaller ``S``. None: one sequence fills
@@ -100,12 +106,17 @@ def gqa_groups(past_lens: Sequence[int], new_lens: Sequence[int], max_len: int,
     pending = list(range(len(new_lens)))
     groups: list[list[int]] = []
     while pending:
-        width = max(new_lens[i] + new_lens[i] % 2 for i in pending)
-        fit = [i for i in pending if past_lens[i] + width <= max_len]
+        group = pending
+        while True:  # the width depends on the group (folded or not): shrink until the group fits its own width
+            width = gqa_width([new_lens[i] for i in group], fold)
+            fit = [i for i in group if past_lens[i] + width <= max_len]
+            if not fit or fit == group:
+                break
+            group = fit
         if not fit or (width + 1 > max_len and len(fit) < num_slots):  # an idle slot (P = 1) cannot hold S
             return None
         groups.append(fit)
-        pending = [i for i in pending if past_lens[i] + width > max_len]
+        pending = [i for i in pending if i not in fit]
     return groups
 
 
@@ -115,6 +126,7 @@ class FuseReport:
 
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REWRITES, 0))
     skipped: list[str] = field(default_factory=list)
+    fold: int = 1  # query heads per kv head of the folded attention layout (1: not folded, ``ort_fold``)
 
     @property
     def attention(self) -> bool:
@@ -322,16 +334,56 @@ def _rows_2d(g: GraphEditor, x: str, dims: dict[str, list[int | None]]) -> str |
     return node.input[0] if src[1] == out[1] * out[2] else None
 
 
-def _fuse_attention(g: GraphEditor, types: dict[str, int], dims: dict[str, list[int | None]],
-                    ropes: dict[str, _Rope], report: FuseReport) -> set[int]:
-    """Replace every RaggedTreeAttention node by the GQA lowering; returns the ids of the replaced nodes.
+def _folded_attention(g: GraphEditor, node: onnx.NodeProto, pre: _Prelude, fo: Fold, dtype: int, head_dim: int,
+                      dims: dict[str, list[int | None]]) -> None:
+    """``If``(folded layout | padded layout) in place of ``node`` (``ort_fold``); RoPE runs before, on packed rows."""
+    q, k, v, k_cache, v_cache = node.input[:5]
+    heads, kv_heads = int(g.attr(node, "num_heads")), int(g.attr(node, "num_kv_heads"))
+    scale = float(g.attr(node, "scale"))
+    if dtype not in fo.bias:
+        fo.bias[dtype] = g.add("Where", fo.allowed, g.scalar(0.0, dtype), g.scalar(_LOWEST[dtype], dtype))
 
-    q, k, v are gathered into the padded layout from the 2-D projection outputs they are views of,
-    and a matched RoPE on q/k runs on the padded rows (``RotaryEmbedding`` with the padded row
-    index as position into the per-token tables), so a layer needs no reshapes around GQA.
+    def rows(x: str, n_heads: int) -> str:  # [T, n_heads * D] rows of x [T, n_heads, D] (a view)
+        flat = _rows_2d(g, x, dims)
+        return flat if flat is not None else g.add("Reshape", x, g.ints(-1, n_heads * head_dim))
+
+    q2, k2, v2 = rows(q, heads), rows(k, kv_heads), rows(v, kv_heads)
+    folded, padded = Branch(g), Branch(g)
+    f_out, p_out = [g.name("fold_out") for _ in range(3)], [g.name("pad_out") for _ in range(3)]
+    qf = folded.add("Reshape", folded.add("Gather", g.add("Reshape", q, g.ints(-1, head_dim)), fo.q_index, axis=0),
+                    fo.q_shape)
+    out = folded.add("GroupQueryAttention", qf, folded.add("Gather", k2, fo.kv_index, axis=0),
+                     folded.add("Gather", v2, fo.kv_index, axis=0), k_cache, v_cache, fo.seqlens_k, fo.total,
+                     "", "", "", fo.bias[dtype], "", "", "", "", "", fo.query_seqlens,
+                     outputs=[g.name("gqa"), f_out[1], f_out[2]], domain=MS_DOMAIN, num_heads=kv_heads,
+                     kv_num_heads=kv_heads, scale=scale)
+    folded.add("Gather", folded.add("Reshape", out, g.ints(-1, head_dim)), fo.out_index, axis=0, outputs=[f_out[0]])
+    out = padded.add("GroupQueryAttention", *(padded.add("Gather", x, pre.pad_index, axis=0) for x in (q2, k2, v2)),
+                     k_cache, v_cache, pre.seqlens_k, pre.total, "", "", "", _bias(g, pre, dtype), "", "", "", "",
+                     "", pre.query_seqlens, outputs=[g.name("gqa"), p_out[1], p_out[2]], domain=MS_DOMAIN,
+                     num_heads=heads, kv_num_heads=kv_heads, scale=scale)
+    padded.add("Gather", padded.add("Reshape", out, g.ints(-1, heads, head_dim)), pre.unpad_index, axis=0,
+               outputs=[p_out[0]])
+    g.add("If", fo.cond, outputs=list(node.output), then_branch=folded.graph(f_out, dtype),
+          else_branch=padded.graph(p_out, dtype))
+
+
+def _fuse_attention(g: GraphEditor, types: dict[str, int], dims: dict[str, list[int | None]],
+                    ropes: dict[str, _Rope], report: FuseReport) -> tuple[set[int], set[int]]:
+    """Replace every RaggedTreeAttention node by the GQA lowering; the ids of the replaced nodes, and of those
+    whose replacement applies RoPE itself.
+
+    Grouped-query attention (``fold`` = heads / kv heads >= 2): an ``If`` per layer runs the folded
+    layout (``ort_fold``: decoding and verification steps) or the padded one (prefill chunks),
+    which give the same bits for a row; RoPE runs on the packed rows before (``_fuse_rotary``).
+    Otherwise q, k, v are gathered into the padded layout from the 2-D projection outputs they are
+    views of, and a matched RoPE on q/k runs on the padded rows (``RotaryEmbedding`` with the padded
+    row index as position into the per-token tables), so a layer needs no reshapes around GQA.
     """
     preludes: dict[tuple[str, ...], _Prelude] = {}
+    folds: dict[tuple[str, ...], Fold] = {}
     replaced: set[int] = set()
+    rope_inside: set[int] = set()
     slot_dims = {i.name: i.type.tensor_type.shape.dim[0].dim_param for i in g.graph.input
                  if i.type.tensor_type.shape.dim and i.type.tensor_type.shape.dim[0].dim_param}
     for node in g.graph.node:
@@ -347,6 +399,17 @@ def _fuse_attention(g: GraphEditor, types: dict[str, int], dims: dict[str, list[
             preludes[key] = _prelude(g, cu, past, slot, tree, k_cache)
         pre = preludes[key]
         num_heads, num_kv_heads = int(g.attr(node, "num_heads")), int(g.attr(node, "num_kv_heads"))
+        head_dim = (dims.get(k_cache) or [None] * 4)[3]
+        fold = num_heads // num_kv_heads
+        if fold >= 2 and head_dim:
+            fold_key = (*key, str(num_heads), str(num_kv_heads))
+            if fold_key not in folds:
+                folds[fold_key] = fold_prelude(g, cu, past, slot, tree, k_cache, num_heads, num_kv_heads)
+            _folded_attention(g, node, pre, folds[fold_key], dtype, head_dim, dims)
+            report.fold = fold
+            replaced.add(id(node))
+            report.counts["attention"] += 1
+            continue
 
         def padded(x: str, heads: int, pre: _Prelude = pre) -> str:
             rope = ropes.get(x)
@@ -367,13 +430,13 @@ def _fuse_attention(g: GraphEditor, types: dict[str, int], dims: dict[str, list[
                     k_cache, v_cache, pre.seqlens_k, pre.total, "", "", "", _bias(g, pre, dtype), "", "", "", "", "",
                     pre.query_seqlens, outputs=[g.name("gqa"), node.output[1], node.output[2]], domain=MS_DOMAIN,
                     num_heads=num_heads, kv_num_heads=num_kv_heads, scale=float(g.attr(node, "scale")))
-        head_dim = (dims.get(k_cache) or [None] * 4)[3]
         shape = (g.ints(-1, num_heads, head_dim) if head_dim else
                  g.add("Concat", g.ints(-1), g.add("Shape", q, start=1, end=3), axis=0))
         g.add("Gather", g.add("Reshape", out, shape), pre.unpad_index, axis=0, outputs=[node.output[0]])
         replaced.add(id(node))
+        rope_inside.add(id(node))
         report.counts["attention"] += 1
-    return replaced
+    return replaced, rope_inside
 
 
 # --------------------------------------------------------------------------------------------- rmsnorm
@@ -497,9 +560,11 @@ def fuse_model(model: onnx.ModelProto, rewrites: Sequence[str] = REWRITES) -> Fu
     g = GraphEditor(model)
     removed: set[int] = set()
     ropes = _match_ropes(g, dims) if "rotary" in rewrites else {}
+    rope_inside: set[int] = set()
     if "attention" in rewrites:
-        removed |= _fuse_attention(g, types, dims, ropes, report)
-    removed |= _fuse_rotary(g, ropes, removed, report)
+        attention, rope_inside = _fuse_attention(g, types, dims, ropes, report)
+        removed |= attention
+    removed |= _fuse_rotary(g, ropes, rope_inside, report)
     if "rmsnorm" in rewrites:
         removed |= _fuse_rmsnorm(g, types, ranks, report)
         if "skip_rmsnorm" in rewrites:
@@ -508,7 +573,7 @@ def fuse_model(model: onnx.ModelProto, rewrites: Sequence[str] = REWRITES) -> Fu
     kept = live_sorted(model.graph, nodes)
     del model.graph.node[:]
     model.graph.node.extend(kept)
-    used = {name for n in kept for name in n.input} | {o.name for o in model.graph.output}
+    used = {name for n in kept for name in (*n.input, *outer_inputs(n))} | {o.name for o in model.graph.output}
     initializers = [i for i in model.graph.initializer if i.name in used]  # the rewritten patterns' constants
     del model.graph.initializer[:]
     model.graph.initializer.extend(initializers)

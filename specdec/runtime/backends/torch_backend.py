@@ -43,7 +43,7 @@ class TorchKVStorage(SlotMajorMoves):
 
     ``max_len`` positions belong to sequences; ``spare`` more at the end of each slot are scratch
     for a backend whose kernel writes past a sequence (the ONNX Runtime lowering's discarded query
-    row, ``ort_fuse.SPARE_POSITIONS``). ``buffer_len`` is both together.
+    rows, ``ort_fuse.SPARE_POSITIONS``). ``buffer_len`` is both together.
     """
 
     def __init__(self, num_layers: int, num_slots: int, kv_heads: int, max_len: int, head_dim: int,
