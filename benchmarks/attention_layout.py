@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from specdec.bench.report import write_report
+from specdec.bench.report import step_bars, write_report
 from specdec.bench.steps import BLOCK, interleaved_step_ms
 from specdec.runtime.backends import ort_fold
 from specdec.runtime.backends.onnxruntime import OrtBackend
@@ -126,25 +126,11 @@ def markdown(doc: dict[str, Any]) -> str:
 
 def draw(doc: dict[str, Any], path: Path) -> None:
     """Step time per shape, one bar per layout and cache type."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     columns = _columns()
-    fig, ax = plt.subplots(figsize=(10, 3.8))
-    bars = [(layout, dtype) for dtype in DTYPES for layout in LAYOUTS]
-    width = 0.8 / len(bars)
-    for i, (layout, dtype) in enumerate(bars):
-        ax.bar([j + (i - (len(bars) - 1) / 2) * width for j in range(len(columns))],
-               [doc["step_ms"][f"{layout}|{dtype}|{c}"] for c in columns], width, label=f"{layout}, {dtype} caches")
-    ax.set_xticks(range(len(columns)), [c.replace("@", "\ncontext ") for c in columns], fontsize=8)
-    ax.set_ylabel("ms per step")
-    ax.set_title("SmolLM2 int4 step time by attention layout")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    series = {f"{layout}, {dtype} caches": [doc["step_ms"][f"{layout}|{dtype}|{c}"] for c in columns]
+              for dtype in DTYPES for layout in LAYOUTS}
+    step_bars(path, [c.replace("@", "\ncontext ") for c in columns], series,
+              "SmolLM2 int4 step time by attention layout")
 
 
 if __name__ == "__main__":

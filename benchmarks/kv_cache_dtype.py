@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from specdec.bench.report import write_report
+from specdec.bench.report import step_bars, write_report
 from specdec.bench.steps import BLOCK, interleaved_step_ms
 from specdec.models.export_meta import load_export_metadata
 from specdec.runtime.backends.onnxruntime import OrtBackend
@@ -129,25 +129,11 @@ def markdown(doc: dict[str, Any]) -> str:
 
 def draw(doc: dict[str, Any], path: Path) -> None:
     """Step time per shape, one bar per export and cache type."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     columns = [f"{s}x{n}@{b}" for b in BUFFERS for s, n in SHAPES]
-    fig, ax = plt.subplots(figsize=(9, 3.8))
-    width = 0.2
-    bars = [(name, d) for name in doc["step_ms"] for d in DTYPES]
-    for i, (name, d) in enumerate(bars):
-        ax.bar([j + (i - (len(bars) - 1) / 2) * width for j in range(len(columns))],
-               [doc["step_ms"][name][d][c] for c in columns], width, label=f"{name}, {d} caches")
-    ax.set_xticks(range(len(columns)), [c.replace("@", "\nbuffer ") for c in columns], fontsize=8)
-    ax.set_ylabel("ms per step")
-    ax.set_title(f"SmolLM2 step time by KV-cache type (context {CONTEXT})")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    series = {f"{name}, {d} caches": [doc["step_ms"][name][d][c] for c in columns]
+              for name in doc["step_ms"] for d in DTYPES}
+    step_bars(path, [c.replace("@", "\nbuffer ") for c in columns], series,
+              f"SmolLM2 step time by KV-cache type (context {CONTEXT})")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,26 @@ def write_report(doc: dict[str, Any], out_dir: Path, stem: str, markdown: Callab
     return text
 
 
+def step_bars(path: Path, labels: list[str], series: dict[str, list[float]], title: str) -> None:
+    """Grouped bars of ms per step: one group per label (a step shape), one bar per series (a variant)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(9, 1.1 * len(labels)), 3.8))
+    width = 0.8 / len(series)
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar([j + (i - (len(series) - 1) / 2) * width for j in range(len(labels))], values, width, label=name)
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_ylabel("ms per step")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def write_json(results: dict[str, dict[str, Any]], path: Path) -> None:
     """Top-level keys are batch sizes only; run metadata goes to the markdown report."""
     path.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
