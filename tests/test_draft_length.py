@@ -242,7 +242,7 @@ def test_a_greedy_request_starts_from_the_pooled_acceptance_a_sampled_one_from_t
     seasoned, fresh = engine(), engine()
     history = seasoned.generate([Request([3, 1, 4, 1, 5][: 1 + i], max_tokens=30) for i in range(4)], "ems")
     assert history.run.summary()["acceptance_rate"] < 0.2
-    assert seasoned.draft_length.pooled_prior(seasoned.pooled_drafts) < 0.3  # one draft's break-even: 0.1 + 0.2
+    assert seasoned.draft_length.pooled_prior(seasoned.pooled_drafts[""]) < 0.3  # one draft's break-even: 0.1 + 0.2
     greedy = Request([9, 2, 6, 5], max_tokens=12)
     first_drafts = [e.generate([greedy], "ems").run.steps[1].draft_tokens for e in (seasoned, fresh)]
     assert first_drafts[0] == 0 and first_drafts[1] > 0

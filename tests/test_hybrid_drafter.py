@@ -108,3 +108,50 @@ def test_a_hybrid_export_serves_dsbd_with_its_draft_model(tiny_dir, tmp_path) ->
     result = engine.sibling().generate([request], "dsbd")
     assert result.outputs[0].error is None and result.outputs[0].token_ids
     assert result.run.summary()["draft_tokens"] > 0  # the forests came from the hybrid drafter's draft model
+
+
+def test_the_adaptive_length_prices_and_counts_each_proposer_on_its_own() -> None:
+    """A lookup's draft tokens are free, the model's cost what the calibration says: with a model too dear to
+    pay, lookups still draft and the model never runs (one price for both would stop both), and each proposer's
+    verifications are counted apart (``SeqState.source_stats``)."""
+    from specdec.runtime.draft_length import DraftLength
+
+    target = ScriptedBackend(lambda c: c[-3] if len(c) >= 3 and c[-1] == c[-2] else (c[-1] + 1) % VOCAB, VOCAB)
+    draft = ScriptedBackend(counting(VOCAB), VOCAB)
+    hybrid = make_drafter("hybrid", max_batch=4, max_len=96, ngram=2, min_ngram=2, model=draft)
+    dear = DraftLength(draft_cost=1.0, verify_cost=0.05, probe_every=1000)  # a model draft: a whole target step
+    engine = Engine(target, hybrid, max_batch=4, max_len=96, num_draft_tokens=4, draft_length=dear)
+    prompts = [[5, 6, 7, 5, 6], [40, 41], [9, 9, 1, 2, 9, 9]]
+    requests = [engine.request(p, max_tokens=20) for p in prompts]
+    ar = engine.generate(requests, "ar").outputs
+    ems = engine.generate(requests, "ems")
+    assert [o.token_ids for o in ems.outputs] == [o.token_ids for o in ar]
+    assert ems.run.summary()["draft_tokens"] > 0 and draft.calls == 0
+    assert set(engine.pooled_drafts) <= {HybridDrafter.LOOKUP, HybridDrafter.MODEL, ""}
+    assert engine.pooled_drafts[HybridDrafter.LOOKUP].reached[0] > 0  # lookups verified, counted as lookups
+    model = engine.pooled_drafts.get(HybridDrafter.MODEL)
+    assert model is None or not model.reached  # the model drafted nothing, so nothing was counted for it
+    # the negative control: the same hybrid seen as one drafter (the model's price for every token) drafts nothing
+    single = Engine(target, _OnePrice(make_drafter("hybrid", max_batch=4, max_len=96, ngram=2, min_ngram=2,
+                                                   model=draft)), max_batch=4, max_len=96, num_draft_tokens=4,
+                    draft_length=dear)
+    assert single.generate(requests, "ems").run.summary()["draft_tokens"] == 0
+
+
+class _OnePrice:
+    """A hybrid without ``source``: priced and counted as one drafter, as before the policy asked per proposer."""
+
+    def __init__(self, inner: HybridDrafter) -> None:
+        self.inner, self.vocab_size, self.relative_cost = inner, inner.vocab_size, inner.relative_cost
+
+    def propose(self, seqs, ks):
+        return self.inner.propose(seqs, ks)
+
+    def release(self, seq) -> None:
+        self.inner.release(seq)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def fork(self) -> _OnePrice:
+        return _OnePrice(self.inner.fork())

@@ -252,9 +252,9 @@ class RecordedLength(DraftLength):
     """The adaptive policy, counting its (cap, chosen k) decisions in ``CHOSEN``."""
 
     def choose(self, stats: DraftStats, k_max: int, draft_cost: float, rows: float = 1.0,
-               batch: int | None = None, prior: float | None = None) -> int:
+               batch: int | None = None, prior: float | None = None, own_price: bool = False) -> int:
         assert batch is None and prior is None  # sampled sequences: priced alone, from the fixed prior
-        k = super().choose(stats, k_max, draft_cost, rows, batch=batch, prior=prior)
+        k = super().choose(stats, k_max, draft_cost, rows, batch=batch, prior=prior, own_price=own_price)
         CHOSEN[(k_max, k)] += 1
         return k
 

@@ -37,6 +37,14 @@ drafter; a drafter that rarely agrees with the target pays for those first draft
 which on short answers is much of what it drafts at all (the main job's). A greedy sequence (again:
 k changes only speed) starts instead from the acceptance the engine has pooled over the sequences
 before it (``pooled_prior``), so a new request drafts as the drafter has been doing lately.
+
+Proposers: the hybrid drafter copies from the context where it can and asks its draft model
+elsewhere. Its two proposals differ in price (a lookup is free, a model token costs a draft step)
+and in acceptance (a lookup in quoted text is accepted far more often), so each sequence keeps a
+history per proposer, the k is chosen from the one that will draft this step at that one's price
+(``drafters.SourcedDrafter``), and the pooled prior is per proposer too. Priced as one drafter, the
+hybrid drafted lookups too short and the model too long, and at batches 4 and 8 fell behind both
+prompt lookup alone and ``ar`` (``benchmarks/results/edge_cpu.md`` of 2026-12-05 13:29).
 """
 
 from __future__ import annotations
@@ -199,18 +207,20 @@ class DraftLength:
             out.append(prior)
         return out
 
-    def prices(self, drafter_cost: float, batch: int | None = None) -> tuple[float, float]:
+    def prices(self, drafter_cost: float, batch: int | None = None, own_price: bool = False) -> tuple[float, float]:
         """(a draft token, a verified row) in one-row target steps: at ``batch`` sequences where prices per batch
-        size were measured, else the flat ones (``draft_cost``, else the drafter's own ``drafter_cost``)."""
-        draft = self.draft_cost if self.draft_cost is not None else drafter_cost
+        size were measured, else the flat ones (``draft_cost``, else the drafter's own ``drafter_cost``).
+        ``own_price``: the draft token costs ``drafter_cost`` whatever was calibrated (a hybrid's lookups: the
+        calibration priced its model)."""
+        draft = self.draft_cost if self.draft_cost is not None and not own_price else drafter_cost
         verify = self.verify_cost
         if batch is not None:
-            draft = price_at(self.draft_by_batch, batch) if self.draft_by_batch else draft
+            draft = price_at(self.draft_by_batch, batch) if self.draft_by_batch and not own_price else draft
             verify = price_at(self.verify_by_batch, batch) if self.verify_by_batch else verify
         return draft, verify
 
     def choose(self, stats: DraftStats, k_max: int, draft_cost: float, rows: float = 1.0,
-               batch: int | None = None, prior: float | None = None) -> int:
+               batch: int | None = None, prior: float | None = None, own_price: bool = False) -> int:
         """The k in ``[min(min_k, k_max), k_max]`` with the most expected tokens per unit of cost (ties: shorter).
 
         ``draft_cost``: the drafter's own price of a draft token (used where the policy has none).
@@ -218,12 +228,13 @@ class DraftLength:
         for a DSBD layer, W_S nodes over the group's live beams). ``batch``: the sequences sharing the
         step, for a greedy sequence (prices per batch size); None: the batch-independent prices. ``prior``:
         the depth-1 rate before any verification (a greedy sequence's ``pooled_prior``; None:
-        ``prior_acceptance``). A choice of 0 becomes 1 once the sequence has gone ``probe_every`` steps
+        ``prior_acceptance``). ``own_price``: ``draft_cost`` is the token's price whatever was calibrated
+        (``prices``). A choice of 0 becomes 1 once the sequence has gone ``probe_every`` steps
         without a draft (doubled per fruitless probe in a row, up to ``probe_backoff`` times).
         """
         if k_max <= self.min_k:
             return max(0, k_max)
-        per_draft = sum(self.prices(draft_cost, batch)) * rows
+        per_draft = sum(self.prices(draft_cost, batch, own_price)) * rows
         best_k, best = (0, 1.0) if self.min_k == 0 else (-1, -1.0)
         expected, survive = 1.0, 1.0
         for k, beta in enumerate(self.rates(stats, k_max, prior), start=1):

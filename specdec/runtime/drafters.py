@@ -15,7 +15,8 @@
   propose reach the output through the residual max(0, p - q).
 * ``HybridDrafter``: prompt lookup where the sequence's context offers a match, the draft model
   elsewhere, chosen per sequence and step, so requests that quote their prompt and free-form
-  ones in one batch each get the drafter that pays for them.
+  ones in one batch each get the drafter that pays for them. It says which would draft before k
+  is chosen (``SourcedDrafter``), so the adaptive draft length prices and counts each on its own.
 """
 
 from __future__ import annotations
@@ -60,6 +61,25 @@ class Drafter(Protocol):
 
     def fork(self) -> Drafter:
         """A drafter of the same kind and settings for a second decoding loop: the same model, its own state."""
+        ...
+
+
+@runtime_checkable
+class SourcedDrafter(Drafter, Protocol):
+    """A drafter with several proposers whose acceptance and price differ (the hybrid: prompt lookup and a model).
+
+    Why the policy must know: a lookup's drafts are free and accepted far more often than a small
+    model's, so pricing and counting them as one drafter drafts lookups too short and the model too
+    long (measured: ``benchmarks/results/edge_cpu.md``, the hybrid rows). The source is a function of
+    the sequence's own tokens, so a k chosen from it still depends on the sequence's past only.
+    """
+
+    def source(self, seq: SeqState) -> str:
+        """The proposer that would draft for ``seq`` now (non-empty)."""
+        ...
+
+    def source_cost(self, source: str) -> float | None:
+        """A draft token's own price for ``source`` in one-row target steps; None: the draft model's calibrated one."""
         ...
 
 
@@ -275,14 +295,23 @@ class HybridDrafter:
     tail) the next time the model drafts. Forests (DSBD) come from the draft model alone.
     """
 
+    LOOKUP, MODEL = "lookup", "model"
+
     def __init__(self, lookup: NgramDrafter, model: ModelDrafter) -> None:
         self.lookup, self.model = lookup, model
         self.vocab_size = model.vocab_size
 
     @property
     def relative_cost(self) -> float:
-        """Priced as the model: a conservative k where lookup drafts (free), the right one where the model does."""
+        """The model's price: what a caller that does not ask per source (``source_cost``) pays per draft token."""
         return self.model.relative_cost
+
+    def source(self, seq: SeqState) -> str:
+        """``LOOKUP`` where the context offers a match (what ``propose`` then copies), else ``MODEL``."""
+        return self.LOOKUP if self.lookup.lookup(seq, 1) else self.MODEL
+
+    def source_cost(self, source: str) -> float | None:
+        return self.lookup.relative_cost if source == self.LOOKUP else None
 
     def propose(self, seqs: Sequence[SeqState], ks: Sequence[int]) -> list[Draft]:
         drafts = [Draft(self.lookup.lookup(seq, k)) for seq, k in zip(seqs, ks)]

@@ -77,8 +77,9 @@ class Engine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_batch, self.max_len, self.num_draft_tokens = max_batch, max_len, num_draft_tokens
         self.draft_length = draft_length
-        #: every sequence's verifications, pooled across runs: a greedy sequence's prior acceptance (``draft_length``)
-        self.pooled_drafts = DraftStats()
+        #: every sequence's verifications, pooled across runs per draft source: a greedy sequence's prior acceptance
+        #: (``draft_length``, ``DecodeContext.pooled_drafts``)
+        self.pooled_drafts: dict[str, DraftStats] = {}
         #: a test's fault injection, called at each sequence's per-step points (``DecodeContext.fault_hook``)
         self.fault_hook: FaultHook | None = None
         #: rows a ragged step may spend on prompt prefills (``DecodeContext.prefill_budget``; None: whole prompts)

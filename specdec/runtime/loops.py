@@ -18,7 +18,7 @@ import numpy as np
 
 from specdec.runtime.backends.base import Backend
 from specdec.runtime.draft_length import POOLED_MEMORY, DraftLength, DraftStats
-from specdec.runtime.drafters import Draft, Drafter
+from specdec.runtime.drafters import Draft, Drafter, SourcedDrafter
 from specdec.runtime.kv import KVCacheManager
 from specdec.runtime.metrics import RunMetrics, StepRecord
 from specdec.runtime.packed import SeqWork, pack
@@ -54,8 +54,9 @@ class DecodeContext:
     is_cancelled: Callable[[SeqState], bool] | None = None
     #: adaptive draft length: each sequence's k from its own acceptance, at most the k above (None: always that k)
     draft_length: DraftLength | None = None
-    #: every sequence's verifications pooled (the engine's, kept across runs): a greedy sequence's prior acceptance
-    pooled_drafts: DraftStats = field(default_factory=DraftStats)
+    #: every sequence's verifications pooled per draft source (the engine's, kept across runs; "" = a drafter of one
+    #: kind, ``SeqState.draft_source``): a greedy sequence's prior acceptance
+    pooled_drafts: dict[str, DraftStats] = field(default_factory=dict)
     run: RunMetrics = field(default_factory=lambda: RunMetrics("?"))
     fault_hook: FaultHook | None = None
     #: rows a ragged step may spend on prompt prefills (None: every admitted prompt whole, in its first step).
@@ -82,9 +83,11 @@ class DecodeContext:
         ``len(seqs)`` sequences (``draft_length``: its output does not depend on k).
         """
         ks = []
+        sourced = self.draft_length is not None and isinstance(self.drafter, SourcedDrafter)
         for seq in seqs:
             room = self.kv.room(seq.slot) - 1  # rows written: last token + k drafts
             k_max = max(0, min(self.draft_budget(seq, seq.num_generated), room))
+            seq.draft_source = self.drafter.source(seq) if sourced and k_max > 0 else ""
             ks.append(self.choose_draft_length(seq, k_max, greedy_batch=len(seqs) if seq.request.sampling.greedy
                                                else None))
         return ks
@@ -113,18 +116,27 @@ class DecodeContext:
         ``rows``: draft and verified rows one unit of k adds per sequence of the step (a DSBD layer: W_S per beam).
         ``greedy_batch``: for a greedy sequence, the step's sequences: it is priced at that batch size and starts
         from the pooled acceptance (``draft_length``: its output does not depend on k); None: batch- and
-        history-independent, as a sampled sequence must be.
+        history-independent, as a sampled sequence must be. A hybrid drafter's sequence is priced and counted
+        per proposer (``seq.draft_source``, set by ``draft_lengths``; ``drafters.SourcedDrafter``).
         """
         if self.draft_length is None:
             return k_max
-        prior = None if greedy_batch is None else self.draft_length.pooled_prior(self.pooled_drafts)
-        return self.draft_length.choose(seq.draft_stats, k_max, getattr(self.drafter, "relative_cost", 0.0), rows,
-                                        batch=greedy_batch, prior=prior)
+        source = seq.draft_source
+        prior = None if greedy_batch is None else self.draft_length.pooled_prior(self._pooled(source))
+        own = self.drafter.source_cost(source) if source and isinstance(self.drafter, SourcedDrafter) else None
+        cost = own if own is not None else getattr(self.drafter, "relative_cost", 0.0)
+        return self.draft_length.choose(_stats(seq, source), k_max, cost, rows, batch=greedy_batch, prior=prior,
+                                        own_price=own is not None)
 
     def record_drafts(self, seq: SeqState, drafted: int, accepted: int) -> None:
-        """``seq``'s verification, for the adaptive draft length: ``accepted`` of ``drafted`` (in order) passed."""
-        seq.draft_stats.record(drafted, accepted, 1.0 if self.draft_length is None else self.draft_length.memory)
-        self.pooled_drafts.record(drafted, accepted, POOLED_MEMORY)
+        """``seq``'s verification, for the adaptive draft length: ``accepted`` of ``drafted`` (in order) passed,
+        counted for the proposer its k was chosen for (``seq.draft_source``)."""
+        memory = 1.0 if self.draft_length is None else self.draft_length.memory
+        _stats(seq, seq.draft_source).record(drafted, accepted, memory)
+        self._pooled(seq.draft_source).record(drafted, accepted, POOLED_MEMORY)
+
+    def _pooled(self, source: str) -> DraftStats:
+        return self.pooled_drafts.setdefault(source, DraftStats())
 
     def propose(self, seqs: Sequence[SeqState], ks: Sequence[int] | None = None) -> tuple[list[Draft], float]:
         """Drafts for ``seqs``. A drafter that raises costs only speed: each sequence is asked alone, and one
@@ -296,6 +308,11 @@ class DecodeContext:
             if self.on_finish is not None:
                 self.on_finish(seq)
         return live
+
+
+def _stats(seq: SeqState, source: str) -> DraftStats:
+    """``seq``'s acceptance history for the proposer ``source`` ("": its only one)."""
+    return seq.source_stats.setdefault(source, DraftStats()) if source else seq.draft_stats
 
 
 def ar(ctx: DecodeContext) -> RunMetrics:

@@ -239,6 +239,10 @@ class SeqState:
     error: str | None = None
     sequences: list[BeamCandidate] = field(default_factory=list)  # beam / dsbd: the returned candidates
     draft_stats: DraftStats = field(default_factory=DraftStats)  # acceptance by depth (adaptive draft length)
+    #: a drafter with several proposers (``drafters.SourcedDrafter``): each one's acceptance, and the one this
+    #: step's k was chosen for ("" = ``draft_stats``, a drafter of one kind)
+    source_stats: dict[str, DraftStats] = field(default_factory=dict)
+    draft_source: str = ""
 
     @classmethod
     def start(cls, request: Request, slot: int) -> SeqState:
