@@ -10,16 +10,16 @@
 # lookup where a request's context has a match and by the draft model elsewhere (--drafter hybrid). The graphs
 # are int4 (the GGUF's own 4-bit blocks, int8 activations: batch-invariant, so ems answers equal ar's bit for
 # bit): of the candidate exports served with this job's requests, the fastest exact one on this CPU
-# (benchmarks/results/served_configs.md). Its KV caches are fp32 (--kv-cache), not the quantized exports'
-# fp16 default: this job serves batches with memory to spare, and on this CPU ONNX Runtime's attention converts
-# fp16 caches to fp32 per query head, which cost up to a fifth of a batched step in some runs and int4 at batch 1
-# 58.5 against 74.1 tok/s (benchmarks/results/edge_cpu.md, kv_cache_dtype.md).
+# (benchmarks/results/served_configs.md). Its KV caches are fp16, the quantized exports' default: with the
+# folded attention layout ONNX Runtime converts them once per kv head, and fp16 caches ran as fast as fp32 ones
+# on this CPU (benchmarks/results/edge_cpu.md: int4 ar 70.7 vs 71.2 tok/s at batch 1, 126.7 vs 130.1 at 8;
+# attention_layout.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 . .venv/bin/activate
 specdec-export --target smollm2-135m --draft smollm2-135m-draft --quantize int4 --drafter hybrid --out deploy --force --max-batch 8 \
-  --max-len 2048 --num-draft-tokens 4 --adaptive-draft --calibrate --kv-cache float32
+  --max-len 2048 --num-draft-tokens 4 --adaptive-draft --calibrate
 
 read -r GRPC HTTP METRICS < <(python -c "from specdec.serving.server import free_ports; print(*free_ports())")
 specdec serve deploy --grpc-port "$GRPC" --http-port "$HTTP" --metrics-port "$METRICS" &
