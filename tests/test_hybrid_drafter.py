@@ -113,7 +113,7 @@ def test_a_hybrid_export_serves_dsbd_with_its_draft_model(tiny_dir, tmp_path) ->
 def test_the_adaptive_length_prices_and_counts_each_proposer_on_its_own() -> None:
     """A lookup's draft tokens are free, the model's cost what the calibration says: with a model too dear to
     pay, lookups still draft and the model never runs (one price for both would stop both), and each proposer's
-    verifications are counted apart (``SeqState.source_stats``)."""
+    verifications are counted apart (``SeqState.draft_stats``)."""
     from specdec.runtime.draft_length import DraftLength
 
     target = ScriptedBackend(lambda c: c[-3] if len(c) >= 3 and c[-1] == c[-2] else (c[-1] + 1) % VOCAB, VOCAB)
@@ -155,3 +155,23 @@ class _OnePrice:
 
     def fork(self) -> _OnePrice:
         return _OnePrice(self.inner.fork())
+
+
+def test_a_drafter_that_cannot_tell_its_proposer_costs_only_speed(caplog) -> None:
+    """``source`` raising prices that sequence as one drafter's; every answer stays the target's own."""
+    from specdec.runtime.draft_length import DraftLength
+
+    target = ScriptedBackend(lambda c: c[-3] if len(c) >= 3 and c[-1] == c[-2] else (c[-1] + 1) % VOCAB, VOCAB)
+    hybrid = make_drafter("hybrid", max_batch=4, max_len=96, ngram=2, min_ngram=2,
+                          model=ScriptedBackend(counting(VOCAB), VOCAB))
+
+    def broken(seq):
+        raise RuntimeError("no index")
+
+    hybrid.source = broken  # type: ignore[method-assign]
+    engine = Engine(target, hybrid, max_batch=4, max_len=96, num_draft_tokens=4, draft_length=DraftLength())
+    requests = [engine.request(p, max_tokens=20) for p in ([5, 6, 7, 5, 6], [40, 41])]
+    ar = engine.generate(requests, "ar").outputs
+    ems = engine.generate(requests, "ems")
+    assert [o.token_ids for o in ems.outputs] == [o.token_ids for o in ar] and not any(o.error for o in ems.outputs)
+    assert "could not tell the proposer" in caplog.text and set(engine.pooled_drafts) == {""}

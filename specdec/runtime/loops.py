@@ -87,7 +87,7 @@ class DecodeContext:
         for seq in seqs:
             room = self.kv.room(seq.slot) - 1  # rows written: last token + k drafts
             k_max = max(0, min(self.draft_budget(seq, seq.num_generated), room))
-            seq.draft_source = self.drafter.source(seq) if sourced and k_max > 0 else ""
+            seq.draft_source = self._source(seq) if sourced and k_max > 0 else ""
             ks.append(self.choose_draft_length(seq, k_max, greedy_batch=len(seqs) if seq.request.sampling.greedy
                                                else None))
         return ks
@@ -122,21 +122,28 @@ class DecodeContext:
         if self.draft_length is None:
             return k_max
         source = seq.draft_source
-        prior = None if greedy_batch is None else self.draft_length.pooled_prior(self._pooled(source))
+        prior = None if greedy_batch is None else self.draft_length.pooled_prior(_history(self.pooled_drafts, source))
         own = self.drafter.source_cost(source) if source and isinstance(self.drafter, SourcedDrafter) else None
         cost = own if own is not None else getattr(self.drafter, "relative_cost", 0.0)
-        return self.draft_length.choose(_stats(seq, source), k_max, cost, rows, batch=greedy_batch, prior=prior,
-                                        own_price=own is not None)
+        return self.draft_length.choose(_history(seq.draft_stats, source), k_max, cost, rows, batch=greedy_batch,
+                                        prior=prior, own_price=own is not None)
 
     def record_drafts(self, seq: SeqState, drafted: int, accepted: int) -> None:
         """``seq``'s verification, for the adaptive draft length: ``accepted`` of ``drafted`` (in order) passed,
         counted for the proposer its k was chosen for (``seq.draft_source``)."""
         memory = 1.0 if self.draft_length is None else self.draft_length.memory
-        _stats(seq, seq.draft_source).record(drafted, accepted, memory)
-        self._pooled(seq.draft_source).record(drafted, accepted, POOLED_MEMORY)
+        _history(seq.draft_stats, seq.draft_source).record(drafted, accepted, memory)
+        _history(self.pooled_drafts, seq.draft_source).record(drafted, accepted, POOLED_MEMORY)
 
-    def _pooled(self, source: str) -> DraftStats:
-        return self.pooled_drafts.setdefault(source, DraftStats())
+    def _source(self, seq: SeqState) -> str:
+        """The proposer that would draft for ``seq`` ("" for a drafter of one kind). A drafter that cannot tell
+        costs only speed: the sequence is priced and counted as by a drafter of one kind."""
+        try:
+            return self.drafter.source(seq)  # type: ignore[union-attr]  # a SourcedDrafter (draft_lengths checks)
+        except Exception:
+            log.exception("the drafter could not tell the proposer for request %r; pricing it as one drafter",
+                          seq.request.request_id)
+            return ""
 
     def propose(self, seqs: Sequence[SeqState], ks: Sequence[int] | None = None) -> tuple[list[Draft], float]:
         """Drafts for ``seqs``. A drafter that raises costs only speed: each sequence is asked alone, and one
@@ -310,9 +317,9 @@ class DecodeContext:
         return live
 
 
-def _stats(seq: SeqState, source: str) -> DraftStats:
-    """``seq``'s acceptance history for the proposer ``source`` ("": its only one)."""
-    return seq.source_stats.setdefault(source, DraftStats()) if source else seq.draft_stats
+def _history(table: dict[str, DraftStats], source: str) -> DraftStats:
+    """Proposer ``source``'s acceptance history in ``table`` (a sequence's, or the pooled one), made on first use."""
+    return table.setdefault(source, DraftStats())
 
 
 def ar(ctx: DecodeContext) -> RunMetrics:

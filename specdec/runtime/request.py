@@ -238,10 +238,9 @@ class SeqState:
     #: set when this sequence alone failed (``DecodeContext.fail``): it ends with this error, its batch-mates go on
     error: str | None = None
     sequences: list[BeamCandidate] = field(default_factory=list)  # beam / dsbd: the returned candidates
-    draft_stats: DraftStats = field(default_factory=DraftStats)  # acceptance by depth (adaptive draft length)
-    #: a drafter with several proposers (``drafters.SourcedDrafter``): each one's acceptance, and the one this
-    #: step's k was chosen for ("" = ``draft_stats``, a drafter of one kind)
-    source_stats: dict[str, DraftStats] = field(default_factory=dict)
+    #: acceptance by depth (adaptive draft length), per proposer of a drafter with several
+    #: (``drafters.SourcedDrafter``; "" for a drafter of one kind), and the proposer this step's k was chosen for
+    draft_stats: dict[str, DraftStats] = field(default_factory=dict)
     draft_source: str = ""
 
     @classmethod

@@ -61,15 +61,14 @@ def _narrow_gqa(g: GraphEditor, node: onnx.NodeProto, to: int, down: dict[str, s
     (``branch``: the nodes to emit around ``node``) the branch's own tensors are cast there, the
     outer ones (the bias) once outside.
     """
-    made = {o for n in branch or () for o in n.output}
-    before = [] if branch is None else branch
+    made = {o for n in branch or () for o in n.output}  # outside a branch: nothing, every input is cast outside
     for i in _GQA_FLOAT_INPUTS:
         name = node.input[i] if i < len(node.input) else ""
         if not name:
             continue
-        if name in made:
+        if branch is not None and name in made:
             node.input[i] = g.name("low")
-            before.append(helper.make_node("Cast", [name], [node.input[i]], name=g.name("Cast_node"), to=to))
+            branch.append(helper.make_node("Cast", [name], [node.input[i]], name=g.name("Cast_node"), to=to))
         else:
             if name not in down:
                 down[name] = g.add("Cast", name, to=to)

@@ -42,7 +42,7 @@ Nothing here touches MatMul/Gemm nodes, so the rewrites compose with weight quan
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import onnx
@@ -334,6 +334,15 @@ def _rows_2d(g: GraphEditor, x: str, dims: dict[str, list[int | None]]) -> str |
     return node.input[0] if src[1] == out[1] * out[2] else None
 
 
+def _gqa(add: Callable[..., str], q: str, k: str, v: str, caches: Sequence[str], layout: _Prelude | Fold, bias: str,
+         outputs: Sequence[str], heads: int, kv_heads: int, scale: float) -> str:
+    """One GroupQueryAttention node in ``layout`` (its lengths), appending to ``caches`` in place; ``add``: the
+    editor's or an ``If`` branch's."""
+    return add("GroupQueryAttention", q, k, v, *caches, layout.seqlens_k, layout.total, "", "", "", bias, "", "", "",
+               "", "", layout.query_seqlens, outputs=list(outputs), domain=MS_DOMAIN, num_heads=heads,
+               kv_num_heads=kv_heads, scale=scale)
+
+
 def _folded_attention(g: GraphEditor, node: onnx.NodeProto, pre: _Prelude, fo: Fold, dtype: int, head_dim: int,
                       dims: dict[str, list[int | None]]) -> None:
     """``If``(folded layout | padded layout) in place of ``node`` (``ort_fold``); RoPE runs before, on packed rows."""
@@ -352,16 +361,12 @@ def _folded_attention(g: GraphEditor, node: onnx.NodeProto, pre: _Prelude, fo: F
     f_out, p_out = [g.name("fold_out") for _ in range(3)], [g.name("pad_out") for _ in range(3)]
     qf = folded.add("Reshape", folded.add("Gather", g.add("Reshape", q, g.ints(-1, head_dim)), fo.q_index, axis=0),
                     fo.q_shape)
-    out = folded.add("GroupQueryAttention", qf, folded.add("Gather", k2, fo.kv_index, axis=0),
-                     folded.add("Gather", v2, fo.kv_index, axis=0), k_cache, v_cache, fo.seqlens_k, fo.total,
-                     "", "", "", fo.bias[dtype], "", "", "", "", "", fo.query_seqlens,
-                     outputs=[g.name("gqa"), f_out[1], f_out[2]], domain=MS_DOMAIN, num_heads=kv_heads,
-                     kv_num_heads=kv_heads, scale=scale)
+    out = _gqa(folded.add, qf, folded.add("Gather", k2, fo.kv_index, axis=0),
+               folded.add("Gather", v2, fo.kv_index, axis=0), (k_cache, v_cache), fo, fo.bias[dtype],
+               (g.name("gqa"), *f_out[1:]), kv_heads, kv_heads, scale)
     folded.add("Gather", folded.add("Reshape", out, g.ints(-1, head_dim)), fo.out_index, axis=0, outputs=[f_out[0]])
-    out = padded.add("GroupQueryAttention", *(padded.add("Gather", x, pre.pad_index, axis=0) for x in (q2, k2, v2)),
-                     k_cache, v_cache, pre.seqlens_k, pre.total, "", "", "", _bias(g, pre, dtype), "", "", "", "",
-                     "", pre.query_seqlens, outputs=[g.name("gqa"), p_out[1], p_out[2]], domain=MS_DOMAIN,
-                     num_heads=heads, kv_num_heads=kv_heads, scale=scale)
+    out = _gqa(padded.add, *(padded.add("Gather", x, pre.pad_index, axis=0) for x in (q2, k2, v2)),
+               (k_cache, v_cache), pre, _bias(g, pre, dtype), (g.name("gqa"), *p_out[1:]), heads, kv_heads, scale)
     padded.add("Gather", padded.add("Reshape", out, g.ints(-1, heads, head_dim)), pre.unpad_index, axis=0,
                outputs=[p_out[0]])
     g.add("If", fo.cond, outputs=list(node.output), then_branch=folded.graph(f_out, dtype),
@@ -426,10 +431,9 @@ def _fuse_attention(g: GraphEditor, types: dict[str, int], dims: dict[str, list[
                 report.counts["rotary"] += 1
             return out
 
-        out = g.add("GroupQueryAttention", padded(q, num_heads), padded(k, num_kv_heads), padded(v, num_kv_heads),
-                    k_cache, v_cache, pre.seqlens_k, pre.total, "", "", "", _bias(g, pre, dtype), "", "", "", "", "",
-                    pre.query_seqlens, outputs=[g.name("gqa"), node.output[1], node.output[2]], domain=MS_DOMAIN,
-                    num_heads=num_heads, kv_num_heads=num_kv_heads, scale=float(g.attr(node, "scale")))
+        out = _gqa(g.add, padded(q, num_heads), padded(k, num_kv_heads), padded(v, num_kv_heads), (k_cache, v_cache),
+                   pre, _bias(g, pre, dtype), (g.name("gqa"), *node.output[1:3]), num_heads, num_kv_heads,
+                   float(g.attr(node, "scale")))
         shape = (g.ints(-1, num_heads, head_dim) if head_dim else
                  g.add("Concat", g.ints(-1), g.add("Shape", q, start=1, end=3), axis=0))
         g.add("Gather", g.add("Reshape", out, shape), pre.unpad_index, axis=0, outputs=[node.output[0]])
