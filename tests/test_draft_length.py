@@ -12,7 +12,15 @@ import pytest
 
 from specdec.models.loading import tiny_random
 from specdec.runtime.backends.torch_backend import TorchBackend
-from specdec.runtime.draft_length import DraftLength, DraftStats, batch_prices, parse_prices, price_at, prices_text
+from specdec.runtime.draft_length import (
+    Candidate,
+    DraftLength,
+    DraftStats,
+    batch_prices,
+    parse_prices,
+    price_at,
+    prices_text,
+)
 from specdec.runtime.drafters import ModelDrafter, NgramDrafter
 from specdec.runtime.engine import Engine
 from specdec.runtime.request import Request
@@ -252,3 +260,108 @@ def test_a_greedy_request_starts_from_the_pooled_acceptance_a_sampled_one_from_t
     assert answer(seasoned, greedy, "ems") == answer(fresh, greedy, "ar")
     sampled = Request([9, 2, 6, 5], max_tokens=12, sampling=SamplingParams(temperature=1.0, seed=7))
     assert answer(seasoned, sampled, "ems") == answer(fresh, sampled, "ems")
+
+
+# -- a batch nobody waits to join: planned to end soonest ---------------------------------------------------------
+
+
+def _lookup(accepted: float, budget: int, k_max: int = 4) -> Candidate:
+    """A prompt-lookup sequence (its tokens cost nothing) whose drafts were accepted at rate ``accepted`` at every
+    depth, over a long history."""
+    return Candidate(DraftStats([100.0] * k_max, [100.0 * accepted] * k_max), k_max, 0.0, budget, own_price=True)
+
+
+def test_the_plan_drafts_only_where_it_ends_the_batch_sooner() -> None:
+    policy = DraftLength(verify_by_batch=((1, 0.1), (2, 0.2), (8, 0.8)), probe_every=1000)
+    copier, free = _lookup(0.9, 40), _lookup(0.0, 40)
+    batch = [copier, free]
+
+    def alone(c: Candidate, batch_size: int) -> int:
+        return policy.choose(c.stats, c.k_max, c.draft_cost, batch=batch_size, own_price=True)
+
+    # equal budgets, one that no draft speeds up: the batch lasts 40 steps whatever the other drafts
+    assert alone(copier, 2) > 0 and policy.plan(batch, 2) == [0, 0]
+    # a sequence whose lookups are accepted but seldom match (one step in ten) binds the batch like one whose are
+    # rejected; this step has a match or not, the plan is the same
+    seldom = Candidate(copier.stats, 4, 0.0, 40, own_price=True, k_now=4, offer_rate=0.1)
+    assert policy.plan([copier, seldom], 2) == [0, 0]
+    assert policy.plan([copier, _lookup(0.9, 40)], 2) == [alone(copier, 2)] * 2
+    # the free-form answer ends first: the copier is the batch's length, and drafts
+    assert policy.plan([copier, _lookup(0.0, 10)], 2)[0] > 0
+    # ... unless a prompt still prefilling (floor) outlasts it anyway
+    assert policy.plan([copier, _lookup(0.0, 10)], 2, floor=40) == [0, 0]
+    # the copier has gone far ahead: it finishes within the batch's length without drafting
+    assert policy.plan([_lookup(0.9, 12), _lookup(0.0, 30)], 2) == [0, 0]
+    # alone in a batch of 8 behind seven short answers, a sequence pays 1/8 of a row every sequence drafts:
+    # acceptance 0.5 does not pay at batch 8's price, it does for the one sequence the batch waits for
+    halfway = _lookup(0.5, 40)
+    assert alone(halfway, 8) == 0
+    assert policy.plan([halfway, *[_lookup(0.0, 5)] * 7], 8)[0] > 0
+    # every sequence equally long and all worth drafting: each drafts as priced alone at the batch's size
+    copiers = [_lookup(0.9, 40) for _ in range(8)]
+    assert policy.plan(copiers, 8) == [alone(c, 8) for c in copiers]
+
+
+@pytest.mark.parametrize("accepted", [0.0, 0.2, 0.5, 0.8, 1.0])
+@pytest.mark.parametrize("cost", [0.0, 0.15, 0.6])
+def test_a_planned_sequence_alone_chooses_as_priced_alone(accepted: float, cost: float) -> None:
+    """One sequence is the whole batch: ending it soonest is its most tokens per cost, ``choose``'s k."""
+    policy = DraftLength(verify_cost=cost, draft_cost=0.05, probe_every=1000)
+    seq = Candidate(DraftStats([50.0] * 5, [50.0 * accepted] * 5), 5, 0.0, 30)
+    assert policy.plan([seq], 1) == [policy.choose(seq.stats, 5, 0.0, batch=1)]
+
+
+def test_the_loop_plans_a_batch_nobody_waits_to_join() -> None:
+    """Prompt lookup over a target that repeats each prompt's cycle (every lookup accepted) or counts (no lookup
+    ever matches): in a batch of both, the copier stops drafting while the counting answer is as long (it sets the
+    batch's length; the first step still assumes the pooled share of steps with a match), and drafts when it is
+    the longer; with a request waiting for a slot each sequence is priced alone, and the copier drafts either way.
+    Every answer equals ar's."""
+    from fakes import ScriptedBackend
+
+    vocab = 64
+    target = ScriptedBackend(lambda c: c[-4] if c[0] < 32 and len(c) >= 4 else (c[-1] + 1) % vocab, vocab)
+    policy = DraftLength(verify_by_batch=((1, 0.1), (2, 0.2)), probe_every=1000)
+
+    def drafted(lengths: tuple[int, ...], max_batch: int = 2) -> list[int]:
+        engine = Engine(target, NgramDrafter(max_ngram=3, min_ngram=2), max_batch=max_batch, max_len=96,
+                        num_draft_tokens=4, draft_length=policy)
+        prompts = [[1, 2, 3, 4, 1, 2, 3, 4], [40, 41, 42], [2, 3, 4, 5, 2, 3, 4, 5]][: len(lengths)]
+        requests = [Request(p, max_tokens=n) for p, n in zip(prompts, lengths)]
+        ems = engine.generate(requests, "ems")
+        assert [o.token_ids for o in ems.outputs] == [o.token_ids for o in engine.generate(requests, "ar").outputs]
+        return [o.metrics.draft_tokens for o in ems.outputs]
+
+    tied, longer = drafted((30, 30)), drafted((30, 10))
+    assert tied[1] == longer[1] == 0 and tied[0] <= 4 < longer[0]  # at most the first step's k = 4
+    # a third request waits for one of the two slots: per-sequence prices, the copier drafts
+    queued = drafted((30, 30, 30))
+    assert queued[0] > 0 and queued[2] > 0
+
+
+def test_a_server_loop_prices_each_sequence_alone(monkeypatch) -> None:
+    """A server's requests wait for their own answers only (``keep_running``): its loop never plans the batch,
+    while a ``generate`` call over the same requests does."""
+    from fakes import ScriptedBackend
+
+    from specdec.runtime import loops
+    from specdec.runtime.scheduler import Scheduler
+
+    planned: list[int] = []
+    real_plan = DraftLength.plan
+    monkeypatch.setattr(DraftLength, "plan", lambda self, seqs, *a, **k: planned.append(len(seqs))
+                        or real_plan(self, seqs, *a, **k))
+    target = ScriptedBackend(lambda c: c[-4] if len(c) >= 4 else (c[-1] + 1) % 64, 64)
+    engine = Engine(target, NgramDrafter(), max_batch=2, max_len=64, num_draft_tokens=4,
+                    draft_length=DraftLength(verify_by_batch=((1, 0.1), (2, 0.2))))
+    requests = [Request([1, 2, 3, 4, 1, 2, 3, 4], max_tokens=12), Request([5, 6, 7, 8, 5, 6], max_tokens=12)]
+    engine.generate(requests, "ems")
+    assert planned and max(planned) == 2
+    planned.clear()
+    scheduler = Scheduler(2)
+    for request in requests:
+        scheduler.submit(request)
+    done: list[int] = []
+    ctx = engine.context(scheduler, keep_running=lambda: len(done) < 2, on_finish=lambda s: done.append(1))
+    loops.ems(ctx)
+    assert len(done) == 2 and ctx.run.summary()["draft_tokens"] > 0 and planned == []

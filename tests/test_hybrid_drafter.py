@@ -122,7 +122,8 @@ def test_the_adaptive_length_prices_and_counts_each_proposer_on_its_own() -> Non
     dear = DraftLength(draft_cost=1.0, verify_cost=0.05, probe_every=1000)  # a model draft: a whole target step
     engine = Engine(target, hybrid, max_batch=4, max_len=96, num_draft_tokens=4, draft_length=dear)
     prompts = [[5, 6, 7, 5, 6], [40, 41], [9, 9, 1, 2, 9, 9]]
-    requests = [engine.request(p, max_tokens=20) for p in prompts]
+    # the answer that copies its prompt is the longest: the batch is its to shorten (``DraftLength.plan``)
+    requests = [engine.request(p, max_tokens=n) for p, n in zip(prompts, (30, 12, 12))]
     ar = engine.generate(requests, "ar").outputs
     ems = engine.generate(requests, "ems")
     assert [o.token_ids for o in ems.outputs] == [o.token_ids for o in ar]

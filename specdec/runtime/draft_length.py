@@ -113,6 +113,16 @@ class DraftStats:
     accepted: list[float] = field(default_factory=list)
     idle: int = 0  # steps since the last one with a draft
     misses: int = 0  # verifications in a row whose drafts were all rejected
+    #: steps the sequence could have drafted, and those of them its drafter had tokens to offer (prompt lookup:
+    #: a match), faded by the same memory; ``DraftLength.offer_rate``
+    asked: float = 0.0
+    offered: float = 0.0
+
+    def note_offer(self, offered: bool, memory: float = 1.0) -> None:
+        """One step in which the sequence could draft: whether its drafter had anything to offer
+        (``drafters.OfferingDrafter``)."""
+        self.asked = memory * self.asked + 1.0
+        self.offered = memory * self.offered + float(offered)
 
     def record(self, drafted: int, accepted: int, memory: float = 1.0) -> None:
         """One verification: ``drafted`` drafts, of which the first ``accepted`` were accepted.
@@ -232,19 +242,116 @@ class DraftLength:
         (``prices``). A choice of 0 becomes 1 once the sequence has gone ``probe_every`` steps
         without a draft (doubled per fruitless probe in a row, up to ``probe_backoff`` times).
         """
+        return self._best(stats, k_max, sum(self.prices(draft_cost, batch, own_price)) * rows, prior)[0]
+
+    def offer_rate(self, stats: DraftStats, prior: float = 1.0) -> float:
+        """The share of steps in which the sequence's drafter has tokens to offer, shrunk toward ``prior`` (a greedy
+        sequence: the pooled share) like the acceptance rates."""
+        return (stats.offered + self.prior_weight * prior) / (stats.asked + self.prior_weight)
+
+    def rate(self, stats: DraftStats, k: int, prior: float | None = None) -> float:
+        """Expected tokens per step of a sequence that drafts ``k``: 1 + sum_{j<=k} prod_{i<=j} beta_i."""
+        expected, survive = 1.0, 1.0
+        for beta in self.rates(stats, k, prior):
+            survive *= beta
+            expected += survive
+        return expected
+
+    def _best(self, stats: DraftStats, k_max: int, per_draft: float, prior: float | None) -> tuple[int, float]:
+        """``choose``'s k at ``per_draft`` (one unit of k's price, in the step's units), with its ``rate``."""
         if k_max <= self.min_k:
-            return max(0, k_max)
-        per_draft = sum(self.prices(draft_cost, batch, own_price)) * rows
-        best_k, best = (0, 1.0) if self.min_k == 0 else (-1, -1.0)
+            return max(0, k_max), self.rate(stats, max(0, k_max), prior)
+        best_k, best, best_rate = (0, 1.0, 1.0) if self.min_k == 0 else (-1, -1.0, 1.0)
         expected, survive = 1.0, 1.0
         for k, beta in enumerate(self.rates(stats, k_max, prior), start=1):
             survive *= beta
             expected += survive
             value = expected / (1.0 + k * per_draft)
             if k >= self.min_k and value > best * (1 + 1e-9):
-                best_k, best = k, value
+                best_k, best, best_rate = k, value, expected
         wait = self.probe_every << min(stats.misses, self.probe_backoff)
-        return 1 if best_k == 0 and stats.idle >= wait else best_k
+        if best_k == 0 and stats.idle >= wait:
+            return 1, self.rate(stats, 1, prior)
+        return best_k, best_rate
+
+    def plan(self, seqs: Sequence[Candidate], batch: int, floor: float = 0.0) -> list[int]:
+        """k per greedy sequence of a batch no request waits to join, chosen to end the batch soonest.
+
+        Why: with nobody waiting for a slot, the batch's throughput is its tokens over the time until its last
+        sequence finishes, and a step's time is shared. A sequence that would finish before the slowest one even
+        without drafting cannot end the batch sooner by drafting; its drafts only lengthen every step for the
+        others (in the edge benchmark's batches of 4 and 8, the prompt lookups of answers that copy their
+        prompt, while the free-form answer beside them set the batch's length: ``ems`` at 0.88-0.94x of
+        ``ar``, ``benchmarks/results/edge_cpu.md`` of 2026-12-05 16:12). And a sequence the batch waits for
+        gains a whole step of the batch from each accepted token, not its share of one.
+
+        How: only a group of the sequences with the most tokens still to go drafts (``Candidate.budget``;
+        sequences with equal budgets go together, since leaving one out leaves the batch as long). A group of c
+        of the step's ``batch`` sequences pays c/batch of what every sequence drafting a verified row costs
+        (``prices``; the draft step keeps the whole batch's price, an upper bound for a smaller batch), each
+        member drafts the k that pays most at that price, and the batch lasts ``max(budget / rate)`` steps over
+        the group and the budgets left out, at least ``floor`` (sequences that are not planned: sampled ones,
+        prompts still prefilling), each step longer by the group's drafts. The plan takes the group, none
+        included, with the least expected time; an empty group is ``ar``, so the plan drafts only where drafting
+        is expected to end the batch sooner. Greedy output does not depend on k, so the plan changes only
+        speed. Budgets count ``max_tokens``, not an end of sequence nobody can foresee: a batch whose answers
+        end early is planned as if they ran to their limit.
+        """
+        budgets = [s.budget for s in seqs]
+        order = sorted(range(len(seqs)), key=lambda i: -budgets[i])
+        best_total, best_ks = max([floor, *budgets]), [0] * len(seqs)
+        for size in _group_sizes([budgets[i] for i in order]):
+            ks, horizon, spent = [0] * len(seqs), max(floor, budgets[order[size]] if size < len(seqs) else 0), 0.0
+            for i in order[:size]:
+                seq = seqs[i]
+                draft, verify = self.prices(seq.draft_cost, batch, seq.own_price)
+                per_draft = draft + verify * size / batch
+                # the batch's length: the rate the sequence keeps over the steps to come, where its drafter has
+                # something to offer in ``offer_rate`` of them; this step: what it has now
+                _, rate = self._best(seq.stats, seq.k_max, per_draft, seq.prior)
+                horizon = max(horizon, seq.budget / (1.0 + seq.offer_rate * (rate - 1.0)))
+                ks[i] = self._best(seq.stats, seq.k_now, per_draft, seq.prior)[0]
+                spent += ks[i] * per_draft
+            total = horizon * (1.0 + spent / size)
+            if total < best_total * (1 - 1e-9):
+                best_total, best_ks = total, ks
+        return best_ks
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What ``DraftLength.plan`` knows of one greedy sequence: its history and prices as ``choose`` takes them;
+    ``budget``, the tokens it may still generate (``max_tokens`` and its KV slot's room); ``k_now``, the most its
+    drafter offers this step (at most ``k_max``, the most it may draft); ``offer_rate``, how often its drafter has
+    something to offer (``DraftLength.offer_rate``)."""
+
+    stats: DraftStats
+    k_max: int
+    draft_cost: float
+    budget: int
+    own_price: bool = False
+    prior: float | None = None
+    k_now: int = -1  # -1: k_max
+    offer_rate: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.k_now < 0:
+            object.__setattr__(self, "k_now", self.k_max)
+
+
+#: the most group sizes ``DraftLength.plan`` weighs (each prices every member once): a batch of many distinct
+#: budgets is planned at sizes spread over it
+MAX_GROUP_SIZES = 12
+
+
+def _group_sizes(budgets_descending: Sequence[int]) -> list[int]:
+    """The group sizes ``plan`` weighs: prefixes of the sequences by budget that do not split equal budgets."""
+    n = len(budgets_descending)
+    sizes = [c for c in range(1, n + 1) if c == n or budgets_descending[c - 1] != budgets_descending[c]]
+    if len(sizes) <= MAX_GROUP_SIZES:
+        return sizes
+    step = (len(sizes) - 1) / (MAX_GROUP_SIZES - 1)
+    return sorted({sizes[round(j * step)] for j in range(MAX_GROUP_SIZES)})
 
 
 def _cost(text: str) -> float:

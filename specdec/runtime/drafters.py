@@ -84,6 +84,21 @@ class SourcedDrafter(Drafter, Protocol):
 
 
 @runtime_checkable
+class OfferingDrafter(Drafter, Protocol):
+    """A drafter that can tell, before drafting, how many tokens it has to offer a sequence now (prompt lookup: what
+    followed the matched n-gram, often nothing).
+
+    Why: the adaptive draft length plans a batch nobody waits to join by how soon each sequence could finish
+    (``DraftLength.plan``); a sequence whose lookup finds no match will not speed up whatever k it is given, and
+    counted as if it would, it makes the plan draft for batch-mates that cannot end the batch sooner.
+    """
+
+    def offer(self, seq: SeqState, k: int) -> int:
+        """The most tokens ``propose`` would draft for ``seq`` with ``k`` (0..k); a function of its tokens only."""
+        ...
+
+
+@runtime_checkable
 class ForestDrafter(Drafter, Protocol):
     """A drafter DSBD can beam-sample forests with: a draft model whose slots the beam decoder steers.
 
@@ -145,6 +160,9 @@ class NgramDrafter:
 
     def propose(self, seqs: Sequence[SeqState], ks: Sequence[int]) -> list[Draft]:
         return [Draft(self.lookup(seq, k)) for seq, k in zip(seqs, ks)]
+
+    def offer(self, seq: SeqState, k: int) -> int:
+        return len(self.lookup(seq, k))
 
     def lookup(self, seq: SeqState, k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of ``seq``'s longest matching n-gram."""
@@ -312,6 +330,10 @@ class HybridDrafter:
 
     def source_cost(self, source: str) -> float | None:
         return self.lookup.relative_cost if source == self.LOOKUP else None
+
+    def offer(self, seq: SeqState, k: int) -> int:
+        """A lookup's tokens where the context matches (``propose`` copies them alone), else the model's k."""
+        return self.lookup.offer(seq, k) or k
 
     def propose(self, seqs: Sequence[SeqState], ks: Sequence[int]) -> list[Draft]:
         drafts = [Draft(self.lookup.lookup(seq, k)) for seq, k in zip(seqs, ks)]

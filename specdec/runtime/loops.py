@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specdec.runtime.backends.base import Backend
-from specdec.runtime.draft_length import POOLED_MEMORY, DraftLength, DraftStats
-from specdec.runtime.drafters import Draft, Drafter, SourcedDrafter
+from specdec.runtime.draft_length import POOLED_MEMORY, Candidate, DraftLength, DraftStats
+from specdec.runtime.drafters import Draft, Drafter, OfferingDrafter, SourcedDrafter
 from specdec.runtime.kv import KVCacheManager
 from specdec.runtime.metrics import RunMetrics, StepRecord
 from specdec.runtime.packed import SeqWork, pack
@@ -75,22 +75,59 @@ class DecodeContext:
     def admit(self, live: Sequence[SeqState]) -> list[SeqState]:
         return self.scheduler.admit(self.kv, len(live))
 
-    def draft_lengths(self, seqs: Sequence[SeqState]) -> list[int]:
+    def draft_lengths(self, seqs: Sequence[SeqState], waiting: Sequence[SeqState] | None = None) -> list[int]:
         """k_i per sequence: its requested k, capped so it never drafts past max_tokens or the context.
 
         With an adaptive ``draft_length`` that k is the most a sequence drafts; the policy picks
         k_i from the sequence's own acceptance so far, a greedy sequence at the prices of a step of
-        ``len(seqs)`` sequences (``draft_length``: its output does not depend on k).
+        ``len(seqs)`` sequences (``draft_length``: its output does not depend on k). ``waiting``: the
+        sequences admitted but still prefilling (ems); given, in a call that returns when all its requests are
+        done (``generate``, not a server's loop) and with no request waiting for a slot, the greedy sequences are
+        planned together to end the batch soonest (``DraftLength.plan``). A server's requests each wait for their
+        own answer only, and the newest request always has the most to go: planned, the others would stop
+        drafting whenever one arrives.
         """
-        ks = []
+        k_maxes, offers = [], []
         sourced = self.draft_length is not None and isinstance(self.drafter, SourcedDrafter)
         for seq in seqs:
             room = self.kv.room(seq.slot) - 1  # rows written: last token + k drafts
             k_max = max(0, min(self.draft_budget(seq, seq.num_generated), room))
             seq.draft_source = self._source(seq) if sourced and k_max > 0 else ""
-            ks.append(self.choose_draft_length(seq, k_max, greedy_batch=len(seqs) if seq.request.sampling.greedy
-                                               else None))
+            k_maxes.append(k_max)
+            offers.append(self._offer(seq, k_max))
+        if self.draft_length is None:
+            return k_maxes
+        if waiting is None or self.keep_running is not None or self.scheduler.pending():
+            return [self.choose_draft_length(seq, k_now, greedy_batch=len(seqs) if seq.request.sampling.greedy
+                                             else None) for seq, k_now in zip(seqs, offers)]
+        return self._planned(seqs, k_maxes, offers, waiting)
+
+    def _planned(self, seqs: Sequence[SeqState], k_maxes: Sequence[int], offers: Sequence[int],
+                 waiting: Sequence[SeqState]) -> list[int]:
+        """``draft_lengths`` of a batch nobody waits to join: the greedy sequences by ``DraftLength.plan``, the
+        sampled ones alone as always (their k must not depend on batch-mates); those and the prompts still
+        prefilling bound the batch's length (``floor``: a prompt at one token a step)."""
+        policy = self.draft_length
+        assert policy is not None
+        ks, floor = list(offers), max((s.request.max_tokens for s in waiting), default=0)
+        candidates, planned = [], []
+        for i, seq in enumerate(seqs):
+            stats, cost, own_price, prior = self._pricing(seq, greedy=seq.request.sampling.greedy)
+            if not seq.request.sampling.greedy:
+                ks[i] = self.choose_draft_length(seq, offers[i])
+                floor = max(floor, self._budget(seq) / policy.rate(stats, ks[i]))
+                continue
+            pooled = _history(self.pooled_drafts, seq.draft_source)
+            candidates.append(Candidate(stats, k_maxes[i], cost, self._budget(seq), own_price, prior, k_now=offers[i],
+                                        offer_rate=policy.offer_rate(stats, policy.offer_rate(pooled))))
+            planned.append(i)
+        for i, k in zip(planned, policy.plan(candidates, len(seqs), floor)):
+            ks[i] = k
         return ks
+
+    def _budget(self, seq: SeqState) -> int:
+        """Tokens ``seq`` may still generate: to ``max_tokens`` or its KV slot's end, whichever comes first."""
+        return max(0, min(seq.request.max_tokens - seq.num_generated, self.kv.room(seq.slot)))
 
     def draft_budget(self, seq: SeqState, generated: int) -> int:
         """The most ``seq`` may draft now, chain tokens or forest layers alike: its requested k (or the engine's),
@@ -121,12 +158,18 @@ class DecodeContext:
         """
         if self.draft_length is None:
             return k_max
+        stats, cost, own_price, prior = self._pricing(seq, greedy=greedy_batch is not None)
+        return self.draft_length.choose(stats, k_max, cost, rows, batch=greedy_batch, prior=prior, own_price=own_price)
+
+    def _pricing(self, seq: SeqState, greedy: bool) -> tuple[DraftStats, float, bool, float | None]:
+        """What the policy prices ``seq`` by: its history for the proposer drafting now, that proposer's own price
+        of a token (and whether it is its own: a hybrid's lookup), and its prior (greedy: the pooled acceptance)."""
+        assert self.draft_length is not None
         source = seq.draft_source
-        prior = None if greedy_batch is None else self.draft_length.pooled_prior(_history(self.pooled_drafts, source))
+        prior = self.draft_length.pooled_prior(_history(self.pooled_drafts, source)) if greedy else None
         own = self.drafter.source_cost(source) if source and isinstance(self.drafter, SourcedDrafter) else None
         cost = own if own is not None else getattr(self.drafter, "relative_cost", 0.0)
-        return self.draft_length.choose(_history(seq.draft_stats, source), k_max, cost, rows, batch=greedy_batch,
-                                        prior=prior, own_price=own is not None)
+        return _history(seq.draft_stats, source), cost, own is not None, prior
 
     def record_drafts(self, seq: SeqState, drafted: int, accepted: int) -> None:
         """``seq``'s verification, for the adaptive draft length: ``accepted`` of ``drafted`` (in order) passed,
@@ -134,6 +177,22 @@ class DecodeContext:
         memory = 1.0 if self.draft_length is None else self.draft_length.memory
         _history(seq.draft_stats, seq.draft_source).record(drafted, accepted, memory)
         _history(self.pooled_drafts, seq.draft_source).record(drafted, accepted, POOLED_MEMORY)
+
+    def _offer(self, seq: SeqState, k: int) -> int:
+        """At most ``k``: fewer where the drafter can tell it has fewer to offer ``seq`` now (``OfferingDrafter``),
+        so the policy does not price drafts that will not come; counted for the plan's ``offer_rate``. A drafter
+        that cannot tell costs only speed."""
+        if k <= 0 or self.draft_length is None or not isinstance(self.drafter, OfferingDrafter):
+            return k
+        try:
+            offer = max(0, min(k, self.drafter.offer(seq, k)))
+        except Exception:
+            log.exception("the drafter could not tell what it offers request %r; pricing it for k=%d",
+                          seq.request.request_id, k)
+            return k
+        _history(seq.draft_stats, seq.draft_source).note_offer(offer > 0, self.draft_length.memory)
+        _history(self.pooled_drafts, seq.draft_source).note_offer(offer > 0, POOLED_MEMORY)
+        return offer
 
     def _source(self, seq: SeqState) -> str:
         """The proposer that would draft for ``seq`` ("" for a drafter of one kind). A drafter that cannot tell
@@ -375,7 +434,7 @@ def ems(ctx: DecodeContext) -> RunMetrics:
     filling: list[SeqState] = []  # admitted, prompt not fully prefilled yet (chunked prefill)
     while ctx.has_work(live + filling):
         filling += ctx.admit(live + filling)
-        drafts, draft_seconds = ctx.propose(live)
+        drafts, draft_seconds = ctx.propose(live, ctx.draft_lengths(live, waiting=filling))
         work = [SeqWork(s.slot, ctx.kv.length(s.slot), [s.tokens[-1], *d.tokens]) for s, d in zip(live, drafts)]
         num_drafts = sum(len(d.tokens) for d in drafts)
         chunks = ctx.prefill_chunks(filling, len(live) + num_drafts)
