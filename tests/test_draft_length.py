@@ -311,6 +311,18 @@ def test_a_planned_sequence_alone_chooses_as_priced_alone(accepted: float, cost:
     assert policy.plan([seq], 1) == [policy.choose(seq.stats, 5, 0.0, batch=1)]
 
 
+def test_a_sequence_the_batch_waits_for_still_probes() -> None:
+    """Drafts that do not pay stop, and a probe is due after ``probe_every`` idle steps: the plan keeps it for a
+    sequence the batch waits for (alone, as ``choose`` does), not for one that finishes first anyway."""
+    policy = DraftLength(verify_cost=0.5, draft_cost=0.1)
+    idle = DraftStats([50.0], [5.0], idle=8)
+    assert policy.choose(idle, 4, 0.0, batch=1) == 1
+    assert policy.plan([Candidate(idle, 4, 0.0, 30)], 1) == [1]
+    short = Candidate(idle, 4, 0.0, 10)
+    assert policy.plan([Candidate(idle, 4, 0.0, 30), short], 2) == [1, 0]
+    assert policy.plan([Candidate(DraftStats([50.0], [5.0], idle=3), 4, 0.0, 30)], 1) == [0]  # not due yet
+
+
 def test_the_loop_plans_a_batch_nobody_waits_to_join() -> None:
     """Prompt lookup over a target that repeats each prompt's cycle (every lookup accepted) or counts (no lookup
     ever matches): in a batch of both, the copier stops drafting while the counting answer is as long (it sets the

@@ -269,10 +269,13 @@ class DraftLength:
             value = expected / (1.0 + k * per_draft)
             if k >= self.min_k and value > best * (1 + 1e-9):
                 best_k, best, best_rate = k, value, expected
-        wait = self.probe_every << min(stats.misses, self.probe_backoff)
-        if best_k == 0 and stats.idle >= wait:
+        if best_k == 0 and self._probe_due(stats):
             return 1, self.rate(stats, 1, prior)
         return best_k, best_rate
+
+    def _probe_due(self, stats: DraftStats) -> bool:
+        """Whether a sequence that stopped drafting has waited long enough to try one draft again (``choose``)."""
+        return stats.idle >= self.probe_every << min(stats.misses, self.probe_backoff)
 
     def plan(self, seqs: Sequence[Candidate], batch: int, floor: float = 0.0) -> list[int]:
         """k per greedy sequence of a batch no request waits to join, chosen to end the batch soonest.
@@ -293,9 +296,9 @@ class DraftLength:
         the group and the budgets left out, at least ``floor`` (sequences that are not planned: sampled ones,
         prompts still prefilling), each step longer by the group's drafts. The plan takes the group, none
         included, with the least expected time; an empty group is ``ar``, so the plan drafts only where drafting
-        is expected to end the batch sooner. Greedy output does not depend on k, so the plan changes only
-        speed. Budgets count ``max_tokens``, not an end of sequence nobody can foresee: a batch whose answers
-        end early is planned as if they ran to their limit.
+        is expected to end the batch sooner, and where a sequence the batch waits for is due to probe. Greedy
+        output does not depend on k, so the plan changes only speed. Budgets count ``max_tokens``, not an end of
+        sequence nobody can foresee: a batch whose answers end early is planned as if they ran to their limit.
         """
         budgets = [s.budget for s in seqs]
         order = sorted(range(len(seqs)), key=lambda i: -budgets[i])
@@ -315,6 +318,12 @@ class DraftLength:
             total = horizon * (1.0 + spent / size)
             if total < best_total * (1 - 1e-9):
                 best_total, best_ks = total, ks
+        # a sequence the batch waits for still probes when due, as ``choose`` has it do: its text may turn
+        # predictable, and at the price of its first draft a probe would never pay
+        longest = max([floor, *budgets], default=0)
+        for i, seq in enumerate(seqs):
+            if best_ks[i] == 0 and seq.k_now > 0 and seq.budget >= longest and self._probe_due(seq.stats):
+                best_ks[i] = 1
         return best_ks
 
 
