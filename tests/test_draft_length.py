@@ -311,15 +311,16 @@ def test_a_planned_sequence_alone_chooses_as_priced_alone(accepted: float, cost:
     assert policy.plan([seq], 1) == [policy.choose(seq.stats, 5, 0.0, batch=1)]
 
 
-def test_a_sequence_the_batch_waits_for_still_probes() -> None:
+def test_a_sequence_alone_in_its_batch_still_probes() -> None:
     """Drafts that do not pay stop, and a probe is due after ``probe_every`` idle steps: the plan keeps it for a
-    sequence the batch waits for (alone, as ``choose`` does), not for one that finishes first anyway."""
+    sequence alone in its batch (as ``choose`` does), not beside others, whose steps it would lengthen."""
     policy = DraftLength(verify_cost=0.5, draft_cost=0.1)
     idle = DraftStats([50.0], [5.0], idle=8)
     assert policy.choose(idle, 4, 0.0, batch=1) == 1
     assert policy.plan([Candidate(idle, 4, 0.0, 30)], 1) == [1]
     short = Candidate(idle, 4, 0.0, 10)
-    assert policy.plan([Candidate(idle, 4, 0.0, 30), short], 2) == [1, 0]
+    assert policy.plan([Candidate(idle, 4, 0.0, 30), short], 2) == [0, 0]
+    assert policy.plan([Candidate(idle, 4, 0.0, 30)], 1, floor=40) == [0]  # a prompt still prefilling outlasts it
     assert policy.plan([Candidate(DraftStats([50.0], [5.0], idle=3), 4, 0.0, 30)], 1) == [0]  # not due yet
 
 

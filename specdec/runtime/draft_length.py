@@ -257,8 +257,10 @@ class DraftLength:
             expected += survive
         return expected
 
-    def _best(self, stats: DraftStats, k_max: int, per_draft: float, prior: float | None) -> tuple[int, float]:
-        """``choose``'s k at ``per_draft`` (one unit of k's price, in the step's units), with its ``rate``."""
+    def _best(self, stats: DraftStats, k_max: int, per_draft: float, prior: float | None,
+              probe: bool = True) -> tuple[int, float]:
+        """``choose``'s k at ``per_draft`` (one unit of k's price, in the step's units), with its ``rate``;
+        ``probe``: a probe that is due replaces a choice of 0."""
         if k_max <= self.min_k:
             return max(0, k_max), self.rate(stats, max(0, k_max), prior)
         best_k, best, best_rate = (0, 1.0, 1.0) if self.min_k == 0 else (-1, -1.0, 1.0)
@@ -269,7 +271,7 @@ class DraftLength:
             value = expected / (1.0 + k * per_draft)
             if k >= self.min_k and value > best * (1 + 1e-9):
                 best_k, best, best_rate = k, value, expected
-        if best_k == 0 and self._probe_due(stats):
+        if probe and best_k == 0 and self._probe_due(stats):
             return 1, self.rate(stats, 1, prior)
         return best_k, best_rate
 
@@ -296,7 +298,7 @@ class DraftLength:
         the group and the budgets left out, at least ``floor`` (sequences that are not planned: sampled ones,
         prompts still prefilling), each step longer by the group's drafts. The plan takes the group, none
         included, with the least expected time; an empty group is ``ar``, so the plan drafts only where drafting
-        is expected to end the batch sooner, and where a sequence the batch waits for is due to probe. Greedy
+        is expected to end the batch sooner, and where a sequence alone in its batch is due to probe. Greedy
         output does not depend on k, so the plan changes only speed. Budgets count ``max_tokens``, not an end of
         sequence nobody can foresee: a batch whose answers end early is planned as if they ran to their limit.
         """
@@ -311,19 +313,21 @@ class DraftLength:
                 per_draft = draft + verify * size / batch
                 # the batch's length: the rate the sequence keeps over the steps to come, where its drafter has
                 # something to offer in ``offer_rate`` of them; this step: what it has now
-                _, rate = self._best(seq.stats, seq.k_max, per_draft, seq.prior)
+                _, rate = self._best(seq.stats, seq.k_max, per_draft, seq.prior, probe=False)
                 horizon = max(horizon, seq.budget / (1.0 + seq.offer_rate * (rate - 1.0)))
-                ks[i] = self._best(seq.stats, seq.k_now, per_draft, seq.prior)[0]
+                ks[i] = self._best(seq.stats, seq.k_now, per_draft, seq.prior, probe=False)[0]
                 spent += ks[i] * per_draft
             total = horizon * (1.0 + spent / size)
             if total < best_total * (1 - 1e-9):
                 best_total, best_ks = total, ks
-        # a sequence the batch waits for still probes when due, as ``choose`` has it do: its text may turn
-        # predictable, and at the price of its first draft a probe would never pay
-        longest = max([floor, *budgets], default=0)
-        for i, seq in enumerate(seqs):
-            if best_ks[i] == 0 and seq.k_now > 0 and seq.budget >= longest and self._probe_due(seq.stats):
-                best_ks[i] = 1
+        # alone in its batch a sequence still probes when due, as ``choose`` has it do: its text may turn
+        # predictable, and at the price of its first draft a probe would never pay. Beside others it does not:
+        # a probe lengthens every sequence's step, tied sequences fall due in the same step, and a draft model's
+        # probe first catches its cache up over every token since it last drafted (the edge benchmark's draft
+        # model at batch 8: 0.87x ``ar`` with such probes, 0.96x without; README, "Benchmarks")
+        alone = seqs[0] if len(seqs) == 1 and seqs[0].budget >= floor else None
+        if alone is not None and best_ks[0] == 0 and alone.k_now > 0 and self._probe_due(alone.stats):
+            best_ks[0] = 1
         return best_ks
 
 
