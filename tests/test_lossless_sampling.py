@@ -356,12 +356,21 @@ def _neighbours(count: int, offset: int) -> list[Request]:
     return out
 
 
-@pytest.fixture(params=["fixed k", "adaptive k"])
+@pytest.fixture(params=["fixed k", "adaptive k", "adaptive k, prompt lookup", "adaptive k, hybrid"])
 def rng_engine_k(rng_engine: Engine, request: pytest.FixtureRequest):
-    """The engine with a fixed k, or with the adaptive draft length (k from each request's own history)."""
-    rng_engine.draft_length = DraftLength(verify_cost=0.1) if request.param == "adaptive k" else None
+    """The engine with a fixed k, or with the adaptive draft length (k from each request's own history); with
+    drafters that tell what they offer (``OfferingDrafter``), whose greedy neighbours' batches are planned
+    (``DraftLength.plan``) beside the sampled request."""
+    from specdec.runtime.drafters import HybridDrafter, NgramDrafter
+
+    model = rng_engine.drafter
+    rng_engine.draft_length = None if request.param == "fixed k" else DraftLength(verify_cost=0.1)
+    if request.param.endswith("prompt lookup"):
+        rng_engine.drafter = NgramDrafter(max_ngram=2, min_ngram=1)
+    elif request.param.endswith("hybrid"):
+        rng_engine.drafter = HybridDrafter(NgramDrafter(max_ngram=2, min_ngram=1), model)
     yield rng_engine
-    rng_engine.draft_length = None
+    rng_engine.draft_length, rng_engine.drafter = None, model
 
 
 def test_seeded_request_output_does_not_depend_on_its_batch(rng_engine_k: Engine) -> None:

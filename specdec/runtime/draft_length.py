@@ -26,8 +26,9 @@ calibrated per batch size
 (``verify_by_batch``, ``draft_by_batch``) a greedy sequence is priced at its step's batch size.
 
 Exactness: k is fixed before the drafts are drawn and depends only on the sequence's own past
-(and, for a greedy one, on how many sequences share the step), and verification is exact for any
-such k. Greedy output is unchanged whatever k is, so pricing it by the batch changes only speed.
+(and, for a greedy one, on how many sequences share the step, or in a planned batch, ``plan``, on
+its batch-mates' budgets and histories), and verification is exact for any such k. Greedy output
+is unchanged whatever k is, so pricing it by the batch changes only speed.
 A sampled sequence's drafts consume its random draws, so its k must not depend on batch-mates: it
 is priced at the batch-independent price, and a seeded request gives the same output alone and in
 any batch.
@@ -263,16 +264,27 @@ class DraftLength:
         ``probe``: a probe that is due replaces a choice of 0."""
         if k_max <= self.min_k:
             return max(0, k_max), self.rate(stats, max(0, k_max), prior)
-        best_k, best, best_rate = (0, 1.0, 1.0) if self.min_k == 0 else (-1, -1.0, 1.0)
-        expected, survive = 1.0, 1.0
-        for k, beta in enumerate(self.rates(stats, k_max, prior), start=1):
-            survive *= beta
-            expected += survive
-            value = expected / (1.0 + k * per_draft)
-            if k >= self.min_k and value > best * (1 + 1e-9):
-                best_k, best, best_rate = k, value, expected
+        best_k, best_rate = self._pick(self._expected(stats, k_max, prior), k_max, per_draft)
         if probe and best_k == 0 and self._probe_due(stats):
             return 1, self.rate(stats, 1, prior)
+        return best_k, best_rate
+
+    def _expected(self, stats: DraftStats, k_max: int, prior: float | None) -> list[float]:
+        """``rate`` for k = 0..k_max."""
+        out, survive = [1.0], 1.0
+        for beta in self.rates(stats, k_max, prior):
+            survive *= beta
+            out.append(out[-1] + survive)
+        return out
+
+    def _pick(self, expected: Sequence[float], k_max: int, per_draft: float) -> tuple[int, float]:
+        """The k in ``[min_k, k_max]`` (0 when ``min_k`` is 0) with the most ``expected[k]`` per cost, and its
+        rate (ties: shorter)."""
+        best_k, best, best_rate = (0, 1.0, 1.0) if self.min_k == 0 else (-1, -1.0, 1.0)
+        for k in range(max(1, self.min_k), k_max + 1):
+            value = expected[k] / (1.0 + k * per_draft)
+            if value > best * (1 + 1e-9):
+                best_k, best, best_rate = k, value, expected[k]
         return best_k, best_rate
 
     def _probe_due(self, stats: DraftStats) -> bool:
@@ -304,18 +316,21 @@ class DraftLength:
         """
         budgets = [s.budget for s in seqs]
         order = sorted(range(len(seqs)), key=lambda i: -budgets[i])
+        # what does not depend on the group's size, once per sequence: its prices at the step's batch and its
+        # expected tokens per step for every k
+        priced = [self.prices(seq.draft_cost, batch, seq.own_price) for seq in seqs]
+        expected = [self._expected(seq.stats, max(seq.k_max, 0), seq.prior) for seq in seqs]
         best_total, best_ks = max([floor, *budgets]), [0] * len(seqs)
         for size in _group_sizes([budgets[i] for i in order]):
             ks, horizon, spent = [0] * len(seqs), max(floor, budgets[order[size]] if size < len(seqs) else 0), 0.0
             for i in order[:size]:
-                seq = seqs[i]
-                draft, verify = self.prices(seq.draft_cost, batch, seq.own_price)
+                seq, (draft, verify) = seqs[i], priced[i]
                 per_draft = draft + verify * size / batch
                 # the batch's length: the rate the sequence keeps over the steps to come, where its drafter has
                 # something to offer in ``offer_rate`` of them; this step: what it has now
-                _, rate = self._best(seq.stats, seq.k_max, per_draft, seq.prior, probe=False)
+                k, rate = self._pick(expected[i], max(seq.k_max, 0), per_draft)
                 horizon = max(horizon, seq.budget / (1.0 + seq.offer_rate * (rate - 1.0)))
-                ks[i] = self._best(seq.stats, seq.k_now, per_draft, seq.prior, probe=False)[0]
+                ks[i] = k if seq.k_now >= seq.k_max else self._pick(expected[i], seq.k_now, per_draft)[0]
                 spent += ks[i] * per_draft
             total = horizon * (1.0 + spent / size)
             if total < best_total * (1 - 1e-9):
@@ -325,7 +340,7 @@ class DraftLength:
         # a probe lengthens every sequence's step, tied sequences fall due in the same step, and a draft model's
         # probe first catches its cache up over every token since it last drafted (the edge benchmark's draft
         # model at batch 8: 0.87x ``ar`` with such probes, 0.96x without; README, "Benchmarks")
-        alone = seqs[0] if len(seqs) == 1 and seqs[0].budget >= floor else None
+        alone = seqs[0] if batch == 1 and len(seqs) == 1 and seqs[0].budget >= floor else None
         if alone is not None and best_ks[0] == 0 and alone.k_now > 0 and self._probe_due(alone.stats):
             best_ks[0] = 1
         return best_ks

@@ -82,7 +82,8 @@ class DecodeContext:
         return self.scheduler.admit(self.kv, len(live))
 
     def draft_lengths(self, seqs: Sequence[SeqState], waiting: Sequence[SeqState] | None = None) -> list[int]:
-        """k_i per sequence: its requested k, capped so it never drafts past max_tokens or the context.
+        """k_i per sequence: its requested k, capped so it never drafts past max_tokens or the context, chosen by
+        the adaptive policy per sequence or planned over the batch.
 
         With an adaptive ``draft_length`` that k is the most a sequence drafts; the policy picks
         k_i from the sequence's own acceptance so far, a greedy sequence at the prices of a step of
@@ -101,9 +102,10 @@ class DecodeContext:
             seq.draft_source = self._source(seq) if sourced and k_max > 0 else ""
             k_maxes.append(k_max)
             offers.append(self._offer(seq, k_max))
-        if self.draft_length is None:
+        if self.draft_length is None or self.drafter is None:
             return k_maxes
-        if waiting is None or self.keep_running is not None or self.scheduler.pending():
+        if (waiting is None or self.keep_running is not None or self.scheduler.pending()
+                or self.draft_length.min_k > 0):  # the plan's empty group drafts nothing: below a floor of k
             return [self.choose_draft_length(seq, k_now, greedy_batch=len(seqs) if seq.request.sampling.greedy
                                              else None) for seq, k_now in zip(seqs, offers)]
         return self._planned(seqs, k_maxes, offers, waiting)
@@ -115,7 +117,8 @@ class DecodeContext:
         prefilling bound the batch's length (``floor``: a prompt at one token a step)."""
         policy = self.draft_length
         assert policy is not None
-        ks, floor = list(offers), max((s.request.max_tokens for s in waiting), default=0)
+        ks, floor = list(offers), max((min(s.request.max_tokens, self.kv.max_len - s.num_prompt) for s in waiting),
+                                      default=0)
         candidates, planned = [], []
         for i, seq in enumerate(seqs):
             stats, cost, own_price, prior = self._pricing(seq, greedy=seq.request.sampling.greedy)
@@ -210,13 +213,15 @@ class DecodeContext:
                           seq.request.request_id)
             return ""
 
-    def propose(self, seqs: Sequence[SeqState], ks: Sequence[int] | None = None) -> tuple[list[Draft], float]:
-        """Drafts for ``seqs``. A drafter that raises costs only speed: each sequence is asked alone, and one
-        whose own drafting fails verifies no drafts this step (exact either way: drafts never change an answer)."""
+    def propose(self, seqs: Sequence[SeqState], ks: Sequence[int] | None = None,
+                waiting: Sequence[SeqState] | None = None) -> tuple[list[Draft], float]:
+        """Drafts for ``seqs``, with the time choosing their k took (``draft_lengths``, ``waiting`` passed on). A
+        drafter that raises costs only speed: each sequence is asked alone, and one whose own drafting fails
+        verifies no drafts this step (exact either way: drafts never change an answer)."""
         if self.drafter is None or not seqs:
             return [Draft([]) for _ in seqs], 0.0
         start = time.perf_counter()
-        ks = self.draft_lengths(seqs) if ks is None else ks
+        ks = self.draft_lengths(seqs, waiting) if ks is None else ks
         try:
             drafts = self.drafter.propose(seqs, ks)
         except Exception:
@@ -440,7 +445,7 @@ def ems(ctx: DecodeContext) -> RunMetrics:
     filling: list[SeqState] = []  # admitted, prompt not fully prefilled yet (chunked prefill)
     while ctx.has_work(live + filling):
         filling += ctx.admit(live + filling)
-        drafts, draft_seconds = ctx.propose(live, ctx.draft_lengths(live, waiting=filling))
+        drafts, draft_seconds = ctx.propose(live, waiting=filling)
         work = [SeqWork(s.slot, ctx.kv.length(s.slot), [s.tokens[-1], *d.tokens]) for s, d in zip(live, drafts)]
         num_drafts = sum(len(d.tokens) for d in drafts)
         chunks = ctx.prefill_chunks(filling, len(live) + num_drafts)
