@@ -378,3 +378,21 @@ def test_a_server_loop_prices_each_sequence_alone(monkeypatch) -> None:
     ctx = engine.context(scheduler, keep_running=lambda: len(done) < 2, on_finish=lambda s: done.append(1))
     loops.ems(ctx)
     assert len(done) == 2 and ctx.run.summary()["draft_tokens"] > 0 and planned == []
+
+
+def test_a_plan_that_fails_prices_each_sequence_alone(monkeypatch, caplog) -> None:
+    """A fault in the plan costs only speed: logged, each sequence priced alone, every answer ar's."""
+    from fakes import ScriptedBackend
+
+    def broken(self, seqs, *args, **kwargs):
+        raise RuntimeError("plan fault")
+
+    monkeypatch.setattr(DraftLength, "plan", broken)
+    target = ScriptedBackend(lambda c: c[-4] if len(c) >= 4 else (c[-1] + 1) % 64, 64)
+    engine = Engine(target, NgramDrafter(), max_batch=2, max_len=64, num_draft_tokens=4,
+                    draft_length=DraftLength(verify_by_batch=((1, 0.1), (2, 0.2))))
+    requests = [Request([1, 2, 3, 4, 1, 2, 3, 4], max_tokens=12), Request([5, 6, 7, 8, 5, 6], max_tokens=12)]
+    ems = engine.generate(requests, "ems")
+    assert [o.error for o in ems.outputs] == [None, None]
+    assert [o.token_ids for o in ems.outputs] == [o.token_ids for o in engine.generate(requests, "ar").outputs]
+    assert ems.run.summary()["draft_tokens"] > 0 and "plan fault" in caplog.text

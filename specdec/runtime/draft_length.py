@@ -252,21 +252,18 @@ class DraftLength:
 
     def rate(self, stats: DraftStats, k: int, prior: float | None = None) -> float:
         """Expected tokens per step of a sequence that drafts ``k``: 1 + sum_{j<=k} prod_{i<=j} beta_i."""
-        expected, survive = 1.0, 1.0
-        for beta in self.rates(stats, k, prior):
-            survive *= beta
-            expected += survive
-        return expected
+        return self._expected(stats, k, prior)[-1]
 
     def _best(self, stats: DraftStats, k_max: int, per_draft: float, prior: float | None,
               probe: bool = True) -> tuple[int, float]:
         """``choose``'s k at ``per_draft`` (one unit of k's price, in the step's units), with its ``rate``;
         ``probe``: a probe that is due replaces a choice of 0."""
+        expected = self._expected(stats, max(0, k_max), prior)
         if k_max <= self.min_k:
-            return max(0, k_max), self.rate(stats, max(0, k_max), prior)
-        best_k, best_rate = self._pick(self._expected(stats, k_max, prior), k_max, per_draft)
+            return max(0, k_max), expected[-1]
+        best_k, best_rate = self._pick(expected, k_max, per_draft)
         if probe and best_k == 0 and self._probe_due(stats):
-            return 1, self.rate(stats, 1, prior)
+            return 1, expected[1]
         return best_k, best_rate
 
     def _expected(self, stats: DraftStats, k_max: int, prior: float | None) -> list[float]:

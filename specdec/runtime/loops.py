@@ -106,9 +106,17 @@ class DecodeContext:
             return k_maxes
         if (waiting is None or self.keep_running is not None or self.scheduler.pending()
                 or self.draft_length.min_k > 0):  # the plan's empty group drafts nothing: below a floor of k
-            return [self.choose_draft_length(seq, k_now, greedy_batch=len(seqs) if seq.request.sampling.greedy
-                                             else None) for seq, k_now in zip(seqs, offers)]
-        return self._planned(seqs, k_maxes, offers, waiting)
+            return self._priced_alone(seqs, offers)
+        try:
+            return self._planned(seqs, k_maxes, offers, waiting)
+        except Exception:  # a plan that fails costs only speed: each sequence is priced alone, as in a server
+            log.exception("planning the draft lengths of %d sequences failed; pricing each alone", len(seqs))
+            return self._priced_alone(seqs, offers)
+
+    def _priced_alone(self, seqs: Sequence[SeqState], offers: Sequence[int]) -> list[int]:
+        """``draft_lengths`` per sequence: a greedy one at the prices of the step's batch, a sampled one alone."""
+        return [self.choose_draft_length(seq, k, greedy_batch=len(seqs) if seq.request.sampling.greedy else None)
+                for seq, k in zip(seqs, offers)]
 
     def _planned(self, seqs: Sequence[SeqState], k_maxes: Sequence[int], offers: Sequence[int],
                  waiting: Sequence[SeqState]) -> list[int]:
@@ -123,7 +131,7 @@ class DecodeContext:
         for i, seq in enumerate(seqs):
             stats, cost, own_price, prior = self._pricing(seq, greedy=seq.request.sampling.greedy)
             if not seq.request.sampling.greedy:
-                ks[i] = self.choose_draft_length(seq, offers[i])
+                ks[i] = policy.choose(stats, offers[i], cost, prior=prior, own_price=own_price)
                 floor = max(floor, self._budget(seq) / policy.rate(stats, ks[i]))
                 continue
             pooled = _history(self.pooled_drafts, seq.draft_source)
