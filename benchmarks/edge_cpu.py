@@ -366,10 +366,55 @@ def run_specdec(spec: dict[str, Any]) -> dict[str, Any]:
             "versions": {"onnxruntime": onnxruntime.__version__}}
 
 
+def _forced(pairs: Sequence[tuple[list[int], list[int]]], argmax_rows: Callable[[list[int], int], list[int]],
+            ) -> dict[str, int]:
+    """Positions of the reference answers and how many of them the model's own greedy choice repeats, given
+    the reference's prompt and answer so far; ``argmax_rows(tokens, first)``: the argmax of every row from
+    ``first`` on, after reading ``tokens``."""
+    positions = agree = 0
+    for prompt, answer in pairs:
+        if not answer:
+            continue
+        picks = argmax_rows(prompt + answer[:-1], len(prompt) - 1)
+        positions += len(answer)
+        agree += sum(int(a == b) for a, b in zip(picks, answer, strict=True))
+    return {"positions": positions, "agree": agree}
+
+
+def run_forced(spec: dict[str, Any]) -> dict[str, Any]:
+    """Next-token agreement with the reference along its own answers (teacher forcing): llama.cpp on the GGUF
+    (``logits_all``) or a specdec export's target graph (one step per answer, logits of the answer's rows)."""
+    import numpy as np
+
+    if spec["model"] == "llama":
+        from llama_cpp import Llama
+
+        llm = Llama(model_path=spec["gguf"], n_ctx=spec["max_len"], n_batch=512, n_threads=spec["threads"],
+                    n_threads_batch=spec["threads"], logits_all=True, seed=0, verbose=False)
+
+        def argmax_rows(tokens: list[int], first: int) -> list[int]:
+            llm.reset()
+            llm.eval(tokens)
+            return np.asarray(llm.scores[first:len(tokens)]).argmax(axis=1).tolist()
+    else:
+        from specdec.runtime.engine import Engine
+        from specdec.runtime.packed import SeqWork, pack
+
+        engine = Engine.from_export(Path(spec["export"]), max_batch=1, max_len=spec["max_len"], num_draft_tokens=0,
+                                    drafter="none", threads=spec["threads"], torch_threads=1)
+
+        def argmax_rows(tokens: list[int], first: int) -> list[int]:
+            rows = list(range(first, len(tokens)))
+            logits = engine.target.step(pack([SeqWork(0, 0, tokens, logits=rows)]), engine.storage)
+            return np.asarray(logits).argmax(axis=1).tolist()
+
+    return {"workloads": {name: _forced(pairs, argmax_rows) for name, pairs in spec["pairs"].items()}}
+
+
 def child_main(spec_path: Path, result_path: Path) -> int:
     """Run one contestant from its spec file and write what it measured, with its own peak RSS."""
     spec = json.loads(spec_path.read_text(encoding="utf-8"))
-    runner = {"llama": run_llama, "hf": run_hf, "specdec": run_specdec}[spec["kind"]]
+    runner = {"llama": run_llama, "hf": run_hf, "specdec": run_specdec, "forced": run_forced}[spec["kind"]]
     result = runner(spec)
     result["peak_rss_mb"] = peak_rss_mb()
     result_path.write_text(json.dumps(result), encoding="utf-8")
@@ -643,6 +688,25 @@ def results_table(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def forced_table(forced: dict[str, dict[str, Any]]) -> list[str]:
+    """Next-token agreement with the reference along its answers, one row per model (nothing without them)."""
+    if not forced:
+        return []
+    lines = ["### Next-token agreement with specdec fp32 `ar`, along its answers", "",
+             "Each position of the reference answers (specdec fp32 `ar`, batch 1), judged on the reference's own "
+             "prompt and answer so far: the share where the model's greedy choice is the reference's token "
+             "(teacher forcing; `forced_agreement`). Unlike the identical-answer rate above, one near-tie flips one "
+             "position, not the rest of an answer.", "",
+             "| model | chat | extractive | positions |", "|:---|---:|---:|---:|"]
+    for label, row in forced.items():
+        if "error" in row:
+            lines.append(f"| {label} | {row['error'][:160]} | | |")
+            continue
+        lines.append(f"| {label} | " + " | ".join(_cell(row[n]["rate"], "{:.1%}") for n in WORKLOADS)
+                     + f" | {' / '.join(str(row[n]['positions']) for n in WORKLOADS)} |")
+    return [*lines, ""]
+
+
 def _export_line(precision: str, export: dict[str, Any]) -> str:
     """How one precision's export was made (or why it is missing) and the prices its calibration measured."""
     if "dir" not in export:
@@ -698,6 +762,7 @@ def markdown_report(doc: dict[str, Any]) -> str:
         "",
         *results_table(doc),
         "",
+        *forced_table(doc.get("next_token_agreement") or {}),
         "## How to read this",
         "",
         "- *tok/s*: new tokens (EOS not counted) / wall seconds of the generation calls, detokenisation included, "
@@ -816,6 +881,30 @@ def run_interleaved(plan: Sequence[Contestant], common: dict[str, Any], repeats:
     return runs
 
 
+def forced_agreement(common: dict[str, Any], reference: dict[str, Any], exports: dict[str, dict[str, Any]],
+                     with_llama: bool, work: Path) -> dict[str, dict[str, Any]]:
+    """Next-token agreement of llama.cpp and each quantized export with the reference along its answers.
+
+    Why beside the answers' agreement: a greedy answer that parts from the reference after a near-tie then
+    continues from a different context, so "identical answers" counts one flip as a whole answer lost; here
+    every position is judged on the reference's own context, which says how often the weights and the
+    arithmetic choose differently, and compares llama.cpp's rounding with specdec's on the same footing.
+    """
+    pairs = {name: [[p, a] for p, a in zip(common["prompts"][name], reference[name]["ids"], strict=True)]
+             for name in WORKLOADS}
+    models = ([("llama.cpp Q4_1", {"model": "llama"})] if with_llama else []) + [
+        (f"specdec {precision}", {"model": "specdec", "export": info["dir"]})
+        for precision, info in exports.items() if "dir" in info]
+    out: dict[str, dict[str, Any]] = {}
+    for label, extra in tqdm(models, desc="next-token agreement", unit="model"):
+        spec = {**common, **extra, "kind": "forced", "pairs": pairs}
+        result = run_child(spec, work, "forced_" + "".join(ch if ch.isalnum() else "_" for ch in label))
+        out[label] = result if "error" in result else {
+            name: {**w, "rate": w["agree"] / w["positions"] if w["positions"] else None}
+            for name, w in result["workloads"].items()}
+    return out
+
+
 def collect(rows: Sequence[Contestant], runs: dict[str, list[dict[str, Any]]], unavailable: dict[str, str],
             ) -> tuple[dict[str, dict[str, Any]], dict[str, Any] | None]:
     """Each contestant's summary, and the reference answers (specdec fp32 ar at batch 1) they are compared with."""
@@ -892,6 +981,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = run_interleaved(plan, common, repeats, exports, args)
     results, reference = collect(rows, runs, unavailable)
     baseline = "llama.cpp Q4_1 B=1"
+    forced = {} if reference is None else forced_agreement(
+        common, reference, exports, "error" not in results.get(baseline, {"error": ""}), args.export_dir / "runs")
     add_ratios(results, baseline)
     info = machine_info()
     versions: dict[str, str] = {}
@@ -925,6 +1016,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "notes": notes,
         },
         "results": results,
+        "next_token_agreement": forced,
     }
     text = write_report(doc, args.out_dir, "edge_cpu_quick" if quick else "edge_cpu", markdown_report, plot)
     print(text)
