@@ -35,6 +35,8 @@ Run::
     python benchmarks/step_profile.py --graph deploy/target/model.onnx --rounds 3
     python benchmarks/step_profile.py --before int4-fp32act/target/model.onnx --after int4/target/model.onnx \
         --stem step_profile_int4
+    python benchmarks/step_profile.py --before benchmarks/.cache/edge/int4/target/model.onnx \
+        --after benchmarks/.cache/edge/int8/target/model.onnx --stem step_profile_edge --prefill --rounds 3 --steps 3
 
 Writes ``<out-dir>/<stem>.{json,md,png}`` (default ``benchmarks/results/step_profile``).
 """
@@ -42,6 +44,7 @@ Writes ``<out-dir>/<stem>.{json,md,png}`` (default ``benchmarks/results/step_pro
 from __future__ import annotations
 
 import argparse
+import bisect
 import datetime as dt
 import json
 import shlex
@@ -81,13 +84,23 @@ SLOTS, MAX_LEN, CONTEXT = 16, 1024, 200
 PAST = [CONTEXT - 10 + 3 * s for s in range(8)]  # committed length of slots 0..7
 
 
-def shapes() -> dict[str, PackedBatch]:
-    """The three steps profiled (token ids are arbitrary: the cost does not depend on them)."""
-    return {
+PREFILL = [160, 200, 240, 280, 300, 320, 340, 359]  # prompt lengths of the B=8 prefill: edge_cpu's extractive range
+
+
+def shapes(prefill: bool = False) -> dict[str, PackedBatch]:
+    """The steps profiled (token ids are arbitrary: the cost does not depend on them); ``prefill`` adds one
+    prefill of 8 prompts (``PREFILL``, 2,199 rows, into the idle slots 8..15), the step that bounds a batch of
+    long prompts (``benchmarks/results/edge_cpu.md``: TTFT 2.5 s at batch 8)."""
+    steps = {
         "B=1 decode": pack([SeqWork(3, PAST[3], [42])]),
         "B=8 decode": pack([SeqWork(s, PAST[s], [100 + s]) for s in range(8)]),
         "B=8 verify 8x5": pack([SeqWork(s, PAST[s], [100 + s + j for j in range(5)]) for s in range(8)]),
     }
+    if prefill:
+        rng = np.random.default_rng(1)
+        steps["B=8 prefill 160-359"] = pack([SeqWork(8 + s, 0, rng.integers(0, 49152, n).tolist(), logits="last")
+                                             for s, n in enumerate(PREFILL)])
+    return steps
 
 
 def prefilled_cache(backend: OrtBackend | TorchBackend) -> KVStorage:
@@ -132,6 +145,32 @@ def time_steps(backends: dict[str, OrtBackend], steps: dict[str, PackedBatch], c
     return samples
 
 
+#: nodes whose profiled time includes the nodes of their subgraphs (the fused attention's layout ``If``)
+CONTROL_FLOW = frozenset({"If", "Loop", "Scan"})
+
+
+def own_durations(kernels: list[dict[str, Any]]) -> list[float]:
+    """Each kernel event's own duration: a control-flow node's minus the nodes that ran inside its window.
+
+    Why: ORT's profiler times an ``If`` from entering to leaving its branch, and times the branch's nodes
+    too, so summing both counts the branch twice (the lowering's per-layer ``If`` holds the attention: the
+    B=8 prefill's GroupQueryAttention time appeared again as the ``If``'s). Steps run their nodes one after
+    another (ORT's sequential execution), so the events inside an ``If``'s window are its branch's.
+    """
+    order = sorted(range(len(kernels)), key=lambda i: kernels[i]["ts"])
+    starts = [kernels[i]["ts"] for i in order]
+    own = [float(e["dur"]) for e in kernels]
+    for i, e in enumerate(kernels):
+        if e["args"].get("op_name") not in CONTROL_FLOW:
+            continue
+        end = e["ts"] + e["dur"]
+        inner = (order[j] for j in range(bisect.bisect_left(starts, e["ts"]), bisect.bisect_right(starts, end)))
+        own[i] -= sum(kernels[j]["dur"] for j in inner
+                      if j != i and kernels[j]["ts"] + kernels[j]["dur"] <= end
+                      and kernels[j]["args"].get("op_name") not in CONTROL_FLOW)
+    return own
+
+
 def profile_steps(variants: dict[str, Variant], steps: dict[str, PackedBatch], n: int,
                   threads: int, prefix: Path) -> dict[str, dict[str, Any]]:
     """Per-op and per-node kernel ms per step of each (shape, variant), from ORT's profiler."""
@@ -153,17 +192,18 @@ def profile_steps(variants: dict[str, Variant], steps: dict[str, PackedBatch], n
         events = json.loads(Path(backend.session.end_profiling()).read_text())
         model_runs = [e for e in events if e.get("name") == "model_run"][len(PAST):]  # after the prefills
         kernels = [e for e in events if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")]
+        own = own_durations(kernels)
         for shape, first in windows[variant]:
             chosen = model_runs[first : first + n]
             lo, hi = chosen[0]["ts"], chosen[-1]["ts"] + chosen[-1]["dur"]
             by_op: Counter[str] = Counter()
             by_node: Counter[str] = Counter()
             nodes = set()
-            for e in kernels:
+            for e, dur in zip(kernels, own, strict=True):
                 if lo <= e["ts"] <= hi:
                     op = e["args"].get("op_name", "?")
-                    by_op[op] += e["dur"]
-                    by_node[f"{e['name'][: -len('_kernel_time')]} ({op})"] += e["dur"]
+                    by_op[op] += dur
+                    by_node[f"{e['name'][: -len('_kernel_time')]} ({op})"] += dur
                     nodes.add(e["name"])
             out[shape][variant] = {
                 "model_run_ms": statistics.mean(r["dur"] for r in chosen) / 1e3,
@@ -183,7 +223,8 @@ def markdown(doc: dict[str, Any]) -> str:
              f"load average at start {doc['machine'].get('load_average')} (shared machine: other users' jobs ran "
              "during the measurement, so read medians, not single numbers).", "",
              "Wall time: median over interleaved rounds of `OrtBackend.step` with the profiler off. Kernel "
-             "time: the profiler's sum over nodes (its own overhead makes `model_run` longer than the wall time).", "",
+             "time: the profiler's sum over nodes, an `If` counted without the nodes of its branch, which are "
+             "counted themselves (its own overhead makes `model_run` longer than the wall time).", "",
              "Logit error vs the torch reference on these steps: "
              + ", ".join(f"{v} {e:.2e}" for v, e in doc["max_abs_logit_error"].items()) + ".", "",
              "| step | before ms (wall) | after ms (wall) | speed-up | before nodes run | after nodes run |",
@@ -231,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (median kept)")
     parser.add_argument("--steps", type=int, default=8, help="steps per shape per round and in the profile")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--prefill", action="store_true",
+                        help="also profile a prefill of 8 prompts of 160-359 tokens (2.5 s a step on 2 cores)")
     args = parser.parse_args(argv)
     if (args.before is None) != (args.after is None):
         parser.error("--before and --after go together")
@@ -244,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"exporting smollm2-135m to {graph} ...", flush=True)
             export_onnx(load_model("smollm2-135m"), graph)
         variants, mode, title = {"before": (graph, False), "after": (graph, True)}, "fuse", "before / after `ort_fuse`"
-    steps = shapes()
+    steps = shapes(args.prefill)
     backends = {v: OrtBackend(graph, fuse=f, intra_op_threads=args.threads) for v, (graph, f) in variants.items()}
     print("fused:", {v: b.fuse_report for v, b in backends.items()}, flush=True)
     errors = check_exact(backends, steps)
@@ -286,7 +329,10 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         values = [doc["shapes"][n]["wall_ms"][variant] for n in names]
         bars = ax.bar([i + offset for i in range(len(names))], values, width=0.4, label=variant, color=color)
         ax.bar_label(bars, fmt="%.1f", fontsize=8)
-    ax.set_xticks(range(len(names)), names)
+    ax.set_xticks(range(len(names)), names, fontsize=8)
+    walls = [w for n in names for w in doc["shapes"][n]["wall_ms"].values()]
+    if max(walls) > 20 * min(walls):  # a prefill beside decode steps: keep the small bars readable
+        ax.set_yscale("log")
     ax.set_ylabel("ms per target step (median)")
     ax.set_title(f"SmolLM2-135M on ONNX Runtime {doc['onnxruntime']}, {doc['threads']} threads: "
                  f"{doc['title']}", fontsize=9)

@@ -1,4 +1,5 @@
-"""The edge benchmark's next-token agreement: its counting and its table (logic only, fast tier)."""
+"""Pure helpers of the benchmark scripts (logic only, fast tier): the edge benchmark's next-token agreement,
+the step profile's own-time accounting of control-flow nodes."""
 
 from __future__ import annotations
 
@@ -10,15 +11,19 @@ from types import ModuleType
 import pytest
 
 
-@pytest.fixture(scope="module")
-def edge_cpu() -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "edge_cpu.py"
-    spec = importlib.util.spec_from_file_location("edge_cpu_under_test", path)
+def _script(name: str) -> ModuleType:
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def edge_cpu() -> ModuleType:
+    return _script("edge_cpu")
 
 
 def test_forced_judges_each_position_on_the_references_context(edge_cpu: ModuleType) -> None:
@@ -48,3 +53,19 @@ def test_forced_table_reports_rates_and_errors(edge_cpu: ModuleType) -> None:
     assert "| specdec int4 | 98.0% | 97.0% | 200 / 100 |" in text
     assert "| llama.cpp Q4_1 | exit 1: no llama |" in text
     assert edge_cpu.forced_table({}) == []
+
+
+def _event(op: str, ts: int, dur: int) -> dict:
+    return {"name": f"{op}_{ts}_kernel_time", "ts": ts, "dur": dur, "args": {"op_name": op}}
+
+
+def test_a_control_flow_node_keeps_only_its_own_time() -> None:
+    step_profile = _script("step_profile")
+    events = [_event("MatMulNBits", 0, 50),
+              _event("If", 60, 40),                 # its branch: the two nodes inside its window
+              _event("GroupQueryAttention", 62, 30),
+              _event("Gather", 93, 5),
+              _event("MatMulNBits", 101, 20)]       # after the If: not its branch
+    own = step_profile.own_durations(events)
+    assert own == [50.0, 5.0, 30.0, 5.0, 20.0]
+    assert sum(own) == 110  # no node counted twice: the wall of the nodes run, 50 + 40 + 20
