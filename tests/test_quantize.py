@@ -12,6 +12,7 @@ import json
 import random
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -39,6 +40,7 @@ from test_lossless_sampling import (
 )
 
 from specdec.export import quantize as q
+from specdec.export.blocks import centred_offsets
 from specdec.export.cli import main as export_main
 from specdec.export.onnx import export_onnx
 from specdec.models import gguf_blocks
@@ -104,6 +106,48 @@ def test_gguf_blocks_convert_bit_exactly(kind: str) -> None:
     assert np.array_equal(block.dequantize(), want)
     assert np.array_equal(block.widened(8).dequantize(), want)  # 4-bit codes held exactly in 8 bits
     assert block.bits == (8 if kind == "Q8_0" else 4)
+
+
+def test_q4_1_offsets_are_centred_exactly() -> None:
+    """Each Q4_1 block takes the zero point that makes its offset smallest, and the weights do not change."""
+    rng = np.random.default_rng(11)
+    weight = (rng.standard_normal((16, 256)) * 0.05 + rng.normal(0, 0.03, (16, 1))).astype(np.float32)
+    raw = gguf.quants.quantize(weight, GG["Q4_1"])
+    block = q.from_gguf_blocks("Q4_1", raw, 256)
+    m = raw.reshape(16, 8, -1)[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+    d = block.scales.astype(np.float64)
+    assert block.zero_points is not None and block.zero_points.max() <= 15
+    centred = m + block.zero_points * d
+    assert np.array_equal(block.offsets.astype(np.float64), centred)  # exact in fp32: no weight moved
+    assert np.all(np.abs(centred) <= np.abs(m))
+    assert np.array_equal(np.abs(centred), np.abs(m[..., None] + np.arange(16) * d[..., None]).min(-1))  # nearest
+    assert np.array_equal(block.dequantize(), gguf.quants.dequantize(raw, GG["Q4_1"]))
+
+
+def test_an_offset_that_would_round_keeps_a_zero_point_that_does_not() -> None:
+    """-1024 + z * d spans 35 bits for every z >= 1 with this fp16 scale: only z = 0 keeps the weights exact."""
+    d = np.array([[2.0**-14 * (1 + 2.0**-10)], [0.5]], np.float32)
+    m = np.array([[-1024.0], [-3.0]], np.float32)
+    zero_points, offsets = centred_offsets(d, m, 15)
+    assert zero_points.tolist() == [[0], [6]]  # the second block centres exactly: -3 + 6 * 0.5 = 0
+    assert offsets.tolist() == [[-1024.0], [0.0]]
+
+
+def test_centred_q4_1_blocks_round_the_inputs_less() -> None:
+    """At int8 activations, the Q4_1 product with centred offsets is closer to the exact one than with raw
+    codes 0..15 and the whole offset in the correction (the reason for ``centred_offsets``)."""
+    rng = np.random.default_rng(5)
+    weight = (rng.standard_normal((96, 576)) * 0.05).astype(np.float32)
+    block = q.from_gguf_blocks("Q4_1", gguf.quants.quantize(weight, GG["Q4_1"]), 576)
+    raw_codes = replace(block, zero_points=np.zeros_like(block.zero_points),
+                        offsets=(block.offsets.astype(np.float64) - block.zero_points * block.scales.astype(np.float64)
+                                 ).astype(np.float32))
+    assert np.array_equal(raw_codes.dequantize(), block.dequantize())  # the same weights, held two ways
+    x = rng.standard_normal((32, 576)).astype(np.float32)
+    want = x.astype(np.float64) @ block.dequantize().T.astype(np.float64)
+    errors = {name: float(np.abs(_one_linear(b, None, q.ACCURACY_LEVEL).run(None, {"x": x})[0] - want).mean())
+              for name, b in (("centred", block), ("raw", raw_codes))}
+    assert errors["centred"] < 0.5 * errors["raw"], errors
 
 
 def _one_linear(block: q.BlockQuant, bias: np.ndarray | None, level: int) -> Any:

@@ -168,4 +168,29 @@ def from_gguf_blocks(ggml_type: str, data: np.ndarray, columns: int) -> BlockQua
     if ggml_type == "Q4_0":
         return BlockQuant(4, codes, d, None, None, columns, ggml_type)
     m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    return BlockQuant(4, codes, d, np.zeros(d.shape, np.uint8), m, columns, ggml_type)
+    zero_points, offsets = centred_offsets(d, m, 15)
+    return BlockQuant(4, codes, d, zero_points, offsets, columns, ggml_type)
+
+
+def centred_offsets(scales: np.ndarray, offsets: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per block, the zero point z in ``0..top`` whose offset ``m + z*d`` is smallest and exact in fp32.
+
+    ``d*q + m == d*(q - z) + (m + z*d)`` for every code q, so the weights do not change; what changes is
+    how much of them the kernel computes. MatMulNBits multiplies ``d*(q - z)`` by int8-rounded inputs and
+    the offset correction multiplies ``m'`` by the inputs' exact block sums, so the inputs' rounding
+    errors reach the output weighted by ``d*(q - z)`` and are *not* cancelled by the correction. With
+    z = 0 (Q4_1's raw codes 0..15) every weight of a block carries about ``-m`` ~ ``7.5 d`` of the same
+    sign and the errors add up; centred, they weigh with the weights themselves, as in llama.cpp (whose
+    offset term uses the rounded sums). Measured: ``benchmarks/results/edge_cpu.md``, next-token agreement.
+    Exact: both sides are computed in fp32 from exact operands (``d*(q - z)`` fits 24 bits), so
+    ``dequantize`` stays bit-exact to GGUF's; a z whose ``m + z*d`` would round in fp32 is never chosen
+    (z = 0 always qualifies).
+    """
+    d = scales.astype(np.float64)[..., None]
+    z = np.arange(top + 1, dtype=np.float64)
+    exact = offsets.astype(np.float64)[..., None] + z * d  # [.., top + 1]
+    fits = exact.astype(np.float32).astype(np.float64) == exact
+    cost = np.where(fits, np.abs(exact), np.inf)
+    best = np.argmin(cost, axis=-1)  # ties: the smallest z; z = 0 always fits
+    chosen = np.take_along_axis(exact, best[..., None], axis=-1)[..., 0]
+    return best.astype(np.uint8), chosen.astype(np.float32)
