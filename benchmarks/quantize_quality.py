@@ -100,7 +100,7 @@ def perplexity(backend: OrtBackend, documents: list[list[int]]) -> float:
     nll, count = 0.0, 0
     for ids in documents:
         cache = backend.allocate_cache(1, len(ids))
-        logits = backend.step(pack([SeqWork(0, 0, ids)]), cache).double()
+        logits = torch.from_numpy(np.asarray(backend.step(pack([SeqWork(0, 0, ids)]), cache), dtype=np.float64))
         logp = torch.log_softmax(logits[:-1], dim=-1)
         nll -= float(logp.gather(1, torch.tensor(ids[1:])[:, None]).sum())
         count += len(ids) - 1
@@ -180,13 +180,13 @@ def kernel_table(repeats: int) -> list[dict]:
 
     gemm = helper.make_node("Gemm", ["x", "w"], ["y"], name="lin", transB=1)
     cases = {"fp32 Gemm": ([gemm], [numpy_helper.from_array(weight, "w")])}
-    forms = (("int4 Q4_1 (zero point 0 + offsets)", q41), ("int8 Q4_1 codes (+ offsets)", q41.widened(8)),
+    forms = (("int4 Q4_1 (centred zero points + offsets)", q41), ("int8 Q4_1 codes (+ offsets)", q41.widened(8)),
              ("int4 rtn", q.quantize_rtn(weight, 4)), ("int8 rtn", q.quantize_rtn(weight, 8)))
     for label, block in forms:
         for level in (0, 4):
             cases[f"{label} L{level}"] = q._matmul_nbits(gemm, block, [], level)
     float_zp = [numpy_helper.from_array(q.pack_codes(q41.codes, 4), "b"), numpy_helper.from_array(q41.scales, "s"),
-                numpy_helper.from_array((-q41.offsets / q41.scales).astype(np.float32), "z")]
+                numpy_helper.from_array((q41.zero_points - q41.offsets / q41.scales).astype(np.float32), "z")]
     cases["int4 Q4_1 (float zero points -m/d) L0"] = (
         [helper.make_node("MatMulNBits", ["x", "b", "s", "z"], ["y"], domain=q.MS_DOMAIN, K=k, N=n, bits=4,
                           block_size=q.BLOCK_SIZE, accuracy_level=0)], float_zp)
@@ -241,9 +241,7 @@ def main() -> None:
             graph.parent.mkdir()
             shutil.copy(fp32, graph)
             shutil.copy(fp32.with_name("model.onnx.data"), graph.with_name("model.onnx.data"))
-            reference, summary = q.quantize_export(model, graph, mode, use_gguf=use_gguf)
-            if level != q.EXACT_ACCURACY_LEVEL:
-                q.set_accuracy_level(graph, level)
+            reference, summary = q.quantize_export(model, graph, mode, use_gguf=use_gguf, accuracy_level=level)
             graphs[label] = graph
             bar.update()
             backend = OrtBackend(graph, intra_op_threads=2)

@@ -48,7 +48,7 @@ Q4_1 offsets below: MLAS takes its one-row path only for an unpacked B) and the 
 the ONNX Runtime lowering keeps its attention off MLAS's one-row path (``ort_fuse``), so a row's
 logits do not depend on the step it is in and greedy ``ems`` equals greedy ``ar`` on the same graph
 bit for bit (``tests/test_batch_invariance.py``). What the int8 rounding of activations costs is
-quality against the fp32 export: held-out perplexity 0.1 % (int4 from the GGUF) to 1.4 % (int8 RTN)
+quality against the fp32 export: held-out perplexity 0.1 % (int8 RTN) to 0.4 % (int8 from the GGUF)
 higher (``benchmarks/results/quantize.md``), and greedy answers that part from the fp32 export's
 after a near-tie, as llama.cpp's own (it rounds activations to 8 bits too) do
 (``benchmarks/results/edge_cpu.md``). Level 0 (fp32 activations, ``--quantize-activations fp32``)
