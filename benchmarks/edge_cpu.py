@@ -923,6 +923,19 @@ def collect(rows: Sequence[Contestant], runs: dict[str, list[dict[str, Any]]], u
     return results, reference
 
 
+def workload_prompts(n_prompts: int, tokenizer: Any, max_tokens: int,
+                     ) -> tuple[dict[str, list[str]], dict[str, list[list[int]]], int]:
+    """The two workloads' texts, their chat-templated token ids, and the cache length they need."""
+    from specdec.bench.workloads import build_workload
+    from specdec.runtime.text import encode_text
+
+    texts = {"chat": [CHAT_PROMPTS[i % len(CHAT_PROMPTS)] for i in range(n_prompts)],
+             "extractive": build_workload(n_prompts)}
+    prompts = {name: [encode_text(tokenizer, t, chat=True) for t in ps] for name, ps in texts.items()}
+    max_len = -(-(max(len(ids) for ps in prompts.values() for ids in ps) + max_tokens + 16) // 64) * 64
+    return texts, prompts, max_len
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Make or reuse the exports, run every contestant interleaved in subprocesses, write the report."""
     parser = build_parser()
@@ -943,9 +956,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from specdec.bench.harness import machine_info
     from specdec.bench.report import write_report
-    from specdec.bench.workloads import build_workload
     from specdec.models.loading import load_metadata
-    from specdec.runtime.text import encode_text
 
     quick = args.quick
     n_prompts, max_tokens, repeats = (2, 16, 1) if quick else (args.prompts, args.max_tokens, args.repeats)
@@ -968,10 +979,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     hf_dir = ensure_hf_dir(args.export_dir)
     meta_model = load_metadata(hf_dir)  # config and tokenizer, no weights
     tokenizer, eos = meta_model.tokenizer, sorted(meta_model.eos_token_ids)
-    texts = {"chat": [CHAT_PROMPTS[i % len(CHAT_PROMPTS)] for i in range(n_prompts)],
-             "extractive": build_workload(n_prompts)}
-    prompts = {name: [encode_text(tokenizer, t, chat=True) for t in ps] for name, ps in texts.items()}
-    max_len = -(-(max(len(ids) for ps in prompts.values() for ids in ps) + max_tokens + 16) // 64) * 64
+    texts, prompts, max_len = workload_prompts(n_prompts, tokenizer, max_tokens)
 
     common = {"prompts": prompts, "max_tokens": max_tokens, "threads": args.threads, "max_len": max_len,
               "eos": eos, "gguf": str(gguf), "hf_dir": str(hf_dir), "lookup_tokens": args.lookup_tokens}

@@ -90,13 +90,13 @@ def measure(export: Path, batches: list[int], repeats: int, common: dict[str, An
     return runs
 
 
-def summarise(runs: dict[str, dict[str, list[Any]]]) -> dict[str, dict[str, Any]]:
+def summarise(runs: dict[str, dict[str, list[Any]]], comparisons: int) -> dict[str, dict[str, Any]]:
     """Per batch and arm: median speeds, the paired ratio to ``ar`` per workload, exactness, drafting."""
     import statistics
 
     from specdec.bench.paired import paired_ratio
 
-    family = family_level(sum(len(arms) - 1 for arms in runs.values()))
+    family = family_level(comparisons)
     table: dict[str, dict[str, Any]] = {}
     for batch, arms in runs.items():
         base = sorted(arms[BASE], key=lambda x: x["repeat"])
@@ -221,35 +221,31 @@ def main(argv: list[str] | None = None) -> int:
 
     from specdec.bench.harness import int_list, machine_info
     from specdec.bench.report import write_report
-    from specdec.bench.workloads import build_workload
     from specdec.models.loading import load_metadata
-    from specdec.runtime.text import encode_text
 
     command = shlex.join(["python", "benchmarks/ems_vs_ar.py", *(sys.argv[1:] if argv is None else argv)])
     load_before = machine_info().get("load_average")
     start = time.perf_counter()
     batches = list(int_list(args.batch_sizes))
-    ks = {"ngram": 6, "hybrid": 6, "draft": 4}  # edge_cpu.py's defaults (--ngram-k, --draft-k)
+    edge = edge_cpu.build_parser().parse_args([])  # the edge benchmark's draft lengths, not a second copy
+    ks = {"ngram": edge.ngram_k, "hybrid": edge.ngram_k, "draft": edge.draft_k}
     export = edge_cpu.ensure_exports([args.precision], args.export_dir, ks["draft"], max(8, *batches))[args.precision]
     if "error" in export:
         print(f"error: {export['error']}", file=sys.stderr)
         return 2
     meta_model = load_metadata(edge_cpu.ensure_hf_dir(args.export_dir))
-    texts = {"chat": [edge_cpu.CHAT_PROMPTS[i % len(edge_cpu.CHAT_PROMPTS)] for i in range(args.prompts)],
-             "extractive": build_workload(args.prompts)}
-    prompts = {n: [encode_text(meta_model.tokenizer, t, chat=True) for t in ps] for n, ps in texts.items()}
-    max_len = -(-(max(len(ids) for ps in prompts.values() for ids in ps) + args.max_tokens + 16) // 64) * 64
+    _, prompts, max_len = edge_cpu.workload_prompts(args.prompts, meta_model.tokenizer, args.max_tokens)
     common = {"prompts": prompts, "max_tokens": args.max_tokens, "threads": args.threads, "max_len": max_len,
               "eos": sorted(meta_model.eos_token_ids)}
     runs = measure(Path(export["dir"]), batches, args.repeats, common, ks)
-    rows = summarise(runs)
+    comparisons = len(batches) * (len(ARMS) - 1)  # every arm but the base, at every batch size
+    rows = summarise(runs, comparisons)
     info = machine_info()
     doc = {"meta": {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "command": command,
                     "export": export["dir"], "export_name": args.precision,
                     "export_command": f"`{export.get('command')}`, made {export.get('created')}",
                     "repeats": args.repeats, "threads": args.threads, "max_tokens": args.max_tokens,
-                    "comparisons": len(batches) * (len(ARMS) - 1),
-                    "family_level": family_level(len(batches) * (len(ARMS) - 1)), "prompts": args.prompts,
+                    "comparisons": comparisons, "family_level": family_level(comparisons), "prompts": args.prompts,
                     "machine": info,
                     "load_before": load_before, "load_after": info.get("load_average"),
                     "elapsed_seconds": round(time.perf_counter() - start, 1)},
