@@ -173,6 +173,7 @@ class TritonServer:
     _start_args: dict = field(default_factory=dict, init=False, repr=False)
     _watched: list[int] = field(default_factory=list, init=False, repr=False)
     _log_handle: object = field(default=None, init=False, repr=False)
+    _own_log: bool = field(default=False, init=False, repr=False)  # log_file was made here, not given
 
     def command(self, model_repository: Path, *, log_verbose: int, exit_timeout_s: int,
                 extra_args: Sequence[str]) -> list[str]:
@@ -253,6 +254,7 @@ class TritonServer:
             fd, name = tempfile.mkstemp(prefix="specdec-tritonserver-", suffix=".log")
             os.close(fd)
             self.log_file = Path(name)
+            self._own_log = True
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         self._start_args = dict(model_repository=model_repository, host=host, grpc_port=grpc_port,
                                 http_port=http_port, metrics_port=metrics_port, log_verbose=log_verbose,
@@ -415,6 +417,10 @@ class TritonServer:
         if self._log_handle is not None:
             self._log_handle.close()  # type: ignore[attr-defined]
             self._log_handle = None
+        if code == 0 and self._own_log and self.log_file is not None:
+            # a log named by nobody, of a server that exited clean, is nothing anyone will read: left in /tmp
+            # it is one more file per start (a test run starts ~200); a failed exit's log stays for diagnosis
+            self.log_file.unlink(missing_ok=True)
         return code
 
     def watch_engine(self) -> list[int]:
