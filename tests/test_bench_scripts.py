@@ -1,5 +1,6 @@
 """Pure helpers of the benchmark scripts (logic only, fast tier): the edge benchmark's next-token agreement and
-the reference's margins where a model parts from it, the step profile's own-time accounting of control-flow nodes."""
+the reference's margins where a model parts from it, the step profile's own-time accounting of control-flow nodes,
+and the rule that picks the main job's export from the served candidates."""
 
 from __future__ import annotations
 
@@ -91,3 +92,28 @@ def test_a_control_flow_node_keeps_only_its_own_time() -> None:
     own = step_profile.own_durations(events)
     assert own == [50.0, 5.0, 30.0, 5.0, 20.0]
     assert sum(own) == 110  # no node counted twice: the wall of the nodes run, 50 + 40 + 20
+
+
+def _served(name: str, ems: tuple[float, float], ar: tuple[float, float], identical: bool = True) -> dict:
+    regimes = ("all at once", "one at a time")
+    return {"name": name, "identical": identical, **{g: {"ems_tokens_per_second": e, "ar_tokens_per_second": a}
+                                                      for g, e, a in zip(regimes, ems, ar, strict=True)}}
+
+
+def test_served_configs_pools_a_graphs_ar_and_keeps_each_drafters_own_ratio() -> None:
+    served = _script("served_configs")
+    rows = [_served("int4, n-gram", (132.0, 90.0), (132.0, 90.0)),       # ratio 1, on a fast server
+            _served("int4, hybrid", (110.0, 75.0), (100.0, 75.0)),       # ratio 1.1 all at once, on a slow one
+            _served("int8, hybrid", (120.0, 80.0), (120.0, 80.0)),
+            _served("fp32, draft model", (500.0, 500.0), (100.0, 100.0), identical=False)]
+    est = served.estimates(rows)
+    pooled = (132.0 * 90.0 * 100.0 * 75.0) ** 0.25  # int4's ar over both of its candidates and both regimes
+    assert est["int4, n-gram"] == pytest.approx(pooled)
+    assert est["int4, hybrid"] == pytest.approx(pooled * 1.1 ** 0.5)
+    assert est["int8, hybrid"] == pytest.approx((120.0 * 80.0) ** 0.5)
+    # int4 hybrid: its own ems speed (110 / 75) is below int8 hybrid's (120 / 80), but on a server that ran ar slower
+    # too; pooled, its graph is the faster one. n-gram cannot serve DSBD; the inexact fp32 candidate never counts.
+    assert served.choose(rows)["name"] == "int4, hybrid"
+    assert not served.serves_dsbd(rows[0]) and served.serves_dsbd(rows[3])
+    with pytest.raises(RuntimeError, match="serves DSBD"):
+        served.choose([rows[0], rows[3]])
