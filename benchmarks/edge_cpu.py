@@ -401,7 +401,9 @@ def miss_margins(model: dict[str, Any], reference: dict[str, Any], answers: Sequ
     than the reference answer, beside its margins everywhere (``reference``: ``_forced`` of the reference's graph).
 
     Why: an answer lost to a flip at a near-tie (a margin the two graphs' rounding can cover) says the arithmetic
-    differs, not that the weights are wrong; a flip where the reference was sure would."""
+    differs, not that the weights are wrong; a flip where the reference was sure would. The margin is the forced
+    reference's lead of its own choice over the runner-up: the answer token's lead wherever that choice is the
+    answer's token (its agreement rate, 100 % in the committed runs, says where it is not)."""
     import numpy as np
 
     every = [m for row in reference["margins"] for m in row]
@@ -722,8 +724,10 @@ def results_table(doc: dict[str, Any]) -> list[str]:
 
 def _near_tie_cell(w: dict[str, Any]) -> str:
     t = w.get("near_ties")
-    if not t or not t["misses"]:
+    if not t:
         return "–"
+    if not t["misses"]:
+        return "0"
     return f"{t['misses']}: {t['median']:.2f} / {t['p90']:.2f} / {t['max']:.2f}"
 
 
@@ -949,9 +953,9 @@ def forced_agreement(common: dict[str, Any], reference: dict[str, Any], exports:
         out[label] = result if "error" in result else {
             name: {**w, "rate": w["agree"] / w["positions"] if w["positions"] else None}
             for name, w in result["workloads"].items()}
-    own = out.get(REFERENCE_GRAPH, {})
+    own = out.get(REFERENCE_GRAPH)
     for row in out.values():
-        for name in WORKLOADS if "error" not in row and "error" not in own else ():
+        for name in WORKLOADS if own and "error" not in own and "error" not in row else ():
             row[name]["near_ties"] = miss_margins(row[name], own[name], reference[name]["ids"])
     for row in out.values():  # the per-position lists served the margins; the report keeps their summary
         for w in (row.values() if "error" not in row else ()):

@@ -105,7 +105,7 @@ def graph_of(row: dict[str, Any]) -> str:
 
 def serves_dsbd(row: dict[str, Any]) -> bool:
     """Whether the candidate's drafter holds the draft model, which DSBD beam-samples its forests with (the main job
-    asks for a DSBD answer; with prompt lookup alone the server falls back to target-only beam decoding)."""
+    asks for a DSBD answer; with prompt lookup alone the server refuses ``dsbd`` and serves only ``beam``)."""
     return row["name"].split(", ")[1] in DRAFT_MODEL_DRAFTERS
 
 

@@ -383,8 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             engine = served_engine(export_dir, read_parameters(export_dir / REPOSITORY_DIR))
             local_once(engine, PROMPTS[0], "ems", args.max_tokens)  # warm-up
             latency_rows = added_latency(url, engine, args.latency_prompts, args.max_tokens, bar)
-        server_info = {"binary": str(server.install.binary), "source": server.install.source,  # type: ignore[union-attr]
-                       "log": str(server.log_file)}
+        server_info = {"binary": str(server.install.binary), "source": server.install.source}  # type: ignore[union-attr]
     finally:
         code = server.stop()
         print(f"tritonserver stopped (exit code {code})", file=sys.stderr, flush=True)

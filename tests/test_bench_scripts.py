@@ -73,7 +73,7 @@ def test_forced_table_reports_rates_margins_and_errors(edge_cpu: ModuleType) -> 
                                               "near_ties": {**ties, "misses": 0, "median_all": 3.0}}},
               "llama.cpp Q4_1": {"error": "exit 1: no llama"}}
     text = "\n".join(edge_cpu.forced_table(forced))
-    assert "| specdec int4 | 98.0% | 97.0% | 200 / 100 | 4: 0.12 / 0.50 / 0.90 | – | 4.20 / 3.00 |" in text
+    assert "| specdec int4 | 98.0% | 97.0% | 200 / 100 | 4: 0.12 / 0.50 / 0.90 | 0 | 4.20 / 3.00 |" in text
     assert "| llama.cpp Q4_1 | exit 1: no llama |" in text
     assert edge_cpu.forced_table({}) == []
 

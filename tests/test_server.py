@@ -124,11 +124,30 @@ def test_start_ready_stop(tmp_path: Path) -> None:
             client.close()
         pid = server.process.pid
         assert processes_mentioning(str(repo.resolve()))  # server (and stub) are visible while running
-    assert server.process.returncode == 0
+    assert server.process.returncode == 0, server.read_log()[-2000:]
     assert not server.log_file.exists()  # a clean exit leaves no log behind in /tmp
     assert eventually(lambda: group_gone(pid)), "a process of the server's group outlived it"
     assert eventually(lambda: gone(repo))
     assert eventually(lambda: all(port_free("127.0.0.1", p) for p in ports)), "a port is still held"
+
+
+@pytest.mark.server
+def test_a_restarted_servers_own_log_outlives_its_clean_exit(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "repo")
+    server = TritonServer()
+    try:
+        server.start(repo, **start_kwargs(free_ports()))
+        server.wait_ready(timeout=READY_S)
+        first = server.process.pid
+        server.restart()  # what `specdec serve` does when the engine died: the log says why
+        server.wait_ready(timeout=READY_S)
+        assert server.process.pid != first and server.restarts == 1
+    finally:
+        code = server.stop()
+    assert code == 0, server.read_log()[-2000:]
+    assert server.log_file.exists(), "the log of a restarted server must outlive even a clean exit"
+    assert server.read_log().count("Started GRPCInferenceService") == 2  # both lives, appended
+    server.log_file.unlink()
 
 
 @NUMPY2_STUB_BUG

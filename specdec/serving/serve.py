@@ -39,7 +39,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (default 8001)")
     parser.add_argument("--http-port", type=int, default=8000, help="HTTP port (default 8000)")
     parser.add_argument("--metrics-port", type=int, default=8002, help="Prometheus metrics port (default 8002)")
-    parser.add_argument("--log-file", type=Path, help="server log (default: a temporary file, printed at start)")
+    parser.add_argument("--log-file", type=Path, help="server log (default: a temporary file, printed at start, "
+                        "removed after a clean exit unless something went wrong)")
     parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     parser.add_argument("--ready-timeout", type=float, default=300.0,
                         help="seconds to wait for all models to load (default 300)")

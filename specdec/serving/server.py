@@ -174,6 +174,8 @@ class TritonServer:
     _watched: list[int] = field(default_factory=list, init=False, repr=False)
     _log_handle: object = field(default=None, init=False, repr=False)
     _own_log: bool = field(default=False, init=False, repr=False)  # log_file was made here, not given
+    #: something went wrong that the log records (a failed start, a dead engine, a restart, a forced stop): it stays
+    _keep_log: bool = field(default=False, init=False, repr=False)
 
     def command(self, model_repository: Path, *, log_verbose: int, exit_timeout_s: int,
                 extra_args: Sequence[str]) -> list[str]:
@@ -319,6 +321,7 @@ class TritonServer:
         while True:
             code = self.process.poll()
             if code is not None:
+                self._keep_log = True
                 raise TritonStartError(
                     f"tritonserver exited with code {code} while starting (log: {self.log_file})\n"
                     + error_summary(self.read_log())
@@ -326,6 +329,7 @@ class TritonServer:
             if self.is_ready() and self.metrics_up():
                 return
             if time.monotonic() >= deadline:
+                self._keep_log = True
                 raise TritonStartError(
                     f"tritonserver not ready after {timeout:.0f} s (log: {self.log_file})\n"
                     + error_summary(self.read_log())
@@ -410,6 +414,7 @@ class TritonServer:
                     code = proc.wait(wait_s)
                     break
                 except subprocess.TimeoutExpired:
+                    self._keep_log = True  # SIGINT did not end it in time
                     continue
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -417,9 +422,10 @@ class TritonServer:
         if self._log_handle is not None:
             self._log_handle.close()  # type: ignore[attr-defined]
             self._log_handle = None
-        if code == 0 and self._own_log and self.log_file is not None:
-            # a log named by nobody, of a server that exited clean, is nothing anyone will read: left in /tmp
-            # it is one more file per start (a test run starts ~200); a failed exit's log stays for diagnosis
+        if code == 0 and self._own_log and not self._keep_log and self.log_file is not None:
+            # a log named by nobody, of a server that started, served and exited clean, is nothing anyone will
+            # read: left in /tmp it is one more file per start (a test run starts ~200). Whatever went wrong on
+            # the way (``_keep_log``) keeps it for diagnosis, a clean exit after it included.
             self.log_file.unlink(missing_ok=True)
         return code
 
@@ -441,8 +447,11 @@ class TritonServer:
             return None
         code = self.process.poll()
         if code is not None:
+            self._keep_log = True
             return f"tritonserver exited with code {code}"
         dead = [pid for pid in self._watched if not alive(pid)]
+        if dead:
+            self._keep_log = True
         return f"the engine's stub process {dead[0]} died" if dead else None
 
     def restart(self) -> None:
@@ -451,6 +460,7 @@ class TritonServer:
         Killing, not draining: the engine is gone, so nothing in flight can finish, and the closed ports tell
         every client and health probe at once (UNAVAILABLE, readiness refused) instead of hanging them.
         """
+        self._keep_log = True  # the log of what died, appended to by the new server
         if self.process is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.process.pid, signal.SIGKILL)
