@@ -117,3 +117,39 @@ def test_served_configs_pools_a_graphs_ar_and_keeps_each_drafters_own_ratio() ->
     assert not served.serves_dsbd(rows[0]) and served.serves_dsbd(rows[3])
     with pytest.raises(RuntimeError, match="serves DSBD"):
         served.choose([rows[0], rows[3]])
+
+
+def test_forced_agreement_judges_misses_by_the_fp32_graphs_margins(edge_cpu: ModuleType, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    answers = {"chat": [[4, 5]], "extractive": [[6]]}
+    # each child's forced result: fp32 repeats its answers; int4 misses chat's second token; llama.cpp failed
+    results = {
+        "specdec fp32": {"chat": ([[4, 5]], [[2.0, 0.1]]), "extractive": ([[6]], [[3.0]])},
+        "specdec int4": {"chat": ([[4, 9]], [[1.0, 1.0]]), "extractive": ([[6]], [[1.0]])},
+    }
+
+    def run_child(spec: dict, work: Path, name: str) -> dict:
+        if spec["model"] == "llama":
+            return {"error": "exit 1: no llama"}
+        label = f"specdec {spec['export']}"
+        return {"workloads": {n: {"positions": len(answers[n][0]),
+                                  "agree": sum(a == b for a, b in zip(picks[0], answers[n][0], strict=True)),
+                                  "picks": picks, "margins": margins}
+                              for n, (picks, margins) in results[label].items()}}
+
+    monkeypatch.setattr(edge_cpu, "run_child", run_child)
+    common = {"prompts": {"chat": [[1]], "extractive": [[2]]}}
+    reference = {n: {"ids": a} for n, a in answers.items()}
+    exports = {"fp32": {"dir": "fp32"}, "int4": {"dir": "int4"}, "int8": {"error": "not made"}}
+    out = edge_cpu.forced_agreement(common, reference, exports, True, tmp_path)
+    assert out["llama.cpp Q4_1"] == {"error": "exit 1: no llama"}
+    assert set(out) == {"llama.cpp Q4_1", "specdec fp32", "specdec int4"}  # no row for an export that failed
+    chat = out["specdec int4"]["chat"]
+    assert chat["rate"] == 0.5 and chat["near_ties"]["misses"] == 1
+    assert chat["near_ties"]["median"] == 0.1  # fp32's margin where int4 parted, not int4's own 1.0
+    assert out["specdec fp32"]["chat"]["near_ties"]["misses"] == 0
+    assert "picks" not in chat and "margins" not in chat  # the report keeps the summary only
+    # without the fp32 row there is nothing to judge the misses by: rates stay, no margins
+    del results["specdec fp32"]
+    out = edge_cpu.forced_agreement(common, reference, {"int4": {"dir": "int4"}}, False, tmp_path)
+    assert out["specdec int4"]["chat"]["rate"] == 0.5 and "near_ties" not in out["specdec int4"]["chat"]
