@@ -954,11 +954,13 @@ def forced_agreement(common: dict[str, Any], reference: dict[str, Any], exports:
             name: {**w, "rate": w["agree"] / w["positions"] if w["positions"] else None}
             for name, w in result["workloads"].items()}
     own = out.get(REFERENCE_GRAPH)
-    for row in out.values():
-        for name in WORKLOADS if own and "error" not in own and "error" not in row else ():
-            row[name]["near_ties"] = miss_margins(row[name], own[name], reference[name]["ids"])
-    for row in out.values():  # the per-position lists served the margins; the report keeps their summary
-        for w in (row.values() if "error" not in row else ()):
+    judged = [row for row in out.values() if "error" not in row]
+    if own is not None and "error" not in own:
+        for row in judged:
+            for name in WORKLOADS:
+                row[name]["near_ties"] = miss_margins(row[name], own[name], reference[name]["ids"])
+    for row in judged:  # the per-position lists served the margins; the report keeps their summary
+        for w in row.values():
             w.pop("picks", None)
             w.pop("margins", None)
     return out

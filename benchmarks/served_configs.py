@@ -92,7 +92,6 @@ def measure(directory: Path, max_tokens: int, repeats: int) -> dict[str, Any]:
             out[regime] = {f"{m}_tokens_per_second": statistics.median(v) for m, v in speeds.items()}
             out["runs"][regime] = speeds
             out["identical"] = out["identical"] and answers["ems"] == answers["ar"]
-        out["ems_score"] = statistics.geometric_mean([out[r]["ems_tokens_per_second"] for r in CONCURRENCY])
         return out
     finally:
         server.stop()
@@ -101,6 +100,14 @@ def measure(directory: Path, max_tokens: int, repeats: int) -> dict[str, Any]:
 def graph_of(row: dict[str, Any]) -> str:
     """The graph a candidate serves: its name's part before the drafter (``"int4, hybrid"`` -> ``"int4"``)."""
     return row["name"].split(", ")[0]
+
+
+def by_graph(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The candidates grouped by the graph they serve, in their order."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(graph_of(r), []).append(r)
+    return groups
 
 
 def serves_dsbd(row: dict[str, Any]) -> bool:
@@ -118,10 +125,9 @@ def estimates(rows: list[dict[str, Any]]) -> dict[str, float]:
     after another) it moved by up to a fifth here, more than the drafters differ; a ratio is measured on one server
     with ems and ar interleaved, so the drift between servers cancels in it, and pooling ``ar`` averages the rest.
     """
-    pooled: dict[str, list[float]] = {}
-    for r in rows:
-        pooled.setdefault(graph_of(r), []).extend(r[g]["ar_tokens_per_second"] for g in CONCURRENCY)
-    return {r["name"]: statistics.geometric_mean(pooled[graph_of(r)]) * statistics.geometric_mean(
+    ar = {graph: statistics.geometric_mean([r[g]["ar_tokens_per_second"] for r in group for g in CONCURRENCY])
+          for graph, group in by_graph(rows).items()}
+    return {r["name"]: ar[graph_of(r)] * statistics.geometric_mean(
         [r[g]["ems_tokens_per_second"] / r[g]["ar_tokens_per_second"] for g in CONCURRENCY]) for r in rows}
 
 
@@ -156,9 +162,7 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> str:
         lines.append(f"| {r['name']} | `{' '.join(r['flags']) or '-'}` | " + " | ".join(cells)
                      + f" | {'yes' if r['identical'] else 'NO'} | {'yes' if serves_dsbd(r) else 'no'} | "
                      f"{score[r['name']]:.1f} |")
-    spread = {}
-    for r in rows:
-        spread.setdefault(graph_of(r), []).append(r[regimes[0]]["ar_tokens_per_second"])
+    spread = {graph: [r[regimes[0]]["ar_tokens_per_second"] for r in group] for graph, group in by_graph(rows).items()}
     lines += ["", f"The main job's export: **{best['name']}** (estimate {score[best['name']]:.1f} tok/s; measured ems "
               + ", ".join(f"{best[g]['ems_tokens_per_second']:.1f} tok/s {g}" for g in regimes) + "). The same "
               f"graph's ar, {regimes[0]}, across its candidates: " + "; ".join(

@@ -10,10 +10,10 @@
 # lookup where a request's context has a match and by the draft model elsewhere (--drafter hybrid). The graphs
 # are int4 (the GGUF's own 4-bit blocks, int8 activations: batch-invariant, so ems answers equal ar's bit for
 # bit): of the candidate exports served with this job's requests, the fastest exact one on this CPU that
-# serves DSBD, whose forests need the draft model in the drafter (benchmarks/results/served_configs.md). Its KV caches are fp16, the quantized exports' default: with the
-# folded attention layout ONNX Runtime converts them once per kv head, and fp16 caches ran as fast as fp32 ones
-# on this CPU (benchmarks/results/edge_cpu.md: int4 ar 70.7 vs 71.2 tok/s at batch 1, 126.7 vs 130.1 at 8;
-# attention_layout.md).
+# serves DSBD, whose forests need the draft model in the drafter (benchmarks/results/served_configs.md). Its
+# KV caches are fp16, the quantized exports' default: with the folded attention layout ONNX Runtime converts
+# them once per kv head, and fp16 caches ran as fast as fp32 ones on this CPU (benchmarks/results/edge_cpu.md:
+# int4 ar 70.7 vs 71.2 tok/s at batch 1, 126.7 vs 130.1 at 8; attention_layout.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh

@@ -450,9 +450,10 @@ class TritonServer:
             self._keep_log = True
             return f"tritonserver exited with code {code}"
         dead = [pid for pid in self._watched if not alive(pid)]
-        if dead:
-            self._keep_log = True
-        return f"the engine's stub process {dead[0]} died" if dead else None
+        if not dead:
+            return None
+        self._keep_log = True
+        return f"the engine's stub process {dead[0]} died"
 
     def restart(self) -> None:
         """Kill what is left of this server (its stubs included), clean up after it and start it again.
