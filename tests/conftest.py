@@ -33,7 +33,7 @@ torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "2")))
 #: the tiers that make a test slow, each costing tens of seconds to minutes
 SLOW_TIERS = ("real_model", "server", "statistical")
 #: fixtures that load the real SmolLM2: their users are real_model whether or not they say so
-REAL_MODEL_FIXTURES = frozenset({"smollm2", "smollm2_export", "smollm2_int4_graph"})
+REAL_MODEL_FIXTURES = frozenset({"smollm2", "smollm2_export", "smollm2_int4_graph", "smollm2_w8a8_graph"})
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -124,16 +124,27 @@ def smollm2_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def _smollm2_quantized(smollm2: LoadedModel, smollm2_export: Path, folder: Path, mode: str) -> Path:
+    """A copy of ``smollm2_export``'s target graph quantized as ``--quantize mode`` ships it (not re-validated)."""
+    from specdec.export import quantize
+
+    for name in ("model.onnx", "model.onnx.data", "config.json"):
+        shutil.copy(smollm2_export / "target" / name, folder / name)
+    quantize.quantize_export(smollm2, folder / "model.onnx", mode)
+    return folder / "model.onnx"
+
+
 @pytest.fixture(scope="session")
 def smollm2_int4_graph(smollm2: LoadedModel, smollm2_export: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The target graph of ``smollm2_export`` quantized as ``--quantize int4`` ships it: the GGUF's own Q4_1 and
     Q8_0 blocks, int8 activations (not re-validated here: ``test_quantize`` checks the blocks). Its users are
     real_model."""
-    from specdec.export import quantize
+    return _smollm2_quantized(smollm2, smollm2_export, tmp_path_factory.mktemp("smol-int4"), "int4")
 
-    folder = tmp_path_factory.mktemp("smol-int4")
-    for name in ("model.onnx", "model.onnx.data", "config.json"):
-        shutil.copy(smollm2_export / "target" / name, folder / name)
-    quantize.quantize_export(smollm2, folder / "model.onnx", "int4")
-    return folder / "model.onnx"
+
+@pytest.fixture(scope="session")
+def smollm2_w8a8_graph(smollm2: LoadedModel, smollm2_export: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The target graph of ``smollm2_export`` as ``--quantize w8a8`` ships it (calibrated on its own tokenizer's
+    chat template). Its users are real_model."""
+    return _smollm2_quantized(smollm2, smollm2_export, tmp_path_factory.mktemp("smol-w8a8"), "w8a8")
 

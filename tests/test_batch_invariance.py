@@ -29,7 +29,7 @@ from specdec.runtime.backends.onnxruntime import OrtBackend
 from specdec.runtime.packed import ROOT, SeqWork, pack
 
 
-@pytest.fixture(scope="module", params=["int4", "int8"])
+@pytest.fixture(scope="module", params=["int4", "int8", "w8a8"])
 def quantized_graph(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     model = tiny_random(seed=9, num_layers=2, vocab_size=160)
     graph = export_onnx(model, tmp_path_factory.mktemp(request.param) / "model.onnx")
@@ -109,14 +109,16 @@ def test_fp32_activations_are_not_batch_invariant(tmp_path: Path) -> None:
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize(("graph", "cache_dtype"), [("fp32", None), ("int4", None), ("int4", "float16")])
+@pytest.mark.parametrize(("graph", "cache_dtype"), [("fp32", None), ("int4", None), ("int4", "float16"),
+                                                   ("w8a8", "float16")])
 def test_real_smollm2_rows_are_bitwise_the_same_in_any_step(graph: str, cache_dtype: str | None,
                                                             request: pytest.FixtureRequest) -> None:
     """The same on the real SmolLM2 graphs: the fp32 export (its linear layers are prepacked Gemms, row-independent
-    too) and the int4 one (the GGUF's Q4_1 blocks with their offset corrections and the Q8_0 head, int8
-    activations), the latter also with the fp16 caches a quantized export ships."""
+    too), the int4 one (the GGUF's Q4_1 blocks with their offset corrections and the Q8_0 head, int8
+    activations), the latter also with the fp16 caches a quantized export ships, and the w8a8 one (integer GEMMs
+    over per-token activation codes)."""
     path = (request.getfixturevalue("smollm2_export") / "target" / "model.onnx" if graph == "fp32"
-            else request.getfixturevalue("smollm2_int4_graph"))
+            else request.getfixturevalue(f"smollm2_{graph}_graph"))
     backend = OrtBackend(path, cache_dtype=cache_dtype)
     sequences = sequences_to_the_end(random.Random(2), backend.vocab_size, (MAX_LEN, 21, 6))
     want = one_token_per_step(backend, sequences)

@@ -425,7 +425,7 @@ def test_a_gguf_graph_with_q4_1_offsets_is_batch_invariant(tiny_gguf: Path, gguf
 SOURCES = {"target": "tiny-random:seed=9,num_layers=2", "draft": "tiny-random:seed=10,num_layers=1"}
 
 
-@pytest.fixture(scope="module", params=["int4", "int8"])
+@pytest.fixture(scope="module", params=["int4", "int8", "w8a8"])
 def quantized_export(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     out = tmp_path_factory.mktemp("quantized") / "deploy"
     assert export_main(["--target", SOURCES["target"], "--draft", SOURCES["draft"],
@@ -439,13 +439,17 @@ def test_quantized_graphs_have_no_fp32_linear_weights(quantized_export: tuple[st
     assert manifest["quantize"] == mode
     for part, layers in (("target", 2), ("draft", 1)):
         info = manifest[part]["quantize"]
-        assert info["mode"] == mode and info["formats"] == {"rtn": 4 * layers + 1}  # qkv, o, gate_up, down; head
+        linears = 4 * layers  # qkv, o, gate_up, down per layer; and the head
+        integer = mode in q.INTEGER_MODES  # the layers' linears as w8a8 chains, the head still MatMulNBits
+        assert info["mode"] == mode
+        assert info["formats"] == ({"w8a8": linears, "rtn": 1} if integer else {"rtn": linears + 1})
         assert info["accuracy_level"] == q.ACCURACY_LEVEL
         assert manifest[part]["validation_max_abs_logit_error"] < 1e-4  # the graph itself: tight
         assert info["max_abs_logit_error_vs_fp32"] > 0  # recorded: the rounding
         proto = onnx.load(str(out / manifest[part]["graph"]), load_external_data=False)
         ops = Counter(n.op_type for n in proto.graph.node)
-        assert ops["MatMulNBits"] == 4 * layers + 1 and ops["Gemm"] == 0 and ops["MatMul"] == 0
+        assert ops["MatMulNBits"] == (1 if integer else linears + 1) and ops["Gemm"] == 0 and ops["MatMul"] == 0
+        assert ops["MatMulInteger"] == (linears if integer else 0)
         # the embedding table is gathered from the head's own blocks: no fp32 copy of it is left
         assert ops["GatherBlockQuantized"] == 1
         assert info["embedding"] == f"{q.MODES[mode]}-bit rtn"

@@ -11,7 +11,9 @@ Layout of ``--out DIR`` (default ``exports/<target name>``)::
 With ``--backend onnx`` (the default) each model directory holds ``model.onnx`` (+ ``.data``)
 and its config/tokenizer instead of safetensors; ``--backend tensorrt`` adds ``model.engine``.
 ``--quantize int4|int8`` makes every linear layer of both graphs a weight-only block-quantized
-``MatMulNBits`` (``specdec.export.quantize``; a GGUF source keeps its own blocks).
+``MatMulNBits`` (``specdec.export.quantize``; a GGUF source keeps its own blocks); ``--quantize w8a8``
+makes the decoder layers' linears integer GEMMs over per-channel int8 weights and per-token int8
+activations, smoothed on calibration prompts (``specdec.export.w8a8``: faster prefill and batches).
 Every graph is validated against the torch reference before the export is declared done.
 
 The directory is assembled under a temporary name and renamed into place only when
@@ -71,7 +73,7 @@ VALIDATION_TOLERANCE = {"float32": 1e-3, "float16": 0.25}
 
 def _export_model(model: LoadedModel, sub: str, tmp: Path, backend: str, dtype: str,
                   stages: tqdm, max_batch: int, max_len: int, quantize: str | None = None,
-                  activations: str = "int8") -> dict:
+                  activations: str = "int8", calibration: list[list[int]] | None = None) -> dict:
     """Write one model under ``tmp/sub`` and check the graph against the torch reference.
 
     A quantized graph is checked against the torch backend over its de-quantized weights
@@ -91,9 +93,9 @@ def _export_model(model: LoadedModel, sub: str, tmp: Path, backend: str, dtype: 
         if quantize:
             from specdec.export.quantize import ACTIVATIONS, quantize_and_validate
 
-            stages.set_postfix_str(f"{sub}: {quantize} MatMulNBits, validating on random ragged forests")
+            stages.set_postfix_str(f"{sub}: {quantize} quantization, validating on random ragged forests")
             quantized = quantize_and_validate(model, graph, quantize, VALIDATION_TOLERANCE[dtype],
-                                              accuracy_level=ACTIVATIONS[activations])
+                                              accuracy_level=ACTIVATIONS[activations], calibration=calibration)
             error = quantized["validation_max_abs_logit_error_fp32_activations"]
             stages.update()
         else:
@@ -145,7 +147,7 @@ def export(target: str, draft: str | None, out: Path, force: bool = False, backe
     if dtype not in VALIDATION_TOLERANCE:
         raise ExportDirError(f"unsupported dtype {dtype!r}: choose float32 or float16")
     if quantize is not None:
-        _check_quantize(quantize, backend, dtype)
+        _check_quantize(quantize, backend, dtype, activations)
     kv_cache = _kv_cache_dtype(kv_cache, backend, dtype, quantize)
     if out.exists() and not force:
         raise ExportDirError(f"{out} already exists: pass --force to overwrite it")
@@ -165,6 +167,13 @@ def export(target: str, draft: str | None, out: Path, force: bool = False, backe
         if draft_model is not None:
 
             check_draft_compatible(target_model, draft_model)
+        calibration = None
+        from specdec.export.quantize import INTEGER_MODES
+
+        if quantize in INTEGER_MODES:  # both graphs calibrate on the target's tokenizer: a draft ships none
+            from specdec.export.w8a8 import calibration_ids
+
+            calibration = calibration_ids(target_model.tokenizer, target_model.vocab_size)
         stages.update()
         manifest = {
             "specdec_export": FORMAT_VERSION,
@@ -181,11 +190,11 @@ def export(target: str, draft: str | None, out: Path, force: bool = False, backe
             "quantize": quantize,
             "kv_cache_dtype": kv_cache,
             "target": _export_model(target_model, "target", tmp, backend, dtype, stages, max_batch, max_len,
-                                    quantize, activations),
+                                    quantize, activations, calibration),
         }
         if draft_model is not None:
             manifest["draft"] = _export_model(draft_model, "draft", tmp, backend, dtype, stages, max_batch,
-                                              max_len, quantize, activations)
+                                              max_len, quantize, activations, calibration)
         manifest["versions"] = _versions()
         for part in ("target", "draft"):
             if part in manifest:
@@ -246,12 +255,15 @@ def peak_rss_bytes() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
-def _check_quantize(quantize: str, backend: str, dtype: str) -> None:
+def _check_quantize(quantize: str, backend: str, dtype: str, activations: str = "int8") -> None:
     """Refuse what ``--quantize`` cannot make: a graph only ONNX Runtime runs, with fp32 activations."""
-    from specdec.export.quantize import MODES
+    from specdec.export.quantize import INTEGER_MODES, MODES
 
     if quantize not in MODES:
         raise ExportDirError(f"unknown --quantize {quantize!r}: choose one of {', '.join(MODES)}")
+    if quantize in INTEGER_MODES and activations != "int8":
+        raise ExportDirError(f"--quantize {quantize} rounds its activations to int8 by definition: "
+                             f"--quantize-activations {activations} does not apply")
     if backend != "onnx":
         raise ExportDirError(f"--quantize {quantize} needs --backend onnx: MatMulNBits is an ONNX Runtime contrib op "
                              f"that {backend} does not run")
@@ -317,8 +329,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--backend", choices=BACKENDS, default="onnx",
                         help="onnx (ONNX Runtime, default), tensorrt (engine; NVIDIA GPU) or torch (weights only)")
     parser.add_argument("--dtype", choices=sorted(VALIDATION_TOLERANCE), default="float32")
-    parser.add_argument("--quantize", choices=("int4", "int8"),
-                        help="weight-only block-quantized linear layers (MatMulNBits; a GGUF source keeps its blocks)")
+    parser.add_argument("--quantize", choices=("int4", "int8", "w8a8"),
+                        help="int4/int8: weight-only block-quantized linear layers (MatMulNBits; a GGUF source keeps "
+                        "its blocks); w8a8: int8 weights per channel and int8 activations per token in the decoder "
+                        "layers (ORT's integer GEMM: faster prefill and batches, a second rounding of the weights)")
     parser.add_argument("--quantize-activations", choices=("fp32", "int8"), default="int8",
                         help="with --quantize: int8 (default) runs ORT's int8 kernels, fast and row-independent "
                         "(greedy ems = ar bit for bit); fp32 computes the stored weights in fp32 (answers equal the "

@@ -73,7 +73,8 @@ import hashlib
 import json
 import os
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +94,9 @@ from specdec.export.blocks import (
     unpack_zero_points,
 )
 
-MODES = {"int4": 4, "int8": 8}
+MODES = {"int4": 4, "int8": 8, "w8a8": 8}
+#: modes whose decoder-layer linears are integer GEMMs (``specdec.export.w8a8``), not MatMulNBits
+INTEGER_MODES = ("w8a8",)
 #: MatMulNBits ``accuracy_level``: fp32 activations (the stored weights computed exactly: the level a graph is
 #: checked at) and int8 activation blocks (fast and row-independent: what a graph ships with by default)
 FP32_ACTIVATIONS, INT8_ACTIVATIONS = 0, 4
@@ -157,8 +160,12 @@ def fp32_at_level(blocks: Mapping[str, BlockQuant], bits: int, accuracy_level: i
 
 
 def quantize_export(model: Any, graph: str | os.PathLike, mode: str, *, use_gguf: bool = True,
-                    accuracy_level: int = ACCURACY_LEVEL) -> tuple[Any, dict]:
+                    accuracy_level: int = ACCURACY_LEVEL,
+                    calibration: Sequence[Sequence[int]] | None = None) -> tuple[Any, dict]:
     """Quantize the exported ``graph`` of ``model`` in place; (the de-quantized model, the manifest's summary).
+
+    ``calibration``: token sequences whose activations smooth a ``w8a8`` graph (default:
+    ``w8a8.calibration_ids`` with the model's own tokenizer; a draft has none, so the export passes the target's).
 
     ``use_gguf=False`` rounds the fp32 weights even when the model came from a block-quantized GGUF
     (what a second rounding costs: ``benchmarks/quantize_quality.py``). ``accuracy_level`` is the
@@ -169,16 +176,25 @@ def quantize_export(model: Any, graph: str | os.PathLike, mode: str, *, use_gguf
     if mode not in MODES:
         raise QuantizeError(f"unknown quantization {mode!r}: choose one of {', '.join(MODES)}")
     bits = MODES[mode]
-    blocks = source_blocks(model, bits, use_gguf=use_gguf)
+    names = linear_names(model)
+    maxima: dict[str, np.ndarray] = {}
+    if mode in INTEGER_MODES:  # the decoder layers' linears; the head stays MatMulNBits (``specdec.export.w8a8``)
+        from specdec.export import w8a8
+
+        sequences = calibration or w8a8.calibration_ids(model.tokenizer, model.vocab_size)
+        maxima = w8a8.activation_maxima(model, sequences, names[:-1])
+        names = names[-1:]
+    blocks = source_blocks(model, bits, use_gguf=use_gguf, names=names)
     table = embedding_block(model, bits, blocks, use_gguf)
     kept = fp32_at_level(blocks, bits, accuracy_level)
     blocks = {name: block for name, block in blocks.items() if name not in kept}
-    reference = {name: model.state_dict[name].detach().float().numpy() for name in blocks}
+    reference = {name: model.state_dict[name].detach().float().numpy() for name in [*blocks, *maxima]}
     embedding = None if table is None else (table, model.state_dict[EMBEDDING].detach().float().numpy())
+    effective: dict[str, np.ndarray] = {}
     summary = quantize_graph(graph, blocks, reference, accuracy_level,
                              keep={name: model.state_dict[name].detach().float().numpy() for name in kept},
-                             embedding=embedding)
-    return (dequantized_model(model, blocks, table),
+                             embedding=embedding, integer=maxima, effective=effective)
+    return (dequantized_model(model, blocks, table, effective),
             {"mode": mode, "bits": bits, "fp32_tensors": sorted(kept), **summary})
 
 
@@ -197,24 +213,49 @@ def embedding_block(model: Any, bits: int, blocks: Mapping[str, BlockQuant], use
 def set_accuracy_level(graph: str | os.PathLike, level: int) -> None:
     """Set every MatMulNBits node's ``accuracy_level`` (the weights in the external data stay untouched)."""
     import onnx
-    from onnx import helper
 
     proto = onnx.load(str(graph), load_external_data=False)
+    _set_level(proto, level)
+    onnx.save_model(proto, str(graph))
+
+
+def _set_level(proto: Any, level: int) -> None:
+    from onnx import helper
+
     for node in proto.graph.node:
         if node.op_type == "MatMulNBits" and node.domain == MS_DOMAIN:
             kept = [a for a in node.attribute if a.name != "accuracy_level"]
             del node.attribute[:]
             node.attribute.extend([*kept, helper.make_attribute("accuracy_level", level)])
-    onnx.save_model(proto, str(graph))
+
+
+@contextmanager
+def _checked_form(graph: str | os.PathLike, mode: str, accuracy_level: int) -> Iterator[Path]:
+    """The graph as the tight check runs it: fp32 activations, w8a8 chains as fp32 Gemms by their weights.
+
+    A block-quantized graph is switched in place (and back); a w8a8 one is checked as a temporary copy,
+    since its chains have no fp32-activation level to switch to.
+    """
+    from specdec.export import w8a8
+
+    if mode not in INTEGER_MODES:
+        set_accuracy_level(graph, CHECK_LEVEL)
+        yield Path(graph)
+        set_accuracy_level(graph, accuracy_level)
+        return
+    with w8a8.fp32_product_copy(graph, lambda proto: _set_level(proto, CHECK_LEVEL)) as checked:
+        yield checked
 
 
 def quantize_and_validate(model: Any, graph: str | os.PathLike, mode: str, tolerance: float,
-                          accuracy_level: int = ACCURACY_LEVEL, use_gguf: bool = True) -> dict:
+                          accuracy_level: int = ACCURACY_LEVEL, use_gguf: bool = True,
+                          calibration: Sequence[Sequence[int]] | None = None) -> dict:
     """Quantize ``graph``, check it tightly, switch it to ``accuracy_level``; the manifest's ``quantize`` entry.
 
     The tight check runs the graph at accuracy level 0 (fp32 activations, the weights exactly as
     stored) against the torch backend over the de-quantized weights, so it tests the graph (packing,
-    nibble order, row order, Q4_1 offsets), not the rounding; it must stay below ``tolerance``.
+    nibble order, row order, Q4_1 offsets; a w8a8 chain's codes, scales and smoothing: ``_checked_form``), not
+    the rounding; it must stay below ``tolerance``.
     The shipped level's error against that reference and against the fp32 source are recorded, not
     asserted: they are the rounding of activations and weights (``benchmarks/results/quantize.md``).
     """
@@ -222,16 +263,14 @@ def quantize_and_validate(model: Any, graph: str | os.PathLike, mode: str, toler
     from specdec.runtime.backends.onnxruntime import OrtBackend
     from specdec.runtime.backends.torch_backend import TorchBackend
 
-    reference_model, summary = quantize_export(model, graph, mode, use_gguf=use_gguf, accuracy_level=accuracy_level)
+    reference_model, summary = quantize_export(model, graph, mode, use_gguf=use_gguf, accuracy_level=accuracy_level,
+                                               calibration=calibration)
     reference = TorchBackend(reference_model)
-    if accuracy_level != CHECK_LEVEL:
-        set_accuracy_level(graph, CHECK_LEVEL)
-    error = max_logit_error(reference, OrtBackend(graph))
+    with _checked_form(graph, mode, accuracy_level) as checked:
+        error = max_logit_error(reference, OrtBackend(checked))
     if error > tolerance:
         raise QuantizeError(f"{graph}: the quantized graph differs from the torch reference over its de-quantized "
                             f"weights by {error:.3g} (tolerance {tolerance}): not writing a broken export")
-    if accuracy_level != CHECK_LEVEL:
-        set_accuracy_level(graph, accuracy_level)
     shipped = OrtBackend(graph)
     return {**summary, "accuracy_level": accuracy_level,
             "validation_max_abs_logit_error_fp32_activations": error,
@@ -239,9 +278,10 @@ def quantize_and_validate(model: Any, graph: str | os.PathLike, mode: str, toler
             "max_abs_logit_error_vs_fp32": max_logit_error(TorchBackend(model), OrtBackend(graph))}
 
 
-def dequantized_model(model: Any, blocks: Mapping[str, BlockQuant], embedding: BlockQuant | None = None) -> Any:
+def dequantized_model(model: Any, blocks: Mapping[str, BlockQuant], embedding: BlockQuant | None = None,
+                      effective: Mapping[str, np.ndarray] | None = None) -> Any:
     """A copy of ``model`` whose linear weights (and the ``embedding`` table, when the graph gathers it from
-    blocks) are the de-quantized blocks: the validation reference.
+    blocks) are the de-quantized blocks, and the ``effective`` weights of w8a8 chains: the validation reference.
 
     A tied head becomes an untied ``lm_head``, since the head may be kept fp32 while the table is not.
     """
@@ -260,6 +300,8 @@ def dequantized_model(model: Any, blocks: Mapping[str, BlockQuant], embedding: B
             config = copy.deepcopy(config)
             config.tie_word_embeddings = False
         state[target] = torch.from_numpy(block.dequantize().copy())
+    for name, weight in (effective or {}).items():
+        state[name] = torch.from_numpy(np.ascontiguousarray(weight, np.float32))
     if embedding is not None:
         if config.tie_word_embeddings:
             config = copy.deepcopy(config)
@@ -327,14 +369,18 @@ def _linear_weight(node: Any, inits: Mapping[str, Any]) -> tuple[str, bool] | No
 
 def quantize_graph(path: str | os.PathLike, blocks: Mapping[str, BlockQuant], reference: Mapping[str, np.ndarray],
                    accuracy_level: int = ACCURACY_LEVEL, keep: Mapping[str, np.ndarray] | None = None,
-                   embedding: tuple[BlockQuant, np.ndarray] | None = None) -> dict:
+                   embedding: tuple[BlockQuant, np.ndarray] | None = None,
+                   integer: Mapping[str, np.ndarray] | None = None,
+                   effective: dict[str, np.ndarray] | None = None) -> dict:
     """Rewrite the graph at ``path`` in place: every linear layer becomes MatMulNBits; returns a summary.
 
     ``blocks`` are the source tensors in block form and ``reference`` their fp32 values as the
     exported graph holds them; ``keep`` the fp32 values of linear weights deliberately left as they
     are. A Gemm/MatMul by a constant weight that matches neither is an error (no linear layer is left
     in fp32 unnoticed), and so is a source tensor no node uses. ``embedding``: the table's blocks and
-    fp32 values; the gather that reads a table equal to them becomes GatherBlockQuantized.
+    fp32 values; the gather that reads a table equal to them becomes GatherBlockQuantized. ``integer``: the
+    tensors that become w8a8 chains instead, with their inputs' calibrated maxima; the fp32 weights each
+    chain computes with are written into ``effective`` (by source tensor).
     """
     import onnx
     from onnx import helper, numpy_helper
@@ -369,6 +415,18 @@ def quantize_graph(path: str | os.PathLike, blocks: Mapping[str, BlockQuant], re
         if all(n in (keep or {}) for n, _, _ in runs):
             new_nodes.append(node)  # left in fp32 on purpose (``fp32_at_level``)
             continue
+        if integer and all(n in integer for n, _, _ in runs):
+            from specdec.export import w8a8
+
+            nodes, tensors = w8a8.chain_for(node, weight, runs, integer, {ROWS_KEY: json.dumps(runs),
+                                                                         FORMAT_KEY: "w8a8"},
+                                            reference, effective, first=not formats["w8a8"])
+            new_nodes.extend(nodes)
+            new_inits.extend(tensors)
+            used.update(n for n, _, _ in runs)
+            formats["w8a8"] += 1
+            replaced.add(name)
+            continue
         block = concat_rows([blocks[n].take(a, b) for n, a, b in runs])
         used.update(n for n, _, _ in runs)
         formats[block.source] += 1
@@ -376,7 +434,7 @@ def quantize_graph(path: str | os.PathLike, blocks: Mapping[str, BlockQuant], re
         new_nodes.extend(nodes)
         new_inits.extend(tensors)
         replaced.add(name)
-    unused = [n for n in blocks if n not in used]
+    unused = [n for n in [*blocks, *(integer or {})] if n not in used]
     if unused:
         raise QuantizeError(f"{out}: no linear node of the graph uses {unused}")
     still_used = {i for n in new_nodes for i in n.input}

@@ -193,6 +193,8 @@ class OrtBackend:
                     self.fuse_report = ort_fuse.fuse_model(proto, rewrites)
                 if cache_dtype:
                     ort_cache_dtype.retype_caches(proto, cache_dtype)
+                first = self._providers[0] if isinstance(self._providers[0], str) else self._providers[0][0]
+                _warn_integer_saturation(proto, self.path, first == "CPUExecutionProvider")
                 model = proto.SerializeToString()
                 options.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                                  str(_external_data_folder(proto, self.path)))
@@ -361,3 +363,30 @@ def split_batch(batch: PackedBatch, seqs: Sequence[int]) -> tuple[PackedBatch, n
         tree_mask=np.ascontiguousarray(batch.tree_mask[rows][:, : max(int(lens.max()), 1)]),
         logits_indices=mapped[where].astype(np.int32))
     return part, where
+
+
+def has_vnni(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
+    """Whether this CPU has VNNI (``avx512_vnni`` or ``avx_vnni``); None where that cannot be read."""
+    try:
+        with open(cpuinfo, encoding="utf-8") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
+    except OSError:
+        return None
+    return None if flags is None else ("avx512_vnni" in flags or "avx_vnni" in flags)
+
+
+def _warn_integer_saturation(proto: object, path: Path, on_cpu: bool, cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Warn when a graph with ``MatMulInteger`` (a w8a8 export) runs on an x86 CPU without VNNI; True if it did.
+
+    Why: there MLAS's u8 x s8 kernel adds pairs of products in int16 with saturation (``vpmaddubsw``),
+    so a large activation times a large weight can be clipped: the answers stay deterministic and
+    row-independent, but are no longer the exact integer products the export was checked with.
+    """
+    if not on_cpu or has_vnni(cpuinfo) is not False:
+        return False
+    if not any(node.op_type == "MatMulInteger" for node in proto.graph.node):  # type: ignore[attr-defined]
+        return False
+    _log.warning("%s: this CPU has no VNNI; ONNX Runtime's u8 x s8 integer GEMM may saturate here, so this w8a8 "
+                 "graph's answers can differ from the exact products it was exported with (prefer --quantize "
+                 "int4 or int8 on this machine)", path)
+    return True
