@@ -10,7 +10,7 @@ of ``--repeats``), checks that ems answers equal ar's token for token, and write
 ``benchmarks/results/served_configs.{md,json,png}``; the main job serves the fastest exact one that serves DSBD
 (``choose``: ems answers equal ar's, the draft model in its drafter, the highest ``estimates``).
 
-    python benchmarks/served_configs.py            # ~15 min on 2 cores (6 exports, 6 servers)
+    python benchmarks/served_configs.py            # ~20 min on 2 cores (9 exports, 9 servers)
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ COMMON = ["--target", "smollm2-135m", "--draft", "smollm2-135m-draft", "--max-ba
           "--num-draft-tokens", "4", "--adaptive-draft", "--calibrate"]
 #: the quantized ones at their defaults (int8 activations, fp16 KV caches), as the main job serves them; each
 #: quantized format with prompt lookup and with the hybrid drafter, the two that paid in
-#: benchmarks/results/ems_vs_ar.md, and int4 with the draft model alone
+#: benchmarks/results/ems_vs_ar.md, and int4 and w8a8 (the integer GEMM export) with the draft model alone
 CANDIDATES = {
     "fp32, n-gram": ["--drafter", "ngram"],
     "int4, n-gram": ["--quantize", "int4", "--drafter", "ngram"],
@@ -48,6 +48,9 @@ CANDIDATES = {
     "int4, draft model": ["--quantize", "int4"],
     "int8, n-gram": ["--quantize", "int8", "--drafter", "ngram"],
     "int8, hybrid": ["--quantize", "int8", "--drafter", "hybrid"],
+    "w8a8, n-gram": ["--quantize", "w8a8", "--drafter", "ngram"],
+    "w8a8, hybrid": ["--quantize", "w8a8", "--drafter", "hybrid"],
+    "w8a8, draft model": ["--quantize", "w8a8"],
 }
 
 

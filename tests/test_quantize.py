@@ -518,9 +518,10 @@ class GraphLaw:
 
 
 @pytest.mark.statistical
-def test_ems_sampling_on_a_quantized_target_is_lossless(tmp_path: Path, one_thread: None) -> None:
-    """The int4 graph of test_lossless_sampling's target (int8 activations as shipped) as the target: its
-    own law, enumerated through the graph, is what ems samples with a draft model.
+@pytest.mark.parametrize("mode", ["int4", "w8a8"])
+def test_ems_sampling_on_a_quantized_target_is_lossless(tmp_path: Path, one_thread: None, mode: str) -> None:
+    """The int4 and w8a8 graphs of test_lossless_sampling's target (int8 activations as shipped) as the target:
+    its own law, enumerated through the graph, is what ems samples with a draft model.
 
     Why the graph's law and not the de-quantized model's: int8 activations move this 32-wide model's law
     by TV ~0.035 from the de-quantized weights' (fp32 activations: ~1e-6), close to what the check resolves.
@@ -528,7 +529,7 @@ def test_ems_sampling_on_a_quantized_target_is_lossless(tmp_path: Path, one_thre
     target = tiny_random(seed=11, init_std=0.4, name="lossless-target", **LOSSLESS_TINY)
     draft = tiny_random(seed=11, init_std=0.32, name="lossless-draft", **LOSSLESS_TINY)
     graph = export_onnx(target, tmp_path / "model.onnx")
-    q.quantize_and_validate(target, graph, "int4", tolerance=1e-3)
+    q.quantize_and_validate(target, graph, mode, tolerance=1e-3)
     backend = OrtBackend(graph)
     law = exact_joint(GraphLaw(backend), PLAIN)
     engine = Engine(backend, make_drafter(TorchBackend(draft), max_batch=MAX_BATCH, max_len=32),
@@ -539,10 +540,12 @@ def test_ems_sampling_on_a_quantized_target_is_lossless(tmp_path: Path, one_thre
     outputs = engine.generate(requests, "ems").outputs
     drafted = sum(o.metrics.draft_tokens for o in outputs)
     acceptance = sum(o.metrics.accepted_draft_tokens for o in outputs) / max(drafted, 1)
-    print(f"ems on the int4 graph: {time.perf_counter() - start:.1f} s, acceptance {acceptance:.3f}")
+    print(f"ems on the {mode} graph: {time.perf_counter() - start:.1f} s, acceptance {acceptance:.3f}")
     assert 0.3 < acceptance < 0.95  # both acceptance and rejection occur thousands of times
     counts = Counter(tuple(o.token_ids[:NUM_TOKENS]) for o in outputs)
-    assert_lossless(counts, law, "ems on int4 graph T=1")
+    assert_lossless(counts, law, f"ems on {mode} graph T=1")
+    if mode != "int4":
+        return
     # the check tells the laws apart: int4 moves this target's law far (TV ~0.45), and the samples reject it
     fp32_law = exact_joint(target, PLAIN)
     for keep, axis in ((slice(0, 3), 3), (slice(1, 4), 0)):
