@@ -21,7 +21,7 @@ SmolLM2-sized linear layer in each MatMulNBits form, including float zero points
 quantizer does not use (module docstring of ``specdec.export.quantize``).
 
 Writes benchmarks/results/quantize.{json,md}. Takes about 15 minutes (one fp32 export of the real
-model, seven quantizations, the greedy runs).
+model, eight quantizations, the greedy runs).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from tqdm.auto import tqdm
 from specdec.bench.harness import machine_info
 from specdec.bench.workloads import DOC_SOURCES, QA_MODULES
 from specdec.export import quantize as q
+from specdec.export import w8a8
 from specdec.export.onnx import export_onnx
 from specdec.export.validate import max_logit_error
 from specdec.models.loading import load_model
@@ -79,7 +80,7 @@ MAX_NEW, PPL_TOKENS = 64, 256
 VARIANTS = (
     ("int4 gguf L4", "int4", True, 4), ("int4 gguf L0", "int4", True, 0), ("int8 gguf L4", "int8", True, 4),
     ("int4 rtn L4", "int4", False, 4), ("int4 rtn L0", "int4", False, 0), ("int8 rtn L4", "int8", False, 4),
-    ("int8 rtn L0", "int8", False, 0),
+    ("int8 rtn L0", "int8", False, 0), ("w8a8", "w8a8", True, 4),
 )
 
 
@@ -185,6 +186,11 @@ def kernel_table(repeats: int) -> list[dict]:
     for label, block in forms:
         for level in (0, 4):
             cases[f"{label} L{level}"] = q._matmul_nbits(gemm, block, [], level)
+    zp_nodes, zero_points = w8a8.row_zero_points("x", "w8a8")
+    chain, tensors = w8a8.integer_nodes(gemm, w8a8.quantize_linear(weight, w8a8.smoothing(np.ones(k), weight)), "w8a8",
+                                        zero_points, {})
+    cases["w8a8 (int8 per channel, activations per token)"] = ([*zp_nodes, *chain],
+                                                                [*w8a8.shared_constants("w8a8"), *tensors])
     float_zp = [numpy_helper.from_array(q.pack_codes(q41.codes, 4), "b"), numpy_helper.from_array(q41.scales, "s"),
                 numpy_helper.from_array((q41.zero_points - q41.offsets / q41.scales).astype(np.float32), "z")]
     cases["int4 Q4_1 (float zero points -m/d) L0"] = (
@@ -284,7 +290,9 @@ def report(result: dict) -> str:
         "",
         "`gguf`: the GGUF's own Q4_1 / Q8_0 blocks (the weights equal the fp32 model's, which *is* the de-quantized "
         "GGUF); `rtn`: round-to-nearest blocks of the fp32 weights (a second rounding). `L4`: accuracy_level 4, "
-        "int8 activations (what an export ships); `L0`: fp32 activations.",
+        "int8 activations (what an export ships); `L0`: fp32 activations. `w8a8`: `--quantize w8a8` "
+        "(`specdec.export.w8a8`: the decoder layers' weights rounded again to int8 per output channel, activations "
+        "to int8 per token, smoothed on calibration prompts; ONNX Runtime's integer GEMM; the head the GGUF's Q8_0).",
         "",
         "Step times: median ms per step of each shape (sequences x new tokens; prefill: one 128-token prompt), all "
         "graphs timed interleaved, the order rotated every repeat, on a machine shared with other jobs.",
