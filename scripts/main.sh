@@ -8,17 +8,18 @@
 # tokens per step, as its own acceptance says pays on this machine, priced by what a draft token and a
 # verified row cost here (--calibrate times the exported graphs before the server starts), drafting by prompt
 # lookup where a request's context has a match and by the draft model elsewhere (--drafter hybrid). The graphs
-# are int4 (the GGUF's own 4-bit blocks, int8 activations: batch-invariant, so ems answers equal ar's bit for
-# bit): of the candidate exports served with this job's requests, the fastest exact one on this CPU that
-# serves DSBD, whose forests need the draft model in the drafter (benchmarks/results/served_configs.md). Its
-# KV caches are fp16, the quantized exports' default: with the folded attention layout ONNX Runtime converts
-# them once per kv head, and fp16 caches ran as fast as fp32 ones on this CPU (benchmarks/results/edge_cpu.md:
-# int4 ar 70.7 vs 71.2 tok/s at batch 1, 126.7 vs 130.1 at 8; attention_layout.md).
+# are w8a8 (ONNX Runtime's integer GEMM over int8 weights per channel and int8 activations per token, smoothed
+# on calibration prompts: row-independent, so ems answers equal ar's bit for bit): of the candidate exports
+# served with this job's requests, the fastest exact one on this CPU that serves DSBD, whose forests need the
+# draft model in the drafter (benchmarks/results/served_configs.md; int4 keeps the GGUF's own blocks and is
+# closer to fp32, docs/export.md). Its KV caches are fp16, the quantized exports' default: with the folded
+# attention layout ONNX Runtime converts them once per kv head, and fp16 caches ran as fast as fp32 ones on
+# this CPU (benchmarks/results/edge_cpu.md, its fp32-caches rows; attention_layout.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 . .venv/bin/activate
-specdec-export --target smollm2-135m --draft smollm2-135m-draft --quantize int4 --drafter hybrid --out deploy --force --max-batch 8 \
+specdec-export --target smollm2-135m --draft smollm2-135m-draft --quantize w8a8 --drafter hybrid --out deploy --force --max-batch 8 \
   --max-len 2048 --num-draft-tokens 4 --adaptive-draft --calibrate
 
 read -r GRPC HTTP METRICS < <(python -c "from specdec.serving.server import free_ports; print(*free_ports())")

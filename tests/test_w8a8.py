@@ -55,7 +55,7 @@ def linear_case() -> tuple[np.ndarray, np.ndarray, w8a8.IntegerLinear]:
 def test_the_chain_is_the_integer_product_of_each_rows_own_codes(linear_case) -> None:
     weight, x, linear = linear_case
     got = _run(_chain_session(linear), x)
-    xs = x * (np.float32(1) / linear.smooth)
+    xs = x * linear.unsmooth
     row_scale = np.maximum(np.abs(xs).max(axis=1) * np.float32(1 / 127), np.float32(1e-30))
     codes = np.clip(np.rint(xs / row_scale[:, None]), -127, 127).astype(np.int64)
     want = (codes @ linear.codes.astype(np.int64)).astype(np.float32) * row_scale[:, None] * linear.scales[None, :]
@@ -87,9 +87,13 @@ def test_smoothing_is_exact_in_real_arithmetic_and_balances_the_ranges(linear_ca
     weight, x, linear = linear_case
     maxima = np.abs(x).max(axis=0)
     s = w8a8.smoothing(maxima, weight)
-    np.testing.assert_allclose(s, np.sqrt(maxima / np.abs(weight).max(axis=0)), rtol=1e-5)  # alpha 0.5
-    # after smoothing, a channel's largest input and its largest weight are equal: the outlier is shared
-    np.testing.assert_allclose(maxima / s, np.abs(weight * s).max(axis=0), rtol=1e-5)
+    wmax, a = np.abs(weight).max(axis=0), w8a8.SMOOTH_ALPHA
+    np.testing.assert_allclose(s, maxima**a / wmax ** (1 - a), rtol=1e-5)
+    # the ranges after smoothing: (max|x_k| / s_k) / (max|W_k| s_k) = (max|x_k| max|W_k|)^(1 - 2a)
+    np.testing.assert_allclose((maxima / s) / (wmax * s), (maxima * wmax) ** (1 - 2 * a), rtol=1e-4)
+    # at alpha 0.5 a channel's largest input and its largest weight become equal: the outlier is shared
+    half = w8a8.smoothing(maxima, weight, alpha=0.5)
+    np.testing.assert_allclose(maxima / half, np.abs(weight * half).max(axis=0), rtol=1e-5)
     # the effective weight is the original one, rounded per output channel to half a step at most
     step = np.abs(weight * s).max(axis=1) / 127
     assert (np.abs(linear.effective() - weight) * s[None, :] <= step[:, None] / 2 * (1 + 1e-5)).all()

@@ -183,7 +183,7 @@ def quantize_export(model: Any, graph: str | os.PathLike, mode: str, *, use_gguf
 
         sequences = calibration or w8a8.calibration_ids(model.tokenizer, model.vocab_size)
         maxima = w8a8.activation_maxima(model, sequences, names[:-1])
-        names = names[-1:]
+        names = [name for name in names if name not in maxima]
     blocks = source_blocks(model, bits, use_gguf=use_gguf, names=names)
     table = embedding_block(model, bits, blocks, use_gguf)
     kept = fp32_at_level(blocks, bits, accuracy_level)
