@@ -57,22 +57,29 @@ def test_entry_point_watcher_keeps_no_client_after_its_request(monkeypatch: pyte
 
 
 def test_engine_watcher_keeps_no_client_after_its_request() -> None:
-    class Quiet:
+    class Quiet:  # the services, metrics and entry-point control the watcher polls, with nothing to do
         def cancel(self, request_id: str) -> bool:
             return False
+
+        def expire(self) -> None:
+            return None
+
+        def cancels(self) -> list[str]:
+            return []
 
         def update(self, *services: object) -> None:
             return None
 
     engine = object.__new__(triton_models.EngineModel)
-    engine._closing, engine._lock, engine._streams = threading.Event(), threading.Lock(), {}
-    engine.service = engine.beam_service = engine.metrics = Quiet()
+    engine._closing, engine._lock, engine._streams, engine._external = threading.Event(), threading.Lock(), {}, {}
+    engine.service = engine.beam_service = engine.metrics = engine._control = Quiet()
     watcher = threading.Thread(target=engine._watch, daemon=True)
     watcher.start()
     try:
         ref = _watched_then_dropped(
             lambda c: engine._streams.__setitem__("r1", triton_models._Stream(c, False, ())),  # type: ignore[arg-type]
             lambda: engine._streams.pop("r1"))
+        assert watcher.is_alive(), "the watcher died: the check below would hold vacuously"
         assert _released(ref), "the watcher still holds the last client it polled"
     finally:
         engine._closing.set()

@@ -1,4 +1,4 @@
-"""Weight-only block quantization of an exported ragged-step graph (``specdec-export --quantize int4|int8``).
+"""Weight-only block quantization of an exported graph (``--quantize int4|int8``; ``w8a8``: ``specdec.export.w8a8``).
 
 After ``export_onnx`` wrote the fp32 graph, every linear layer's ``Gemm`` (the exporter's form of
 ``F.linear``: weight ``[N, K]`` initializer, ``transB=1``; q/k/v and gate/up are each one fused
