@@ -103,12 +103,9 @@ LLAMA_ISA_OPTIONS = (("GGML_AVX", "avx"), ("GGML_AVX2", "avx2"), ("GGML_FMA", "f
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
     """The instruction-set flags of this CPU (empty where /proc/cpuinfo is unreadable)."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
+    from specdec.runtime.backends.onnxruntime import cpu_flags as read_flags
+
+    return read_flags(cpuinfo) or set()
 
 
 def llama_cmake_args(flags: set[str]) -> str:

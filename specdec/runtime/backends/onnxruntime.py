@@ -365,14 +365,20 @@ def split_batch(batch: PackedBatch, seqs: Sequence[int]) -> tuple[PackedBatch, n
     return part, where
 
 
-def has_vnni(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
-    """Whether this CPU has VNNI (``avx512_vnni`` or ``avx_vnni``); None where that cannot be read."""
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str] | None:
+    """The instruction-set flags of this CPU; None where /proc/cpuinfo is unreadable or lists none."""
     try:
         with open(cpuinfo, encoding="utf-8") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
+            line = next((line for line in f if line.startswith("flags")), None)
     except OSError:
         return None
-    return None if flags is None else ("avx512_vnni" in flags or "avx_vnni" in flags)
+    return None if line is None else set(line.partition(":")[2].split())
+
+
+def has_vnni(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
+    """Whether this CPU has VNNI (``avx512_vnni`` or ``avx_vnni``); None where that cannot be read."""
+    flags = cpu_flags(cpuinfo)
+    return None if flags is None else bool({"avx512_vnni", "avx_vnni"} & flags)
 
 
 def _warn_integer_saturation(proto: object, path: Path, on_cpu: bool, cpuinfo: str = "/proc/cpuinfo") -> bool:
