@@ -75,13 +75,23 @@ def plan(ks: Sequence[int], cap: int, calibrated: bool = False) -> list[Config |
     return [None, *((d, k, "fixed") for d in DRAFTERS for k in ks), *((d, cap, m) for m in modes for d in DRAFTERS)]
 
 
-def measure_cell(engine: Engine, drafters: dict[str, Drafter], prompts: Sequence[str], configs: list[Config | None],
-                 policies: dict[tuple[str, str], DraftLength], max_tokens: int, repeats: int, bar: tqdm, label: str,
-                 temperature: float = 0.0) -> dict[str, Any]:
+def measure_cell(
+    engine: Engine,
+    drafters: dict[str, Drafter],
+    prompts: Sequence[str],
+    configs: list[Config | None],
+    policies: dict[tuple[str, str], DraftLength],
+    max_tokens: int,
+    repeats: int,
+    bar: tqdm,
+    label: str,
+    temperature: float = 0.0,
+) -> dict[str, Any]:
     """Every config of one (workload, batch size): tokens/s, speed-up over ar, acceptance, k used, identity.
 
     ``policies``: the adaptive policy per (mode, drafter), mode "adaptive" or "calibrated".
     """
+
     def use(config: Config | None) -> str:
         engine.drafter = None if config is None else drafters[config[0]]
         engine.num_draft_tokens = 0 if config is None else config[1]
@@ -113,8 +123,9 @@ def measure_cell(engine: Engine, drafters: dict[str, Drafter], prompts: Sequence
             "speedup_over_ar": round(tps / ar.tokens_per_second(), 3),
             "acceptance_rate": summary["acceptance_rate"],
             "mean_k": round(summary["draft_tokens"] / max(1, decode_steps), 3),
-            "identical_to_ar": None if temperature > 0 else
-            all([o.token_ids for o in r.outputs] == reference for r in runs[config].results),
+            "identical_to_ar": None
+            if temperature > 0
+            else all([o.token_ids for o in r.outputs] == reference for r in runs[config].results),
         }
     return cell
 
@@ -132,21 +143,31 @@ def markdown(doc: dict[str, Any]) -> str:
         f"after {meta['load_after']}",
         f"- Policy: `{meta['policy']}`; cap k <= {meta['cap']}; drafter costs: draft model "
         f"{meta['drafter_costs']['draft']}, n-gram {meta['drafter_costs']['ngram']} of a target step",
-        *([f"- Calibrated (timed on this machine before the grid, `specdec.runtime.costs.calibrate`: batch sizes "
-           f"{c['batch_sizes']}, {c['context']} cached tokens, verifying k = {c['k']}): a draft token costs "
-           f"{c['draft_cost']} and a verified row {c['verify_cost']} of a target step; policy "
-           f"`{meta['calibrated_policy']}` (prompt lookup keeps its draft cost of 0)"]
-          if (c := meta.get("calibration")) else []),
+        *(
+            [
+                f"- Calibrated (timed on this machine before the grid, `specdec.runtime.costs.calibrate`: batch sizes "
+                f"{c['batch_sizes']}, {c['context']} cached tokens, verifying k = {c['k']}): a draft token costs "
+                f"{c['draft_cost']} and a verified row {c['verify_cost']} of a target step; policy "
+                f"`{meta['calibrated_policy']}` (prompt lookup keeps its draft cost of 0)"
+            ]
+            if (c := meta.get("calibration"))
+            else []
+        ),
         "- Requests per cell: " + ", ".join(f"B={b}: {n}" for b, n in meta["requests"].items()),
         "- Cells: speed-up of tokens/s over ar (prefill included), with the acceptance rate and the mean k "
         "drafted per sequence per step in brackets",
         "",
     ]
     for workload, cells in grid.items():
-        lines += [f"## Workload *{workload}*", "", "| drafter | k | " + " | ".join(f"B = {b}" for b in batches) + " |",
-                  "|:---|:---|" + "---:|" * len(batches)]
-        lines.append("| – | ar tokens/s | " + " | ".join(f"{cells[b]['ar']['tokens_per_second']:.1f}"
-                                                        for b in batches) + " |")
+        lines += [
+            f"## Workload *{workload}*",
+            "",
+            "| drafter | k | " + " | ".join(f"B = {b}" for b in batches) + " |",
+            "|:---|:---|" + "---:|" * len(batches),
+        ]
+        lines.append(
+            "| – | ar tokens/s | " + " | ".join(f"{cells[b]['ar']['tokens_per_second']:.1f}" for b in batches) + " |"
+        )
         for name in [n for n in cells[batches[0]] if n != "ar"]:
             drafter, k = name.split(" ", 1)
             row = []
@@ -163,13 +184,27 @@ def markdown(doc: dict[str, Any]) -> str:
 def auto_notes(grid: dict[str, dict[str, Any]]) -> list[str]:
     """Adaptive against the best and the worst fixed k of each (workload, drafter, batch), from the numbers."""
     notes = []
-    bad = [f"{w} B={b} {n}" for w, cells in grid.items() for b, cell in cells.items() for n, r in cell.items()
-           if n != "ar" and r["identical_to_ar"] is False]
-    sampled = any(r["identical_to_ar"] is None for cells in grid.values() for cell in cells.values()
-                  for n, r in cell.items() if n != "ar")
-    notes.append("Sampled: every output is a seeded draw of the target's law, not compared with ar's." if sampled
-                 else "Every ems output was token-identical to ar's." if not bad else
-                 f"OUTPUTS DIFFER: {'; '.join(bad)}.")
+    bad = [
+        f"{w} B={b} {n}"
+        for w, cells in grid.items()
+        for b, cell in cells.items()
+        for n, r in cell.items()
+        if n != "ar" and r["identical_to_ar"] is False
+    ]
+    sampled = any(
+        r["identical_to_ar"] is None
+        for cells in grid.values()
+        for cell in cells.values()
+        for n, r in cell.items()
+        if n != "ar"
+    )
+    notes.append(
+        "Sampled: every output is a seeded draw of the target's law, not compared with ar's."
+        if sampled
+        else "Every ems output was token-identical to ar's."
+        if not bad
+        else f"OUTPUTS DIFFER: {'; '.join(bad)}."
+    )
     for workload, cells in grid.items():
         for drafter in DRAFTERS:
             for mode in ("adaptive", "calibrated"):
@@ -181,10 +216,15 @@ def auto_notes(grid: dict[str, dict[str, Any]]) -> list[str]:
                     fixed = {n: r["speedup_over_ar"] for n, r in cell.items() if n.startswith(f"{drafter} k=")}
                     adaptive = next(r for n, r in cell.items() if n.startswith(prefix))
                     best, worst = max(fixed, key=fixed.get), min(fixed, key=fixed.get)
-                    parts.append(f"B={b} {adaptive['speedup_over_ar']:.2f}× (best fixed {best.split()[1]} "
-                                 f"{fixed[best]:.2f}×, worst {worst.split()[1]} {fixed[worst]:.2f}×)")
-                notes.append(f"{workload}, {DRAFTER_LABELS[drafter]}, {MODE_LABELS[mode].split(' k')[0]}: "
-                             + "; ".join(parts) + ".")
+                    parts.append(
+                        f"B={b} {adaptive['speedup_over_ar']:.2f}× (best fixed {best.split()[1]} "
+                        f"{fixed[best]:.2f}×, worst {worst.split()[1]} {fixed[worst]:.2f}×)"
+                    )
+                notes.append(
+                    f"{workload}, {DRAFTER_LABELS[drafter]}, {MODE_LABELS[mode].split(' k')[0]}: "
+                    + "; ".join(parts)
+                    + "."
+                )
     return notes
 
 
@@ -208,9 +248,14 @@ def plot(doc: dict[str, Any], path: Path) -> None:
             names = [n for n in cells[batches[0]] if n.startswith(f"{drafter} ")]
             for name in names:
                 adaptive = "adaptive" in name
-                ax.plot(batches, [cells[b][name]["speedup_over_ar"] for b in batches], marker="o",
-                        linewidth=2.5 if adaptive else 1, linestyle="-" if adaptive else "--",
-                        label=name.split(" ", 1)[1])
+                ax.plot(
+                    batches,
+                    [cells[b][name]["speedup_over_ar"] for b in batches],
+                    marker="o",
+                    linewidth=2.5 if adaptive else 1,
+                    linestyle="-" if adaptive else "--",
+                    label=name.split(" ", 1)[1],
+                )
             ax.axhline(1.0, color="gray", linewidth=0.8)
             ax.set(title=f"{workload}, {DRAFTER_LABELS[drafter]}", xlabel="batch size", ylabel="speed-up over ar")
             ax.grid(alpha=0.3)
@@ -228,11 +273,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch-sizes", type=int_list, default=(1, 4, 16))
     p.add_argument("--ks", type=int_list, default=(1, 2, 4), help="fixed draft lengths")
     p.add_argument("--cap", type=int, default=4, help="the most the adaptive policy drafts")
-    p.add_argument("--verify-cost", type=float, default=DraftLength().verify_cost,
-                   help="the policy's cost of one more verified row, in one-row target steps")
+    p.add_argument(
+        "--verify-cost",
+        type=float,
+        default=DraftLength().verify_cost,
+        help="the policy's cost of one more verified row, in one-row target steps",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled, every request seeded")
-    p.add_argument("--calibrate", action="store_true",
-                   help="also run the adaptive policy priced by costs timed on this machine first")
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="also run the adaptive policy priced by costs timed on this machine first",
+    )
     p.add_argument("--stem", default="adaptive_k", help="output file name without extension")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=1)
@@ -262,40 +314,78 @@ def main(argv: Sequence[str] | None = None) -> int:
     configs = plan(args.ks, args.cap, args.calibrate)
     requests = {str(b): max(4, b) for b in args.batch_sizes}
     grid: dict[str, dict[str, Any]] = {w: {} for w in workloads}
-    bar = tqdm(total=len(args.batch_sizes) * len(workloads) * len(configs) * args.repeats, desc="adaptive k",
-               unit="run", disable=args.no_progress)
+    bar = tqdm(
+        total=len(args.batch_sizes) * len(workloads) * len(configs) * args.repeats,
+        desc="adaptive k",
+        unit="run",
+        disable=args.no_progress,
+    )
     for batch in args.batch_sizes:
         n = requests[str(batch)]
         sizing = BenchConfig(max_tokens=args.max_tokens, num_draft_tokens=max(*args.ks, args.cap))
         max_len = required_max_len([x for w in workloads for x in batch_of(lens[w], n)], sizing)
-        engine = Engine(target_backend, None, tokenizer=target.tokenizer, eos_token_ids=target.eos_token_ids,
-                        max_batch=batch, max_len=max_len)
-        drafters: dict[str, Drafter] = {"draft": ModelDrafter(draft_backend, batch, max_len),
-                                        "ngram": NgramDrafter(max_ngram=2, min_ngram=2)}
+        engine = Engine(
+            target_backend,
+            None,
+            tokenizer=target.tokenizer,
+            eos_token_ids=target.eos_token_ids,
+            max_batch=batch,
+            max_len=max_len,
+        )
+        drafters: dict[str, Drafter] = {
+            "draft": ModelDrafter(draft_backend, batch, max_len),
+            "ngram": NgramDrafter(max_ngram=2, min_ngram=2),
+        }
         for workload, texts in workloads.items():
-            grid[workload][str(batch)] = measure_cell(engine, drafters, batch_of(texts, n), configs, policies,
-                                                      args.max_tokens, args.repeats, bar, f"{workload} B={batch}",
-                                                      args.temperature)
+            grid[workload][str(batch)] = measure_cell(
+                engine,
+                drafters,
+                batch_of(texts, n),
+                configs,
+                policies,
+                args.max_tokens,
+                args.repeats,
+                bar,
+                f"{workload} B={batch}",
+                args.temperature,
+            )
         del engine, drafters
         gc.collect()
     bar.close()
     info = machine_info()
     doc = {
         "meta": {
-            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "command": command,
-            "target": target.name, "draft": args.draft, "batch_sizes": list(args.batch_sizes), "ks": list(args.ks),
-            "cap": args.cap, "policy": repr(policy), "max_tokens": args.max_tokens, "repeats": args.repeats,
-            "requests": requests, "machine": info, "load_before": load_before, "load_after": info.get("load_average"),
+            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": command,
+            "target": target.name,
+            "draft": args.draft,
+            "batch_sizes": list(args.batch_sizes),
+            "ks": list(args.ks),
+            "cap": args.cap,
+            "policy": repr(policy),
+            "max_tokens": args.max_tokens,
+            "repeats": args.repeats,
+            "requests": requests,
+            "machine": info,
+            "load_before": load_before,
+            "load_after": info.get("load_average"),
             "drafter_costs": {"draft": ModelDrafter.relative_cost, "ngram": NgramDrafter.relative_cost},
-            "elapsed_seconds": time.perf_counter() - start, "notes": [*auto_notes(grid), *args.note],
-            "temperature": args.temperature, "calibration": calibration,
+            "elapsed_seconds": time.perf_counter() - start,
+            "notes": [*auto_notes(grid), *args.note],
+            "temperature": args.temperature,
+            "calibration": calibration,
             "calibrated_policy": repr(policies.get(("calibrated", "draft"))),
         },
         "grid": grid,
     }
     print(write_report(doc, args.out_dir, args.stem, markdown, plot))
-    identical = all(r["identical_to_ar"] is not False for cells in grid.values() for cell in cells.values()
-                    for n, r in cell.items() if n != "ar")
+    identical = all(
+        r["identical_to_ar"] is not False
+        for cells in grid.values()
+        for cell in cells.values()
+        for n, r in cell.items()
+        if n != "ar"
+    )
     return 0 if identical else 1
 
 

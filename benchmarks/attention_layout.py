@@ -64,15 +64,18 @@ def build_work(graph: Path, threads: int) -> tuple[dict[tuple[str, str, str], tu
                 cache = backend.allocate_cache(8, context + 160)
                 for s in range(8):  # a prefill per slot, in chunks of 256 rows
                     for start in range(0, context, 256):
-                        ids = tokens[s * context + start: s * context + min(context, start + 256)]
+                        ids = tokens[s * context + start : s * context + min(context, start + 256)]
                         backend.step(pack([SeqWork(s, start, ids, logits="none")]), cache)
                 for seqs, rows in SHAPES:
                     shape = f"{seqs}x{rows}@{context}"
                     batch = pack([SeqWork(s, context, tokens[:rows], logits="all") for s in range(seqs)])
                     work[layout, dtype, shape] = (backend, batch, cache)
                     logits[layout, dtype, shape] = backend.step(batch, cache)
-    differ = [f"{dtype} {shape}" for (layout, dtype, shape), got in logits.items()
-              if layout == "folded" and not np.array_equal(got, logits["padded", dtype, shape])]
+    differ = [
+        f"{dtype} {shape}"
+        for (layout, dtype, shape), got in logits.items()
+        if layout == "folded" and not np.array_equal(got, logits["padded", dtype, shape])
+    ]
     return work, differ
 
 
@@ -86,12 +89,16 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     work, differ = build_work(args.int4 / "target" / "model.onnx", args.threads)
     medians = interleaved_step_ms(work, args.rounds, desc="layouts")
-    doc = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "command": f"python benchmarks/attention_layout.py {' '.join(argv or sys.argv[1:])}".strip(),
-           "threads": args.threads, "rounds": args.rounds, "fold_rows": ort_fold.FOLD_ROWS,
-           "logits_differ": differ,
-           "step_ms": {f"{layout}|{dtype}|{shape}": ms for (layout, dtype, shape), ms in medians.items()},
-           "seconds": round(time.time() - started, 1)}
+    doc = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": f"python benchmarks/attention_layout.py {' '.join(argv or sys.argv[1:])}".strip(),
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "fold_rows": ort_fold.FOLD_ROWS,
+        "logits_differ": differ,
+        "step_ms": {f"{layout}|{dtype}|{shape}": ms for (layout, dtype, shape), ms in medians.items()},
+        "seconds": round(time.time() - started, 1),
+    }
     print(write_report(doc, args.out_dir, "attention_layout", markdown, draw))
     return 0 if not differ else 1
 
@@ -104,33 +111,48 @@ def markdown(doc: dict[str, Any]) -> str:
     """The report: step times per layout and cache type, the ratio folded / padded, and the bit check."""
     ms = doc["step_ms"]
     columns = _columns()
-    same = "identical for every shape and cache type" if not doc["logits_differ"] else \
-        f"**differ** for {', '.join(doc['logits_differ'])}"
-    lines = ["# GroupQueryAttention layout: folded vs padded, SmolLM2 int4 target step", "",
-             f"- Date: {doc['date']}; command: `{doc['command']}` ({doc['seconds']} s); {doc['threads']} threads",
-             f"- *folded*: the shipped lowering (a step folds while fold x rows <= {doc['fold_rows']}; 1 x 128 is a "
-             "prefill chunk and runs the padded branch in both); *padded*: folding off",
-             f"- Logits of the two layouts, bit for bit: {same}",
-             f"- ms per step; 8 slots at the given context; median over {doc['rounds']} interleaved rounds of "
-             f"{BLOCK} back-to-back steps, the first untimed (`specdec/bench/steps.py`)", "",
-             "| caches | layout | " + " | ".join(c.replace("x", " x ").replace("@", ", context ") for c in columns)
-             + " |", "|:---|:---|" + "---:|" * len(columns)]
+    same = (
+        "identical for every shape and cache type"
+        if not doc["logits_differ"]
+        else f"**differ** for {', '.join(doc['logits_differ'])}"
+    )
+    lines = [
+        "# GroupQueryAttention layout: folded vs padded, SmolLM2 int4 target step",
+        "",
+        f"- Date: {doc['date']}; command: `{doc['command']}` ({doc['seconds']} s); {doc['threads']} threads",
+        f"- *folded*: the shipped lowering (a step folds while fold x rows <= {doc['fold_rows']}; 1 x 128 is a "
+        "prefill chunk and runs the padded branch in both); *padded*: folding off",
+        f"- Logits of the two layouts, bit for bit: {same}",
+        f"- ms per step; 8 slots at the given context; median over {doc['rounds']} interleaved rounds of "
+        f"{BLOCK} back-to-back steps, the first untimed (`specdec/bench/steps.py`)",
+        "",
+        "| caches | layout | " + " | ".join(c.replace("x", " x ").replace("@", ", context ") for c in columns) + " |",
+        "|:---|:---|" + "---:|" * len(columns),
+    ]
     for dtype in DTYPES:
         for layout in LAYOUTS:
-            lines.append(f"| {dtype} | {layout} | " + " | ".join(str(ms[f"{layout}|{dtype}|{c}"]) for c in columns)
-                         + " |")
-        lines.append(f"| {dtype} | folded / padded | " + " | ".join(
-            f"{ms[f'folded|{dtype}|{c}'] / ms[f'padded|{dtype}|{c}']:.2f}" for c in columns) + " |")
+            lines.append(
+                f"| {dtype} | {layout} | " + " | ".join(str(ms[f"{layout}|{dtype}|{c}"]) for c in columns) + " |"
+            )
+        lines.append(
+            f"| {dtype} | folded / padded | "
+            + " | ".join(f"{ms[f'folded|{dtype}|{c}'] / ms[f'padded|{dtype}|{c}']:.2f}" for c in columns)
+            + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def draw(doc: dict[str, Any], path: Path) -> None:
     """Step time per shape, one bar per layout and cache type."""
     columns = _columns()
-    series = {f"{layout}, {dtype} caches": [doc["step_ms"][f"{layout}|{dtype}|{c}"] for c in columns]
-              for dtype in DTYPES for layout in LAYOUTS}
-    step_bars(path, [c.replace("@", "\ncontext ") for c in columns], series,
-              "SmolLM2 int4 step time by attention layout")
+    series = {
+        f"{layout}, {dtype} caches": [doc["step_ms"][f"{layout}|{dtype}|{c}"] for c in columns]
+        for dtype in DTYPES
+        for layout in LAYOUTS
+    }
+    step_bars(
+        path, [c.replace("@", "\ncontext ") for c in columns], series, "SmolLM2 int4 step time by attention layout"
+    )
 
 
 if __name__ == "__main__":

@@ -35,8 +35,12 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-STREAM_PROMPTS = ["Write a short story about a lighthouse keeper.", "List ten facts about the ocean.",
-                  "Explain how a bicycle works.", "Describe a busy market in the morning."]
+STREAM_PROMPTS = [
+    "Write a short story about a lighthouse keeper.",
+    "List ten facts about the ocean.",
+    "Explain how a bicycle works.",
+    "Describe a busy market in the morning.",
+]
 
 
 def long_prompt(engine: Any, tokens: int) -> list[int]:
@@ -73,12 +77,15 @@ def run_once(engine: Any, budget: int | None, long_ids: list[int] | None, max_to
         def on_event(event: Any) -> None:
             with lock:
                 events.setdefault(name, []).append(time.perf_counter())
+
         return on_event
 
     try:
         start = time.perf_counter()
-        handles = [service.submit(engine.request(p, chat=True, max_tokens=max_tokens, request_id=f"s{i}"),
-                                  recorder(f"s{i}")) for i, p in enumerate(STREAM_PROMPTS)]
+        handles = [
+            service.submit(engine.request(p, chat=True, max_tokens=max_tokens, request_id=f"s{i}"), recorder(f"s{i}"))
+            for i, p in enumerate(STREAM_PROMPTS)
+        ]
         long_sent = long_first = None
         if long_ids is not None:
             while True:  # every stream is decoding before the long prompt comes
@@ -99,10 +106,16 @@ def run_once(engine: Any, budget: int | None, long_ids: list[int] | None, max_to
             times = events[f"s{i}"]
             ttft.append(times[0] - start)
             gaps += [b - a for a, b in itertools.pairwise(times)]
-        return {"budget": budget, "long": long_ids is not None, "gap_p50_ms": 1e3 * percentile(gaps, 50),
-                "gap_p99_ms": 1e3 * percentile(gaps, 99), "gap_max_ms": 1e3 * max(gaps),
-                "stream_ttft_p50_ms": 1e3 * statistics.median(ttft),
-                "long_ttft_ms": None if long_first is None else 1e3 * long_first, "gaps": gaps}
+        return {
+            "budget": budget,
+            "long": long_ids is not None,
+            "gap_p50_ms": 1e3 * percentile(gaps, 50),
+            "gap_p99_ms": 1e3 * percentile(gaps, 99),
+            "gap_max_ms": 1e3 * max(gaps),
+            "stream_ttft_p50_ms": 1e3 * statistics.median(ttft),
+            "long_ttft_ms": None if long_first is None else 1e3 * long_first,
+            "gaps": gaps,
+        }
     finally:
         service.stop(drain=False, timeout=30)
         engine.prefill_budget = None
@@ -130,13 +143,16 @@ def main(argv: list[str] | None = None) -> int:
     for _ in tqdm(range(args.repeats), desc="repeats"):
         for budget, with_long in tqdm(configs, desc="configs", leave=False):
             rows.setdefault((budget, with_long), []).append(
-                run_once(engine, budget, long_ids if with_long else None, args.max_tokens))
+                run_once(engine, budget, long_ids if with_long else None, args.max_tokens)
+            )
     summary = []
     for (budget, with_long), runs in rows.items():
-        merged = {k: statistics.median(r[k] for r in runs) for k in runs[0]
-                  if k not in ("budget", "long", "gaps") and runs[0][k] is not None}
-        summary.append({"budget": budget, "long": with_long, **merged,
-                        "gaps": [g for r in runs for g in r["gaps"]]})
+        merged = {
+            k: statistics.median(r[k] for r in runs)
+            for k in runs[0]
+            if k not in ("budget", "long", "gaps") and runs[0][k] is not None
+        }
+        summary.append({"budget": budget, "long": with_long, **merged, "gaps": [g for r in runs for g in r["gaps"]]})
     write(summary, args, len(long_ids))
     return 0
 
@@ -149,20 +165,26 @@ def write(summary: list[dict], args: argparse.Namespace, long_tokens: int) -> No
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     label = {True: "with the long prompt", False: "streams alone"}
-    lines = ["# Chunked prefill: a long prompt arriving mid-stream", "",
-             f"Command: `python benchmarks/chunked_prefill.py --export {args.export} --budgets {args.budgets} "
-             f"--long-tokens {args.long_tokens} --repeats {args.repeats}`. Engine service (the served loop), `ems`, "
-             f"{len(STREAM_PROMPTS)} chat streams of {args.max_tokens} tokens; the long prompt ({long_tokens} tokens) "
-             "arrives once every stream has streamed 5 events. Gaps: time between a stream's consecutive events "
-             f"(one per step it took part in), pooled over streams and {args.repeats} repeats; other numbers are "
-             "medians over repeats.", "",
-             "| prefill budget | mix | gap p50 ms | gap p99 ms | gap max ms | streams' TTFT ms | long prompt TTFT ms |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "# Chunked prefill: a long prompt arriving mid-stream",
+        "",
+        f"Command: `python benchmarks/chunked_prefill.py --export {args.export} --budgets {args.budgets} "
+        f"--long-tokens {args.long_tokens} --repeats {args.repeats}`. Engine service (the served loop), `ems`, "
+        f"{len(STREAM_PROMPTS)} chat streams of {args.max_tokens} tokens; the long prompt ({long_tokens} tokens) "
+        "arrives once every stream has streamed 5 events. Gaps: time between a stream's consecutive events "
+        f"(one per step it took part in), pooled over streams and {args.repeats} repeats; other numbers are "
+        "medians over repeats.",
+        "",
+        "| prefill budget | mix | gap p50 ms | gap p99 ms | gap max ms | streams' TTFT ms | long prompt TTFT ms |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for row in summary:
         budget = "whole prompt" if row["budget"] is None else f"{row['budget']} rows/step"
-        lines.append(f"| {budget} | {label[row['long']]} | {row['gap_p50_ms']:.0f} | {row['gap_p99_ms']:.0f} | "
-                     f"{row['gap_max_ms']:.0f} | {row['stream_ttft_p50_ms']:.0f} | "
-                     f"{'-' if row.get('long_ttft_ms') is None else format(row['long_ttft_ms'], '.0f')} |")
+        lines.append(
+            f"| {budget} | {label[row['long']]} | {row['gap_p50_ms']:.0f} | {row['gap_p99_ms']:.0f} | "
+            f"{row['gap_max_ms']:.0f} | {row['stream_ttft_p50_ms']:.0f} | "
+            f"{'-' if row.get('long_ttft_ms') is None else format(row['long_ttft_ms'], '.0f')} |"
+        )
     (args.out_dir / "chunked_prefill.md").write_text("\n".join(lines) + "\n")
     (args.out_dir / "chunked_prefill.json").write_text(json.dumps(summary, indent=1))
     fig, ax = plt.subplots(figsize=(8, 4.5))

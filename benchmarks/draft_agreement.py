@@ -57,20 +57,34 @@ def _label(spec: str) -> tuple[str, str]:
     return (label, path) if sep else (spec, spec)
 
 
-def measure(target_spec: str, drafts: list[str], prompts: int, max_tokens: int, seed: int,
-            progress: bool = True) -> dict[str, Any]:
+def measure(
+    target_spec: str, drafts: list[str], prompts: int, max_tokens: int, seed: int, progress: bool = True
+) -> dict[str, Any]:
     """Agreement and expected acceptance of every draft on every (workload, answer kind)."""
     from specdec.distill.objective import evaluate
 
     target = load_model(target_spec)
-    workloads = {"chat": [CHAT_PROMPTS[i % len(CHAT_PROMPTS)] for i in range(prompts)],
-                 "extractive": build_workload(prompts)}
+    workloads = {
+        "chat": [CHAT_PROMPTS[i % len(CHAT_PROMPTS)] for i in range(prompts)],
+        "extractive": build_workload(prompts),
+    }
     answers = {}
-    for (workload, texts), (kind, temperature) in tqdm([(w, a) for w in workloads.items() for a in ANSWERS.items()],
-                                                       desc="target answers", disable=not progress):
-        answers[(workload, kind)] = [r for r in generate_records(target, texts, max_new_tokens=max_tokens,
-                                                                 temperature=temperature, teacher_k=1, seed=seed,
-                                                                 max_batch=len(texts)) if r.positions]
+    for (workload, texts), (kind, temperature) in tqdm(
+        [(w, a) for w in workloads.items() for a in ANSWERS.items()], desc="target answers", disable=not progress
+    ):
+        answers[(workload, kind)] = [
+            r
+            for r in generate_records(
+                target,
+                texts,
+                max_new_tokens=max_tokens,
+                temperature=temperature,
+                teacher_k=1,
+                seed=seed,
+                max_batch=len(texts),
+            )
+            if r.positions
+        ]
     rows = []
     for spec in tqdm(drafts, desc="drafts", disable=not progress):
         label, path = _label(spec)
@@ -79,24 +93,40 @@ def measure(target_spec: str, drafts: list[str], prompts: int, max_tokens: int, 
         manifest = draft.extra.get("draft_manifest", {})
         for (workload, kind), records in answers.items():
             scores = evaluate(net, target, records)
-            rows.append({"draft": label, "path": path, "commands": manifest.get("commands", [manifest.get("command")]),
-                         "workload": workload, "answers": kind, **scores})
-    return {"rows": rows, "answer_tokens": {f"{w}/{k}": sum(len(r.positions) for r in v)
-                                            for (w, k), v in answers.items()}}
+            rows.append(
+                {
+                    "draft": label,
+                    "path": path,
+                    "commands": manifest.get("commands", [manifest.get("command")]),
+                    "workload": workload,
+                    "answers": kind,
+                    **scores,
+                }
+            )
+    return {
+        "rows": rows,
+        "answer_tokens": {f"{w}/{k}": sum(len(r.positions) for r in v) for (w, k), v in answers.items()},
+    }
 
 
 def markdown_report(doc: dict[str, Any]) -> str:
     meta = doc["meta"]
-    lines = ["# Draft agreement with the target on the benchmark workloads (teacher-forced)", "",
-             f"- Date: {meta['date']}; command: `{meta['command']}` ({meta['elapsed_seconds']:.0f} s)",
-             f"- Target {meta['target']}; {meta['prompts']} prompts per workload, {meta['max_tokens']} answer "
-             f"tokens at most, seed {meta['seed']}",
-             "- Agreement: argmax q = argmax p on the target's answer; acceptance: Σ min(p, q) at temperature 1",
-             "", "| draft | workload | answers | positions | greedy agreement | expected acceptance |",
-             "|:---|:---|:---|---:|---:|---:|"]
+    lines = [
+        "# Draft agreement with the target on the benchmark workloads (teacher-forced)",
+        "",
+        f"- Date: {meta['date']}; command: `{meta['command']}` ({meta['elapsed_seconds']:.0f} s)",
+        f"- Target {meta['target']}; {meta['prompts']} prompts per workload, {meta['max_tokens']} answer "
+        f"tokens at most, seed {meta['seed']}",
+        "- Agreement: argmax q = argmax p on the target's answer; acceptance: Σ min(p, q) at temperature 1",
+        "",
+        "| draft | workload | answers | positions | greedy agreement | expected acceptance |",
+        "|:---|:---|:---|---:|---:|---:|",
+    ]
     for r in doc["rows"]:
-        lines.append(f"| {r['draft']} | {r['workload']} | {r['answers']} | {r['positions']} | "
-                     f"{r['greedy_agreement']:.3f} | {r['expected_acceptance']:.3f} |")
+        lines.append(
+            f"| {r['draft']} | {r['workload']} | {r['answers']} | {r['positions']} | "
+            f"{r['greedy_agreement']:.3f} | {r['expected_acceptance']:.3f} |"
+        )
     lines += ["", "Drafts:", ""]
     for label in dict.fromkeys(r["draft"] for r in doc["rows"]):
         commands = next(r["commands"] for r in doc["rows"] if r["draft"] == label)
@@ -117,8 +147,10 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     width = 0.8 / len(drafts)
     for ax, metric in zip(axes, ("greedy_agreement", "expected_acceptance")):
         for i, label in enumerate(drafts):
-            values = [next(r[metric] for r in rows if r["draft"] == label and (r["workload"], r["answers"]) == c)
-                      for c in cases]
+            values = [
+                next(r[metric] for r in rows if r["draft"] == label and (r["workload"], r["answers"]) == c)
+                for c in cases
+            ]
             ax.bar([j + i * width for j in range(len(cases))], values, width, label=label)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))], [f"{w}\n{a}" for w, a in cases])
         ax.set_title(metric.replace("_", " "))
@@ -143,12 +175,24 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(2)
     start = time.perf_counter()
-    doc = measure(args.target, args.draft or ["shipped=smollm2-135m-draft"], args.prompts, args.max_tokens,
-                  args.seed, progress=not args.no_progress)
-    doc["meta"] = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                   "command": shlex.join(["python", "benchmarks/draft_agreement.py", *(argv or sys.argv[1:])]),
-                   "target": args.target, "prompts": args.prompts, "max_tokens": args.max_tokens, "seed": args.seed,
-                   "elapsed_seconds": time.perf_counter() - start, "machine": machine_info()}
+    doc = measure(
+        args.target,
+        args.draft or ["shipped=smollm2-135m-draft"],
+        args.prompts,
+        args.max_tokens,
+        args.seed,
+        progress=not args.no_progress,
+    )
+    doc["meta"] = {
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": shlex.join(["python", "benchmarks/draft_agreement.py", *(argv or sys.argv[1:])]),
+        "target": args.target,
+        "prompts": args.prompts,
+        "max_tokens": args.max_tokens,
+        "seed": args.seed,
+        "elapsed_seconds": time.perf_counter() - start,
+        "machine": machine_info(),
+    }
     print(write_report(doc, args.out_dir, "draft_agreement", markdown_report, plot))
     return 0
 

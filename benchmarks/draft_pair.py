@@ -152,14 +152,16 @@ def batch_of(items: Sequence[Any], batch: int) -> list[Any]:
 # -- cost of a draft token ---------------------------------------------------------------
 
 
-def measure_costs(target: TorchBackend, draft: TorchBackend, stream: Sequence[int], config: PairConfig,
-                  progress: bool = True) -> dict[str, dict[str, Any]]:
+def measure_costs(
+    target: TorchBackend, draft: TorchBackend, stream: Sequence[int], config: PairConfig, progress: bool = True
+) -> dict[str, dict[str, Any]]:
     """``step_costs`` at every cost batch size: ``{"<batch>": record}``."""
     batches = config.cost_batch_sizes or config.batch_sizes
     costs = {}
     for batch in tqdm(batches, desc="step cost", unit="batch", disable=not progress):
-        costs[str(batch)] = step_costs(target, draft, batch, context=config.context, ks=config.ks,
-                                       steps=config.cost_steps, stream=stream)
+        costs[str(batch)] = step_costs(
+            target, draft, batch, context=config.context, ks=config.ks, steps=config.cost_steps, stream=stream
+        )
     return costs
 
 
@@ -229,8 +231,9 @@ def _speculative_record(runs: MethodRuns, ar: dict[str, Any], reference: list[li
     }
 
 
-def measure_cell(engine: Engine, drafters: dict[str, Drafter], prompts: Sequence[str], config: PairConfig,
-                 bar: tqdm, label: str) -> dict[str, Any]:
+def measure_cell(
+    engine: Engine, drafters: dict[str, Drafter], prompts: Sequence[str], config: PairConfig, bar: tqdm, label: str
+) -> dict[str, Any]:
     """All runs of one (workload, batch size): ``{"ar": rec, "<drafter>": {"<k>": {"ems": rec, ...}}}``."""
     plan = run_plan(config.ks)
     if config.warmup:  # lazy initialisation and first-touch allocations of every loop and drafter, untimed
@@ -258,8 +261,14 @@ def measure_cell(engine: Engine, drafters: dict[str, Drafter], prompts: Sequence
     return cell
 
 
-def run_grid(target: LoadedModel, target_backend: TorchBackend, draft_backend: TorchBackend,
-             prompts: dict[str, list[str]], config: PairConfig, progress: bool = True) -> dict[str, dict[str, Any]]:
+def run_grid(
+    target: LoadedModel,
+    target_backend: TorchBackend,
+    draft_backend: TorchBackend,
+    prompts: dict[str, list[str]],
+    config: PairConfig,
+    progress: bool = True,
+) -> dict[str, dict[str, Any]]:
     """``{workload: {"<batch>": cell}}``; one engine per batch size serves both workloads.
 
     The cache is sized for the longest prompt of either workload and the largest k (vanilla's
@@ -268,12 +277,23 @@ def run_grid(target: LoadedModel, target_backend: TorchBackend, draft_backend: T
     lens = {w: [len(encode_text(target.tokenizer, p, True)) for p in ps] for w, ps in prompts.items()}
     sizing = BenchConfig(max_tokens=config.max_tokens, num_draft_tokens=max(config.ks))
     grid: dict[str, dict[str, Any]] = {w: {} for w in prompts}
-    bar = tqdm(total=len(config.batch_sizes) * len(prompts) * config.repeats * len(run_plan(config.ks)),
-               desc="grid", unit="run", disable=not progress)
+    bar = tqdm(
+        total=len(config.batch_sizes) * len(prompts) * config.repeats * len(run_plan(config.ks)),
+        desc="grid",
+        unit="run",
+        disable=not progress,
+    )
     for batch in config.batch_sizes:
         max_len = required_max_len([n for w in prompts for n in batch_of(lens[w], batch)], sizing)
-        engine = Engine(target_backend, None, tokenizer=target.tokenizer, eos_token_ids=target.eos_token_ids,
-                        max_batch=batch, max_len=max_len, num_draft_tokens=0)
+        engine = Engine(
+            target_backend,
+            None,
+            tokenizer=target.tokenizer,
+            eos_token_ids=target.eos_token_ids,
+            max_batch=batch,
+            max_len=max_len,
+            num_draft_tokens=0,
+        )
         drafters: dict[str, Drafter] = {
             "draft": ModelDrafter(draft_backend, batch, max_len),
             "ngram": NgramDrafter(max_ngram=config.ngram, min_ngram=config.min_ngram),
@@ -305,8 +325,11 @@ def best_k_summary(grid: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 row = out.setdefault(workload, {}).setdefault(drafter, {}).setdefault(method, {})
                 for batch, cell in cells.items():
                     k, record = best_k(cell, drafter, method)
-                    row[batch] = {"k": k, "speedup_over_ar": record["speedup_over_ar"],
-                                  "mean_accepted_length": record["mean_accepted_length"]}
+                    row[batch] = {
+                        "k": k,
+                        "speedup_over_ar": record["speedup_over_ar"],
+                        "mean_accepted_length": record["mean_accepted_length"],
+                    }
     return out
 
 
@@ -317,33 +340,47 @@ def _break_even(costs: dict[str, Any], batch: str, drafter: str, k: int) -> floa
 
 def speculative_runs(grid: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
     """``(label, record)`` of every ems and vanilla run of the grid."""
-    return [(f"{w} B={b} {d} k={k} {m}", r) for w, cells in grid.items() for b, cell in cells.items()
-            for d in DRAFTERS for k, by_m in cell[d].items() for m, r in by_m.items()]
+    return [
+        (f"{w} B={b} {d} k={k} {m}", r)
+        for w, cells in grid.items()
+        for b, cell in cells.items()
+        for d in DRAFTERS
+        for k, by_m in cell[d].items()
+        for m, r in by_m.items()
+    ]
 
 
 def auto_notes(grid: dict[str, dict[str, Any]], costs: dict[str, Any]) -> list[str]:
     """Plain statements of what the numbers show, so the report cannot drift from them."""
     bad = [label for label, r in speculative_runs(grid) if not r["identical_to_ar"]]
-    notes = ["Every ems and vanilla output was token-identical to ar's." if not bad else
-             f"OUTPUTS DIFFER from ar in {len(bad)} run(s): {'; '.join(bad)} (see `mismatches` in the JSON)."]
+    notes = [
+        "Every ems and vanilla output was token-identical to ar's."
+        if not bad
+        else f"OUTPUTS DIFFER from ar in {len(bad)} run(s): {'; '.join(bad)} (see `mismatches` in the JSON)."
+    ]
     ratios = {b: c["draft_over_target"] for b, c in costs.items()}
     over = [b for b, r in ratios.items() if r > COST_TARGET]
-    notes.append("One draft step costs " + ", ".join(f"{r:.1%} (B={b})" for b, r in ratios.items())
-                 + f" of a target step of the same shape: {'within' if not over else 'OVER'} the "
-                 f"{COST_TARGET:.0%} bound" + ("." if not over else f" at B={', '.join(over)}."))
+    notes.append(
+        "One draft step costs "
+        + ", ".join(f"{r:.1%} (B={b})" for b, r in ratios.items())
+        + f" of a target step of the same shape: {'within' if not over else 'OVER'} the "
+        f"{COST_TARGET:.0%} bound" + ("." if not over else f" at B={', '.join(over)}.")
+    )
     for workload, cells in grid.items():
         for drafter in DRAFTERS:
             parts, pays = [], []
             for batch, cell in cells.items():
                 k, r = best_k(cell, drafter, "ems")
                 even = _break_even(costs, batch, drafter, k)
-                parts.append(f"B={batch} {r['speedup_over_ar']:.2f}× (k={k}, accepted length "
-                             f"{r['mean_accepted_length']:.2f} vs break-even {_fmt(even)})")
+                parts.append(
+                    f"B={batch} {r['speedup_over_ar']:.2f}× (k={k}, accepted length "
+                    f"{r['mean_accepted_length']:.2f} vs break-even {_fmt(even)})"
+                )
                 if round(r["speedup_over_ar"], 2) > 1.0:
                     pays.append(batch)
-            verdict = (f"pays at B={', '.join(pays)}" if pays else "does not pay at any batch size") + \
-                (f", not at B={', '.join(b for b in cells if b not in pays)}" if pays and len(pays) < len(cells)
-                 else "")
+            verdict = (f"pays at B={', '.join(pays)}" if pays else "does not pay at any batch size") + (
+                f", not at B={', '.join(b for b in cells if b not in pays)}" if pays and len(pays) < len(cells) else ""
+            )
             notes.append(f"{workload}, {DRAFTER_LABELS[drafter]}: ems {verdict}. Best k: " + "; ".join(parts) + ".")
     return notes
 
@@ -364,19 +401,24 @@ def cost_table(costs: dict[str, Any], ks: Sequence[int]) -> list[str]:
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for batch, c in costs.items():
+
         def row(values: dict[str, float], digits: int) -> str:
             return " / ".join(_fmt(values.get(str(k)), digits) for k in ks)
 
         even = c["break_even_accepted_length"]
-        lines.append(f"| {batch} | {c['draft_ms']:.2f} | {c['target_ms']:.2f} | {c['draft_over_target']:.1%} | "
-                     f"{row(c['verify_ms'], 1)} | {row(c['verify_over_target'], 2)} | {row(even['draft'], 2)} | "
-                     f"{row(even['ngram'], 2)} |")
+        lines.append(
+            f"| {batch} | {c['draft_ms']:.2f} | {c['target_ms']:.2f} | {c['draft_over_target']:.1%} | "
+            f"{row(c['verify_ms'], 1)} | {row(c['verify_over_target'], 2)} | {row(even['draft'], 2)} | "
+            f"{row(even['ngram'], 2)} |"
+        )
     return lines
 
 
 def best_k_table(best: dict[str, Any], batches: Sequence[str]) -> list[str]:
-    lines = ["| workload | drafter | method | " + " | ".join(f"B = {b}" for b in batches) + " |",
-             "|:---|:---|:---|" + "---:|" * len(batches)]
+    lines = [
+        "| workload | drafter | method | " + " | ".join(f"B = {b}" for b in batches) + " |",
+        "|:---|:---|:---|" + "---:|" * len(batches),
+    ]
     for workload, by_drafter in best.items():
         for drafter, by_method in by_drafter.items():
             for method, row in by_method.items():
@@ -475,22 +517,39 @@ def plot(doc: dict[str, Any], path: Path) -> None:
                 row = by_method[method]
                 xs = [int(b) for b in row]
                 ys = [row[b]["speedup_over_ar"] for b in row]
-                ax.plot(xs, ys, style, marker="o" if method == "ems" else "x", color=colors[drafter],
-                        label=f"{DRAFTER_LABELS[drafter]}, {method}")
+                ax.plot(
+                    xs,
+                    ys,
+                    style,
+                    marker="o" if method == "ems" else "x",
+                    color=colors[drafter],
+                    label=f"{DRAFTER_LABELS[drafter]}, {method}",
+                )
                 if method == "ems":
                     for x, y, b in zip(xs, ys, row):
-                        ax.annotate(f"k={row[b]['k']}", (x, y), textcoords="offset points", xytext=(4, 4),
-                                    fontsize=7, color=colors[drafter])
+                        ax.annotate(
+                            f"k={row[b]['k']}",
+                            (x, y),
+                            textcoords="offset points",
+                            xytext=(4, 4),
+                            fontsize=7,
+                            color=colors[drafter],
+                        )
         ax.axhline(1.0, color="tab:gray", linewidth=1, label="ar")
         ax.set_xticks([int(b) for b in by_drafter["draft"]["ems"]])
-        ax.set(xlabel="batch size", ylabel="best-k speed-up over ar (tokens/s, prefill included)",
-               title=f"{workload} workload")
+        ax.set(
+            xlabel="batch size",
+            ylabel="best-k speed-up over ar (tokens/s, prefill included)",
+            title=f"{workload} workload",
+        )
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     cfg = doc["meta"]["config"]
-    fig.suptitle(f"{doc['meta']['target']} + distilled draft vs n-gram, k in {list(cfg['ks'])}, "
-                 f"{cfg['max_tokens']} new tokens, greedy, {doc['meta']['machine']['torch_threads']} thread(s)",
-                 fontsize=10)
+    fig.suptitle(
+        f"{doc['meta']['target']} + distilled draft vs n-gram, k in {list(cfg['ks'])}, "
+        f"{cfg['max_tokens']} new tokens, greedy, {doc['meta']['machine']['torch_threads']} thread(s)",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -510,26 +569,38 @@ def write_results(doc: dict[str, Any], out_dir: Path, stem: str = "draft_pair") 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--target", default=DEFAULT_TARGET, help="preset, Hugging Face directory or .gguf file")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="shipped draft name or distilled draft directory")
     p.add_argument("--batch-sizes", type=int_list, default=(1, 4, 8, 16), help="comma-separated")
     p.add_argument("--ks", type=int_list, default=(2, 4, 6), help="draft lengths k, comma-separated")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
-    p.add_argument("--prompts", type=int, default=None,
-                   help="distinct prompts per workload (default: the largest batch size; cycled when fewer)")
+    p.add_argument(
+        "--prompts",
+        type=int,
+        default=None,
+        help="distinct prompts per workload (default: the largest batch size; cycled when fewer)",
+    )
     p.add_argument("--repeats", type=int, default=1, help="timed runs per (workload, batch, drafter, k, method)")
-    p.add_argument("--cost-batch-sizes", type=int_list, default=None,
-                   help="batch sizes of the draft / target step cost (default: --batch-sizes)")
+    p.add_argument(
+        "--cost-batch-sizes",
+        type=int_list,
+        default=None,
+        help="batch sizes of the draft / target step cost (default: --batch-sizes)",
+    )
     p.add_argument("--context", type=int, default=200, help="cached tokens per sequence in the step cost")
     p.add_argument("--cost-steps", type=int, default=20, help="timed steps per shape in the step cost (median)")
     p.add_argument("--ngram", type=int, default=2, help="longest n-gram the n-gram drafter looks up")
     p.add_argument("--min-ngram", type=int, default=2, help="shortest n-gram that counts as a hit")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
     p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: batch sizes 1,4, k 2, 16 tokens, 2 prompts per workload, 5 cost steps")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: batch sizes 1,4, k 2, 16 tokens, 2 prompts per workload, 5 cost steps",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--note", action="append", default=[], help="a line for the report's notes (repeatable)")
     return p
@@ -537,11 +608,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> PairConfig:
     if args.quick:
-        return PairConfig(batch_sizes=(1, 4), ks=(2,), max_tokens=16, prompts=2, repeats=1, cost_steps=5,
-                          context=args.context, ngram=args.ngram, min_ngram=args.min_ngram)
-    return PairConfig(batch_sizes=args.batch_sizes, ks=args.ks, max_tokens=args.max_tokens, prompts=args.prompts,
-                      repeats=args.repeats, cost_batch_sizes=args.cost_batch_sizes, context=args.context,
-                      cost_steps=args.cost_steps, ngram=args.ngram, min_ngram=args.min_ngram)
+        return PairConfig(
+            batch_sizes=(1, 4),
+            ks=(2,),
+            max_tokens=16,
+            prompts=2,
+            repeats=1,
+            cost_steps=5,
+            context=args.context,
+            ngram=args.ngram,
+            min_ngram=args.min_ngram,
+        )
+    return PairConfig(
+        batch_sizes=args.batch_sizes,
+        ks=args.ks,
+        max_tokens=args.max_tokens,
+        prompts=args.prompts,
+        repeats=args.repeats,
+        cost_batch_sizes=args.cost_batch_sizes,
+        context=args.context,
+        cost_steps=args.cost_steps,
+        ngram=args.ngram,
+        min_ngram=args.min_ngram,
+    )
 
 
 def _draft_description(draft: LoadedModel) -> str:
@@ -550,14 +639,18 @@ def _draft_description(draft: LoadedModel) -> str:
     after = metrics.get("after", {})
     greedy = metrics.get("heldout_greedy", {}).get("after")
     head = draft.extra.get("head_token_ids")
-    text = (f"{draft.name}, {draft.config.num_hidden_layers} layer(s), LM head of "
-            f"{'all' if head is None else len(head)} tokens, distilled {manifest.get('train_minutes', '?')} min "
-            f"({manifest.get('steps', '?')} steps); held-out sampled continuations: greedy agreement "
-            f"{_fmt(after.get('greedy_agreement'), 3)}, expected acceptance at T=1 "
-            f"{_fmt(after.get('expected_acceptance'), 3)}")
+    text = (
+        f"{draft.name}, {draft.config.num_hidden_layers} layer(s), LM head of "
+        f"{'all' if head is None else len(head)} tokens, distilled {manifest.get('train_minutes', '?')} min "
+        f"({manifest.get('steps', '?')} steps); held-out sampled continuations: greedy agreement "
+        f"{_fmt(after.get('greedy_agreement'), 3)}, expected acceptance at T=1 "
+        f"{_fmt(after.get('expected_acceptance'), 3)}"
+    )
     if greedy:
-        text += (f"; held-out greedy continuations: {_fmt(greedy.get('greedy_agreement'), 3)} / "
-                 f"{_fmt(greedy.get('expected_acceptance'), 3)}")
+        text += (
+            f"; held-out greedy continuations: {_fmt(greedy.get('greedy_agreement'), 3)} / "
+            f"{_fmt(greedy.get('expected_acceptance'), 3)}"
+        )
     return text
 
 
@@ -568,10 +661,10 @@ def _workload_text(prompts: dict[str, list[str]], grid: dict[str, dict[str, Any]
 
     return {
         "chat": f"{len(prompts['chat'])} general questions / instructions written for this benchmark (not the "
-                f"draft's training prompts); {lengths('chat')}",
+        f"draft's training prompts); {lengths('chat')}",
         "extractive": f"{len(prompts['extractive'])} prompts of `specdec bench`: summarise / list the points of a "
-                      f"Python {platform.python_version()} standard-library docstring ({MIN_DOC_CHARS}-"
-                      f"{MAX_DOC_CHARS} characters); {lengths('extractive')}",
+        f"Python {platform.python_version()} standard-library docstring ({MIN_DOC_CHARS}-"
+        f"{MAX_DOC_CHARS} characters); {lengths('extractive')}",
     }
 
 
@@ -611,8 +704,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     for path in write_results(doc, args.out_dir):
         print(f"wrote {path}")
-    print("\n".join(["", *cost_table(costs, config.ks), "", *best_k_table(doc["best_k"], list(grid["chat"])), "",
-                     *(f"- {n}" for n in doc["meta"]["notes"])]))
+    print(
+        "\n".join(
+            [
+                "",
+                *cost_table(costs, config.ks),
+                "",
+                *best_k_table(doc["best_k"], list(grid["chat"])),
+                "",
+                *(f"- {n}" for n in doc["meta"]["notes"]),
+            ]
+        )
+    )
     return 0 if all(r["identical_to_ar"] for _, r in speculative_runs(grid)) else 1
 
 

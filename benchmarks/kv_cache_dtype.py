@@ -59,8 +59,9 @@ def step_times(graph: Path, rounds: int, threads: int) -> dict[str, dict[str, fl
         tokens = [(7919 * i) % backend.vocab_size for i in range(8 * CONTEXT)]
         for buffer in BUFFERS:
             cache = backend.allocate_cache(8, buffer)
-            backend.step(pack([SeqWork(s, 0, tokens[s * CONTEXT:(s + 1) * CONTEXT], logits="none")
-                               for s in range(8)]), cache)
+            backend.step(
+                pack([SeqWork(s, 0, tokens[s * CONTEXT : (s + 1) * CONTEXT], logits="none") for s in range(8)]), cache
+            )
             for seqs, rows in SHAPES:
                 batch = pack([SeqWork(s, CONTEXT, tokens[:rows]) for s in range(seqs)])
                 work[dtype, f"{seqs}x{rows}@{buffer}"] = (backend, batch, cache)
@@ -83,22 +84,38 @@ def main(argv: list[str] | None = None) -> int:
     meta = load_export_metadata(args.fp32, "target")
     ids = meta.tokenizer(inspect.getsource(inspect))["input_ids"][: args.tokens]
     exports = {"fp32": args.fp32, "int4": args.int4}
-    logits = {(name, d): teacher_forced(path / "target" / "model.onnx", d, ids, args.threads)
-              for name, path in tqdm(exports.items(), desc="teacher forcing") for d in DTYPES}
+    logits = {
+        (name, d): teacher_forced(path / "target" / "model.onnx", d, ids, args.threads)
+        for name, path in tqdm(exports.items(), desc="teacher forcing")
+        for d in DTYPES
+    }
     reference = logits["fp32", "float32"].argmax(1)
-    quality = [{"export": name, "cache": d,
-                "max_abs_logit_change_vs_fp32_cache": round(float(np.abs(got - logits[name, "float32"]).max()), 4),
-                "argmax_agreement_with_fp32_export": round(float((got.argmax(1) == reference).mean()), 4)}
-               for (name, d), got in logits.items()]
-    times = {name: step_times(path / "target" / "model.onnx", args.rounds, args.threads)
-             for name, path in exports.items()}
+    quality = [
+        {
+            "export": name,
+            "cache": d,
+            "max_abs_logit_change_vs_fp32_cache": round(float(np.abs(got - logits[name, "float32"]).max()), 4),
+            "argmax_agreement_with_fp32_export": round(float((got.argmax(1) == reference).mean()), 4),
+        }
+        for (name, d), got in logits.items()
+    ]
+    times = {
+        name: step_times(path / "target" / "model.onnx", args.rounds, args.threads) for name, path in exports.items()
+    }
     b = OrtBackend(args.int4 / "target" / "model.onnx")
     width = 2 * b.num_layers * int(b.num_kv_heads) * int(b.head_dim)  # K and V values per token, all layers
     per_token_kib = {d: width * np.dtype(d).itemsize / 1024 for d in DTYPES}
-    doc = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "command": f"python benchmarks/kv_cache_dtype.py {' '.join(argv or sys.argv[1:])}".strip(),
-           "threads": args.threads, "rounds": args.rounds, "positions": len(ids), "quality": quality,
-           "step_ms": times, "kv_kib_per_token": per_token_kib, "seconds": round(time.time() - started, 1)}
+    doc = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": f"python benchmarks/kv_cache_dtype.py {' '.join(argv or sys.argv[1:])}".strip(),
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "positions": len(ids),
+        "quality": quality,
+        "step_ms": times,
+        "kv_kib_per_token": per_token_kib,
+        "seconds": round(time.time() - started, 1),
+    }
     print(write_report(doc, args.out_dir, "kv_cache_dtype", markdown, draw))
     return 0
 
@@ -106,34 +123,54 @@ def main(argv: list[str] | None = None) -> int:
 def markdown(doc: dict[str, Any]) -> str:
     """The report: agreement and logit changes per export and cache type, then the step times."""
     kib = doc["kv_kib_per_token"]
-    lines = ["# KV-cache type: fp16 vs fp32 caches on the SmolLM2 exports", "",
-             f"- Date: {doc['date']}; command: `{doc['command']}` ({doc['seconds']} s); {doc['threads']} threads",
-             f"- Text: `inspect.py`'s source, {doc['positions']} tokens teacher-forced ({CONTEXT} prefilled, then one "
-             "per step)",
-             f"- K+V per token: {kib['float32']:.1f} KiB fp32, {kib['float16']:.1f} KiB fp16", "",
-             "| export | caches | max logit change vs the same graph's fp32 caches | argmax = fp32 export's "
-             "(fp32 caches) |", "|:---|:---|---:|---:|"]
-    lines += [f"| {q['export']} | {q['cache']} | {q['max_abs_logit_change_vs_fp32_cache']} | "
-              f"{100 * q['argmax_agreement_with_fp32_export']:.1f}% |" for q in doc["quality"]]
+    lines = [
+        "# KV-cache type: fp16 vs fp32 caches on the SmolLM2 exports",
+        "",
+        f"- Date: {doc['date']}; command: `{doc['command']}` ({doc['seconds']} s); {doc['threads']} threads",
+        f"- Text: `inspect.py`'s source, {doc['positions']} tokens teacher-forced ({CONTEXT} prefilled, then one "
+        "per step)",
+        f"- K+V per token: {kib['float32']:.1f} KiB fp32, {kib['float16']:.1f} KiB fp16",
+        "",
+        "| export | caches | max logit change vs the same graph's fp32 caches | argmax = fp32 export's (fp32 caches) |",
+        "|:---|:---|---:|---:|",
+    ]
+    lines += [
+        f"| {q['export']} | {q['cache']} | {q['max_abs_logit_change_vs_fp32_cache']} | "
+        f"{100 * q['argmax_agreement_with_fp32_export']:.1f}% |"
+        for q in doc["quality"]
+    ]
     columns = [f"{s}x{n}@{b}" for b in BUFFERS for s, n in SHAPES]
-    lines += ["", f"Step times (ms; context {CONTEXT} in a cache buffer of {' or '.join(map(str, BUFFERS))} positions "
-              f"per slot; median over {doc['rounds']} interleaved rounds of {BLOCK} back-to-back steps, the first "
-              "untimed):", "",
-              "| export | caches | " + " | ".join(c.replace("x", " x ").replace("@", " rows, buffer ")
-                                                  for c in columns) + " |",
-              "|:---|:---|" + "---:|" * len(columns)]
-    lines += [f"| {name} | {d} | " + " | ".join(str(per[d][c]) for c in columns) + " |"
-              for name, per in doc["step_ms"].items() for d in DTYPES]
+    lines += [
+        "",
+        f"Step times (ms; context {CONTEXT} in a cache buffer of {' or '.join(map(str, BUFFERS))} positions "
+        f"per slot; median over {doc['rounds']} interleaved rounds of {BLOCK} back-to-back steps, the first "
+        "untimed):",
+        "",
+        "| export | caches | "
+        + " | ".join(c.replace("x", " x ").replace("@", " rows, buffer ") for c in columns)
+        + " |",
+        "|:---|:---|" + "---:|" * len(columns),
+    ]
+    lines += [
+        f"| {name} | {d} | " + " | ".join(str(per[d][c]) for c in columns) + " |"
+        for name, per in doc["step_ms"].items()
+        for d in DTYPES
+    ]
     return "\n".join(lines) + "\n"
 
 
 def draw(doc: dict[str, Any], path: Path) -> None:
     """Step time per shape, one bar per export and cache type."""
     columns = [f"{s}x{n}@{b}" for b in BUFFERS for s, n in SHAPES]
-    series = {f"{name}, {d} caches": [doc["step_ms"][name][d][c] for c in columns]
-              for name in doc["step_ms"] for d in DTYPES}
-    step_bars(path, [c.replace("@", "\nbuffer ") for c in columns], series,
-              f"SmolLM2 step time by KV-cache type (context {CONTEXT})")
+    series = {
+        f"{name}, {d} caches": [doc["step_ms"][name][d][c] for c in columns] for name in doc["step_ms"] for d in DTYPES
+    }
+    step_bars(
+        path,
+        [c.replace("@", "\nbuffer ") for c in columns],
+        series,
+        f"SmolLM2 step time by KV-cache type (context {CONTEXT})",
+    )
 
 
 if __name__ == "__main__":

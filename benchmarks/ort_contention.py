@@ -59,8 +59,9 @@ def setting_name(setting: tuple[bool, int]) -> str:
     return f"draft {'spins' if spins else 'no spin'}, torch {threads} thread{'s' if threads > 1 else ''}"
 
 
-def measure(engine: Engine, drafters: dict[bool, ModelDrafter], prompts: Sequence[str], max_tokens: int,
-            repeats: int, bar: tqdm) -> dict[str, Any]:
+def measure(
+    engine: Engine, drafters: dict[bool, ModelDrafter], prompts: Sequence[str], max_tokens: int, repeats: int, bar: tqdm
+) -> dict[str, Any]:
     """tokens/s of every (temperature, method, setting), and whether greedy ems equals greedy ar."""
     cells = [(t, run, s) for t in (0.0, 1.0) for run in RUNS for s in SETTINGS]
     times: dict[tuple, list[float]] = {c: [] for c in cells}
@@ -109,12 +110,18 @@ def markdown(doc: dict[str, Any]) -> str:
         "|:---|" + "---:|" * (len(names) + 1),
     ]
     for key, row in tps.items():
-        lines.append(f"| {key} | " + " | ".join(f"{row[n]:.1f}" for n in names)
-                     + f" | {row[names[-1]] / row[names[0]]:.2f}× |")
-    lines += ["", "## Notes", "",
-              "- Greedy ems output was token-identical to greedy ar in every setting." if doc["greedy_identical_to_ar"]
-              else "- GREEDY OUTPUTS DIFFER between settings or from ar.",
-              *(f"- {n}" for n in meta["notes"])]
+        lines.append(
+            f"| {key} | " + " | ".join(f"{row[n]:.1f}" for n in names) + f" | {row[names[-1]] / row[names[0]]:.2f}× |"
+        )
+    lines += [
+        "",
+        "## Notes",
+        "",
+        "- Greedy ems output was token-identical to greedy ar in every setting."
+        if doc["greedy_identical_to_ar"]
+        else "- GREEDY OUTPUTS DIFFER between settings or from ar.",
+        *(f"- {n}" for n in meta["notes"]),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -123,9 +130,11 @@ def auto_notes(tps: dict[str, dict[str, float]]) -> list[str]:
     notes = []
     for temperature in ("0", "1"):
         ar, ems = tps[f"T={temperature} ar"], tps[f"T={temperature} ems k=2"]
-        notes.append(f"T={temperature}: ems k=2 / ar was {ems[before] / ar[before]:.2f}× before and "
-                     f"{ems[now] / ar[now]:.2f}× now; ar itself {ar[now] / ar[before]:.2f}×, ems "
-                     f"{ems[now] / ems[before]:.2f}×.")
+        notes.append(
+            f"T={temperature}: ems k=2 / ar was {ems[before] / ar[before]:.2f}× before and "
+            f"{ems[now] / ar[now]:.2f}× now; ar itself {ar[now] / ar[before]:.2f}×, ems "
+            f"{ems[now] / ems[before]:.2f}×."
+        )
     return notes
 
 
@@ -169,18 +178,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     graph = args.export / manifest["draft"]["graph"]
     drafters = {spins: ModelDrafter(OrtBackend(graph, spin=spins), args.prompts, 1024) for spins in (True, False)}
     prompts = [CHAT_PROMPTS[i % len(CHAT_PROMPTS)] for i in range(args.prompts)]
-    bar = tqdm(total=2 * len(RUNS) * len(SETTINGS) * args.repeats, desc="settings", unit="run",
-               disable=args.no_progress)
+    bar = tqdm(
+        total=2 * len(RUNS) * len(SETTINGS) * args.repeats, desc="settings", unit="run", disable=args.no_progress
+    )
     result = measure(engine, drafters, prompts, args.max_tokens, args.repeats, bar)
     bar.close()
     info = machine_info()
     doc = {
-        "meta": {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "command": command,
-                 "export": str(args.export), "draft": args.draft, "prompts": args.prompts,
-                 "max_tokens": args.max_tokens, "repeats": args.repeats, "machine": info,
-                 "load_before": load_before, "load_after": info.get("load_average"),
-                 "elapsed_seconds": time.perf_counter() - start,
-                 "notes": auto_notes(result["tokens_per_second"])},
+        "meta": {
+            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": command,
+            "export": str(args.export),
+            "draft": args.draft,
+            "prompts": args.prompts,
+            "max_tokens": args.max_tokens,
+            "repeats": args.repeats,
+            "machine": info,
+            "load_before": load_before,
+            "load_after": info.get("load_average"),
+            "elapsed_seconds": time.perf_counter() - start,
+            "notes": auto_notes(result["tokens_per_second"]),
+        },
         **result,
     }
     print(write_report(doc, args.out_dir, "ort_contention", markdown, plot))

@@ -37,8 +37,9 @@ from specdec.runtime.engine import Engine
 from specdec.runtime.packed import SeqWork, pack
 
 
-def decode_throughput(engines: dict[str, Engine], prompts: list[str], batch: int, max_tokens: int,
-                      repeats: int, bar: tqdm) -> dict:
+def decode_throughput(
+    engines: dict[str, Engine], prompts: list[str], batch: int, max_tokens: int, repeats: int, bar: tqdm
+) -> dict:
     """Median tokens/s per (backend, method); outputs checked against torch ar."""
     reference = engines["torch"]
     requests = [reference.request(p, chat=True, max_tokens=max_tokens) for p in prompts[:batch]]
@@ -69,8 +70,10 @@ def attention_ms(num_heads: int, num_kv_heads: int, head_dim: int, repeats: int 
 
     rng = random.Random(0)
     slots, max_len = 8, 512
-    work = [SeqWork(s, rng.randint(100, 400), [1] * (n := rng.randint(4, 8)), parents=random_forest(rng, n))
-            for s in range(slots)]
+    work = [
+        SeqWork(s, rng.randint(100, 400), [1] * (n := rng.randint(4, 8)), parents=random_forest(rng, n))
+        for s in range(slots)
+    ]
     batch = pack(work)
     t = batch.num_tokens
     q = torch.randn(t, num_heads, head_dim, generator=g)
@@ -90,8 +93,15 @@ def attention_ms(num_heads: int, num_kv_heads: int, head_dim: int, repeats: int 
     options.intra_op_num_threads = torch.get_num_threads()
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     binding = session.io_binding()
-    feeds = {"q": q, "k": k, "v": v, "cu_seqlens": batch.cu_seqlens, "past_lens": batch.past_lens,
-             "slot_ids": batch.slot_ids, "tree_mask": batch.tree_mask}
+    feeds = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "cu_seqlens": batch.cu_seqlens,
+        "past_lens": batch.past_lens,
+        "slot_ids": batch.slot_ids,
+        "tree_mask": batch.tree_mask,
+    }
     for name, tensor in feeds.items():
         binding.bind_cpu_input(name, tensor.numpy())
     for name, out_name, buf in (("k_cache", "k_cache_out", kc), ("v_cache", "v_cache_out", vc)):
@@ -103,8 +113,13 @@ def attention_ms(num_heads: int, num_kv_heads: int, head_dim: int, repeats: int 
     for _ in range(repeats):
         session.run_with_iobinding(binding)
     ort_ms = (time.perf_counter() - start) / repeats * 1000
-    return {"tokens": t, "sequences": slots, "torch_reference_ms": round(torch_ms, 3),
-            "onnx_function_body_ms": round(ort_ms, 3), "gqa_rewrite_ms": None}
+    return {
+        "tokens": t,
+        "sequences": slots,
+        "torch_reference_ms": round(torch_ms, 3),
+        "onnx_function_body_ms": round(ort_ms, 3),
+        "gqa_rewrite_ms": None,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,8 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--num-draft-tokens", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="intra-op threads for torch and ONNX Runtime alike (1: steadiest on a shared 2-core box)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="intra-op threads for torch and ONNX Runtime alike (1: steadiest on a shared 2-core box)",
+    )
     parser.add_argument("--out-dir", default="benchmarks/results")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -123,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         deploy = export("smollm2-135m", None, Path(tmp) / "deploy", max_batch=max(batches), max_len=2048)
         engines = {
-            "torch": Engine.from_models(target, "ngram", max_batch=max(batches), max_len=2048,
-                                        num_draft_tokens=args.num_draft_tokens),
+            "torch": Engine.from_models(
+                target, "ngram", max_batch=max(batches), max_len=2048, num_draft_tokens=args.num_draft_tokens
+            ),
             "onnxruntime": Engine.from_export(deploy, num_draft_tokens=args.num_draft_tokens, threads=args.threads),
         }
         prompts = build_workload(max(batches))
@@ -136,23 +156,39 @@ def main(argv: list[str] | None = None) -> int:
     layer = attention_ms(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    doc = {"decode_tokens_per_second": results, "attention_layer_ms": layer, "machine": machine_info(),
-           "command": " ".join(["python", "benchmarks/ort_vs_torch.py", *(argv or sys.argv[1:])])}
+    doc = {
+        "decode_tokens_per_second": results,
+        "attention_layer_ms": layer,
+        "machine": machine_info(),
+        "command": " ".join(["python", "benchmarks/ort_vs_torch.py", *(argv or sys.argv[1:])]),
+    }
     (out / "ort_vs_torch.json").write_text(json.dumps(doc, indent=2))
-    lines = ["# ONNX Runtime vs torch backend (SmolLM2-135M, CPU)", "",
-             f"Command: `{doc['command']}`  ", f"Machine: {doc['machine']}  ",
-             f"Threads: {args.threads} intra-op thread(s) for both runtimes", "",
-             "| batch | torch ar | torch ems | ORT ar | ORT ems | ORT/torch (ar) | ORT/torch (ems) | identical |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# ONNX Runtime vs torch backend (SmolLM2-135M, CPU)",
+        "",
+        f"Command: `{doc['command']}`  ",
+        f"Machine: {doc['machine']}  ",
+        f"Threads: {args.threads} intra-op thread(s) for both runtimes",
+        "",
+        "| batch | torch ar | torch ems | ORT ar | ORT ems | ORT/torch (ar) | ORT/torch (ems) | identical |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for batch, row in results.items():
         lines.append(
             f"| {batch} | {row['torch/ar']:.1f} | {row['torch/ems']:.1f} | {row['onnxruntime/ar']:.1f} | "
             f"{row['onnxruntime/ems']:.1f} | {row['onnxruntime/ar'] / row['torch/ar']:.2f}x | "
-            f"{row['onnxruntime/ems'] / row['torch/ems']:.2f}x | {row['identical_to_torch_ar']} |")
-    lines += ["", "tokens/s, greedy, n-gram drafter, median of repeats, prefill included.", "",
-              "## One attention layer of a verification step (8 sequences, forests of 4-8 nodes, past 100-400)", "",
-              "| torch reference (ms) | ONNX function body in ORT (ms) | GQA rewrite (ms) |", "|---|---|---|",
-              f"| {layer['torch_reference_ms']} | {layer['onnx_function_body_ms']} | not used |"]
+            f"{row['onnxruntime/ems'] / row['torch/ems']:.2f}x | {row['identical_to_torch_ar']} |"
+        )
+    lines += [
+        "",
+        "tokens/s, greedy, n-gram drafter, median of repeats, prefill included.",
+        "",
+        "## One attention layer of a verification step (8 sequences, forests of 4-8 nodes, past 100-400)",
+        "",
+        "| torch reference (ms) | ONNX function body in ORT (ms) | GQA rewrite (ms) |",
+        "|---|---|---|",
+        f"| {layer['torch_reference_ms']} | {layer['onnx_function_body_ms']} | not used |",
+    ]
     (out / "ort_vs_torch.md").write_text("\n".join(lines) + "\n")
     import matplotlib
 

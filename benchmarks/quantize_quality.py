@@ -71,16 +71,42 @@ CHAT_PROMPTS = (
     "What are the rules of tic-tac-toe?",
 )
 HELD_OUT_MODULES = (
-    "asyncio", "decimal", "enum", "hashlib", "hmac", "ipaddress", "locale", "mailbox", "pdb", "pickletools",
-    "plistlib", "secrets", "selectors", "smtplib", "socket", "threading", "wave", "weakref", "calendar", "gettext",
-    "numbers", "abc", "base64", "doctest",
+    "asyncio",
+    "decimal",
+    "enum",
+    "hashlib",
+    "hmac",
+    "ipaddress",
+    "locale",
+    "mailbox",
+    "pdb",
+    "pickletools",
+    "plistlib",
+    "secrets",
+    "selectors",
+    "smtplib",
+    "socket",
+    "threading",
+    "wave",
+    "weakref",
+    "calendar",
+    "gettext",
+    "numbers",
+    "abc",
+    "base64",
+    "doctest",
 )
 MAX_NEW, PPL_TOKENS = 64, 256
 #: (label, mode, the GGUF's own blocks, accuracy_level)
 VARIANTS = (
-    ("int4 gguf L4", "int4", True, 4), ("int4 gguf L0", "int4", True, 0), ("int8 gguf L4", "int8", True, 4),
-    ("int4 rtn L4", "int4", False, 4), ("int4 rtn L0", "int4", False, 0), ("int8 rtn L4", "int8", False, 4),
-    ("int8 rtn L0", "int8", False, 0), ("w8a8", "w8a8", True, 4),
+    ("int4 gguf L4", "int4", True, 4),
+    ("int4 gguf L0", "int4", True, 0),
+    ("int8 gguf L4", "int8", True, 4),
+    ("int4 rtn L4", "int4", False, 4),
+    ("int4 rtn L0", "int4", False, 0),
+    ("int8 rtn L4", "int8", False, 4),
+    ("int8 rtn L0", "int8", False, 0),
+    ("w8a8", "w8a8", True, 4),
 )
 
 
@@ -108,8 +134,13 @@ def perplexity(backend: OrtBackend, documents: list[list[int]]) -> float:
     return math.exp(nll / count)
 
 
-SHAPES = (("decode 1x1", 1, 1), ("decode 4x1", 4, 1), ("verify 4x5", 4, 5), ("decode 16x1", 16, 1),
-          ("prefill 1x128", 1, 128))
+SHAPES = (
+    ("decode 1x1", 1, 1),
+    ("decode 4x1", 4, 1),
+    ("verify 4x5", 4, 5),
+    ("decode 16x1", 16, 1),
+    ("prefill 1x128", 1, 128),
+)
 
 
 def step_times(backends: dict[str, OrtBackend], repeats: int, bar: tqdm) -> dict[str, dict[str, float]]:
@@ -120,26 +151,33 @@ def step_times(backends: dict[str, OrtBackend], repeats: int, bar: tqdm) -> dict
     times: dict[str, dict[str, list[float]]] = {name: {s[0]: [] for s in SHAPES} for name in backends}
     for label, seqs, n in SHAPES:
         caches = {name: b.allocate_cache(seqs, 512) for name, b in backends.items()}
-        prefix = pack([SeqWork(s, 0, torch.randint(0, vocab, (100,), generator=g).tolist(), logits="last")
-                       for s in range(seqs)])
+        prefix = pack(
+            [SeqWork(s, 0, torch.randint(0, vocab, (100,), generator=g).tolist(), logits="last") for s in range(seqs)]
+        )
         for name, b in backends.items():
             b.step(prefix, caches[name])
-        batch = pack([SeqWork(s, 100, torch.randint(0, vocab, (n,), generator=g).tolist(),
-                              logits="last" if n > 16 else "all") for s in range(seqs)])
+        batch = pack(
+            [
+                SeqWork(s, 100, torch.randint(0, vocab, (n,), generator=g).tolist(), logits="last" if n > 16 else "all")
+                for s in range(seqs)
+            ]
+        )
         names = list(backends)
         for r in range(repeats if n <= 16 else max(3, repeats // 3)):
-            for name in names[r % len(names):] + names[: r % len(names)]:
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 start = time.perf_counter()
                 backends[name].step(batch, caches[name])
                 times[name][label].append(time.perf_counter() - start)
         bar.update()
-    return {name: {k: round(1e3 * statistics.median(v), 1) for k, v in shapes.items()}
-            for name, shapes in times.items()}
+    return {
+        name: {k: round(1e3 * statistics.median(v), 1) for k, v in shapes.items()} for name, shapes in times.items()
+    }
 
 
 def greedy(backend: OrtBackend, model, prompts: list[str]) -> list[list[int]]:
-    engine = Engine(backend, None, tokenizer=model.tokenizer, eos_token_ids=model.eos_token_ids,
-                    max_batch=len(prompts), max_len=512)
+    engine = Engine(
+        backend, None, tokenizer=model.tokenizer, eos_token_ids=model.eos_token_ids, max_batch=len(prompts), max_len=512
+    )
     requests = [engine.request(p, chat=True, max_tokens=MAX_NEW) for p in prompts]
     return [o.token_ids for o in engine.generate(requests, "ar").outputs]
 
@@ -173,29 +211,54 @@ def kernel_table(repeats: int) -> list[dict]:
     def session(nodes, inits) -> ort.InferenceSession:
         x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", k])
         y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", n])
-        model = helper.make_model(helper.make_graph(nodes, "k", [x], [y], inits),
-                                  opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid(q.MS_DOMAIN, 1)])
+        model = helper.make_model(
+            helper.make_graph(nodes, "k", [x], [y], inits),
+            opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid(q.MS_DOMAIN, 1)],
+        )
         options = ort.SessionOptions()
         options.intra_op_num_threads = 1
         return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
     gemm = helper.make_node("Gemm", ["x", "w"], ["y"], name="lin", transB=1)
     cases = {"fp32 Gemm": ([gemm], [numpy_helper.from_array(weight, "w")])}
-    forms = (("int4 Q4_1 (centred zero points + offsets)", q41), ("int8 Q4_1 codes (+ offsets)", q41.widened(8)),
-             ("int4 rtn", q.quantize_rtn(weight, 4)), ("int8 rtn", q.quantize_rtn(weight, 8)))
+    forms = (
+        ("int4 Q4_1 (centred zero points + offsets)", q41),
+        ("int8 Q4_1 codes (+ offsets)", q41.widened(8)),
+        ("int4 rtn", q.quantize_rtn(weight, 4)),
+        ("int8 rtn", q.quantize_rtn(weight, 8)),
+    )
     for label, block in forms:
         for level in (0, 4):
             cases[f"{label} L{level}"] = q._matmul_nbits(gemm, block, [], level)
     zp_nodes, zero_points = w8a8.row_zero_points("x", "w8a8")
-    chain, tensors = w8a8.integer_nodes(gemm, w8a8.quantize_linear(weight, w8a8.smoothing(np.ones(k), weight)), "w8a8",
-                                        zero_points, {})
-    cases["w8a8 (int8 per channel, activations per token)"] = ([*zp_nodes, *chain],
-                                                                [*w8a8.shared_constants("w8a8"), *tensors])
-    float_zp = [numpy_helper.from_array(q.pack_codes(q41.codes, 4), "b"), numpy_helper.from_array(q41.scales, "s"),
-                numpy_helper.from_array((q41.zero_points - q41.offsets / q41.scales).astype(np.float32), "z")]
+    chain, tensors = w8a8.integer_nodes(
+        gemm, w8a8.quantize_linear(weight, w8a8.smoothing(np.ones(k), weight)), "w8a8", zero_points, {}
+    )
+    cases["w8a8 (int8 per channel, activations per token)"] = (
+        [*zp_nodes, *chain],
+        [*w8a8.shared_constants("w8a8"), *tensors],
+    )
+    float_zp = [
+        numpy_helper.from_array(q.pack_codes(q41.codes, 4), "b"),
+        numpy_helper.from_array(q41.scales, "s"),
+        numpy_helper.from_array((q41.zero_points - q41.offsets / q41.scales).astype(np.float32), "z"),
+    ]
     cases["int4 Q4_1 (float zero points -m/d) L0"] = (
-        [helper.make_node("MatMulNBits", ["x", "b", "s", "z"], ["y"], domain=q.MS_DOMAIN, K=k, N=n, bits=4,
-                          block_size=q.BLOCK_SIZE, accuracy_level=0)], float_zp)
+        [
+            helper.make_node(
+                "MatMulNBits",
+                ["x", "b", "s", "z"],
+                ["y"],
+                domain=q.MS_DOMAIN,
+                K=k,
+                N=n,
+                bits=4,
+                block_size=q.BLOCK_SIZE,
+                accuracy_level=0,
+            )
+        ],
+        float_zp,
+    )
     sessions = {label: session(nodes, inits) for label, (nodes, inits) in cases.items()}
     rows = {label: {"form": label} for label in sessions}
     names = list(sessions)
@@ -203,7 +266,7 @@ def kernel_table(repeats: int) -> list[dict]:
         x = rng.standard_normal((m, k)).astype(np.float32)
         times: dict[str, list[float]] = {label: [] for label in names}
         for r in range(repeats):  # interleaved, the order rotated (see step_times)
-            for label in names[r % len(names):] + names[: r % len(names)]:
+            for label in names[r % len(names) :] + names[: r % len(names)]:
                 start = time.perf_counter()
                 sessions[label].run(None, {"x": x})
                 times[label].append(time.perf_counter() - start)
@@ -216,8 +279,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=15, help="timed calls per step shape and graph")
     parser.add_argument("--out", default="benchmarks/results/quantize")
-    parser.add_argument("--kernels-only", action="store_true",
-                        help="re-time only the one-layer table into an existing result (a quieter moment)")
+    parser.add_argument(
+        "--kernels-only",
+        action="store_true",
+        help="re-time only the one-layer table into an existing result (a quieter moment)",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     if args.kernels_only:
@@ -237,9 +303,17 @@ def main() -> None:
         bar.update()
         graphs = {"fp32": fp32}
         want = greedy(OrtBackend(fp32, intra_op_threads=2), model, prompts)
-        rows.append({"variant": "fp32", "bytes": graph_bytes(fp32),
-                     "perplexity": perplexity(OrtBackend(fp32, intra_op_threads=2), documents), "identical": 1.0,
-                     "divergence": [], "error_vs_fp32": 0.0, "error_vs_dequantized": 0.0})
+        rows.append(
+            {
+                "variant": "fp32",
+                "bytes": graph_bytes(fp32),
+                "perplexity": perplexity(OrtBackend(fp32, intra_op_threads=2), documents),
+                "identical": 1.0,
+                "divergence": [],
+                "error_vs_fp32": 0.0,
+                "error_vs_dequantized": 0.0,
+            }
+        )
         bar.update()
         for label, mode, use_gguf, level in VARIANTS:
             bar.set_postfix_str(label)
@@ -252,13 +326,20 @@ def main() -> None:
             bar.update()
             backend = OrtBackend(graph, intra_op_threads=2)
             points = [divergence(a, b) for a, b in zip(greedy(backend, model, prompts), want)]
-            rows.append({
-                "variant": label, "formats": summary["formats"], "bytes": graph_bytes(graph),
-                "perplexity": perplexity(backend, documents), "identical": sum(p is None for p in points) / len(points),
-                "divergence": sorted(p for p in points if p is not None),
-                "error_vs_fp32": max_logit_error(TorchBackend(model), backend),
-                "error_vs_dequantized": max_logit_error(TorchBackend(reference), OrtBackend(graph, intra_op_threads=2)),
-            })
+            rows.append(
+                {
+                    "variant": label,
+                    "formats": summary["formats"],
+                    "bytes": graph_bytes(graph),
+                    "perplexity": perplexity(backend, documents),
+                    "identical": sum(p is None for p in points) / len(points),
+                    "divergence": sorted(p for p in points if p is not None),
+                    "error_vs_fp32": max_logit_error(TorchBackend(model), backend),
+                    "error_vs_dequantized": max_logit_error(
+                        TorchBackend(reference), OrtBackend(graph, intra_op_threads=2)
+                    ),
+                }
+            )
             bar.update()
         bar.set_postfix_str("timing, interleaved")
         steps = step_times({name: OrtBackend(g, intra_op_threads=2) for name, g in graphs.items()}, args.repeats, bar)
@@ -267,9 +348,16 @@ def main() -> None:
     kernels = kernel_table(args.repeats * 10)
     bar.update()
     bar.close()
-    result = {"machine": machine_info(), "model": "smollm2-135m", "prompts": len(prompts), "max_new_tokens": MAX_NEW,
-              "perplexity_documents": len(documents), "perplexity_tokens": sum(len(d) - 1 for d in documents),
-              "rows": rows, "kernels": kernels}
+    result = {
+        "machine": machine_info(),
+        "model": "smollm2-135m",
+        "prompts": len(prompts),
+        "max_new_tokens": MAX_NEW,
+        "perplexity_documents": len(documents),
+        "perplexity_tokens": sum(len(d) - 1 for d in documents),
+        "rows": rows,
+        "kernels": kernels,
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     out.with_suffix(".md").write_text(report(result))
@@ -297,17 +385,25 @@ def report(result: dict) -> str:
         "Step times: median ms per step of each shape (sequences x new tokens; prefill: one 128-token prompt), all "
         "graphs timed interleaved, the order rotated every repeat, on a machine shared with other jobs.",
         "",
-        "| variant | size MB | " + " | ".join(f"{label} ms" for label, _, _ in SHAPES)
+        "| variant | size MB | "
+        + " | ".join(f"{label} ms" for label, _, _ in SHAPES)
         + " | identical answers | first divergence (tokens) | perplexity | max Δlogit vs fp32 | vs de-quantized |",
         "|---|---|" + "---|" * len(SHAPES) + "---|---|---|---|---|",
     ]
     for r in result["rows"]:
         div = ", ".join(str(d) for d in r["divergence"]) or "-"
         steps = " | ".join(str(r["steps_ms"][label]) for label, _, _ in SHAPES)
-        lines.append(f"| {r['variant']} | {r['bytes'] / 1e6:.0f} | {steps} | {r['identical']:.0%} | {div} | "
-                     f"{r['perplexity']:.3f} | {r['error_vs_fp32']:.3g} | {r['error_vs_dequantized']:.3g} |")
-    lines += ["", "## One linear layer (gate|up, N=3072, K=576), µs per call, by rows M (one ORT thread)", "",
-              "| form | M=1 | M=20 | M=128 |", "|---|---|---|---|"]
+        lines.append(
+            f"| {r['variant']} | {r['bytes'] / 1e6:.0f} | {steps} | {r['identical']:.0%} | {div} | "
+            f"{r['perplexity']:.3f} | {r['error_vs_fp32']:.3g} | {r['error_vs_dequantized']:.3g} |"
+        )
+    lines += [
+        "",
+        "## One linear layer (gate|up, N=3072, K=576), µs per call, by rows M (one ORT thread)",
+        "",
+        "| form | M=1 | M=20 | M=128 |",
+        "|---|---|---|---|",
+    ]
     for k in result["kernels"]:
         lines.append(f"| {k['form']} | {k['M=1']} | {k['M=20']} | {k['M=128']} |")
     lines.append("")

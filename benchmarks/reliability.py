@@ -64,10 +64,20 @@ from specdec.serving.server import free_ports, http_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results"
-PROMPTS = ["Name three colours.", "What is a river?", "Write one sentence about tea.", "Count from one to five.",
-           "Why is the sky blue?", "Give me a word that rhymes with cat.", "Describe a cat in two sentences.",
-           "What do bees make?", "Write a haiku about snow.", "List four fruits.", "What is the capital of Italy?",
-           "Explain what a map is."]
+PROMPTS = [
+    "Name three colours.",
+    "What is a river?",
+    "Write one sentence about tea.",
+    "Count from one to five.",
+    "Why is the sky blue?",
+    "Give me a word that rhymes with cat.",
+    "Describe a cat in two sentences.",
+    "What do bees make?",
+    "Write a haiku about snow.",
+    "List four fruits.",
+    "What is the capital of Italy?",
+    "Explain what a map is.",
+]
 LENGTHS = (8, 16, 32)
 SHM = Path("/dev/shm")
 
@@ -106,22 +116,49 @@ def start_serve(repo: Path, log: Path) -> Serve:
     code = "import sys; from specdec.serving.serve import serve_main; sys.exit(serve_main(sys.argv[1:]))"
     begun = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-c", code, str(repo), "--grpc-port", str(grpc), "--http-port", str(http),
-         "--metrics-port", str(metrics), "--log-file", str(log), "--drain-timeout", "120", "--max-restarts", "10"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            code,
+            str(repo),
+            "--grpc-port",
+            str(grpc),
+            "--http-port",
+            str(http),
+            "--metrics-port",
+            str(metrics),
+            "--log-file",
+            str(log),
+            "--drain-timeout",
+            "120",
+            "--max-restarts",
+            "10",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.startswith("(Ctrl-C"):
-            return Serve(proc, f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}", f"http://127.0.0.1:{metrics}/metrics",
-                         time.monotonic() - begun)
+            return Serve(
+                proc,
+                f"127.0.0.1:{grpc}",
+                f"http://127.0.0.1:{http}",
+                f"http://127.0.0.1:{metrics}/metrics",
+                time.monotonic() - begun,
+            )
     raise SystemExit(f"specdec serve did not get ready: {proc.stderr.read() if proc.stderr else ''}")
 
 
 def scrape(url: str) -> dict[str, float]:
     with urllib.request.urlopen(url, timeout=30) as resp:
         text = resp.read().decode()
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line and not line.startswith("#")}
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
 
 
 def wait_for(condition: Any, timeout: float = 600.0, poll_s: float = 0.02) -> float:
@@ -144,9 +181,11 @@ def references(export: Path) -> dict[tuple[str, int], list[int]]:
 def recovery(serve: Serve, refs: dict[tuple[str, int], list[int]]) -> list[dict[str, Any]]:
     rows = []
     probe = (PROMPTS[0], LENGTHS[1])
-    for name, busy, engine in (("engine stub SIGKILL, idle", False, True),
-                               ("engine stub SIGKILL, under a stream", True, True),
-                               ("tritonserver SIGKILL", True, False)):
+    for name, busy, engine in (
+        ("engine stub SIGKILL, idle", False, True),
+        ("engine stub SIGKILL, under a stream", True, True),
+        ("tritonserver SIGKILL", True, False),
+    ):
         server = serve.server_pid()
         victim = stub_pids(server, "specdec_engine")[0] if engine else server
         stream = None
@@ -165,9 +204,17 @@ def recovery(serve: Serve, refs: dict[tuple[str, int], list[int]]) -> list[dict[
                 stream_error = exc.status or "in band"
         back = wait_for(lambda: http_ready(serve.http)) + detected
         answer = SpecdecClient(serve.grpc).generate(probe[0], max_tokens=probe[1], apply_chat_template=True)
-        rows.append({"fault": name, "not_ready_after_s": detected, "ready_again_after_s": back,
-                     "first_answer_after_s": time.monotonic() - killed, "stream_ended_with": stream_error,
-                     "same_answer": answer.output_ids == refs[probe], "vs_cold_start": back / serve.started_s})
+        rows.append(
+            {
+                "fault": name,
+                "not_ready_after_s": detected,
+                "ready_again_after_s": back,
+                "first_answer_after_s": time.monotonic() - killed,
+                "stream_ended_with": stream_error,
+                "same_answer": answer.output_ids == refs[probe],
+                "vs_cold_start": back / serve.started_s,
+            }
+        )
     return rows
 
 
@@ -193,14 +240,26 @@ def limits(serve: Serve, refs: dict[tuple[str, int], list[int]]) -> dict[str, fl
         beside_s, answer = beside.result()
     assert isinstance(refused, ClientError), refused
     assert isinstance(answer, Answer) and answer.output_ids == refs[good], (answer, refs[good])
-    return {"good_alone_s": alone, "good_beside_4mb_s": beside_s, "refusal_s": refused_s,
-            "refusal_status": refused.status or ""}
+    return {
+        "good_alone_s": alone,
+        "good_beside_4mb_s": beside_s,
+        "refusal_s": refused_s,
+        "refusal_status": refused.status or "",
+    }
 
 
 def soak(serve: Serve, refs: dict[tuple[str, int], list[int]], n: int, seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
-    plan = [(rng.choice(PROMPTS), rng.choice(LENGTHS), rng.choice(("ems", "ar")), rng.random() < 0.5,
-             rng.choice(("before", "mid")) if i % 10 == 9 else "") for i in range(n)]
+    plan = [
+        (
+            rng.choice(PROMPTS),
+            rng.choice(LENGTHS),
+            rng.choice(("ems", "ar")),
+            rng.random() < 0.5,
+            rng.choice(("before", "mid")) if i % 10 == 9 else "",
+        )
+        for i in range(n)
+    ]
     server = serve.server_pid()
     pids = {"tritonserver": server, **{f"stub {model}": stub_pids(server, model)[0] for model in MODELS}}
     shm_before = ({p.name for p in SHM.iterdir()}, os.statvfs(SHM).f_bavail * os.statvfs(SHM).f_frsize)
@@ -236,20 +295,36 @@ def soak(serve: Serve, refs: dict[tuple[str, int], list[int]], n: int, seed: int
     with ThreadPoolExecutor(8) as pool:
         list(tqdm(pool.map(one, plan), total=n, desc="soak", unit="req"))
     seconds = time.monotonic() - begun
-    wait_for(lambda: all(v == 0 for k, v in scrape(serve.metrics).items()
-                         if k.split("{")[0] in ("specdec_kv_slots_used", "specdec_queued_requests",
-                                                "specdec_active_sequences", "specdec_inflight_requests")), 120)
+    wait_for(
+        lambda: all(
+            v == 0
+            for k, v in scrape(serve.metrics).items()
+            if k.split("{")[0]
+            in (
+                "specdec_kv_slots_used",
+                "specdec_queued_requests",
+                "specdec_active_sequences",
+                "specdec_inflight_requests",
+            )
+        ),
+        120,
+    )
     after: dict[str, float] = {}
     for key, value in scrape(serve.metrics).items():  # summed over engine instances
         after[key.split("{")[0]] = after.get(key.split("{")[0], 0.0) + value
     shm_after = ({p.name for p in SHM.iterdir()}, os.statvfs(SHM).f_bavail * os.statvfs(SHM).f_frsize)
     growth = {name: (v[-1] - v[0]) * 1024 / max(1, n - warm) for name, v in rss.items() if len(v) == 2}
-    return {"requests": n, "seconds": seconds, "outcomes": dict(outcome), "rss_kib": rss,
-            "rss_growth_bytes_per_request": growth,
-            "kv_slots_after": after.get("specdec_kv_slots_used", -1), "queued_after": after.get(
-                "specdec_queued_requests", -1),
-            "shm_regions_added": sorted(shm_after[0] - shm_before[0]),
-            "shm_free_bytes_change": shm_after[1] - shm_before[1]}
+    return {
+        "requests": n,
+        "seconds": seconds,
+        "outcomes": dict(outcome),
+        "rss_kib": rss,
+        "rss_growth_bytes_per_request": growth,
+        "kv_slots_after": after.get("specdec_kv_slots_used", -1),
+        "queued_after": after.get("specdec_queued_requests", -1),
+        "shm_regions_added": sorted(shm_after[0] - shm_before[0]),
+        "shm_free_bytes_change": shm_after[1] - shm_before[1],
+    }
 
 
 def report(result: dict[str, Any], out: Path) -> None:
@@ -272,31 +347,48 @@ def report(result: dict[str, Any], out: Path) -> None:
         "|:---|---:|---:|---:|---:|:---|:---|",
     ]
     for r in result["recovery"]:
-        lines.append(f"| {r['fault']} | {r['not_ready_after_s']:.2f} s | {r['ready_again_after_s']:.1f} s | "
-                     f"{r['vs_cold_start']:.2f} | {r['first_answer_after_s']:.1f} s | {r['stream_ended_with'] or '–'} "
-                     f"| {r['same_answer']} |")
+        lines.append(
+            f"| {r['fault']} | {r['not_ready_after_s']:.2f} s | {r['ready_again_after_s']:.1f} s | "
+            f"{r['vs_cold_start']:.2f} | {r['first_answer_after_s']:.1f} s | {r['stream_ended_with'] or '–'} "
+            f"| {r['same_answer']} |"
+        )
     lim = result["limits"]
-    lines += ["", "## Limits: a 4 MB prompt beside a good request", "",
-              f"- good request alone: {lim['good_alone_s'] * 1000:.0f} ms; beside the 4 MB prompt: "
-              f"{lim['good_beside_4mb_s'] * 1000:.0f} ms",
-              f"- the 4 MB prompt refused after {lim['refusal_s'] * 1000:.0f} ms with {lim['refusal_status']}",
-              "", f"## Soak (R17): {s['requests']} mixed requests, 8 clients, {s['seconds']:.0f} s", "",
-              "| outcome | requests |", "|:---|---:|"]
+    lines += [
+        "",
+        "## Limits: a 4 MB prompt beside a good request",
+        "",
+        f"- good request alone: {lim['good_alone_s'] * 1000:.0f} ms; beside the 4 MB prompt: "
+        f"{lim['good_beside_4mb_s'] * 1000:.0f} ms",
+        f"- the 4 MB prompt refused after {lim['refusal_s'] * 1000:.0f} ms with {lim['refusal_status']}",
+        "",
+        f"## Soak (R17): {s['requests']} mixed requests, 8 clients, {s['seconds']:.0f} s",
+        "",
+        "| outcome | requests |",
+        "|:---|---:|",
+    ]
     lines += [f"| {k} | {v} |" for k, v in sorted(s["outcomes"].items())]
-    lines += ["", "| process | RSS after warm-up (MiB) | RSS at the end (MiB) | growth per request (bytes) |",
-              "|:---|---:|---:|---:|"]
+    lines += [
+        "",
+        "| process | RSS after warm-up (MiB) | RSS at the end (MiB) | growth per request (bytes) |",
+        "|:---|---:|---:|---:|",
+    ]
     for name, values in s["rss_kib"].items():
-        lines.append(f"| {name} | {values[0] / 1024:.1f} | {values[-1] / 1024:.1f} | "
-                     f"{s['rss_growth_bytes_per_request'][name]:.0f} |")
-    lines += ["", f"- KV slots used after the soak: {s['kv_slots_after']:.0f}; queued: {s['queued_after']:.0f}",
-              f"- /dev/shm regions added: {s['shm_regions_added'] or 'none'}; free bytes change: "
-              f"{s['shm_free_bytes_change']}",
-              "- *exact*: token ids equal the local runtime's greedy answer for the same prompt and length; "
-              "*cancelled*: the client left the stream (before its first token or after it); *MIXED-UP* would be "
-              "an answer that differs; *unexpected error* any error of a request that was not cancelled.",
-              "- RSS is sampled after the first 10 % of the requests (warm-up: caches, allocator pools) and at the "
-              "end; growth per request = the difference / the requests between. reliability.md's R17 bars: "
-              "tritonserver <= 64 bytes per request on average, each stub < 50 MB in total."]
+        lines.append(
+            f"| {name} | {values[0] / 1024:.1f} | {values[-1] / 1024:.1f} | "
+            f"{s['rss_growth_bytes_per_request'][name]:.0f} |"
+        )
+    lines += [
+        "",
+        f"- KV slots used after the soak: {s['kv_slots_after']:.0f}; queued: {s['queued_after']:.0f}",
+        f"- /dev/shm regions added: {s['shm_regions_added'] or 'none'}; free bytes change: "
+        f"{s['shm_free_bytes_change']}",
+        "- *exact*: token ids equal the local runtime's greedy answer for the same prompt and length; "
+        "*cancelled*: the client left the stream (before its first token or after it); *MIXED-UP* would be "
+        "an answer that differs; *unexpected error* any error of a request that was not cancelled.",
+        "- RSS is sampled after the first 10 % of the requests (warm-up: caches, allocator pools) and at the "
+        "end; growth per request = the difference / the requests between. reliability.md's R17 bars: "
+        "tritonserver <= 64 bytes per request on average, each stub < 50 MB in total.",
+    ]
     (out / "reliability.md").write_text("\n".join(lines) + "\n")
     import matplotlib
 
@@ -338,9 +430,13 @@ def main(argv: list[str] | None = None) -> int:
         options = options.priced(DraftCosts(calibration["draft_cost"], calibration["verify_cost"], ()))
     serve = start_serve(write_repository(args.export, work / "triton_repo", options), log)
     try:
-        result = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                  "command": "python benchmarks/reliability.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                  "machine": machine_info(), "cold_start_s": serve.started_s, "load_before": load_before}
+        result = {
+            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": "python benchmarks/reliability.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "machine": machine_info(),
+            "cold_start_s": serve.started_s,
+            "load_before": load_before,
+        }
         result["limits"] = limits(serve, refs)
         result["soak"] = soak(serve, refs, args.requests, args.seed)
         result["recovery"] = recovery(serve, refs)

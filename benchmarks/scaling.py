@@ -52,11 +52,24 @@ from specdec.serving.server import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results"
-PROMPTS = ["Name three colours.", "What is a river?", "Write one sentence about tea.", "Count from one to five.",
-           "Why is the sky blue?", "Give me a word that rhymes with cat.", "Describe a cat in two sentences.",
-           "What do bees make?", "Write a haiku about snow.", "List four fruits.", "What is the capital of Italy?",
-           "Explain what a map is.", "Tell me about the sea.", "Name a famous painter.", "What is bread made of?",
-           "Why do birds sing?"]
+PROMPTS = [
+    "Name three colours.",
+    "What is a river?",
+    "Write one sentence about tea.",
+    "Count from one to five.",
+    "Why is the sky blue?",
+    "Give me a word that rhymes with cat.",
+    "Describe a cat in two sentences.",
+    "What do bees make?",
+    "Write a haiku about snow.",
+    "List four fruits.",
+    "What is the capital of Italy?",
+    "Explain what a map is.",
+    "Tell me about the sea.",
+    "Name a famous painter.",
+    "What is bread made of?",
+    "Why do birds sing?",
+]
 CLIENTS = (1, 4, 16)
 
 
@@ -64,9 +77,25 @@ def _serve(repo: Path, log: Path) -> tuple[subprocess.Popen[str], str, int]:
     """``specdec serve`` on ``repo`` on free ports, ready: (process, gRPC address, HTTP port)."""
     grpc, http, metrics = free_ports()
     code = "import sys; from specdec.serving.serve import serve_main; sys.exit(serve_main(sys.argv[1:]))"
-    proc = subprocess.Popen([sys.executable, "-c", code, str(repo), "--grpc-port", str(grpc), "--http-port",
-                             str(http), "--metrics-port", str(metrics), "--log-file", str(log)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            code,
+            str(repo),
+            "--grpc-port",
+            str(grpc),
+            "--http-port",
+            str(http),
+            "--metrics-port",
+            str(metrics),
+            "--log-file",
+            str(log),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.startswith("(Ctrl-C"):
@@ -123,39 +152,57 @@ def run_load(url: str, clients: int, max_tokens: int, refs: dict[str, list[int]]
         results = list(pool.map(one, prompts))
     wall = time.perf_counter() - begun
     latencies = sorted(r[0] for r in results)
-    return {"requests": n, "wall_s": wall, "requests_per_s": n / wall,
-            "tokens_per_s": sum(r[1] for r in results) / wall,
-            "p50_s": statistics.median(latencies), "p99_s": latencies[min(n - 1, round(0.99 * (n - 1)))],
-            "mismatches": sum(not r[2] for r in results)}
+    return {
+        "requests": n,
+        "wall_s": wall,
+        "requests_per_s": n / wall,
+        "tokens_per_s": sum(r[1] for r in results) / wall,
+        "p50_s": statistics.median(latencies),
+        "p99_s": latencies[min(n - 1, round(0.99 * (n - 1)))],
+        "mismatches": sum(not r[2] for r in results),
+    }
 
 
 def report(result: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "scaling.json").write_text(json.dumps(result, indent=2))
-    lines = ["# Scaling: engine instances and replicas behind a balancer (SmolLM2-135M, this CPU)", "",
-             f"- Date: {result['date']}", f"- Command: `{result['command']}`", f"- Machine: {result['machine']}",
-             f"- Load average before / after: {result['load_before']} / {result['load_after']}",
-             f"- Greedy `ems`, unary gRPC, {result['max_tokens']} new tokens at most, N = max(4C, 16) requests per "
-             f"client count C; median of {result['repeats']} interleaved repeat(s)", "",
-             "| configuration | clients | requests/s | tokens/s | p50 latency (s) | p99 latency (s) | vs 1 instance "
-             "(tokens/s) | mismatches |", "|:---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "# Scaling: engine instances and replicas behind a balancer (SmolLM2-135M, this CPU)",
+        "",
+        f"- Date: {result['date']}",
+        f"- Command: `{result['command']}`",
+        f"- Machine: {result['machine']}",
+        f"- Load average before / after: {result['load_before']} / {result['load_after']}",
+        f"- Greedy `ems`, unary gRPC, {result['max_tokens']} new tokens at most, N = max(4C, 16) requests per "
+        f"client count C; median of {result['repeats']} interleaved repeat(s)",
+        "",
+        "| configuration | clients | requests/s | tokens/s | p50 latency (s) | p99 latency (s) | vs 1 instance "
+        "(tokens/s) | mismatches |",
+        "|:---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     base = {row["clients"]: row["tokens_per_s"] for row in result["rows"] if row["config"] == "1 instance"}
     for row in result["rows"]:
-        lines.append(f"| {row['config']} | {row['clients']} | {row['requests_per_s']:.2f} | "
-                     f"{row['tokens_per_s']:.1f} | {row['p50_s']:.2f} | {row['p99_s']:.2f} | "
-                     f"{row['tokens_per_s'] / base[row['clients']]:.2f}× | {row['mismatches']} |")
-    lines += ["", "## How to read this", "",
-              f"- This machine has {os.cpu_count()} cores. One instance runs ONNX Runtime on all of them; two "
-              "instances or two replicas each get half, so on this machine they split the cores rather than add "
-              "any: what they can win is the overlap of one engine's Python work (scheduling, sampling, IPC) "
-              "with the other's matrix work, and what they lose is the batching one engine does across all "
-              "requests (two engines each batch half). On a node with cores or GPUs to spare, each instance or "
-              "replica brings its own.",
-              f"- Each engine has the export's {result['max_batch']} KV slots: past that many clients one instance "
-              "queues the rest, while two instances or replicas hold twice as many, so at 16 clients the second "
-              "engine's gain is its slots (in-flight batching over more sequences), not more compute.",
-              "- The balancer adds one hop (HAProxy, HTTP/2 proxying on the same machine) to every call.",
-              "- *mismatches*: answers that differ from the local runtime's greedy answer (must be 0)."]
+        lines.append(
+            f"| {row['config']} | {row['clients']} | {row['requests_per_s']:.2f} | "
+            f"{row['tokens_per_s']:.1f} | {row['p50_s']:.2f} | {row['p99_s']:.2f} | "
+            f"{row['tokens_per_s'] / base[row['clients']]:.2f}× | {row['mismatches']} |"
+        )
+    lines += [
+        "",
+        "## How to read this",
+        "",
+        f"- This machine has {os.cpu_count()} cores. One instance runs ONNX Runtime on all of them; two "
+        "instances or two replicas each get half, so on this machine they split the cores rather than add "
+        "any: what they can win is the overlap of one engine's Python work (scheduling, sampling, IPC) "
+        "with the other's matrix work, and what they lose is the batching one engine does across all "
+        "requests (two engines each batch half). On a node with cores or GPUs to spare, each instance or "
+        "replica brings its own.",
+        f"- Each engine has the export's {result['max_batch']} KV slots: past that many clients one instance "
+        "queues the rest, while two instances or replicas hold twice as many, so at 16 clients the second "
+        "engine's gain is its slots (in-flight batching over more sequences), not more compute.",
+        "- The balancer adds one hop (HAProxy, HTTP/2 proxying on the same machine) to every call.",
+        "- *mismatches*: answers that differ from the local runtime's greedy answer (must be 0).",
+    ]
     (out / "scaling.md").write_text("\n".join(lines) + "\n")
     import matplotlib
 
@@ -186,8 +233,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     load_before = [round(x, 2) for x in os.getloadavg()]
     engine = Engine.from_export(args.export)
-    refs = {p: o.token_ids for p, o in zip(PROMPTS, engine.generate(
-        [engine.request(p, chat=True, max_tokens=args.max_tokens) for p in PROMPTS], "ems").outputs)}
+    refs = {
+        p: o.token_ids
+        for p, o in zip(
+            PROMPTS,
+            engine.generate([engine.request(p, chat=True, max_tokens=args.max_tokens) for p in PROMPTS], "ems").outputs,
+        )
+    }
     del engine
     configs = ["1 instance", "2 instances", "2 replicas + balancer"]
     rows = []
@@ -203,12 +255,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                     row = {k: statistics.median(m[k] for m in measured) for k in measured[0]}
                     row["mismatches"] = sum(m["mismatches"] for m in measured)
                     rows.append({"config": config, "clients": clients, **row})
-    result = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              "command": "python benchmarks/scaling.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "machine": machine_info(), "load_before": load_before,
-              "load_after": [round(x, 2) for x in os.getloadavg()], "max_tokens": args.max_tokens,
-              "repeats": args.repeats, "configs": configs, "rows": rows,
-              "max_batch": int(read_manifest(args.export, verify=False)["max_batch"])}
+    result = {
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "python benchmarks/scaling.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": machine_info(),
+        "load_before": load_before,
+        "load_after": [round(x, 2) for x in os.getloadavg()],
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "configs": configs,
+        "rows": rows,
+        "max_batch": int(read_manifest(args.export, verify=False)["max_batch"]),
+    }
     report(result, args.out_dir)
     print((args.out_dir / "scaling.md").read_text())
     return 0

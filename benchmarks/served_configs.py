@@ -36,8 +36,20 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results"
 CACHE = ROOT / "benchmarks" / ".cache" / "served"
 #: what every candidate shares with the main job's export
-COMMON = ["--target", "smollm2-135m", "--draft", "smollm2-135m-draft", "--max-batch", "8", "--max-len", "2048",
-          "--num-draft-tokens", "4", "--adaptive-draft", "--calibrate"]
+COMMON = [
+    "--target",
+    "smollm2-135m",
+    "--draft",
+    "smollm2-135m-draft",
+    "--max-batch",
+    "8",
+    "--max-len",
+    "2048",
+    "--num-draft-tokens",
+    "4",
+    "--adaptive-draft",
+    "--calibrate",
+]
 #: the quantized ones at their defaults (int8 activations, fp16 KV caches), as the main job serves them; each
 #: quantized format with prompt lookup and with the hybrid drafter, the two that paid in
 #: benchmarks/results/ems_vs_ar.md, and int4 and w8a8 (the integer GEMM export) with the draft model alone
@@ -128,10 +140,15 @@ def estimates(rows: list[dict[str, Any]]) -> dict[str, float]:
     after another) it moved by up to a fifth here, more than the drafters differ; a ratio is measured on one server
     with ems and ar interleaved, so the drift between servers cancels in it, and pooling ``ar`` averages the rest.
     """
-    ar = {graph: statistics.geometric_mean([r[g]["ar_tokens_per_second"] for r in group for g in CONCURRENCY])
-          for graph, group in by_graph(rows).items()}
-    return {r["name"]: ar[graph_of(r)] * statistics.geometric_mean(
-        [r[g]["ems_tokens_per_second"] / r[g]["ar_tokens_per_second"] for g in CONCURRENCY]) for r in rows}
+    ar = {
+        graph: statistics.geometric_mean([r[g]["ar_tokens_per_second"] for r in group for g in CONCURRENCY])
+        for graph, group in by_graph(rows).items()
+    }
+    return {
+        r["name"]: ar[graph_of(r)]
+        * statistics.geometric_mean([r[g]["ems_tokens_per_second"] / r[g]["ar_tokens_per_second"] for g in CONCURRENCY])
+        for r in rows
+    }
 
 
 def choose(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -146,31 +163,47 @@ def choose(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def report(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> str:
     best, score = choose(rows), estimates(rows)
     regimes = list(CONCURRENCY)
-    lines = ["# The main job's candidate exports, served through Triton", "",
-             f"- Date: {meta['date']}; command: `{meta['command']}` ({meta['total_seconds']:.0f} s)",
-             f"- Workload: the main job's demo mix, {meta['prompts']} prompts (chat template, greedy, at most "
-             f"{meta['max_tokens']} new tokens), sent all at once and one at a time; ems and ar interleaved after a "
-             f"warm-up, median of {meta['repeats']} repeats",
-             f"- Every export: `specdec-export {' '.join(COMMON)}` plus the flags below",
-             f"- Machine: {meta['machine']}; load average before {meta['load_before']}, after {meta['load_after']}",
-             "- The main job serves the exact candidate that serves DSBD (its drafter holds the draft model) with "
-             "the highest *estimate*: its graph's ar tok/s pooled over that graph's candidates, times its own ems / ar "
-             "ratio (geometric means over the regimes; `estimates`, which says why)", "",
-             "| export | extra flags | " + " | ".join(f"{r}: ems / ar tok/s (ratio)" for r in regimes)
-             + " | ems = ar (token ids) | DSBD | estimate tok/s |",
-             "|:---|:---|" + "---:|" * len(regimes) + ":---|:---|---:|"]
+    lines = [
+        "# The main job's candidate exports, served through Triton",
+        "",
+        f"- Date: {meta['date']}; command: `{meta['command']}` ({meta['total_seconds']:.0f} s)",
+        f"- Workload: the main job's demo mix, {meta['prompts']} prompts (chat template, greedy, at most "
+        f"{meta['max_tokens']} new tokens), sent all at once and one at a time; ems and ar interleaved after a "
+        f"warm-up, median of {meta['repeats']} repeats",
+        f"- Every export: `specdec-export {' '.join(COMMON)}` plus the flags below",
+        f"- Machine: {meta['machine']}; load average before {meta['load_before']}, after {meta['load_after']}",
+        "- The main job serves the exact candidate that serves DSBD (its drafter holds the draft model) with "
+        "the highest *estimate*: its graph's ar tok/s pooled over that graph's candidates, times its own ems / ar "
+        "ratio (geometric means over the regimes; `estimates`, which says why)",
+        "",
+        "| export | extra flags | "
+        + " | ".join(f"{r}: ems / ar tok/s (ratio)" for r in regimes)
+        + " | ems = ar (token ids) | DSBD | estimate tok/s |",
+        "|:---|:---|" + "---:|" * len(regimes) + ":---|:---|---:|",
+    ]
     for r in rows:
-        cells = [f"{r[g]['ems_tokens_per_second']:.1f} / {r[g]['ar_tokens_per_second']:.1f} "
-                 f"({r[g]['ems_tokens_per_second'] / r[g]['ar_tokens_per_second']:.2f}×)" for g in regimes]
-        lines.append(f"| {r['name']} | `{' '.join(r['flags']) or '-'}` | " + " | ".join(cells)
-                     + f" | {'yes' if r['identical'] else 'NO'} | {'yes' if serves_dsbd(r) else 'no'} | "
-                     f"{score[r['name']]:.1f} |")
+        cells = [
+            f"{r[g]['ems_tokens_per_second']:.1f} / {r[g]['ar_tokens_per_second']:.1f} "
+            f"({r[g]['ems_tokens_per_second'] / r[g]['ar_tokens_per_second']:.2f}×)"
+            for g in regimes
+        ]
+        lines.append(
+            f"| {r['name']} | `{' '.join(r['flags']) or '-'}` | "
+            + " | ".join(cells)
+            + f" | {'yes' if r['identical'] else 'NO'} | {'yes' if serves_dsbd(r) else 'no'} | "
+            f"{score[r['name']]:.1f} |"
+        )
     spread = {graph: [r[regimes[0]]["ar_tokens_per_second"] for r in group] for graph, group in by_graph(rows).items()}
-    lines += ["", f"The main job's export: **{best['name']}** (estimate {score[best['name']]:.1f} tok/s; measured ems "
-              + ", ".join(f"{best[g]['ems_tokens_per_second']:.1f} tok/s {g}" for g in regimes) + "). The same "
-              f"graph's ar, {regimes[0]}, across its candidates: " + "; ".join(
-                  f"{g} {min(v):.1f}-{max(v):.1f}" for g, v in spread.items() if len(v) > 1)
-              + " tok/s (the drift between servers that the estimate pools).", ""]
+    lines += [
+        "",
+        f"The main job's export: **{best['name']}** (estimate {score[best['name']]:.1f} tok/s; measured ems "
+        + ", ".join(f"{best[g]['ems_tokens_per_second']:.1f} tok/s {g}" for g in regimes)
+        + "). The same "
+        f"graph's ar, {regimes[0]}, across its candidates: "
+        + "; ".join(f"{g} {min(v):.1f}-{max(v):.1f}" for g, v in spread.items() if len(v) > 1)
+        + " tok/s (the drift between servers that the estimate pools).",
+        "",
+    ]
     text = "\n".join(lines)
     out.mkdir(parents=True, exist_ok=True)
     (out / "served_configs.md").write_text(text)
@@ -211,14 +244,26 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, flags in tqdm(CANDIDATES.items(), desc="candidates", unit="export"):
         directory, command, seconds = export(name, flags, args.reexport)
-        rows.append({"name": name, "flags": flags, "export_command": shlex.join(command),
-                     "export_seconds": round(seconds, 1), **measure(directory, args.max_tokens, args.repeats)})
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "command": shlex.join(["python", "benchmarks/served_configs.py", *(argv or sys.argv[1:])]),
-            "total_seconds": time.perf_counter() - start, "prompts": len(DEFAULT_PROMPTS),
-            "max_tokens": args.max_tokens, "repeats": args.repeats,
-            "machine": f"{before['processor']}, {before['cpu_count']} cores",
-            "load_before": before.get("load_average"), "load_after": machine_info().get("load_average")}
+        rows.append(
+            {
+                "name": name,
+                "flags": flags,
+                "export_command": shlex.join(command),
+                "export_seconds": round(seconds, 1),
+                **measure(directory, args.max_tokens, args.repeats),
+            }
+        )
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": shlex.join(["python", "benchmarks/served_configs.py", *(argv or sys.argv[1:])]),
+        "total_seconds": time.perf_counter() - start,
+        "prompts": len(DEFAULT_PROMPTS),
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "machine": f"{before['processor']}, {before['cpu_count']} cores",
+        "load_before": before.get("load_average"),
+        "load_after": machine_info().get("load_average"),
+    }
     print(report(rows, meta, args.out_dir))
     return 0
 

@@ -34,27 +34,39 @@ def _rows(run: dict[str, Any]) -> dict[tuple[int, str], dict[str, Any]]:
 
 def report(before: dict[str, Any], after: dict[str, Any], labels: tuple[str, str], out: Path) -> str:
     old, new = _rows(before), _rows(after)
-    lines = [f"# Serving through Triton, before ({labels[0]}) and after ({labels[1]})", "",
-             f"- Before: {before['date']}, `{before['command']}` ({before['total_seconds']:.0f} s), load after "
-             f"{before['load_average_after']}",
-             f"- After: {after['date']}, `{after['command']}` ({after['total_seconds']:.0f} s), load after "
-             f"{after['load_average_after']}",
-             f"- Machine: {after['machine'].get('processor')}, {after['machine'].get('cpu_count')} cores; each run "
-             "exported and served with its own code, back to back", "",
-             "| clients | method | tokens/s before | tokens/s after | after ÷ before | mean latency before (s) | "
-             "after (s) | errors before / after |", "|---:|---|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        f"# Serving through Triton, before ({labels[0]}) and after ({labels[1]})",
+        "",
+        f"- Before: {before['date']}, `{before['command']}` ({before['total_seconds']:.0f} s), load after "
+        f"{before['load_average_after']}",
+        f"- After: {after['date']}, `{after['command']}` ({after['total_seconds']:.0f} s), load after "
+        f"{after['load_average_after']}",
+        f"- Machine: {after['machine'].get('processor')}, {after['machine'].get('cpu_count')} cores; each run "
+        "exported and served with its own code, back to back",
+        "",
+        "| clients | method | tokens/s before | tokens/s after | after ÷ before | mean latency before (s) | "
+        "after (s) | errors before / after |",
+        "|---:|---|---:|---:|---:|---:|---:|---|",
+    ]
     for key in sorted(set(old) & set(new)):
         a, b = old[key], new[key]
-        lines.append(f"| {key[0]} | {key[1]} | {a['tokens_per_second']:.1f} | {b['tokens_per_second']:.1f} | "
-                     f"{b['tokens_per_second'] / a['tokens_per_second']:.2f}× | {a['mean_latency_seconds']:.2f} | "
-                     f"{b['mean_latency_seconds']:.2f} | {a['errors']} / {b['errors']} |")
-    lines += ["", "| one request, method | unary ms before | after | stream first-response ms before | after |",
-              "|---|---:|---:|---:|---:|"]
+        lines.append(
+            f"| {key[0]} | {key[1]} | {a['tokens_per_second']:.1f} | {b['tokens_per_second']:.1f} | "
+            f"{b['tokens_per_second'] / a['tokens_per_second']:.2f}× | {a['mean_latency_seconds']:.2f} | "
+            f"{b['mean_latency_seconds']:.2f} | {a['errors']} / {b['errors']} |"
+        )
+    lines += [
+        "",
+        "| one request, method | unary ms before | after | stream first-response ms before | after |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for method, a in before["latency"]["summary"].items():
         b = after["latency"]["summary"].get(method)
         if b:
-            lines.append(f"| {method} | {a['unary_ms']:.0f} | {b['unary_ms']:.0f} | {a['stream_first_ms']:.0f} | "
-                         f"{b['stream_first_ms']:.0f} |")
+            lines.append(
+                f"| {method} | {a['unary_ms']:.0f} | {b['unary_ms']:.0f} | {a['stream_first_ms']:.0f} | "
+                f"{b['stream_first_ms']:.0f} |"
+            )
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / "triton_serving_before_after.md").write_text(text)
@@ -86,8 +98,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--after-label", default="after")
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
-    print(report(json.loads(args.before.read_text()), json.loads(args.after.read_text()),
-                 (args.before_label, args.after_label), args.out_dir))
+    print(
+        report(
+            json.loads(args.before.read_text()),
+            json.loads(args.after.read_text()),
+            (args.before_label, args.after_label),
+            args.out_dir,
+        )
+    )
     return 0
 
 

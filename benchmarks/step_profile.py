@@ -71,11 +71,15 @@ from specdec.runtime.packed import PackedBatch, SeqWork, pack
 DEFAULT_GRAPH = Path(__file__).parent / ".cache" / "step-profile" / "model.onnx"
 #: what the report says the two variants are, by mode
 DESCRIPTIONS = {
-    "fuse": ("SmolLM2-135M-Instruct, fp32. *before*: the exported graph as ORT inlines it (`OrtBackend(fuse=False)`); "
-             "*after*: `ort_fuse`'s lowering (GroupQueryAttention, SimplifiedLayerNormalization / "
-             "SkipSimplifiedLayerNormalization, RotaryEmbedding)"),
-    "graphs": ("SmolLM2-135M-Instruct, two exports, each lowered by `ort_fuse` as `OrtBackend` serves it. *before*: "
-               "`{before}`; *after*: `{after}`"),
+    "fuse": (
+        "SmolLM2-135M-Instruct, fp32. *before*: the exported graph as ORT inlines it (`OrtBackend(fuse=False)`); "
+        "*after*: `ort_fuse`'s lowering (GroupQueryAttention, SimplifiedLayerNormalization / "
+        "SkipSimplifiedLayerNormalization, RotaryEmbedding)"
+    ),
+    "graphs": (
+        "SmolLM2-135M-Instruct, two exports, each lowered by `ort_fuse` as `OrtBackend` serves it. *before*: "
+        "`{before}`; *after*: `{after}`"
+    ),
 }
 Variant = tuple[Path, bool]  # (graph, OrtBackend(fuse=...))
 SLOTS, MAX_LEN, CONTEXT = 16, 1024, 200
@@ -98,8 +102,9 @@ def shapes(prefill: bool = False) -> dict[str, PackedBatch]:
     }
     if prefill:
         rng = np.random.default_rng(1)
-        steps["B=8 prefill 160-359"] = pack([SeqWork(8 + s, 0, rng.integers(0, 49152, n).tolist(), logits="last")
-                                             for s, n in enumerate(PREFILL)])
+        steps["B=8 prefill 160-359"] = pack(
+            [SeqWork(8 + s, 0, rng.integers(0, 49152, n).tolist(), logits="last") for s, n in enumerate(PREFILL)]
+        )
     return steps
 
 
@@ -121,13 +126,15 @@ def check_exact(backends: dict[str, OrtBackend], steps: dict[str, PackedBatch]) 
     errors: dict[str, float] = {}
     for variant, backend in backends.items():
         cache = prefilled_cache(backend)
-        errors[variant] = max(float(np.abs(want[name] - backend.step(batch, cache)).max())
-                              for name, batch in steps.items())
+        errors[variant] = max(
+            float(np.abs(want[name] - backend.step(batch, cache)).max()) for name, batch in steps.items()
+        )
     return errors
 
 
-def time_steps(backends: dict[str, OrtBackend], steps: dict[str, PackedBatch], caches: dict[str, KVStorage],
-               rounds: int, n: int) -> dict[str, dict[str, list[float]]]:
+def time_steps(
+    backends: dict[str, OrtBackend], steps: dict[str, PackedBatch], caches: dict[str, KVStorage], rounds: int, n: int
+) -> dict[str, dict[str, list[float]]]:
     """ms per step for every (shape, variant), ``rounds`` interleaved samples each (order alternates)."""
     samples: dict[str, dict[str, list[float]]] = {s: {v: [] for v in backends} for s in steps}
     names = list(backends)
@@ -140,8 +147,11 @@ def time_steps(backends: dict[str, OrtBackend], steps: dict[str, PackedBatch], c
                 for _ in range(n):
                     backend.step(batch, cache)
                 samples[shape][variant].append((time.perf_counter() - start) / n * 1e3)
-        print(f"  round {r + 1}/{rounds}: " + ", ".join(
-            f"{s} {'/'.join(f'{samples[s][v][-1]:.1f}' for v in names)}" for s in steps), flush=True)
+        print(
+            f"  round {r + 1}/{rounds}: "
+            + ", ".join(f"{s} {'/'.join(f'{samples[s][v][-1]:.1f}' for v in names)}" for s in steps),
+            flush=True,
+        )
     return samples
 
 
@@ -165,17 +175,24 @@ def own_durations(kernels: list[dict[str, Any]]) -> list[float]:
             continue
         end = e["ts"] + e["dur"]
         inner = (order[j] for j in range(bisect.bisect_left(starts, e["ts"]), bisect.bisect_right(starts, end)))
-        own[i] -= sum(kernels[j]["dur"] for j in inner
-                      if j != i and kernels[j]["ts"] + kernels[j]["dur"] <= end
-                      and kernels[j]["args"].get("op_name") not in CONTROL_FLOW)
+        own[i] -= sum(
+            kernels[j]["dur"]
+            for j in inner
+            if j != i
+            and kernels[j]["ts"] + kernels[j]["dur"] <= end
+            and kernels[j]["args"].get("op_name") not in CONTROL_FLOW
+        )
     return own
 
 
-def profile_steps(variants: dict[str, Variant], steps: dict[str, PackedBatch], n: int,
-                  threads: int, prefix: Path) -> dict[str, dict[str, Any]]:
+def profile_steps(
+    variants: dict[str, Variant], steps: dict[str, PackedBatch], n: int, threads: int, prefix: Path
+) -> dict[str, dict[str, Any]]:
     """Per-op and per-node kernel ms per step of each (shape, variant), from ORT's profiler."""
-    backends = {v: OrtBackend(graph, fuse=f, intra_op_threads=threads, profile_prefix=str(prefix / v))
-                for v, (graph, f) in variants.items()}
+    backends = {
+        v: OrtBackend(graph, fuse=f, intra_op_threads=threads, profile_prefix=str(prefix / v))
+        for v, (graph, f) in variants.items()
+    }
     caches = {v: prefilled_cache(b) for v, b in backends.items()}
     windows: dict[str, list[tuple[str, int]]] = {v: [] for v in backends}  # (shape, index of its first timed run)
     runs = dict.fromkeys(backends, 0)
@@ -190,7 +207,7 @@ def profile_steps(variants: dict[str, Variant], steps: dict[str, PackedBatch], n
     out: dict[str, dict[str, Any]] = {s: {} for s in steps}
     for variant, backend in backends.items():
         events = json.loads(Path(backend.session.end_profiling()).read_text())
-        model_runs = [e for e in events if e.get("name") == "model_run"][len(PAST):]  # after the prefills
+        model_runs = [e for e in events if e.get("name") == "model_run"][len(PAST) :]  # after the prefills
         kernels = [e for e in events if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")]
         own = own_durations(kernels)
         for shape, first in windows[variant]:
@@ -216,29 +233,43 @@ def profile_steps(variants: dict[str, Variant], steps: dict[str, PackedBatch], n
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    lines = [f"# One ONNX Runtime target step per operator: {doc['title']}", "",
-             f"{doc['description']}. ORT {doc['onnxruntime']}, {doc['threads']} intra-op threads, cache "
-             f"{SLOTS} slots x {MAX_LEN}, context ~{CONTEXT}. "
-             f"Command: `{doc['command']}`. Machine: {doc['machine'].get('processor')}, "
-             f"load average at start {doc['machine'].get('load_average')} (shared machine: other users' jobs ran "
-             "during the measurement, so read medians, not single numbers).", "",
-             "Wall time: median over interleaved rounds of `OrtBackend.step` with the profiler off. Kernel "
-             "time: the profiler's sum over nodes, an `If` counted without the nodes of its branch, which are "
-             "counted themselves (its own overhead makes `model_run` longer than the wall time).", "",
-             "Logit error vs the torch reference on these steps: "
-             + ", ".join(f"{v} {e:.2e}" for v, e in doc["max_abs_logit_error"].items()) + ".", "",
-             "| step | before ms (wall) | after ms (wall) | speed-up | before nodes run | after nodes run |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# One ONNX Runtime target step per operator: {doc['title']}",
+        "",
+        f"{doc['description']}. ORT {doc['onnxruntime']}, {doc['threads']} intra-op threads, cache "
+        f"{SLOTS} slots x {MAX_LEN}, context ~{CONTEXT}. "
+        f"Command: `{doc['command']}`. Machine: {doc['machine'].get('processor')}, "
+        f"load average at start {doc['machine'].get('load_average')} (shared machine: other users' jobs ran "
+        "during the measurement, so read medians, not single numbers).",
+        "",
+        "Wall time: median over interleaved rounds of `OrtBackend.step` with the profiler off. Kernel "
+        "time: the profiler's sum over nodes, an `If` counted without the nodes of its branch, which are "
+        "counted themselves (its own overhead makes `model_run` longer than the wall time).",
+        "",
+        "Logit error vs the torch reference on these steps: "
+        + ", ".join(f"{v} {e:.2e}" for v, e in doc["max_abs_logit_error"].items())
+        + ".",
+        "",
+        "| step | before ms (wall) | after ms (wall) | speed-up | before nodes run | after nodes run |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for shape, row in doc["shapes"].items():
         b, a = row["wall_ms"]["before"], row["wall_ms"]["after"]
-        lines.append(f"| {shape} | {b:.1f} | {a:.1f} | {b / a:.2f}x | {row['profile']['before']['nodes_run']} | "
-                     f"{row['profile']['after']['nodes_run']} |")
+        lines.append(
+            f"| {shape} | {b:.1f} | {a:.1f} | {b / a:.2f}x | {row['profile']['before']['nodes_run']} | "
+            f"{row['profile']['after']['nodes_run']} |"
+        )
     for shape, row in doc["shapes"].items():
         before, after = row["profile"]["before"], row["profile"]["after"]
         ops = list(dict.fromkeys([*before["by_op_ms"], *after["by_op_ms"]]))
         ops.sort(key=lambda op: -max(before["by_op_ms"].get(op, 0.0), after["by_op_ms"].get(op, 0.0)))
-        lines += ["", f"## {shape}", "", "| op type | before ms/step | before share | after ms/step | after share |",
-                  "|---|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"## {shape}",
+            "",
+            "| op type | before ms/step | before share | after ms/step | after share |",
+            "|---|---:|---:|---:|---:|",
+        ]
         for op in ops[:18]:
             cells = []
             for prof in (before, after):
@@ -247,24 +278,36 @@ def markdown(doc: dict[str, Any]) -> str:
             lines.append(f"| {op} | " + " | ".join(c.replace("|", " | ") for c in cells) + " |")
         rest = ops[18:]
         if rest:
-            cells = [f"{sum(p['by_op_ms'].get(op, 0.0) for op in rest):.2f} | "
-                     f"{100 * sum(p['by_op_ms'].get(op, 0.0) for op in rest) / p['kernel_ms']:.1f}%"
-                     for p in (before, after)]
+            cells = [
+                f"{sum(p['by_op_ms'].get(op, 0.0) for op in rest):.2f} | "
+                f"{100 * sum(p['by_op_ms'].get(op, 0.0) for op in rest) / p['kernel_ms']:.1f}%"
+                for p in (before, after)
+            ]
             lines.append(f"| {len(rest)} other op types | {cells[0]} | {cells[1]} |")
-        lines.append(f"| **kernels, total** | **{before['kernel_ms']:.2f}** | 100% | **{after['kernel_ms']:.2f}** "
-                     "| 100% |")
+        lines.append(
+            f"| **kernels, total** | **{before['kernel_ms']:.2f}** | 100% | **{after['kernel_ms']:.2f}** | 100% |"
+        )
         lines.append(f"| profiled `model_run` | {before['model_run_ms']:.2f} | | {after['model_run_ms']:.2f} | |")
-        lines.append(f"| wall, profiler off (median) | {row['wall_ms']['before']:.2f} | | "
-                     f"{row['wall_ms']['after']:.2f} | |")
-        lines += ["", "Slowest nodes after: " + ", ".join(f"`{k}` {v:.2f} ms" for k, v in
-                                                          list(after["top_nodes_ms"].items())[:5]) + "."]
+        lines.append(
+            f"| wall, profiler off (median) | {row['wall_ms']['before']:.2f} | | {row['wall_ms']['after']:.2f} | |"
+        )
+        lines += [
+            "",
+            "Slowest nodes after: "
+            + ", ".join(f"`{k}` {v:.2f} ms" for k, v in list(after["top_nodes_ms"].items())[:5])
+            + ".",
+        ]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--graph", type=Path, default=None,
-                        help=f"an exported target graph (default: export smollm2-135m to {DEFAULT_GRAPH})")
+    parser.add_argument(
+        "--graph",
+        type=Path,
+        default=None,
+        help=f"an exported target graph (default: export smollm2-135m to {DEFAULT_GRAPH})",
+    )
     parser.add_argument("--before", type=Path, help="compare two exported graphs instead: the first (with --after)")
     parser.add_argument("--after", type=Path, help="the second graph of --before")
     parser.add_argument("--stem", default="step_profile", help="file names of the results")
@@ -272,8 +315,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (median kept)")
     parser.add_argument("--steps", type=int, default=8, help="steps per shape per round and in the profile")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
-    parser.add_argument("--prefill", action="store_true",
-                        help="also profile a prefill of 8 prompts of 160-359 tokens (2.5 s a step on 2 cores)")
+    parser.add_argument(
+        "--prefill",
+        action="store_true",
+        help="also profile a prefill of 8 prompts of 160-359 tokens (2.5 s a step on 2 cores)",
+    )
     args = parser.parse_args(argv)
     if (args.before is None) != (args.after is None):
         parser.error("--before and --after go together")
@@ -300,12 +346,23 @@ def main(argv: list[str] | None = None) -> int:
     doc = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join(["python", "benchmarks/step_profile.py", *(argv if argv is not None else sys.argv[1:])]),
-        "title": title, "description": DESCRIPTIONS[mode].format(before=args.before, after=args.after),
-        "machine": machine_info(), "onnxruntime": ort.__version__, "threads": args.threads,
-        "cache": {"slots": SLOTS, "max_len": MAX_LEN, "context": CONTEXT}, "max_abs_logit_error": errors,
-        "shapes": {s: {"rows": steps[s].num_tokens, "seqs": steps[s].num_seqs,
-                       "wall_ms": {v: statistics.median(x) for v, x in wall[s].items()},
-                       "wall_ms_samples": wall[s], "profile": profile[s]} for s in steps},
+        "title": title,
+        "description": DESCRIPTIONS[mode].format(before=args.before, after=args.after),
+        "machine": machine_info(),
+        "onnxruntime": ort.__version__,
+        "threads": args.threads,
+        "cache": {"slots": SLOTS, "max_len": MAX_LEN, "context": CONTEXT},
+        "max_abs_logit_error": errors,
+        "shapes": {
+            s: {
+                "rows": steps[s].num_tokens,
+                "seqs": steps[s].num_seqs,
+                "wall_ms": {v: statistics.median(x) for v, x in wall[s].items()},
+                "wall_ms_samples": wall[s],
+                "profile": profile[s],
+            }
+            for s in steps
+        },
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{args.stem}.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
@@ -334,8 +391,9 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     if max(walls) > 20 * min(walls):  # a prefill beside decode steps: keep the small bars readable
         ax.set_yscale("log")
     ax.set_ylabel("ms per target step (median)")
-    ax.set_title(f"SmolLM2-135M on ONNX Runtime {doc['onnxruntime']}, {doc['threads']} threads: "
-                 f"{doc['title']}", fontsize=9)
+    ax.set_title(
+        f"SmolLM2-135M on ONNX Runtime {doc['onnxruntime']}, {doc['threads']} threads: {doc['title']}", fontsize=9
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

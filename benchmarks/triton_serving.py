@@ -143,8 +143,14 @@ def throughput_run(url: str, concurrency: int, method: str, max_tokens: int) -> 
     tokens = sum(len(a.output_ids) for a in ok)
     drafts = sum(a.draft_tokens for a in ok)
     row = {
-        "concurrency": concurrency, "method": method, "requests": n, "errors": n - len(ok), "tokens": tokens,
-        "wall_seconds": wall, "requests_per_second": len(ok) / wall, "tokens_per_second": tokens / wall,
+        "concurrency": concurrency,
+        "method": method,
+        "requests": n,
+        "errors": n - len(ok),
+        "tokens": tokens,
+        "wall_seconds": wall,
+        "requests_per_second": len(ok) / wall,
+        "tokens_per_second": tokens / wall,
         "mean_latency_seconds": statistics.fmean(a.seconds for a in ok) if ok else float("nan"),
         "mean_acceptance_rate": statistics.fmean(a.acceptance_rate for a in ok) if ok else float("nan"),
         "pooled_acceptance_rate": sum(a.accepted_draft_tokens for a in ok) / drafts if drafts else 0.0,
@@ -154,8 +160,9 @@ def throughput_run(url: str, concurrency: int, method: str, max_tokens: int) -> 
     return row, [a.output_ids if isinstance(a, Answer) else None for a in answers]
 
 
-def throughput(url: str, concurrencies: Sequence[int], reps: int, max_tokens: int,
-               bar: tqdm) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def throughput(
+    url: str, concurrencies: Sequence[int], reps: int, max_tokens: int, bar: tqdm
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every (rep, C, method) run, interleaved; plus the ems-vs-ar token-identity check."""
     rows: list[dict[str, Any]] = []
     compared = mismatched = 0
@@ -180,15 +187,31 @@ def throughput(url: str, concurrencies: Sequence[int], reps: int, max_tokens: in
 
 def medians(rows: list[dict[str, Any]], concurrencies: Sequence[int]) -> list[dict[str, Any]]:
     """Per (C, method): the median over repeats of every number."""
-    keys = ("wall_seconds", "requests_per_second", "tokens_per_second", "mean_latency_seconds",
-            "mean_acceptance_rate", "pooled_acceptance_rate", "mean_batch_size", "tokens")
+    keys = (
+        "wall_seconds",
+        "requests_per_second",
+        "tokens_per_second",
+        "mean_latency_seconds",
+        "mean_acceptance_rate",
+        "pooled_acceptance_rate",
+        "mean_batch_size",
+        "tokens",
+    )
     out = []
     for c in concurrencies:
         for method in METHODS:
             mine = [r for r in rows if r["concurrency"] == c and r["method"] == method]
             med = {k: statistics.median(r[k] for r in mine) for k in keys}
-            out.append({"concurrency": c, "method": method, "requests": mine[0]["requests"], "reps": len(mine),
-                        "errors": sum(r["errors"] for r in mine), **med})
+            out.append(
+                {
+                    "concurrency": c,
+                    "method": method,
+                    "requests": mine[0]["requests"],
+                    "reps": len(mine),
+                    "errors": sum(r["errors"] for r in mine),
+                    **med,
+                }
+            )
     return out
 
 
@@ -225,13 +248,20 @@ def added_latency(url: str, engine: Engine, n_prompts: int, max_tokens: int, bar
                 else:
                     local_s, local_ids = local_once(engine, prompt, method, max_tokens)
                     unary, stream = server_once(client, prompt, method, max_tokens)
-                rows.append({
-                    "prompt": i, "method": method, "order": "server first" if i % 2 == 0 else "local first",
-                    "tokens": len(unary.output_ids), "local_ms": local_s * 1000, "unary_ms": unary.seconds * 1000,
-                    "stream_first_ms": stream.first_response_seconds * 1000, "stream_total_ms": stream.seconds * 1000,
-                    "stream_responses": stream.responses,
-                    "identical_to_local": unary.output_ids == local_ids and stream.output_ids == local_ids,
-                })
+                rows.append(
+                    {
+                        "prompt": i,
+                        "method": method,
+                        "order": "server first" if i % 2 == 0 else "local first",
+                        "tokens": len(unary.output_ids),
+                        "local_ms": local_s * 1000,
+                        "unary_ms": unary.seconds * 1000,
+                        "stream_first_ms": stream.first_response_seconds * 1000,
+                        "stream_total_ms": stream.seconds * 1000,
+                        "stream_responses": stream.responses,
+                        "identical_to_local": unary.output_ids == local_ids and stream.output_ids == local_ids,
+                    }
+                )
                 bar.update()
     finally:
         client.close()
@@ -242,10 +272,13 @@ def latency_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     summary = {}
     for method in METHODS:
         mine = [r for r in rows if r["method"] == method]
-        mean = {k: statistics.fmean(r[k] for r in mine)
-                for k in ("local_ms", "unary_ms", "stream_first_ms", "stream_total_ms", "tokens")}
+        mean = {
+            k: statistics.fmean(r[k] for r in mine)
+            for k in ("local_ms", "unary_ms", "stream_first_ms", "stream_total_ms", "tokens")
+        }
         summary[method] = {
-            "prompts": len(mine), **mean,
+            "prompts": len(mine),
+            **mean,
             "added_unary_ms": mean["unary_ms"] - mean["local_ms"],
             "added_stream_ms": mean["stream_total_ms"] - mean["local_ms"],
             "unary_over_local": mean["unary_ms"] / mean["local_ms"],
@@ -262,7 +295,8 @@ def markdown(doc: dict[str, Any]) -> str:
     cfg, table, same = doc["config"], doc["throughput"]["median"], doc["throughput"]["ems_vs_ar"]
     m = doc["machine"]
     lines = [
-        "# Speculative decoding through Triton (SmolLM2-135M, CPU)", "",
+        "# Speculative decoding through Triton (SmolLM2-135M, CPU)",
+        "",
         f"- Date: {doc['date']}  ",
         f"- Command: `{doc['command']}` (total {doc['total_seconds']:.0f} s)  ",
         f"- Machine: {m.get('processor')}, {m['cpu_count']} cores, {m.get('platform')}; "
@@ -272,36 +306,51 @@ def markdown(doc: dict[str, Any]) -> str:
         f"- Requests: {len(PROMPTS)} chat prompts (half extractive, half open questions), round-robin; "
         f"greedy, max_tokens {cfg['max_tokens']}, num_draft_tokens = server default, unary `specdec` model; "
         "C clients send N = max(2C, 8) requests  ",
-        f"- Timing: median of {cfg['reps']} interleaved repeat(s); latency includes the client's gRPC call", "",
-        "## Throughput", "",
+        f"- Timing: median of {cfg['reps']} interleaved repeat(s); latency includes the client's gRPC call",
+        "",
+        "## Throughput",
+        "",
         "| clients | method | requests | requests/s | tokens/s | mean latency (s) | acceptance | mean batch | errors |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in table:
-        lines.append(f"| {r['concurrency']} | {r['method']} | {r['requests']} | {r['requests_per_second']:.2f} | "
-                     f"{r['tokens_per_second']:.1f} | {r['mean_latency_seconds']:.2f} | "
-                     f"{r['mean_acceptance_rate']:.2f} | {r['mean_batch_size']:.2f} | {r['errors']} |")
+        lines.append(
+            f"| {r['concurrency']} | {r['method']} | {r['requests']} | {r['requests_per_second']:.2f} | "
+            f"{r['tokens_per_second']:.1f} | {r['mean_latency_seconds']:.2f} | "
+            f"{r['mean_acceptance_rate']:.2f} | {r['mean_batch_size']:.2f} | {r['errors']} |"
+        )
     lines += ["", "| clients | ems / ar tokens/s |", "|---:|---:|"]
     for c, ratio in doc["throughput"]["ems_over_ar"].items():
         lines.append(f"| {c} | {ratio:.2f}× |")
-    lines += ["", f"ems vs ar outputs (greedy, same prompt): {same['compared'] - same['mismatched']} of "
-              f"{same['compared']} answers token-identical, {same['mismatched']} mismatch(es).", "",
-              "Acceptance is the mean of the per-request acceptance rates; mean batch is the mean of each "
-              "request's `mean_batch_size` (sequences sharing its ragged steps). Served `ar` is EMS-SD with no "
-              "drafts, sharing the engine's steps at one row per sequence.", "",
-              "## Added latency of the server path (1 client)", "",
-              "| method | prompts | tokens | local (ms) | server unary (ms) | added (ms) | unary / local | "
-              "stream first response (ms) | stream total (ms) | stream added (ms) | identical to local |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        f"ems vs ar outputs (greedy, same prompt): {same['compared'] - same['mismatched']} of "
+        f"{same['compared']} answers token-identical, {same['mismatched']} mismatch(es).",
+        "",
+        "Acceptance is the mean of the per-request acceptance rates; mean batch is the mean of each "
+        "request's `mean_batch_size` (sequences sharing its ragged steps). Served `ar` is EMS-SD with no "
+        "drafts, sharing the engine's steps at one row per sequence.",
+        "",
+        "## Added latency of the server path (1 client)",
+        "",
+        "| method | prompts | tokens | local (ms) | server unary (ms) | added (ms) | unary / local | "
+        "stream first response (ms) | stream total (ms) | stream added (ms) | identical to local |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for method, s in doc["latency"]["summary"].items():
-        lines.append(f"| {method} | {s['prompts']} | {s['tokens']:.1f} | {s['local_ms']:.0f} | {s['unary_ms']:.0f} | "
-                     f"{s['added_unary_ms']:+.0f} | {s['unary_over_local']:.2f}× | {s['stream_first_ms']:.0f} | "
-                     f"{s['stream_total_ms']:.0f} | {s['added_stream_ms']:+.0f} | "
-                     f"{s['identical_to_local']}/{s['prompts']} |")
-    lines += ["", "Local: the served engine's twin in the benchmark process (`served_engine` over the same "
-              "config parameters: threads, k, adaptive draft length and its prices), timed from "
-              "`engine.request` to the end of `engine.generate` (tokenize, decode, detokenize; local `ar` "
-              "runs the `ar` loop). Server and local alternate per prompt; means over prompts."]
+        lines.append(
+            f"| {method} | {s['prompts']} | {s['tokens']:.1f} | {s['local_ms']:.0f} | {s['unary_ms']:.0f} | "
+            f"{s['added_unary_ms']:+.0f} | {s['unary_over_local']:.2f}× | {s['stream_first_ms']:.0f} | "
+            f"{s['stream_total_ms']:.0f} | {s['added_stream_ms']:+.0f} | "
+            f"{s['identical_to_local']}/{s['prompts']} |"
+        )
+    lines += [
+        "",
+        "Local: the served engine's twin in the benchmark process (`served_engine` over the same "
+        "config parameters: threads, k, adaptive draft length and its prices), timed from "
+        "`engine.request` to the end of `engine.generate` (tokenize, decode, detokenize; local `ar` "
+        "runs the `ar` loop). Server and local alternate per prompt; means over prompts.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -326,15 +375,15 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     summary = doc["latency"]["summary"]
     width = 0.35
     for j, (key, label) in enumerate((("added_unary_ms", "unary"), ("added_stream_ms", "stream (total)"))):
-        right.bar([i + j * width for i in range(len(summary))], [s[key] for s in summary.values()], width,
-                  label=label)
+        right.bar([i + j * width for i in range(len(summary))], [s[key] for s in summary.values()], width, label=label)
     right.set_xticks([i + width / 2 for i in range(len(summary))], list(summary))
     right.axhline(0, color="black", linewidth=0.8)
     right.set_ylabel("server - local (ms per request)")
     right.set_title("Added latency of the server path (1 client)")
     right.legend()
-    fig.suptitle(f"SmolLM2-135M, greedy, max_tokens {doc['config']['max_tokens']}, {doc['machine']['cpu_count']} "
-                 "CPU cores")
+    fig.suptitle(
+        f"SmolLM2-135M, greedy, max_tokens {doc['config']['max_tokens']}, {doc['machine']['cpu_count']} CPU cores"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -345,13 +394,21 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--export", type=Path, help=f"export directory to serve (default: {DEFAULT_EXPORT}, "
-                        "exported there when missing)")
+    parser.add_argument(
+        "--export",
+        type=Path,
+        help=f"export directory to serve (default: {DEFAULT_EXPORT}, exported there when missing)",
+    )
     parser.add_argument("--force-export", action="store_true", help="re-export the default cached export")
     parser.add_argument("--reps", type=int, default=2, help="repeats of the throughput runs (median reported)")
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request at most")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY),
-                        help="concurrent clients to measure (default: 1 4 16)")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=list(CONCURRENCY),
+        help="concurrent clients to measure (default: 1 4 16)",
+    )
     parser.add_argument("--latency-prompts", type=int, default=6, help="prompts of the added-latency comparison")
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT, help="where triton_serving.* go")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the server")
@@ -370,8 +427,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     grpc, http, metrics = free_ports()
     try:
         server.start(export_dir, grpc_port=grpc, http_port=http, metrics_port=metrics, exit_timeout_s=20)
-        print(f"tritonserver starting ({server.install.source}); log: {server.log_file}",  # type: ignore[union-attr]
-              file=sys.stderr, flush=True)
+        print(
+            f"tritonserver starting ({server.install.source}); log: {server.log_file}",  # type: ignore[union-attr]
+            file=sys.stderr,
+            flush=True,
+        )
         server.wait_ready(args.ready_timeout)
         url = server.grpc_url
         for method in METHODS:  # warm-up: first ONNX Runtime runs, gRPC channels, Python-backend threads
@@ -390,15 +450,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = medians(rows, args.concurrency)
     tps = {(r["concurrency"], r["method"]): r["tokens_per_second"] for r in table}
     doc = {
-        "date": date, "command": command, "machine": machine,
+        "date": date,
+        "command": command,
+        "machine": machine,
         "load_average_after": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
-        "total_seconds": time.perf_counter() - started, "server": {**server_info, "exit_code": code},
-        "config": {"target": TARGET, "export": str(export_dir), "export_max_batch": manifest.get("max_batch"),
-                   "export_max_len": manifest.get("max_len"), "reps": args.reps, "max_tokens": args.max_tokens,
-                   "concurrency": args.concurrency, "latency_prompts": args.latency_prompts,
-                   "prompts": list(PROMPTS)},
-        "throughput": {"median": table, "raw": rows, "ems_vs_ar": same,
-                       "ems_over_ar": {str(c): tps[(c, "ems")] / tps[(c, "ar")] for c in args.concurrency}},
+        "total_seconds": time.perf_counter() - started,
+        "server": {**server_info, "exit_code": code},
+        "config": {
+            "target": TARGET,
+            "export": str(export_dir),
+            "export_max_batch": manifest.get("max_batch"),
+            "export_max_len": manifest.get("max_len"),
+            "reps": args.reps,
+            "max_tokens": args.max_tokens,
+            "concurrency": args.concurrency,
+            "latency_prompts": args.latency_prompts,
+            "prompts": list(PROMPTS),
+        },
+        "throughput": {
+            "median": table,
+            "raw": rows,
+            "ems_vs_ar": same,
+            "ems_over_ar": {str(c): tps[(c, "ems")] / tps[(c, "ar")] for c in args.concurrency},
+        },
         "latency": {"summary": latency_summary(latency_rows), "raw": latency_rows},
     }
     out = args.out_dir

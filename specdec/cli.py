@@ -27,8 +27,11 @@ def build_engine(args: argparse.Namespace) -> Engine:
     if args.calibrate:  # price the adaptive draft length on this machine's backends
         costs = calibrate_engine(engine)
         engine.draft_length = draft_length_from(args, costs.as_dict())
-        print(f"calibrated: a draft token costs {costs.draft_cost} and a verified row {costs.verify_cost} "
-              f"of a target step; the policy uses {engine.draft_length}", file=sys.stderr)
+        print(
+            f"calibrated: a draft token costs {costs.draft_cost} and a verified row {costs.verify_cost} "
+            f"of a target step; the policy uses {engine.draft_length}",
+            file=sys.stderr,
+        )
     return engine
 
 
@@ -39,11 +42,15 @@ def _open_engine(args: argparse.Namespace) -> Engine:
         try:
             # an export calibrated at export time (--calibrate) carries the costs measured there
             measured = read_manifest(Path(args.target), verify=False).get("calibration")
-            return Engine.from_export(args.target, max_batch=args.max_batch, max_len=args.max_len,
-                                      num_draft_tokens=args.num_draft_tokens,
-                                      draft_length=draft_length_from(args, measured),
-                                      drafter=args.drafter if get_method(args.method).uses_drafter else "none",
-                                      torch_threads=1)
+            return Engine.from_export(
+                args.target,
+                max_batch=args.max_batch,
+                max_len=args.max_len,
+                num_draft_tokens=args.num_draft_tokens,
+                draft_length=draft_length_from(args, measured),
+                drafter=args.drafter if get_method(args.method).uses_drafter else "none",
+                torch_threads=1,
+            )
         except ExportDirError as exc:
             raise ModelResolutionError(str(exc)) from exc
     from specdec.models.loading import LoadedModel, load_model  # the torch side: only a model that is not an export
@@ -52,9 +59,15 @@ def _open_engine(args: argparse.Namespace) -> Engine:
     if args.draft and args.drafter not in (None, "model", "hybrid"):
         raise SystemExit("error: --draft PATH goes with no --drafter or --drafter hybrid, not ngram|none")
     draft = _draft_for(get_method(args.method), target, args)
-    return Engine.from_models(target, draft, max_batch=args.max_batch or 16, max_len=args.max_len or 1024,
-                              num_draft_tokens=args.num_draft_tokens, draft_length=draft_length_from(args),
-                              hybrid=args.drafter == "hybrid" and isinstance(draft, LoadedModel))
+    return Engine.from_models(
+        target,
+        draft,
+        max_batch=args.max_batch or 16,
+        max_len=args.max_len or 1024,
+        num_draft_tokens=args.num_draft_tokens,
+        draft_length=draft_length_from(args),
+        hybrid=args.drafter == "hybrid" and isinstance(draft, LoadedModel),
+    )
 
 
 def _draft_for(method: Method, target: Any, args: argparse.Namespace) -> Any:
@@ -72,10 +85,15 @@ def _draft_for(method: Method, target: Any, args: argparse.Namespace) -> Any:
         return args.drafter or "ngram"
     shipped = shipped_draft_for(target) if args.drafter in (None, "hybrid") else None
     if shipped is None:
-        needs = "the hybrid drafter needs a draft model" if hybrid else f"{method.name} needs a draft model that " \
-            "samples the forest"
-        raise ValueError(f"{needs}, and {target.name!r} has no shipped draft: pass --draft (a preset, a directory "
-                         "or a distilled draft)")
+        needs = (
+            "the hybrid drafter needs a draft model"
+            if hybrid
+            else f"{method.name} needs a draft model that samples the forest"
+        )
+        raise ValueError(
+            f"{needs}, and {target.name!r} has no shipped draft: pass --draft (a preset, a directory "
+            "or a distilled draft)"
+        )
     return resolve_draft(shipped, target)
 
 
@@ -83,20 +101,35 @@ def _beam_params(args: argparse.Namespace, method: str) -> BeamParams | None:
     """The beam options, for the beam methods only (the others ignore them)."""
     if not METHODS[method].beams:
         return None
-    return BeamParams(width=args.beam_width, min_width=args.dsbd_min_width, threshold=args.dsbd_threshold,
-                      mode=args.beam_mode, memory_mode=args.memory_mode,
-                      num_return_sequences=args.num_return_sequences, length_penalty=args.length_penalty)
+    return BeamParams(
+        width=args.beam_width,
+        min_width=args.dsbd_min_width,
+        threshold=args.dsbd_threshold,
+        mode=args.beam_mode,
+        memory_mode=args.memory_mode,
+        num_return_sequences=args.num_return_sequences,
+        length_penalty=args.length_penalty,
+    )
 
 
 def _requests(engine: Engine, prompts: Sequence[str], args: argparse.Namespace, method: str | None = None) -> list:
     items = []
     for i, prompt in enumerate(prompts):
         try:
-            items.append(engine.request(
-                prompt, chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature,
-                top_k=args.top_k, top_p=args.top_p, seed=None if args.seed is None else args.seed + i,
-                stop=args.stop or (), request_id=f"prompt-{i}", beam=_beam_params(args, method or args.method),
-            ))
+            items.append(
+                engine.request(
+                    prompt,
+                    chat=args.chat,
+                    max_tokens=args.max_tokens,
+                    temperature=args.temperature,
+                    top_k=args.top_k,
+                    top_p=args.top_p,
+                    seed=None if args.seed is None else args.seed + i,
+                    stop=args.stop or (),
+                    request_id=f"prompt-{i}",
+                    beam=_beam_params(args, method or args.method),
+                )
+            )
         except InvalidRequestError as exc:
             items.append(InvalidRequestError(f"prompt {i}: {exc}"))
     return items
@@ -110,23 +143,32 @@ def _print_human(prompts: Sequence[str], result: GenerationResult, baseline: Gen
             continue
         m = out.metrics
         print(f"--> {out.text!r}")
-        print(f"    tokens={m.generated_tokens} finish={out.finish_reason} acceptance={m.acceptance_rate:.2f} "
-              f"accepted/draft={m.accepted_draft_tokens}/{m.draft_tokens} target_calls={m.target_calls}"
-              + (f" beams/round={m.beam_widths} logprob/token={m.logprob / max(1, len(out.token_ids)):.3f}"
-                 if m.beam_widths and m.logprob is not None else ""))
+        print(
+            f"    tokens={m.generated_tokens} finish={out.finish_reason} acceptance={m.acceptance_rate:.2f} "
+            f"accepted/draft={m.accepted_draft_tokens}/{m.draft_tokens} target_calls={m.target_calls}"
+            + (
+                f" beams/round={m.beam_widths} logprob/token={m.logprob / max(1, len(out.token_ids)):.3f}"
+                if m.beam_widths and m.logprob is not None
+                else ""
+            )
+        )
         for rank, cand in enumerate(out.sequences[1:], start=2):
             print(f"    #{rank} (logprob {cand.logprob:.2f}): {cand.token_ids}")
     s = result.run.summary()
-    print(f"\n{s['method']}: {s['generated_tokens']} tokens in {s['wall_seconds']:.2f} s = "
-          f"{s['tokens_per_second']:.1f} tok/s, acceptance {s['acceptance_rate']:.2f}, "
-          f"mean accepted length {s['mean_accepted_length']:.2f}, target calls {s['target_calls']}, "
-          f"mean batch {s['mean_batch_size']:.2f}")
+    print(
+        f"\n{s['method']}: {s['generated_tokens']} tokens in {s['wall_seconds']:.2f} s = "
+        f"{s['tokens_per_second']:.1f} tok/s, acceptance {s['acceptance_rate']:.2f}, "
+        f"mean accepted length {s['mean_accepted_length']:.2f}, target calls {s['target_calls']}, "
+        f"mean batch {s['mean_batch_size']:.2f}"
+    )
     if baseline is not None:
         b = baseline.run.summary()
         same = all(a.token_ids == r.token_ids for a, r in zip(baseline.outputs, result.outputs) if not r.error)
         print(f"ar:  {b['generated_tokens']} tokens in {b['wall_seconds']:.2f} s = {b['tokens_per_second']:.1f} tok/s")
-        print(f"speed-up of {s['method']} over ar: {s['tokens_per_second'] / max(b['tokens_per_second'], 1e-9):.2f}x"
-              + ("  (outputs identical)" if same else "  (outputs differ: sampling)"))
+        print(
+            f"speed-up of {s['method']} over ar: {s['tokens_per_second'] / max(b['tokens_per_second'], 1e-9):.2f}x"
+            + ("  (outputs identical)" if same else "  (outputs differ: sampling)")
+        )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -144,14 +186,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     baseline = None
     if args.compare_ar and args.method != BASELINE_METHOD:
-        baseline = engine.generate(_requests(engine, prompts, args, BASELINE_METHOD), BASELINE_METHOD,
-                                   progress=not args.json)
+        baseline = engine.generate(
+            _requests(engine, prompts, args, BASELINE_METHOD), BASELINE_METHOD, progress=not args.json
+        )
     if args.json:
         doc = {
             "outputs": [
-                {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
-                 "metrics": o.metrics.as_dict(), **({"error": o.error} if o.error else {}),
-                 **({"sequences": [asdict(c) for c in o.sequences]} if o.sequences else {})}
+                {
+                    "text": o.text,
+                    "token_ids": o.token_ids,
+                    "finish_reason": o.finish_reason,
+                    "metrics": o.metrics.as_dict(),
+                    **({"error": o.error} if o.error else {}),
+                    **({"sequences": [asdict(c) for c in o.sequences]} if o.sequences else {}),
+                }
                 for o in result.outputs
             ],
             "metrics": result.run.summary(),
@@ -159,7 +207,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if baseline is not None:
             doc["baseline"] = baseline.run.summary()
             doc["speedup_over_ar"] = round(
-                result.run.summary()["tokens_per_second"] / max(baseline.run.summary()["tokens_per_second"], 1e-9), 4)
+                result.run.summary()["tokens_per_second"] / max(baseline.run.summary()["tokens_per_second"], 1e-9), 4
+            )
         print(json.dumps(doc))
     else:
         _print_human(prompts, result, baseline)
@@ -169,11 +218,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="preset, Hugging Face directory or .gguf file")
     p.add_argument("--draft", help="draft model (preset, directory or .gguf); default: the n-gram drafter")
-    p.add_argument("--drafter", choices=DRAFTER_NAMES,
-                   help="ngram: prompt lookup (the default without --draft); hybrid: prompt lookup where the context "
-                   "matches, the draft model (--draft, or the target's shipped one) elsewhere; none")
-    p.add_argument("--method", choices=METHOD_NAMES, default=DEFAULT_METHOD,
-                   help="; ".join(f"{m.name}: {m.summary}" for m in METHODS.values()))
+    p.add_argument(
+        "--drafter",
+        choices=DRAFTER_NAMES,
+        help="ngram: prompt lookup (the default without --draft); hybrid: prompt lookup where the context "
+        "matches, the draft model (--draft, or the target's shipped one) elsewhere; none",
+    )
+    p.add_argument(
+        "--method",
+        choices=METHOD_NAMES,
+        default=DEFAULT_METHOD,
+        help="; ".join(f"{m.name}: {m.summary}" for m in METHODS.values()),
+    )
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="JSON list of strings, or one prompt per line")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -188,18 +244,33 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--compare-ar", action="store_true", help="also run ar and print the speed-up")
     beam = p.add_argument_group("beam and dsbd")
-    beam.add_argument("--beam-width", type=int, default=2,
-                      help="beams per step (beam); draft width W_S and largest output width (dsbd)")
-    beam.add_argument("--dsbd-threshold", type=float, default=0.0,
-                      help="dsbd dynamic width: largest K with P(layer of width K passes) >= t (0 = fixed width)")
+    beam.add_argument(
+        "--beam-width",
+        type=int,
+        default=2,
+        help="beams per step (beam); draft width W_S and largest output width (dsbd)",
+    )
+    beam.add_argument(
+        "--dsbd-threshold",
+        type=float,
+        default=0.0,
+        help="dsbd dynamic width: largest K with P(layer of width K passes) >= t (0 = fixed width)",
+    )
     beam.add_argument("--dsbd-min-width", type=int, default=1, help="dsbd: smallest width W_min")
-    beam.add_argument("--beam-mode", choices=BEAM_MODES, default="iid",
-                      help="beam: draw pairs i.i.d. (the law dsbd reproduces) or without replacement")
-    beam.add_argument("--memory-mode", choices=MEMORY_MODES, default="full",
-                      help="single: keep one beam per round (one KV sequence per request)")
+    beam.add_argument(
+        "--beam-mode",
+        choices=BEAM_MODES,
+        default="iid",
+        help="beam: draw pairs i.i.d. (the law dsbd reproduces) or without replacement",
+    )
+    beam.add_argument(
+        "--memory-mode",
+        choices=MEMORY_MODES,
+        default="full",
+        help="single: keep one beam per round (one KV sequence per request)",
+    )
     beam.add_argument("--num-return-sequences", type=int, default=1)
-    beam.add_argument("--length-penalty", type=float, default=1.0,
-                      help="candidates ranked by logprob / length ** this")
+    beam.add_argument("--length-penalty", type=float, default=1.0, help="candidates ranked by logprob / length ** this")
     p.add_argument("--max-batch", type=int, help="sequences decoded together (default 16, or the export's)")
     p.add_argument("--max-len", type=int, help="KV-cache length per sequence (default 1024, or the export's)")
 
@@ -219,8 +290,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen = sub.add_parser("generate", help=f"decode prompts locally ({', '.join(METHOD_NAMES)})")
     add_generate_args(gen)
     gen.set_defaults(func=cmd_generate)
-    sub.add_parser("bench", help="the EMS-SD vs vanilla vs ar benchmark (`specdec bench --help`); "
-                   "`specdec bench beams`: DSBD vs beam vs ems")
+    sub.add_parser(
+        "bench",
+        help="the EMS-SD vs vanilla vs ar benchmark (`specdec bench --help`); "
+        "`specdec bench beams`: DSBD vs beam vs ems",
+    )
     from specdec.deploy.balancer import add_balancer_args, balancer_main
     from specdec.deploy.kubernetes_cli import add_kubernetes_args, kubernetes_main
     from specdec.distill.cli import add_distill_args, distill_main
@@ -228,16 +302,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     from specdec.serving.serve import add_serve_args, serve_main
 
     deploy = sub.add_parser("deploy", help="deployment recipes for `specdec serve` replicas").add_subparsers(
-        dest="recipe", required=True)
+        dest="recipe", required=True
+    )
     # (parent, name, help, its arguments, what runs it): each subcommand's parser lives beside its code
     for parent, name, help_text, add_args, run in (
-            (sub, "serve", "run Triton Inference Server on a model repository", add_serve_args, serve_main),
-            (sub, "distill", "train a cheap draft model for a target (resumable)", add_distill_args, distill_main),
-            (sub, "client", "send prompts to a running `specdec serve` over gRPC", add_client_args, client_main),
-            (deploy, "kubernetes", "render Kubernetes (and KServe) YAML for an export", add_kubernetes_args,
-             kubernetes_main),
-            (deploy, "balancer", "run HAProxy in front of replicas (gRPC, readiness health checks)",
-             add_balancer_args, balancer_main)):
+        (sub, "serve", "run Triton Inference Server on a model repository", add_serve_args, serve_main),
+        (sub, "distill", "train a cheap draft model for a target (resumable)", add_distill_args, distill_main),
+        (sub, "client", "send prompts to a running `specdec serve` over gRPC", add_client_args, client_main),
+        (
+            deploy,
+            "kubernetes",
+            "render Kubernetes (and KServe) YAML for an export",
+            add_kubernetes_args,
+            kubernetes_main,
+        ),
+        (
+            deploy,
+            "balancer",
+            "run HAProxy in front of replicas (gRPC, readiness health checks)",
+            add_balancer_args,
+            balancer_main,
+        ),
+    ):
         command = parent.add_parser(name, help=help_text)
         add_args(command)
         command.set_defaults(func=run)

@@ -63,8 +63,11 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         return (yield)
 
     def refuse(preset: loading.Preset) -> NoReturn:
-        pytest.fail(f"{item.nodeid} loads the real model {preset.name!r}: mark it real_model "
-                    "(or use the tiny models and tests/fakes.py)", pytrace=False)
+        pytest.fail(
+            f"{item.nodeid} loads the real model {preset.name!r}: mark it real_model "
+            "(or use the tiny models and tests/fakes.py)",
+            pytrace=False,
+        )
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(loading, "_find_wheel_gguf", refuse)
@@ -98,8 +101,16 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     template, EOS ``<|im_end|>``), saved as a model directory: text in and text out without loading SmolLM2,
     which is what the command-line tests load by path."""
     tokenizer = small_tokenizer()
-    tiny = tiny_random(seed=5, vocab_size=len(tokenizer), num_layers=1, hidden_size=16, num_heads=2,
-                       num_kv_heads=1, intermediate_size=32, tie_word_embeddings=True)
+    tiny = tiny_random(
+        seed=5,
+        vocab_size=len(tokenizer),
+        num_layers=1,
+        hidden_size=16,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=32,
+        tie_word_embeddings=True,
+    )
     tiny.config.eos_token_id = tokenizer.eos_token_id
     path = tmp_path_factory.mktemp("models") / "tiny-smol"
     save_model(LoadedModel("tiny-smol", tiny.config, tiny.state_dict, tokenizer, "test"), path)
@@ -119,8 +130,23 @@ def smollm2_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from specdec.export.cli import main as export_main
 
     out = tmp_path_factory.mktemp("smol") / "deploy"
-    assert export_main(["--target", "smollm2-135m", "--draft", "smollm2-135m-draft", "--out", str(out),
-                        "--max-batch", "8", "--max-len", "1024"]) == 0
+    assert (
+        export_main(
+            [
+                "--target",
+                "smollm2-135m",
+                "--draft",
+                "smollm2-135m-draft",
+                "--out",
+                str(out),
+                "--max-batch",
+                "8",
+                "--max-len",
+                "1024",
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -147,4 +173,3 @@ def smollm2_w8a8_graph(smollm2: LoadedModel, smollm2_export: Path, tmp_path_fact
     """The target graph of ``smollm2_export`` as ``--quantize w8a8`` ships it (calibrated on its own tokenizer's
     chat template). Its users are real_model."""
     return _smollm2_quantized(smollm2, smollm2_export, tmp_path_factory.mktemp("smol-w8a8"), "w8a8")
-

@@ -45,8 +45,9 @@ class RoundResult:
     layers: list[LayerTrace]
 
 
-def _memo_beam_distribution(kind: str, beams: Sequence[Beam], absent: Sequence[bool], fn: ProbsFn,
-                            params: SamplingParams, memo: dict | None) -> np.ndarray:
+def _memo_beam_distribution(
+    kind: str, beams: Sequence[Beam], absent: Sequence[bool], fn: ProbsFn, params: SamplingParams, memo: dict | None
+) -> np.ndarray:
     """``p_beam`` of ``beams`` under ``fn`` (absent parents: score -inf), cached in ``memo`` by state.
 
     The key holds ``fn`` and ``params`` too, so one dict may serve several models and settings,
@@ -68,17 +69,40 @@ def _extend(parents: Sequence[Beam], flat: Sequence[int], dist: np.ndarray, voca
     return [Beam((*parents[x // vocab].prefix, x % vocab), math.log(float(dist[x]))) for x in flat]
 
 
-def _trace(parents: Sequence[Beam], valid: Sequence[bool], outputs: Sequence[int], vocab: int, passed: bool,
-           drafted: int, accepted: int) -> LayerTrace:
+def _trace(
+    parents: Sequence[Beam],
+    valid: Sequence[bool],
+    outputs: Sequence[int],
+    vocab: int,
+    passed: bool,
+    drafted: int,
+    accepted: int,
+) -> LayerTrace:
     """The layer's trace, with slots re-indexed over the valid parents only."""
     index = {p: i for i, p in enumerate(p for p, ok in enumerate(valid) if ok)}
-    return LayerTrace([b for b, ok in zip(parents, valid) if ok], [(index[x // vocab], x % vocab) for x in outputs],
-                      passed, drafted, accepted)
+    return LayerTrace(
+        [b for b, ok in zip(parents, valid) if ok],
+        [(index[x // vocab], x % vocab) for x in outputs],
+        passed,
+        drafted,
+        accepted,
+    )
 
 
-def dsbd_round(input_beams: Sequence[tuple[tuple[int, ...], float]], target_fn: ProbsFn, draft_fn: ProbsFn,
-               params: SamplingParams, w_s: int, gamma: int, width: int, generator: np.random.Generator, *,
-               threshold: float | None = None, w_min: int = 1, memo: dict | None = None) -> RoundResult:
+def dsbd_round(
+    input_beams: Sequence[tuple[tuple[int, ...], float]],
+    target_fn: ProbsFn,
+    draft_fn: ProbsFn,
+    params: SamplingParams,
+    w_s: int,
+    gamma: int,
+    width: int,
+    generator: np.random.Generator,
+    *,
+    threshold: float | None = None,
+    w_min: int = 1,
+    memo: dict | None = None,
+) -> RoundResult:
     """One DSBD round over pure table models, for exactness tests (no KV, no batching).
 
     ``target_fn(prefix)`` / ``draft_fn(prefix)`` give the unwarped next-token distribution
@@ -112,8 +136,9 @@ def dsbd_round(input_beams: Sequence[tuple[tuple[int, ...], float]], target_fn: 
         pb = _memo_beam_distribution("target", target_beams, [not ok for ok in valid], target_fn, params, memo)
         layer_width = width if threshold is None else dsbd.dynamic_width(pb, q_beam, w_s, threshold, w_min)
         verdict = dsbd.verify_layer(pb, q_beam, nodes, np.array(valid), layer_width, generator)
-        layers.append(_trace(target_beams, valid, verdict.outputs, vocab, verdict.passed, len(nodes),
-                             len(verdict.accepted)))
+        layers.append(
+            _trace(target_beams, valid, verdict.outputs, vocab, verdict.passed, len(nodes), len(verdict.accepted))
+        )
         if not verdict.passed:
             return RoundResult(_extend(target_beams, verdict.outputs, pb, vocab), layers)
         width = layer_width
@@ -123,8 +148,10 @@ def dsbd_round(input_beams: Sequence[tuple[tuple[int, ...], float]], target_fn: 
         valid = [False] * len(nodes)
         for i in verdict.accepted:
             valid[i] = True
-        target_beams = [Beam((*draft_parents[x // vocab].prefix, x % vocab),
-                             math.log(float(pb[x])) if ok else -math.inf) for x, ok in zip(nodes, valid)]
+        target_beams = [
+            Beam((*draft_parents[x // vocab].prefix, x % vocab), math.log(float(pb[x])) if ok else -math.inf)
+            for x, ok in zip(nodes, valid)
+        ]
     pb = _memo_beam_distribution("target", target_beams, [not ok for ok in valid], target_fn, params, memo)
     vocab = pb.size // len(target_beams)
     outputs = dsbd.sample_pairs_iid(pb, width, generator).tolist()

@@ -174,8 +174,12 @@ def _trained() -> str:
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     # a vocabulary cap above what the corpus can merge: every merge is kept (about 1,400 ids)
-    trainer = trainers.BpeTrainer(vocab_size=4096, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=4096,
+        special_tokens=list(SPECIAL_TOKENS),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     bpe.train_from_iterator(CORPUS.splitlines(), trainer)
     return bpe.to_str()
 
@@ -188,7 +192,12 @@ def small_tokenizer() -> Any:
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_trained()), bos_token="<|im_start|>",
-                                        eos_token="<|im_end|>", pad_token="<|im_end|>", unk_token="<|endoftext|>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_trained()),
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer

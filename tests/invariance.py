@@ -23,8 +23,7 @@ def one_token_per_step(backend: OrtBackend, sequences: Sequence[list[int]]) -> l
     out = []
     for tokens in sequences:
         cache = backend.allocate_cache(1, MAX_LEN)
-        out.append(np.stack([backend.step(pack([SeqWork(0, i, [t])]), cache)[0].copy()
-                             for i, t in enumerate(tokens)]))
+        out.append(np.stack([backend.step(pack([SeqWork(0, i, [t])]), cache)[0].copy() for i, t in enumerate(tokens)]))
     return out
 
 
@@ -40,7 +39,7 @@ def random_steps(backend: OrtBackend, sequences: Sequence[list[int]], rng: rando
         for i, tokens in enumerate(sequences):
             if done[i] < len(tokens) and rng.random() < 0.8:
                 n = min(rng.choice((1, 1, 2, 3, 5, 9)), len(tokens) - done[i])
-                work.append(SeqWork(slots[i], done[i], tokens[done[i]:done[i] + n]))
+                work.append(SeqWork(slots[i], done[i], tokens[done[i] : done[i] + n]))
                 owners.append((i, n))
         if rng.random() < 0.3:  # a forest that is written and forgotten (its slot's past stays 0)
             forest = [rng.randrange(backend.vocab_size) for _ in range(4)]
@@ -53,14 +52,15 @@ def random_steps(backend: OrtBackend, sequences: Sequence[list[int]], rng: rando
             owner = next(((i, n) for i, n in owners if slots[i] == w.slot_id), None)
             if owner is not None:
                 i, n = owner
-                logits[i].extend(r.copy() for r in rows[offset:offset + n])
+                logits[i].extend(r.copy() for r in rows[offset : offset + n])
                 done[i] += n
             offset += len(w.token_ids)
     return [np.stack(rows) for rows in logits]
 
 
-def sequences_to_the_end(rng: random.Random, vocab_size: int, lengths: Sequence[int] = (MAX_LEN, 17, 30, 3)
-                         ) -> list[list[int]]:
+def sequences_to_the_end(
+    rng: random.Random, vocab_size: int, lengths: Sequence[int] = (MAX_LEN, 17, 30, 3)
+) -> list[list[int]]:
     """Token sequences of several lengths, the first filling the whole context (its last row uses the spare
     position)."""
     return [[rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
@@ -68,5 +68,6 @@ def sequences_to_the_end(rng: random.Random, vocab_size: int, lengths: Sequence[
 
 def differing_positions(want: Sequence[np.ndarray], got: Sequence[np.ndarray]) -> list[tuple[int, int]]:
     assert [w.shape for w in want] == [g.shape for g in got] and [w.dtype for w in want] == [g.dtype for g in got]
-    return [(s, p) for s, (w, g) in enumerate(zip(want, got)) for p in range(w.shape[0])
-            if not np.array_equal(w[p], g[p])]
+    return [
+        (s, p) for s, (w, g) in enumerate(zip(want, got)) for p in range(w.shape[0]) if not np.array_equal(w[p], g[p])
+    ]

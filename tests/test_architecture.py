@@ -74,9 +74,12 @@ def test_every_module_belongs_to_a_layer() -> None:
 
 
 def test_layers_import_only_downwards() -> None:
-    upward = [f"{MODULES[a].relative_to(PACKAGE.parent)}:{line} imports {b}"
-              for a, edges in GRAPH.items() for b, line in edges
-              if _layer(a) and _layer(b) and RANK[_layer(b)] > RANK[_layer(a)]]
+    upward = [
+        f"{MODULES[a].relative_to(PACKAGE.parent)}:{line} imports {b}"
+        for a, edges in GRAPH.items()
+        for b, line in edges
+        if _layer(a) and _layer(b) and RANK[_layer(b)] > RANK[_layer(a)]
+    ]
     assert not upward, "a lower layer imports a higher one:\n" + "\n".join(upward)
 
 
@@ -132,6 +135,7 @@ def test_the_cycle_check_finds_a_cycle() -> None:
 
 def _method_comparisons(path: Path) -> Iterator[int]:
     """Lines comparing a value against a method name literal (``x == "ems"``, ``m in ("ar", "beam")``)."""
+
     def names(node: ast.expr) -> bool:
         if isinstance(node, ast.Constant):
             return node.value in METHOD_NAMES
@@ -146,8 +150,12 @@ def _method_comparisons(path: Path) -> Iterator[int]:
 
 def test_method_names_are_compared_only_in_the_method_table() -> None:
     table = PACKAGE / "runtime" / "methods.py"
-    found = [f"{path.relative_to(PACKAGE.parent)}:{line}" for path in MODULES.values() if path != table
-             for line in _method_comparisons(path)]
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}"
+        for path in MODULES.values()
+        if path != table
+        for line in _method_comparisons(path)
+    ]
     assert not found, "ask specdec.runtime.methods instead of comparing method names:\n" + "\n".join(found)
 
 

@@ -97,7 +97,16 @@ def _run_and_check(seqs, hq, hkv, d, seed, num_slots=6, max_len=40, cache_mask=N
     k_before, v_before = k_cache.clone(), v_cache.clone()
     scale = 1 / math.sqrt(d)
     out = ragged_tree_attention(
-        q, k, v, k_cache, v_cache, cu, [s.past for s in seqs], [s.slot for s in seqs], tree, scale,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        cu,
+        [s.past for s in seqs],
+        [s.slot for s in seqs],
+        tree,
+        scale,
         cache_mask,
     )
     want = naive_attention(q, k, v, k_before, v_before, seqs, scale, cache_mask)
@@ -164,8 +173,16 @@ def test_holes_change_the_result() -> None:
     """Sanity check of the test itself: a hole really changes the output."""
     seqs = [Seq(slot=0, past=5, parents=[ROOT, 0])]
     full = _run_and_check(seqs, hq=2, hkv=2, d=8, seed=1, num_slots=2, max_len=8)
-    holes = _run_and_check(seqs, hq=2, hkv=2, d=8, seed=1, num_slots=2, max_len=8,
-                           cache_mask=torch.tensor([[True, False, True, True, True]]))
+    holes = _run_and_check(
+        seqs,
+        hq=2,
+        hkv=2,
+        d=8,
+        seed=1,
+        num_slots=2,
+        max_len=8,
+        cache_mask=torch.tensor([[True, False, True, True, True]]),
+    )
     assert (full - holes).abs().max() > 1e-3
 
 

@@ -68,10 +68,16 @@ NO_HAPROXY, NO_SERVER = _missing()
 needs_haproxy = pytest.mark.skipif(NO_HAPROXY is not None, reason=f"{NO_HAPROXY} ({INSTALL_HINT})")
 needs_server = pytest.mark.skipif(NO_SERVER is not None, reason=str(NO_SERVER))
 
-PROMPTS = ["Write a short story about a lighthouse keeper.", "List ten facts about the ocean.",
-           "Explain how a bicycle works.", "Describe a busy market in the morning.",
-           "Write a letter to a friend about a trip to the mountains.", "What is the capital of France?",
-           "Give three tips for learning a language.", "Summarize the plot of a fairy tale."]
+PROMPTS = [
+    "Write a short story about a lighthouse keeper.",
+    "List ten facts about the ocean.",
+    "Explain how a bicycle works.",
+    "Describe a busy market in the morning.",
+    "Write a letter to a friend about a trip to the mountains.",
+    "What is the capital of France?",
+    "Give three tips for learning a language.",
+    "Summarize the plot of a fairy tale.",
+]
 MAX_TOKENS = 24  # a couple of seconds per request on 2 cores: enough to be in flight when a replica dies
 CLIENTS = 8
 WAIT_S = 240.0  # what a loaded CI machine may need to load a replica; a passing run waits for events, not this
@@ -104,11 +110,29 @@ class Served:
         code = "import sys; from specdec.serving.serve import serve_main; sys.exit(serve_main(sys.argv[1:]))"
         out = (self.log_dir / f"{self.replica.name}-serve-{self.starts}.out").open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", code, str(self.repository), "--grpc-port", str(self.replica.grpc_port),
-             "--http-port", str(self.replica.http_port), "--metrics-port", str(self.metrics_port),
-             "--log-file", str(self.log_dir / f"{self.replica.name}-triton-{self.starts}.log"),
-             "--ready-timeout", str(WAIT_S), "--drain-timeout", "30", "--exit-timeout", "30"],
-            stdout=out, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-c",
+                code,
+                str(self.repository),
+                "--grpc-port",
+                str(self.replica.grpc_port),
+                "--http-port",
+                str(self.replica.http_port),
+                "--metrics-port",
+                str(self.metrics_port),
+                "--log-file",
+                str(self.log_dir / f"{self.replica.name}-triton-{self.starts}.log"),
+                "--ready-timeout",
+                str(WAIT_S),
+                "--drain-timeout",
+                "30",
+                "--exit-timeout",
+                "30",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
         out.close()
 
     def wait_ready(self) -> None:
@@ -185,8 +209,9 @@ def cluster(smollm2_export: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     replicas = []
     for index in range(2):
         grpc, http, metrics = free_ports()
-        replicas.append(Served(smollm2_export / "triton_repo", Replica("127.0.0.1", grpc, http, f"r{index}"), metrics,
-                               logs))
+        replicas.append(
+            Served(smollm2_export / "triton_repo", Replica("127.0.0.1", grpc, http, f"r{index}"), metrics, logs)
+        )
     lb_grpc, lb_http = free_ports(2)
     balancer = Balancer([s.replica for s in replicas], grpc_port=lb_grpc, http_port=lb_http, workdir=logs / "haproxy")
     try:
@@ -251,8 +276,9 @@ def test_requests_are_spread_over_both_replicas_and_answered_exactly(cluster: Cl
     next(stream)
     stream.close()  # SpecdecClient.stream's finally: stop_stream(cancel_requests=True)
     client.close()
-    assert eventually(lambda: sum(s.finished("cancelled") for s in cluster.replicas) == cancelled_before + 1,
-                      timeout=60), "the cancel did not reach the engine"
+    assert eventually(
+        lambda: sum(s.finished("cancelled") for s in cluster.replicas) == cancelled_before + 1, timeout=60
+    ), "the cancel did not reach the engine"
     # Triton's HTTP API balanced on the second frontend, checked the same way
     assert set(cluster.balancer.server_states(HTTP_BACKEND).values()) == {"UP"}
     with urllib.request.urlopen(f"{cluster.balancer.http_url}{READY_PATH}", timeout=10) as resp:
@@ -304,15 +330,19 @@ class Load:
 @pytest.mark.server
 @needs_server
 @needs_haproxy
-def test_a_killed_replica_fails_only_its_requests_and_the_survivor_takes_over(cluster: Cluster,
-                                                                              reference: dict) -> None:
+def test_a_killed_replica_fails_only_its_requests_and_the_survivor_takes_over(
+    cluster: Cluster, reference: dict
+) -> None:
     victim, survivor = cluster.replicas
     load = Load(cluster.balancer.grpc_url)
     load.start()
     try:
         # both replicas busy (the victim has requests on it to lose), then the victim's machine is lost
-        assert eventually(lambda: len(load.outcomes) >= CLIENTS and victim.inflight() >= 2 and survivor.inflight() >= 1,
-                          timeout=WAIT_S, poll_s=0.05)
+        assert eventually(
+            lambda: len(load.outcomes) >= CLIENTS and victim.inflight() >= 2 and survivor.inflight() >= 1,
+            timeout=WAIT_S,
+            poll_s=0.05,
+        )
         survivor_before = survivor.finished()
         dead = victim.kill()
         assert eventually(lambda: cluster.states()[victim.replica.name] == "DOWN", timeout=NO_HANG_S, poll_s=0.05)
@@ -325,10 +355,12 @@ def test_a_killed_replica_fails_only_its_requests_and_the_survivor_takes_over(cl
     first_ok_s = min(o.ended for o in after) - dead
     first_response_s = min(o.started + o.result.first_response_seconds for o in after) - dead  # type: ignore[union-attr]
     before_kill = [o.result.seconds for o in load.outcomes if isinstance(o.result, Answer) and o.ended < dead]
-    print(f"\nkill -> balancer marks it DOWN: {down_s:.2f} s; kill -> first response to a request sent after it: "
-          f"{first_response_s:.2f} s, its first complete answer: {first_ok_s:.2f} s (a request took "
-          f"{min(before_kill):.2f}-{max(before_kill):.2f} s before the kill); {len(errors)} request(s) on it failed: "
-          f"{sorted({f'{o.result.status}: {o.result}'[:120] for o in errors})}")
+    print(
+        f"\nkill -> balancer marks it DOWN: {down_s:.2f} s; kill -> first response to a request sent after it: "
+        f"{first_response_s:.2f} s, its first complete answer: {first_ok_s:.2f} s (a request took "
+        f"{min(before_kill):.2f}-{max(before_kill):.2f} s before the kill); {len(errors)} request(s) on it failed: "
+        f"{sorted({f'{o.result.status}: {o.result}'[:120] for o in errors})}"
+    )
     # what was on the victim failed, fast and with an error (not the client's deadline); nothing sent later did
     assert errors, "no request was on the killed replica"
     assert all(o.started < dead for o in errors), [(o.started - dead, str(o.result)) for o in errors]
@@ -371,8 +403,9 @@ def test_the_config_is_valid_and_resends_only_what_never_reached_a_replica(tmp_p
     replicas = [Replica("127.0.0.1", 9001, 9000), Replica("::1", 9011, 9010, "b")]
     config = render_config(replicas, ("0.0.0.0", 8001), ("0.0.0.0", 8000))
     (tmp_path / "haproxy.cfg").write_text(config)
-    checked = subprocess.run([str(find_haproxy()), "-c", "-f", str(tmp_path / "haproxy.cfg")], capture_output=True,
-                             text=True)
+    checked = subprocess.run(
+        [str(find_haproxy()), "-c", "-f", str(tmp_path / "haproxy.cfg")], capture_output=True, text=True
+    )
     assert checked.returncode == 0, checked.stdout + checked.stderr
     lines = [line.strip() for line in config.splitlines()]
     # connection failures only: no L7 retry-on keyword, so a request a replica received is never run twice
@@ -414,8 +447,9 @@ def test_a_replica_is_checked_on_its_http_port_and_taken_out_when_not_ready(tmp_
     _Readiness.ready.set()
     check = HealthCheck()
     try:
-        with Balancer([Replica("127.0.0.1", grpc, readiness.server_address[1])], grpc_port=lb,
-                      workdir=tmp_path) as balancer:
+        with Balancer(
+            [Replica("127.0.0.1", grpc, readiness.server_address[1])], grpc_port=lb, workdir=tmp_path
+        ) as balancer:
             assert eventually(lambda: balancer.server_states() == {"r0": "UP"}, timeout=30), balancer.read_log()
             _Readiness.ready.clear()  # loading models again: it answers, with 400
             assert eventually(lambda: balancer.server_states() == {"r0": "DOWN"}, timeout=30)
@@ -438,9 +472,22 @@ def test_a_replica_is_checked_on_its_http_port_and_taken_out_when_not_ready(tmp_
 def test_specdec_deploy_balancer_runs_until_sigint(tmp_path: Path) -> None:
     grpc, http_port, lb = free_ports(3)
     code = "import sys; from specdec.cli import main; sys.exit(main(sys.argv[1:]))"
-    proc = subprocess.Popen([sys.executable, "-c", code, "deploy", "balancer", "--replica",
-                             f"127.0.0.1:{grpc}:{http_port}", "--listen", f"127.0.0.1:{lb}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "deploy",
+            "balancer",
+            "--replica",
+            f"127.0.0.1:{grpc}:{http_port}",
+            "--listen",
+            f"127.0.0.1:{lb}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()  # type: ignore[union-attr]
         assert line.startswith("specdec deploy balancer: gRPC 127.0.0.1:"), line + proc.stderr.read()  # type: ignore[union-attr]

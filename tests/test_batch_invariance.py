@@ -38,8 +38,9 @@ def quantized_graph(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
 
 
 @pytest.mark.parametrize("cache_dtype", [None, "float16"])
-def test_every_row_of_a_quantized_graph_is_bitwise_the_same_in_any_step(quantized_graph: Path,
-                                                                        cache_dtype: str | None) -> None:
+def test_every_row_of_a_quantized_graph_is_bitwise_the_same_in_any_step(
+    quantized_graph: Path, cache_dtype: str | None
+) -> None:
     """Also with fp16 caches (``ort_cache_dtype``): casts around the attention are elementwise."""
     backend = OrtBackend(quantized_graph, cache_dtype=cache_dtype)
     assert backend.fuse_report is not None and backend.fuse_report.attention  # the fused lowering is what runs
@@ -53,8 +54,9 @@ def test_every_row_of_a_quantized_graph_is_bitwise_the_same_in_any_step(quantize
 
 
 @pytest.mark.parametrize("cache_dtype", [None, "float16"])
-def test_long_odd_chunks_are_bitwise_the_same_as_one_token_per_step(quantized_graph: Path,
-                                                                    cache_dtype: str | None) -> None:
+def test_long_odd_chunks_are_bitwise_the_same_as_one_token_per_step(
+    quantized_graph: Path, cache_dtype: str | None
+) -> None:
     """GQA runs a slot's rows in blocks of 128: a chunk of 129 or 257 rows ends in a one-row block, which took
     MLAS's one-row path until odd row counts got a discarded copy row (ort_fuse). Prompts prefilled in such
     chunks, beside a decode row, equal the same tokens decoded one per step, at every position."""
@@ -65,7 +67,7 @@ def test_long_odd_chunks_are_bitwise_the_same_as_one_token_per_step(quantized_gr
     want = np.stack([backend.step(pack([SeqWork(0, i, [t])]), cache)[0] for i, t in enumerate(tokens)])
     chunked, done = [], 0
     for n in (129, 1, 129, 41):
-        rows = backend.step(pack([SeqWork(1, 0, [7], logits="none"), SeqWork(0, done, tokens[done:done + n])]), cache)
+        rows = backend.step(pack([SeqWork(1, 0, [7], logits="none"), SeqWork(0, done, tokens[done : done + n])]), cache)
         chunked.extend(rows)
         done += n
     assert np.array_equal(np.stack(chunked), want)
@@ -109,16 +111,21 @@ def test_fp32_activations_are_not_batch_invariant(tmp_path: Path) -> None:
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize(("graph", "cache_dtype"), [("fp32", None), ("int4", None), ("int4", "float16"),
-                                                   ("w8a8", "float16")])
-def test_real_smollm2_rows_are_bitwise_the_same_in_any_step(graph: str, cache_dtype: str | None,
-                                                            request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize(
+    ("graph", "cache_dtype"), [("fp32", None), ("int4", None), ("int4", "float16"), ("w8a8", "float16")]
+)
+def test_real_smollm2_rows_are_bitwise_the_same_in_any_step(
+    graph: str, cache_dtype: str | None, request: pytest.FixtureRequest
+) -> None:
     """The same on the real SmolLM2 graphs: the fp32 export (its linear layers are prepacked Gemms, row-independent
     too), the int4 one (the GGUF's Q4_1 blocks with their offset corrections and the Q8_0 head, int8
     activations), the latter also with the fp16 caches a quantized export ships, and the w8a8 one (integer GEMMs
     over per-token activation codes)."""
-    path = (request.getfixturevalue("smollm2_export") / "target" / "model.onnx" if graph == "fp32"
-            else request.getfixturevalue(f"smollm2_{graph}_graph"))
+    path = (
+        request.getfixturevalue("smollm2_export") / "target" / "model.onnx"
+        if graph == "fp32"
+        else request.getfixturevalue(f"smollm2_{graph}_graph")
+    )
     backend = OrtBackend(path, cache_dtype=cache_dtype)
     sequences = sequences_to_the_end(random.Random(2), backend.vocab_size, (MAX_LEN, 21, 6))
     want = one_token_per_step(backend, sequences)

@@ -37,16 +37,33 @@ PROMPTS = ([3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9], [2, 7])
 @pytest.fixture(scope="module")
 def pair() -> tuple[LoadedModel, LoadedModel]:
     """A small-vocabulary target and a different draft (their distributions differ visibly)."""
-    return (tiny_random(seed=11, vocab_size=VOCAB, name="beam-target"),
-            tiny_random(seed=12, vocab_size=VOCAB, name="beam-draft"))
+    return (
+        tiny_random(seed=11, vocab_size=VOCAB, name="beam-target"),
+        tiny_random(seed=12, vocab_size=VOCAB, name="beam-draft"),
+    )
 
 
-def engine(target: LoadedModel, draft: LoadedModel | None, gamma: int = 3, max_batch: int = 16,
-           max_len: int = 96, eos: tuple[int, ...] = (), draft_length: DraftLength | None = None) -> Engine:
+def engine(
+    target: LoadedModel,
+    draft: LoadedModel | None,
+    gamma: int = 3,
+    max_batch: int = 16,
+    max_len: int = 96,
+    eos: tuple[int, ...] = (),
+    draft_length: DraftLength | None = None,
+) -> Engine:
     """An engine without EOS by default, so rounds end only by verification (as in the reference simulator)."""
     drafter = None if draft is None else ModelDrafter(TorchBackend(draft), max_batch, max_len)
-    return Engine(TorchBackend(target), drafter, tokenizer=None, eos_token_ids=eos, max_batch=max_batch,
-                  max_len=max_len, num_draft_tokens=gamma, draft_length=draft_length)
+    return Engine(
+        TorchBackend(target),
+        drafter,
+        tokenizer=None,
+        eos_token_ids=eos,
+        max_batch=max_batch,
+        max_len=max_len,
+        num_draft_tokens=gamma,
+        draft_length=draft_length,
+    )
 
 
 def full_prefix_probs(model: LoadedModel):
@@ -75,10 +92,12 @@ def decoder_after_admit(eng: Engine, requests: list[Request], speculative: bool 
     return decoder
 
 
-@pytest.mark.parametrize(("threshold", "temperature", "adaptive"),
-                         [(0.0, 1.0, False), (0.6, 0.7, False), (0.0, 1.0, True), (0.6, 0.7, True)])
-def test_runtime_rounds_make_exactly_the_reference_draws(pair, threshold: float, temperature: float,
-                                                         adaptive: bool) -> None:
+@pytest.mark.parametrize(
+    ("threshold", "temperature", "adaptive"), [(0.0, 1.0, False), (0.6, 0.7, False), (0.0, 1.0, True), (0.6, 0.7, True)]
+)
+def test_runtime_rounds_make_exactly_the_reference_draws(
+    pair, threshold: float, temperature: float, adaptive: bool
+) -> None:
     """Three rounds, 12 seeds: same output beams (tokens and scores) as ``dsbd_round`` with the same RNG.
 
     Adaptive: the runtime chooses each round's γ from the request's layer passes so far; the reference
@@ -95,8 +114,12 @@ def test_runtime_rounds_make_exactly_the_reference_draws(pair, threshold: float,
     eng = engine(target, draft, gamma=gamma, draft_length=DraftLength(verify_cost=0.05) if adaptive else None)
     widths, gammas = set(), set()
     for seed in range(12):
-        request = Request(PROMPTS[seed % len(PROMPTS)], 40, SamplingParams(temperature, 0, 1.0, seed),
-                          beam=BeamParams(width=width, threshold=threshold, min_width=1))
+        request = Request(
+            PROMPTS[seed % len(PROMPTS)],
+            40,
+            SamplingParams(temperature, 0, 1.0, seed),
+            beam=BeamParams(width=width, threshold=threshold, min_width=1),
+        )
         decoder = decoder_after_admit(eng, [request])
         group = decoder.groups[0]
         reference = np.random.default_rng(seed)  # what SamplingParams(seed=seed).make_generator() makes
@@ -105,8 +128,18 @@ def test_runtime_rounds_make_exactly_the_reference_draws(pair, threshold: float,
             used = decoder._gamma(group)  # what round() drafts now (a pure function of the request's past)
             gammas.add(used)
             decoder.round()
-            expected = dsbd_round(beams, target_fn, draft_fn, params, width, used, width, reference,
-                                  threshold=threshold if threshold else None, w_min=1)
+            expected = dsbd_round(
+                beams,
+                target_fn,
+                draft_fn,
+                params,
+                width,
+                used,
+                width,
+                reference,
+                threshold=threshold if threshold else None,
+                w_min=1,
+            )
             got = [(tuple(h.tokens), h.score) for h in group.beams]
             assert [b for b, _ in got] == [b.prefix for b in expected.beams], f"seed {seed}"
             assert [s for _, s in got] == pytest.approx([b.score for b in expected.beams], abs=1e-4)
@@ -123,8 +156,10 @@ def test_one_target_call_per_round_with_exactly_tail_plus_nodes_rows_and_exact_k
     padding; afterwards every live beam's target and draft K/V equal a from-scratch prefill."""
     target, draft = pair
     eng = engine(target, draft, gamma=2)
-    requests = [Request(p, 30, SamplingParams(1.0, 0, 1.0, 50 + i), beam=BeamParams(width=w))
-                for i, (p, w) in enumerate(zip(PROMPTS, (1, 2, 3, 4)))]
+    requests = [
+        Request(p, 30, SamplingParams(1.0, 0, 1.0, 50 + i), beam=BeamParams(width=w))
+        for i, (p, w) in enumerate(zip(PROMPTS, (1, 2, 3, 4)))
+    ]
     decoder = decoder_after_admit(eng, requests)
     assert len(decoder.groups) == 4
     ctx, kv, dkv = decoder.ctx, decoder.ctx.kv, decoder.drafter.kv  # white-box: the draft model's own cache
@@ -141,8 +176,9 @@ def test_one_target_call_per_round_with_exactly_tail_plus_nodes_rows_and_exact_k
         for group in decoder.groups:
             for hyp in group.beams:
                 for backend, cache, fresh, length in (
-                        (ctx.target, kv.storage, fresh_target, kv.length(hyp.slot)),
-                        (decoder.drafter.backend, dkv.storage, fresh_draft, dkv.length(hyp.draft_slot))):
+                    (ctx.target, kv.storage, fresh_target, kv.length(hyp.slot)),
+                    (decoder.drafter.backend, dkv.storage, fresh_draft, dkv.length(hyp.draft_slot)),
+                ):
                     assert length > 0
                     slot = hyp.slot if backend is ctx.target else hyp.draft_slot
                     scratch = fresh.allocate_cache(1, 128)
@@ -159,8 +195,10 @@ def test_gamma_zero_is_the_beam_baseline(pair, temperature: float) -> None:
     outs = {}
     for method, gamma in (("beam", 3), ("dsbd", 0)):
         eng = engine(target, draft, gamma=gamma)
-        reqs = [Request(p, 16, SamplingParams(temperature, 0, 1.0, 7 + i), beam=BeamParams(width=3,
-                        num_return_sequences=3)) for i, p in enumerate(PROMPTS)]
+        reqs = [
+            Request(p, 16, SamplingParams(temperature, 0, 1.0, 7 + i), beam=BeamParams(width=3, num_return_sequences=3))
+            for i, p in enumerate(PROMPTS)
+        ]
         result = eng.generate(reqs, method)
         outs[method] = [[(c.token_ids, round(c.logprob, 6)) for c in o.sequences] for o in result.outputs]
         if method == "dsbd":
@@ -237,8 +275,10 @@ def test_each_request_of_a_batch_gets_what_it_gets_alone(pair, adaptive: bool) -
     policy = DraftLength(verify_cost=0.05) if adaptive else None
 
     def requests():
-        return [Request(p, 18, SamplingParams(0.9, 0, 0.95, 100 + i),
-                        beam=BeamParams(width=2 + i % 3, threshold=0.5)) for i, p in enumerate(PROMPTS)]
+        return [
+            Request(p, 18, SamplingParams(0.9, 0, 0.95, 100 + i), beam=BeamParams(width=2 + i % 3, threshold=0.5))
+            for i, p in enumerate(PROMPTS)
+        ]
 
     together = engine(target, draft, draft_length=policy).generate(requests(), "dsbd").outputs
     assert max(o.metrics.mean_batch_size for o in together) > 4  # beams of several requests shared calls
@@ -251,8 +291,10 @@ def test_each_request_of_a_batch_gets_what_it_gets_alone(pair, adaptive: bool) -
 def test_memory_mode_single_keeps_one_beam_and_still_accepts_several_per_layer(pair) -> None:
     target, draft = pair
     eng = engine(target, draft, gamma=3)
-    reqs = [Request(p, 20, SamplingParams(1.0, 0, 1.0, i), beam=BeamParams(width=3, memory_mode="single"))
-            for i, p in enumerate(PROMPTS)]
+    reqs = [
+        Request(p, 20, SamplingParams(1.0, 0, 1.0, i), beam=BeamParams(width=3, memory_mode="single"))
+        for i, p in enumerate(PROMPTS)
+    ]
     result = eng.generate(reqs, "dsbd")
     assert max(s.batch_size for s in result.run.steps[1:]) <= len(PROMPTS)  # one beam per request
     assert all(o.metrics.accepted_draft_tokens > 0 and len(o.token_ids) == 20 for o in result.outputs)
@@ -261,15 +303,18 @@ def test_memory_mode_single_keeps_one_beam_and_still_accepts_several_per_layer(p
 def test_reported_logprob_is_the_targets_log_likelihood_of_the_answer(pair) -> None:
     """The ranking score's log-likelihood, kept incrementally through forks and trees, equals a fresh rescoring."""
     target, draft = pair
-    reqs = [Request(p, 14, SamplingParams(1.0, 0, 1.0, 30 + i), beam=BeamParams(width=3, num_return_sequences=3))
-            for i, p in enumerate(PROMPTS)]
+    reqs = [
+        Request(p, 14, SamplingParams(1.0, 0, 1.0, 30 + i), beam=BeamParams(width=3, num_return_sequences=3))
+        for i, p in enumerate(PROMPTS)
+    ]
     scorer = TorchBackend(target)
     for method, d in (("beam", None), ("dsbd", draft)):
         for req, out in zip(reqs, engine(target, d).generate(reqs, method).outputs):
             assert out.metrics.logprob == pytest.approx(out.sequences[0].logprob)
             for cand in out.sequences:
-                assert cand.logprob == pytest.approx(continuation_logprob(scorer, req.prompt_ids, cand.token_ids),
-                                                     abs=1e-3)
+                assert cand.logprob == pytest.approx(
+                    continuation_logprob(scorer, req.prompt_ids, cand.token_ids), abs=1e-3
+                )
             ranks = [c.score for c in out.sequences]
             assert ranks == sorted(ranks, reverse=True)
 
@@ -277,10 +322,14 @@ def test_reported_logprob_is_the_targets_log_likelihood_of_the_answer(pair) -> N
 def test_bad_beam_parameters_are_named(pair) -> None:
     target, draft = pair
     eng = engine(target, draft, max_batch=4)
-    for kwargs, word in (({"width": 0}, "beam_width"), ({"width": 2, "min_width": 3}, "dsbd_min_width"),
-                         ({"threshold": 1.5}, "dsbd_threshold"), ({"memory_mode": "tiny"}, "memory_mode"),
-                         ({"mode": "top"}, "mode"), ({"width": 2, "num_return_sequences": 3},
-                                                      "num_return_sequences")):
+    for kwargs, word in (
+        ({"width": 0}, "beam_width"),
+        ({"width": 2, "min_width": 3}, "dsbd_min_width"),
+        ({"threshold": 1.5}, "dsbd_threshold"),
+        ({"memory_mode": "tiny"}, "memory_mode"),
+        ({"mode": "top"}, "mode"),
+        ({"width": 2, "num_return_sequences": 3}, "num_return_sequences"),
+    ):
         with pytest.raises(InvalidRequestError, match=word):
             BeamParams(**kwargs)
     out = eng.generate([Request([1, 2], 5, beam=BeamParams(width=5))], "dsbd").outputs[0]
@@ -291,7 +340,8 @@ def test_bad_beam_parameters_are_named(pair) -> None:
 
 @pytest.mark.parametrize(("method", "memory_mode"), [("beam", "full"), ("dsbd", "full"), ("dsbd", "single")])
 def test_tokens_stream_as_soon_as_every_candidate_shares_them_and_the_answer_is_unchanged(
-        pair, method: str, memory_mode: str) -> None:
+    pair, method: str, memory_mode: str
+) -> None:
     """After every round a request has emitted exactly the longest prefix common to its live beams and finished
     candidates (so what streamed is final, and nothing final is held back); the chunks join into the answer that
     ``generate`` returns, and with several rounds to go some of it streamed before the search ended."""
@@ -299,8 +349,16 @@ def test_tokens_stream_as_soon_as_every_candidate_shares_them_and_the_answer_is_
     eos = (0,)
 
     def requests() -> list[Request]:
-        return [Request(p, 24, SamplingParams(1.0 if i % 2 else 0.0, 0, 1.0, 50 + i), request_id=f"r{i}",
-                        beam=BeamParams(width=3, memory_mode=memory_mode)) for i, p in enumerate(PROMPTS)]
+        return [
+            Request(
+                p,
+                24,
+                SamplingParams(1.0 if i % 2 else 0.0, 0, 1.0, 50 + i),
+                request_id=f"r{i}",
+                beam=BeamParams(width=3, memory_mode=memory_mode),
+            )
+            for i, p in enumerate(PROMPTS)
+        ]
 
     want = engine(target, draft, eos=eos).generate(requests(), method).outputs
     eng = engine(target, draft, eos=eos)
@@ -309,9 +367,13 @@ def test_tokens_stream_as_soon_as_every_candidate_shares_them_and_the_answer_is_
         scheduler.submit(req)
     chunks: dict[str, list[tuple[int, list[int]]]] = {}
     finished: dict[str, int] = {}
-    ctx = eng.context(scheduler, on_tokens=lambda seq, toks: chunks.setdefault(seq.request.request_id, []).append(
-        (len(ctx.run.steps), list(toks))), on_finish=lambda seq: finished.__setitem__(seq.request.request_id,
-                                                                                      len(ctx.run.steps)))
+    ctx = eng.context(
+        scheduler,
+        on_tokens=lambda seq, toks: chunks.setdefault(seq.request.request_id, []).append(
+            (len(ctx.run.steps), list(toks))
+        ),
+        on_finish=lambda seq: finished.__setitem__(seq.request.request_id, len(ctx.run.steps)),
+    )
     decoder = BeamDecoder(ctx, speculative=method == "dsbd")
     ctx.run.method = method
     while ctx.has_work(decoder.groups):

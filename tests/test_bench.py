@@ -64,9 +64,18 @@ def test_ems_never_processes_more_rows_than_vanilla(results: dict) -> None:
 
 def test_written_files(results: dict, tmp_path: Path) -> None:
     meta = {
-        "date": "2026-01-01 00:00 UTC", "command": "specdec bench --quick", "target": "tiny", "workload": "ids",
-        "machine": {"processor": "cpu", "cpu_count": 2, "platform": "linux", "python": "3.11", "torch": "2.13",
-                    "torch_threads": 1},
+        "date": "2026-01-01 00:00 UTC",
+        "command": "specdec bench --quick",
+        "target": "tiny",
+        "workload": "ids",
+        "machine": {
+            "processor": "cpu",
+            "cpu_count": 2,
+            "platform": "linux",
+            "python": "3.11",
+            "torch": "2.13",
+            "torch_threads": 1,
+        },
         "config": {"max_tokens": 12, "num_draft_tokens": 4, "ngram": 2, "min_ngram": 2, "repeats": 2},
         "notes": ["a note"],
     }

@@ -39,9 +39,11 @@ def test_forced_judges_each_position_on_the_references_context(edge_cpu: ModuleT
         seen.append((list(tokens), first))
         return top_rows(tokens, first)
 
-    pairs = [([1, 2, 3], [4, 5, 6, 7, 8]),  # 4 5 6 7 follow; after 7 the model says 0, not 8: 4 of 5
-             ([5], [6, 9]),                  # 6 agrees; after 6 it says 7, not 9: a miss that does not cascade
-             ([3], [])]                      # an empty answer has no position
+    pairs = [
+        ([1, 2, 3], [4, 5, 6, 7, 8]),  # 4 5 6 7 follow; after 7 the model says 0, not 8: 4 of 5
+        ([5], [6, 9]),  # 6 agrees; after 6 it says 7, not 9: a miss that does not cascade
+        ([3], []),
+    ]  # an empty answer has no position
     got = edge_cpu._forced(pairs, recording)
     assert (got["positions"], got["agree"]) == (7, 5)
     assert got["picks"] == [[4, 5, 6, 7, 0], [6, 7], []]
@@ -68,10 +70,18 @@ def test_miss_margins_reads_the_references_margin_where_the_model_parts(edge_cpu
 
 def test_forced_table_reports_rates_margins_and_errors(edge_cpu: ModuleType) -> None:
     ties = {"misses": 4, "median": 0.12, "p90": 0.5, "max": 0.9, "median_all": 4.2}
-    forced = {"specdec int4": {"chat": {"positions": 200, "agree": 196, "rate": 0.98, "near_ties": ties},
-                               "extractive": {"positions": 100, "agree": 97, "rate": 0.97,
-                                              "near_ties": {**ties, "misses": 0, "median_all": 3.0}}},
-              "llama.cpp Q4_1": {"error": "exit 1: no llama"}}
+    forced = {
+        "specdec int4": {
+            "chat": {"positions": 200, "agree": 196, "rate": 0.98, "near_ties": ties},
+            "extractive": {
+                "positions": 100,
+                "agree": 97,
+                "rate": 0.97,
+                "near_ties": {**ties, "misses": 0, "median_all": 3.0},
+            },
+        },
+        "llama.cpp Q4_1": {"error": "exit 1: no llama"},
+    }
     text = "\n".join(edge_cpu.forced_table(forced))
     assert "| specdec int4 | 98.0% | 97.0% | 200 / 100 | 4: 0.12 / 0.50 / 0.90 | 0 | 4.20 / 3.00 |" in text
     assert "| llama.cpp Q4_1 | exit 1: no llama |" in text
@@ -84,11 +94,13 @@ def _event(op: str, ts: int, dur: int) -> dict:
 
 def test_a_control_flow_node_keeps_only_its_own_time() -> None:
     step_profile = _script("step_profile")
-    events = [_event("MatMulNBits", 0, 50),
-              _event("If", 60, 40),                 # its branch: the two nodes inside its window
-              _event("GroupQueryAttention", 62, 30),
-              _event("Gather", 93, 5),
-              _event("MatMulNBits", 101, 20)]       # after the If: not its branch
+    events = [
+        _event("MatMulNBits", 0, 50),
+        _event("If", 60, 40),  # its branch: the two nodes inside its window
+        _event("GroupQueryAttention", 62, 30),
+        _event("Gather", 93, 5),
+        _event("MatMulNBits", 101, 20),
+    ]  # after the If: not its branch
     own = step_profile.own_durations(events)
     assert own == [50.0, 5.0, 30.0, 5.0, 20.0]
     assert sum(own) == 110  # no node counted twice: the wall of the nodes run, 50 + 40 + 20
@@ -96,20 +108,27 @@ def test_a_control_flow_node_keeps_only_its_own_time() -> None:
 
 def _served(name: str, ems: tuple[float, float], ar: tuple[float, float], identical: bool = True) -> dict:
     regimes = ("all at once", "one at a time")
-    return {"name": name, "identical": identical, **{g: {"ems_tokens_per_second": e, "ar_tokens_per_second": a}
-                                                      for g, e, a in zip(regimes, ems, ar, strict=True)}}
+    return {
+        "name": name,
+        "identical": identical,
+        **{
+            g: {"ems_tokens_per_second": e, "ar_tokens_per_second": a} for g, e, a in zip(regimes, ems, ar, strict=True)
+        },
+    }
 
 
 def test_served_configs_pools_a_graphs_ar_and_keeps_each_drafters_own_ratio() -> None:
     served = _script("served_configs")
-    rows = [_served("int4, n-gram", (132.0, 90.0), (132.0, 90.0)),       # ratio 1, on a fast server
-            _served("int4, hybrid", (110.0, 75.0), (100.0, 75.0)),       # ratio 1.1 all at once, on a slow one
-            _served("int8, hybrid", (120.0, 80.0), (120.0, 80.0)),
-            _served("fp32, draft model", (500.0, 500.0), (100.0, 100.0), identical=False)]
+    rows = [
+        _served("int4, n-gram", (132.0, 90.0), (132.0, 90.0)),  # ratio 1, on a fast server
+        _served("int4, hybrid", (110.0, 75.0), (100.0, 75.0)),  # ratio 1.1 all at once, on a slow one
+        _served("int8, hybrid", (120.0, 80.0), (120.0, 80.0)),
+        _served("fp32, draft model", (500.0, 500.0), (100.0, 100.0), identical=False),
+    ]
     est = served.estimates(rows)
     pooled = (132.0 * 90.0 * 100.0 * 75.0) ** 0.25  # int4's ar over both of its candidates and both regimes
     assert est["int4, n-gram"] == pytest.approx(pooled)
-    assert est["int4, hybrid"] == pytest.approx(pooled * 1.1 ** 0.5)
+    assert est["int4, hybrid"] == pytest.approx(pooled * 1.1**0.5)
     assert est["int8, hybrid"] == pytest.approx((120.0 * 80.0) ** 0.5)
     # int4 hybrid: its own ems speed (110 / 75) is below int8 hybrid's (120 / 80), but on a server that ran ar slower
     # too; pooled, its graph is the faster one. n-gram cannot serve DSBD; the inexact fp32 candidate never counts.
@@ -119,8 +138,9 @@ def test_served_configs_pools_a_graphs_ar_and_keeps_each_drafters_own_ratio() ->
         served.choose([rows[0], rows[3]])
 
 
-def test_forced_agreement_judges_misses_by_the_fp32_graphs_margins(edge_cpu: ModuleType, tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_forced_agreement_judges_misses_by_the_fp32_graphs_margins(
+    edge_cpu: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     answers = {"chat": [[4, 5]], "extractive": [[6]]}
     # each child's forced result: fp32 repeats its answers; int4 misses chat's second token; llama.cpp failed
     results = {
@@ -132,10 +152,17 @@ def test_forced_agreement_judges_misses_by_the_fp32_graphs_margins(edge_cpu: Mod
         if spec["model"] == "llama":
             return {"error": "exit 1: no llama"}
         label = f"specdec {spec['export']}"
-        return {"workloads": {n: {"positions": len(answers[n][0]),
-                                  "agree": sum(a == b for a, b in zip(picks[0], answers[n][0], strict=True)),
-                                  "picks": picks, "margins": margins}
-                              for n, (picks, margins) in results[label].items()}}
+        return {
+            "workloads": {
+                n: {
+                    "positions": len(answers[n][0]),
+                    "agree": sum(a == b for a, b in zip(picks[0], answers[n][0], strict=True)),
+                    "picks": picks,
+                    "margins": margins,
+                }
+                for n, (picks, margins) in results[label].items()
+            }
+        }
 
     monkeypatch.setattr(edge_cpu, "run_child", run_child)
     common = {"prompts": {"chat": [[1]], "extractive": [[2]]}}
@@ -160,8 +187,13 @@ def test_acceptance_note_states_the_issue_lines_from_the_rows(edge_cpu: ModuleTy
         return {"kind": kind, "batch": batch, "over_llama": {"mix": mix}, "peak_rss_mb": rss}
 
     base = row(1, 1.0, 200.0, "llama")
-    ok = {"llama.cpp Q4_1 B=1": base, "specdec int4 ar B=1": row(1, 1.1, 370.0), "specdec w8a8 ar B=1": row(1, 1.5),
-          "specdec int4 ar B=8": row(8, 2.5), "specdec w8a8 ar B=8": row(8, 3.6)}
+    ok = {
+        "llama.cpp Q4_1 B=1": base,
+        "specdec int4 ar B=1": row(1, 1.1, 370.0),
+        "specdec w8a8 ar B=1": row(1, 1.5),
+        "specdec int4 ar B=8": row(8, 2.5),
+        "specdec w8a8 ar B=8": row(8, 3.6),
+    }
     note = edge_cpu.acceptance_note(ok, base)
     assert "int4 ar B=1 1.10x" in note and "best B=1 1.50x, specdec w8a8 ar B=1" in note
     assert "best B=8 3.60x, specdec w8a8 ar B=8" in note and "370 MB, 1.85x llama.cpp's 200 MB" in note

@@ -30,8 +30,10 @@ def engine() -> Engine:
 def _run(engine: Engine, budget: int | None, method: str, temperature: float = 0.0):
     engine.prefill_budget = budget
     try:
-        requests = [Request(p, max_tokens=12, sampling=SamplingParams(temperature, seed=i), request_id=f"r{i}")
-                    for i, p in enumerate([*SHORT, LONG])]
+        requests = [
+            Request(p, max_tokens=12, sampling=SamplingParams(temperature, seed=i), request_id=f"r{i}")
+            for i, p in enumerate([*SHORT, LONG])
+        ]
         return engine.generate(requests, method)
     finally:
         engine.prefill_budget = None
@@ -64,15 +66,24 @@ def test_a_long_prompt_does_not_stall_the_running_sequences(engine: Engine) -> N
 def beam_engine() -> Engine:
     """A target and a different draft model, for ``beam`` and DSBD (whose forests come from a draft model)."""
     drafter = ModelDrafter(TorchBackend(tiny_random(seed=10, num_layers=1)), 16, 160)
-    return Engine(TorchBackend(tiny_random(seed=9, num_layers=2)), drafter, max_batch=16, max_len=160,
-                  num_draft_tokens=2)
+    return Engine(
+        TorchBackend(tiny_random(seed=9, num_layers=2)), drafter, max_batch=16, max_len=160, num_draft_tokens=2
+    )
 
 
 def _run_beams(engine: Engine, budget: int | None, method: str, temperature: float):
     engine.prefill_budget = budget
     try:
-        requests = [Request(p, max_tokens=10, sampling=SamplingParams(temperature, seed=i), request_id=f"b{i}",
-                            beam=BeamParams(width=2, num_return_sequences=2)) for i, p in enumerate([*SHORT, LONG])]
+        requests = [
+            Request(
+                p,
+                max_tokens=10,
+                sampling=SamplingParams(temperature, seed=i),
+                request_id=f"b{i}",
+                beam=BeamParams(width=2, num_return_sequences=2),
+            )
+            for i, p in enumerate([*SHORT, LONG])
+        ]
         return engine.generate(requests, method)
     finally:
         engine.prefill_budget = None
@@ -80,8 +91,9 @@ def _run_beams(engine: Engine, budget: int | None, method: str, temperature: flo
 
 @pytest.mark.parametrize("method", ["beam", "dsbd"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_beam_groups_prefill_in_chunks_with_the_same_answers(beam_engine: Engine, method: str,
-                                                             temperature: float) -> None:
+def test_beam_groups_prefill_in_chunks_with_the_same_answers(
+    beam_engine: Engine, method: str, temperature: float
+) -> None:
     """A beam or DSBD request with a long prompt prefills in chunks (target and draft cache) beside the rounds of
     the others, and every request's candidates, with their log-likelihoods, are those of whole-prompt prefill."""
     whole = _run_beams(beam_engine, None, method, temperature)

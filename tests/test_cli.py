@@ -22,27 +22,56 @@ def run_json(capsys, *args: str) -> dict:
 
 
 def test_generate_json_in_prompt_order_and_identical_to_ar(tiny_dir, capsys) -> None:
-    common = ["--target", str(tiny_dir), "--prompt", "one two three one two three", "--prompt", "Hello",
-              "--prompt", "a b c d a b c d a b", "--max-tokens", "12"]
+    common = [
+        "--target",
+        str(tiny_dir),
+        "--prompt",
+        "one two three one two three",
+        "--prompt",
+        "Hello",
+        "--prompt",
+        "a b c d a b c d a b",
+        "--max-tokens",
+        "12",
+    ]
     ems = run_json(capsys, *common, "--method", "ems")
     ar = run_json(capsys, *common, "--method", "ar")
     vanilla = run_json(capsys, *common, "--method", "vanilla")
     assert len(ems["outputs"]) == 3
     assert [o["token_ids"] for o in ems["outputs"]] == [o["token_ids"] for o in ar["outputs"]]
     assert [o["token_ids"] for o in vanilla["outputs"]] == [o["token_ids"] for o in ar["outputs"]]
-    for key in ("acceptance_rate", "target_calls", "draft_tokens", "accepted_draft_tokens", "tokens_per_second",
-                "mean_accepted_length", "target_rows_padded"):
+    for key in (
+        "acceptance_rate",
+        "target_calls",
+        "draft_tokens",
+        "accepted_draft_tokens",
+        "tokens_per_second",
+        "mean_accepted_length",
+        "target_rows_padded",
+    ):
         assert key in ems["metrics"]
     assert all(isinstance(o["text"], str) for o in ems["outputs"])
     # the adaptive draft length changes how much is drafted, never the greedy tokens
-    adaptive = run_json(capsys, *common, "--method", "ems", "--draft", str(tiny_dir), "--adaptive-draft",
-                        "--num-draft-tokens", "6")
+    adaptive = run_json(
+        capsys, *common, "--method", "ems", "--draft", str(tiny_dir), "--adaptive-draft", "--num-draft-tokens", "6"
+    )
     fixed = run_json(capsys, *common, "--method", "ems", "--draft", str(tiny_dir), "--num-draft-tokens", "6")
     assert [o["token_ids"] for o in adaptive["outputs"]] == [o["token_ids"] for o in ar["outputs"]]
     assert adaptive["metrics"]["draft_tokens"] != fixed["metrics"]["draft_tokens"]
     # rows that cost more are worth fewer drafts
-    dear = run_json(capsys, *common, "--method", "ems", "--draft", str(tiny_dir), "--adaptive-draft",
-                    "--num-draft-tokens", "6", "--verify-cost", "2")
+    dear = run_json(
+        capsys,
+        *common,
+        "--method",
+        "ems",
+        "--draft",
+        str(tiny_dir),
+        "--adaptive-draft",
+        "--num-draft-tokens",
+        "6",
+        "--verify-cost",
+        "2",
+    )
     assert dear["metrics"]["draft_tokens"] < adaptive["metrics"]["draft_tokens"]
 
 
@@ -61,8 +90,22 @@ def test_prompts_file_formats_and_compare_ar(tiny_dir, tmp_path, capsys) -> None
 
 
 def test_sampling_flags_and_seed_reproducibility(tiny_dir, capsys) -> None:
-    args = ["--target", str(tiny_dir), "--prompt", "tell me", "--max-tokens", "10", "--temperature", "0.9",
-            "--top-k", "50", "--top-p", "0.95", "--seed", "3"]
+    args = [
+        "--target",
+        str(tiny_dir),
+        "--prompt",
+        "tell me",
+        "--max-tokens",
+        "10",
+        "--temperature",
+        "0.9",
+        "--top-k",
+        "50",
+        "--top-p",
+        "0.95",
+        "--seed",
+        "3",
+    ]
     assert run_json(capsys, *args)["outputs"] == run_json(capsys, *args)["outputs"]
 
 
@@ -76,8 +119,9 @@ def test_bad_inputs_exit_nonzero_with_clear_messages(tiny_dir, tmp_path, capsys)
     with pytest.raises(SystemExit, match="cannot read --prompts-file"):
         main(["generate", "--target", str(tiny_dir), "--prompts-file", str(tmp_path / "missing.txt")])
     # one bad prompt (empty) is reported; the good one still gets its answer
-    code = main(["generate", "--target", str(tiny_dir), "--prompt", "fine", "--prompt", "", "--json",
-                 "--max-tokens", "4"])
+    code = main(
+        ["generate", "--target", str(tiny_dir), "--prompt", "fine", "--prompt", "", "--json", "--max-tokens", "4"]
+    )
     doc = json.loads(capsys.readouterr().out)
     assert code == 1
     assert doc["outputs"][0]["token_ids"] and "prompt is empty" in doc["outputs"][1]["error"]
@@ -87,8 +131,24 @@ def test_bad_inputs_exit_nonzero_with_clear_messages(tiny_dir, tmp_path, capsys)
 
 def test_export_directory_roundtrip_force_and_corruption(tiny_dir, tmp_path, capsys) -> None:
     out = tmp_path / "deploy"
-    assert export_main(["--target", str(tiny_dir), "--draft", str(tiny_dir), "--out", str(out),
-                        "--backend", "torch", "--adaptive-draft", "--verify-cost", "0.01"]) == 0
+    assert (
+        export_main(
+            [
+                "--target",
+                str(tiny_dir),
+                "--draft",
+                str(tiny_dir),
+                "--out",
+                str(out),
+                "--backend",
+                "torch",
+                "--adaptive-draft",
+                "--verify-cost",
+                "0.01",
+            ]
+        )
+        == 0
+    )
     engine_config = (out / "triton_repo" / "specdec_engine" / "config.pbtxt").read_text()
     assert 'key: "adaptive_draft" value: { string_value: "1" }' in engine_config
     assert 'key: "verify_cost" value: { string_value: "0.01" }' in engine_config
@@ -98,8 +158,9 @@ def test_export_directory_roundtrip_force_and_corruption(tiny_dir, tmp_path, cap
     assert "--force" in capsys.readouterr().err
     doc = run_json(capsys, "--target", str(out), "--prompt", "hello there", "--max-tokens", "6")
     assert doc["metrics"]["draft_tokens"] > 0  # the exported draft model was used
-    adaptive = run_json(capsys, "--target", str(out), "--prompt", "hello there", "--max-tokens", "6",
-                        "--adaptive-draft")
+    adaptive = run_json(
+        capsys, "--target", str(out), "--prompt", "hello there", "--max-tokens", "6", "--adaptive-draft"
+    )
     assert adaptive["outputs"][0]["token_ids"] == doc["outputs"][0]["token_ids"]
     assert export_main(["--target", str(tiny_dir), "--out", str(out), "--force", "--backend", "torch"]) == 0
     assert not (out / "draft").exists()
@@ -127,15 +188,39 @@ def test_console_scripts_are_installed() -> None:
 
 def test_generate_beam_and_dsbd(tiny_dir, capsys) -> None:
     """Greedy dsbd = beam search through the CLI; candidates come back; dsbd without a draft model is refused."""
-    common = ["--target", str(tiny_dir), "--prompt", "one two three", "--prompt", "Hello there", "--max-tokens", "8",
-              "--beam-width", "3", "--num-return-sequences", "2"]
+    common = [
+        "--target",
+        str(tiny_dir),
+        "--prompt",
+        "one two three",
+        "--prompt",
+        "Hello there",
+        "--max-tokens",
+        "8",
+        "--beam-width",
+        "3",
+        "--num-return-sequences",
+        "2",
+    ]
     beam = run_json(capsys, *common, "--method", "beam")
     dsbd = run_json(capsys, *common, "--method", "dsbd", "--draft", str(tiny_dir), "--num-draft-tokens", "3")
     assert [o["token_ids"] for o in dsbd["outputs"]] == [o["token_ids"] for o in beam["outputs"]]
     assert all(len(o["sequences"]) == 2 and o["sequences"][0]["token_ids"] == o["token_ids"] for o in dsbd["outputs"])
     assert all(o["metrics"]["accepted_draft_tokens"] > 0 for o in dsbd["outputs"])  # the draft is the target
-    sampled = run_json(capsys, *common, "--method", "dsbd", "--draft", str(tiny_dir), "--temperature", "0.8",
-                       "--seed", "3", "--dsbd-threshold", "0.5")
+    sampled = run_json(
+        capsys,
+        *common,
+        "--method",
+        "dsbd",
+        "--draft",
+        str(tiny_dir),
+        "--temperature",
+        "0.8",
+        "--seed",
+        "3",
+        "--dsbd-threshold",
+        "0.5",
+    )
     assert all(o["metrics"]["mean_beam_width"] >= 1 for o in sampled["outputs"])
     assert main(["generate", *common, "--method", "dsbd"]) == 2
     assert "needs a draft model" in capsys.readouterr().err
@@ -146,16 +231,25 @@ def test_generate_beam_and_dsbd(tiny_dir, capsys) -> None:
 def test_bench_beams_quick_writes_its_report(tiny_dir, tmp_path, capsys) -> None:
     """`specdec bench beams` runs every method of the front and writes json, md and png."""
     out = tmp_path / "beams"
-    assert main(["bench", "beams", "--quick", "--target", str(tiny_dir), "--draft", str(tiny_dir),
-                 "--out-dir", str(out)]) == 0
+    assert (
+        main(["bench", "beams", "--quick", "--target", str(tiny_dir), "--draft", str(tiny_dir), "--out-dir", str(out)])
+        == 0
+    )
     doc = json.loads((out / "dsbd_pareto.json").read_text())
-    assert set(doc["results"]) == {"ems", "beam W=2", "dsbd W_S=2 t=0.5", "dsbd W_S=2 t=0",
-                                   "dsbd W_S=2 t=0 adaptive γ", "dsbd W_S=2 t=0.5 single-KV"}
+    assert set(doc["results"]) == {
+        "ems",
+        "beam W=2",
+        "dsbd W_S=2 t=0.5",
+        "dsbd W_S=2 t=0",
+        "dsbd W_S=2 t=0 adaptive γ",
+        "dsbd W_S=2 t=0.5 single-KV",
+    }
     assert doc["pareto"] and all(r["tokens"] > 0 for r in doc["results"].values())
     assert doc["results"]["dsbd W_S=2 t=0.5"]["acceptance_rate"] > 0.5  # the draft is the target itself
     assert (out / "dsbd_pareto.png").stat().st_size > 0 and "Pareto front" in (out / "dsbd_pareto.md").read_text()
-    assert doc["meta"]["qa_items"] == 2 and all(0 <= r["exact_match"] <= r["qa_accuracy"] <= 1
-                                                for r in doc["results"].values())
+    assert doc["meta"]["qa_items"] == 2 and all(
+        0 <= r["exact_match"] <= r["qa_accuracy"] <= 1 for r in doc["results"].values()
+    )
     assert all(len(r["qa_answers"]) == 2 for r in doc["results"].values())
     assert set(doc["meta"]["qa_reference"]) == {"greedy", "beam search W=2"}
     assert all(0 <= v <= 1 for v in doc["meta"]["qa_reference"].values())
@@ -184,11 +278,19 @@ def test_qa_accuracy_takes_the_first_listed_module_the_answer_names() -> None:
     from specdec.bench.workloads import first_choice
 
     choices = ("heapq", "shutil", "zipfile", "textwrap", "re")
-    for text, want in [("The module named `heapq`", "heapq"), ('It is "Shutil", not heapq.', "shutil"),
-                       ("zipfile", "zipfile"), ("heapq\nshutil", "heapq"), ("The module re handles it", "re"),
-                       ("There are regular modules; textwrap", "textwrap"), ("os.path, not heapq", "heapq"),
-                       ("The module is NumPy", None), ("heapqx and shutilx", None), ("", None),
-                       ("mypkg.shutil is it", None)]:
+    for text, want in [
+        ("The module named `heapq`", "heapq"),
+        ('It is "Shutil", not heapq.', "shutil"),
+        ("zipfile", "zipfile"),
+        ("heapq\nshutil", "heapq"),
+        ("The module re handles it", "re"),
+        ("There are regular modules; textwrap", "textwrap"),
+        ("os.path, not heapq", "heapq"),
+        ("The module is NumPy", None),
+        ("heapqx and shutilx", None),
+        ("", None),
+        ("mypkg.shutil is it", None),
+    ]:
         assert first_choice(text, choices) == want, text
 
 

@@ -26,9 +26,11 @@ def test_flags_drain_then_abort(tmp_path: Path) -> None:
 
 
 def test_the_inflight_gauge_is_summed_over_its_labels() -> None:
-    text = ("# HELP specdec_inflight_requests requests\n# TYPE specdec_inflight_requests gauge\n"
-            'specdec_inflight_requests{model="specdec"} 2\nspecdec_inflight_requests{model="specdec_stream"} 3\n'
-            'specdec_inflight_requests_other{model="x"} 7\nnv_inference_count{model="specdec"} 9\n')
+    text = (
+        "# HELP specdec_inflight_requests requests\n# TYPE specdec_inflight_requests gauge\n"
+        'specdec_inflight_requests{model="specdec"} 2\nspecdec_inflight_requests{model="specdec_stream"} 3\n'
+        'specdec_inflight_requests_other{model="x"} 7\nnv_inference_count{model="specdec"} 9\n'
+    )
     assert control.inflight_from_metrics(text) == 5
     assert control.inflight_from_metrics("nv_inference_count 1\n") is None
 
@@ -49,7 +51,9 @@ def test_this_process_is_alive_and_its_stubs_are_found_by_parent_and_model() -> 
     assert control.stub_pids(os.getpid(), "specdec_engine") == []
 
 
-@pytest.mark.parametrize("host, local", [("127.0.0.1", True), ("localhost", True), ("::1", True),
-                                         ("0.0.0.0", False), ("::", False), ("10.1.2.3", False)])
+@pytest.mark.parametrize(
+    "host, local",
+    [("127.0.0.1", True), ("localhost", True), ("::1", True), ("0.0.0.0", False), ("::", False), ("10.1.2.3", False)],
+)
 def test_a_public_bind_is_told_apart(host: str, local: bool) -> None:
     assert _loopback(host) is local

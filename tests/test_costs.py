@@ -30,15 +30,23 @@ def _keep_torch_threads() -> Iterator[None]:
 
 
 def _record(batch: int, plain: float, spec: float, draft: float | None, verify: float, k: int = 4) -> dict:
-    return {"batch_size": batch, "context": 8, "k": k, "plain_ms": plain, "spec_ms": spec, "draft_ms": draft,
-            "verify_ms": verify}
+    return {
+        "batch_size": batch,
+        "context": 8,
+        "k": k,
+        "plain_ms": plain,
+        "spec_ms": spec,
+        "draft_ms": draft,
+        "verify_ms": verify,
+    }
 
 
 def test_prices_are_per_draft_token_medians_over_batch_sizes() -> None:
     # B=1: 4 drafts add 0.8 plain steps (0.2 each), 0.1 of it the draft step's own -> verify 0.1
     # B=4: 4 drafts add 1.6 plain steps (0.4 each), draft 0.1 -> verify 0.3; B=16: 0.25 each, draft 0.05 -> 0.2
-    costs = draft_costs([_record(1, 10.0, 18.0, 1.0, 14.0), _record(4, 20.0, 52.0, 2.0, 44.0),
-                         _record(16, 40.0, 80.0, 2.0, 72.0)])
+    costs = draft_costs(
+        [_record(1, 10.0, 18.0, 1.0, 14.0), _record(4, 20.0, 52.0, 2.0, 44.0), _record(16, 40.0, 80.0, 2.0, 72.0)]
+    )
     assert costs.verify_cost == pytest.approx(0.2)
     assert costs.draft_cost == pytest.approx(0.1)  # 0.1, 0.1, 0.05
     # and per batch size, what greedy sequences are priced by
@@ -104,29 +112,57 @@ def _engine_prices(config: str, by_batch: bool = False) -> tuple[str, str]:
         line = next(line for line in config.splitlines() if f'key: "{key}"' in line)
         return line.split('string_value: "')[1].split('"')[0]
 
-    return ((value("verify_cost_by_batch"), value("draft_cost_by_batch")) if by_batch
-            else (value("verify_cost"), value("draft_cost")))
+    return (
+        (value("verify_cost_by_batch"), value("draft_cost_by_batch"))
+        if by_batch
+        else (value("verify_cost"), value("draft_cost"))
+    )
 
 
 @pytest.mark.parametrize("backend", ["torch", "onnx"])
-def test_an_export_calibrated_on_this_machine_serves_and_generates_with_its_prices(tiny_dir, tmp_path, capsys,
-                                                                                 backend: str) -> None:
+def test_an_export_calibrated_on_this_machine_serves_and_generates_with_its_prices(
+    tiny_dir, tmp_path, capsys, backend: str
+) -> None:
     out = tmp_path / "deploy"
-    assert export_main(["--target", str(tiny_dir), "--draft", str(tiny_dir), "--out", str(out), "--backend", backend,
-                        "--max-batch", "2", "--max-len", "256", "--adaptive-draft", "--calibrate"]) == 0
+    assert (
+        export_main(
+            [
+                "--target",
+                str(tiny_dir),
+                "--draft",
+                str(tiny_dir),
+                "--out",
+                str(out),
+                "--backend",
+                backend,
+                "--max-batch",
+                "2",
+                "--max-len",
+                "256",
+                "--adaptive-draft",
+                "--calibrate",
+            ]
+        )
+        == 0
+    )
     assert "calibrated on this machine" in capsys.readouterr().out
     measured = json.loads((out / "manifest.json").read_text())["calibration"]
     assert measured["batch_sizes"] == [1, 2] and measured["draft_cost"] > 0 and measured["verify_cost"] >= 0
     # the prices per batch size (for greedy requests), one per measured batch size; the flat ones are their medians
-    verify_by_batch, draft_by_batch = (tuple(map(tuple, measured[key]))
-                                       for key in ("verify_cost_by_batch", "draft_cost_by_batch"))
+    verify_by_batch, draft_by_batch = (
+        tuple(map(tuple, measured[key])) for key in ("verify_cost_by_batch", "draft_cost_by_batch")
+    )
     assert [b for b, _ in verify_by_batch] == [b for b, _ in draft_by_batch] == [1, 2]
     assert measured["verify_cost"] == pytest.approx(sum(p for _, p in verify_by_batch) / 2, abs=1e-4)
     config = (out / "triton_repo" / "specdec_engine" / "config.pbtxt").read_text()
     assert _engine_prices(config) == (str(measured["verify_cost"]), str(measured["draft_cost"]))
     assert _engine_prices(config, by_batch=True) == (prices_text(verify_by_batch), prices_text(draft_by_batch))
-    calibrated = DraftLength(verify_cost=measured["verify_cost"], draft_cost=measured["draft_cost"],
-                             verify_by_batch=verify_by_batch, draft_by_batch=draft_by_batch)
+    calibrated = DraftLength(
+        verify_cost=measured["verify_cost"],
+        draft_cost=measured["draft_cost"],
+        verify_by_batch=verify_by_batch,
+        draft_by_batch=draft_by_batch,
+    )
     # the engine the server builds from that config (Triton's EngineModel, or a benchmark's local twin)
     served = served_engine(out, read_parameters(out / "triton_repo"))
     assert served.draft_length == calibrated
@@ -136,13 +172,34 @@ def test_an_export_calibrated_on_this_machine_serves_and_generates_with_its_pric
     engine = _open_engine(parser.parse_args(["--target", str(out), "--adaptive-draft"]))
     assert engine.draft_length == calibrated
     pinned = _open_engine(parser.parse_args(["--target", str(out), "--adaptive-draft", "--verify-cost", "0"]))
-    assert pinned.draft_length == DraftLength(verify_cost=0.0, draft_cost=measured["draft_cost"],
-                                              draft_by_batch=draft_by_batch)
+    assert pinned.draft_length == DraftLength(
+        verify_cost=0.0, draft_cost=measured["draft_cost"], draft_by_batch=draft_by_batch
+    )
     # an explicit price is kept over the measured one in the served config too
     again = tmp_path / "pinned"
-    assert export_main(["--target", str(tiny_dir), "--draft", str(tiny_dir), "--out", str(again), "--backend",
-                        backend, "--max-batch", "2", "--max-len", "256", "--adaptive-draft", "--calibrate",
-                        "--draft-cost", "0.5"]) == 0
+    assert (
+        export_main(
+            [
+                "--target",
+                str(tiny_dir),
+                "--draft",
+                str(tiny_dir),
+                "--out",
+                str(again),
+                "--backend",
+                backend,
+                "--max-batch",
+                "2",
+                "--max-len",
+                "256",
+                "--adaptive-draft",
+                "--calibrate",
+                "--draft-cost",
+                "0.5",
+            ]
+        )
+        == 0
+    )
     measured = json.loads((again / "manifest.json").read_text())["calibration"]
     config = (again / "triton_repo" / "specdec_engine" / "config.pbtxt").read_text()
     assert _engine_prices(config) == (str(measured["verify_cost"]), "0.5")
@@ -151,8 +208,20 @@ def test_an_export_calibrated_on_this_machine_serves_and_generates_with_its_pric
 
 
 def test_generate_calibrates_first_and_stays_exact(tiny_dir, capsys) -> None:
-    common = ["generate", "--target", str(tiny_dir), "--draft", str(tiny_dir), "--prompt", "hello there",
-              "--max-tokens", "8", "--json", "--max-batch", "2"]
+    common = [
+        "generate",
+        "--target",
+        str(tiny_dir),
+        "--draft",
+        str(tiny_dir),
+        "--prompt",
+        "hello there",
+        "--max-tokens",
+        "8",
+        "--json",
+        "--max-batch",
+        "2",
+    ]
     assert main([*common, "--method", "ar"]) == 0
     ar = json.loads(capsys.readouterr().out)
     assert main([*common, "--adaptive-draft", "--calibrate"]) == 0

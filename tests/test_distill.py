@@ -33,8 +33,16 @@ def _tiny_target(path: Path, eos_boost: float | None = None) -> Path:
     from fakes import small_tokenizer
 
     tokenizer = small_tokenizer()
-    tiny = tiny_random(seed=11, vocab_size=len(tokenizer), num_layers=3, hidden_size=32, num_heads=4,
-                       num_kv_heads=2, intermediate_size=64, tie_word_embeddings=False)
+    tiny = tiny_random(
+        seed=11,
+        vocab_size=len(tokenizer),
+        num_layers=3,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+        tie_word_embeddings=False,
+    )
     tiny.config.eos_token_id = tokenizer.eos_token_id
     # a random model is nearly uniform over its vocabulary: give it a language of 400 tokens with sharp, context-
     # dependent preferences, so there is something to teach and a head of the frequent tokens covers it
@@ -66,13 +74,28 @@ def tiny_chat_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _settings(target: Path, out: Path, **kw: object) -> DistillSettings:
-    base = dict(target=str(target), out=str(out), layers=1, head_size=600, samples=12, max_new_tokens=16, heldout=0.25,
-                teacher_k=16, batch=4, lr=3e-3, steps=30, minutes=None, shard_size=4, checkpoint_s=0.0)
+    base = dict(
+        target=str(target),
+        out=str(out),
+        layers=1,
+        head_size=600,
+        samples=12,
+        max_new_tokens=16,
+        heldout=0.25,
+        teacher_k=16,
+        batch=4,
+        lr=3e-3,
+        steps=30,
+        minutes=None,
+        shard_size=4,
+        checkpoint_s=0.0,
+    )
     return DistillSettings(**{**base, **kw})
 
 
-def test_distillation_lowers_held_out_kl_and_writes_a_loadable_draft(tiny_target: Path, tmp_path: Path,
-                                                                     one_thread: None) -> None:
+def test_distillation_lowers_held_out_kl_and_writes_a_loadable_draft(
+    tiny_target: Path, tmp_path: Path, one_thread: None
+) -> None:
     out = tmp_path / "draft"
     manifest = distill(_settings(tiny_target, out, validate_s=0.0), command="test")
     before, after = manifest["metrics"]["before"], manifest["metrics"]["after"]
@@ -100,16 +123,40 @@ def test_distillation_lowers_held_out_kl_and_writes_a_loadable_draft(tiny_target
     # and the command line takes the distilled directory as --draft
     from specdec.cli import main
 
-    assert main(["generate", "--target", str(tiny_target), "--draft", str(out), "--prompt", "Hi there", "--chat",
-                 "--max-tokens", "8", "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--target",
+                str(tiny_target),
+                "--draft",
+                str(out),
+                "--prompt",
+                "Hi there",
+                "--chat",
+                "--max-tokens",
+                "8",
+                "--json",
+            ]
+        )
+        == 0
+    )
 
 
 def test_a_draft_for_another_target_is_refused(tiny_target: Path, tmp_path: Path, one_thread: None) -> None:
     out = tmp_path / "draft"
     distill(_settings(tiny_target, out, steps=1, samples=4), command="test")
     tokenizer = load_model(tiny_target).tokenizer
-    other = tiny_random(seed=12, vocab_size=len(tokenizer), num_layers=3, hidden_size=32, num_heads=4,
-                        num_kv_heads=2, intermediate_size=64, tie_word_embeddings=True)
+    other = tiny_random(
+        seed=12,
+        vocab_size=len(tokenizer),
+        num_layers=3,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+        tie_word_embeddings=True,
+    )
     other = LoadedModel("other-target", other.config, other.state_dict, tokenizer, "test")
     with pytest.raises(DraftLoadError, match=r"distilled for target 'tiny-target'.*not for 'other-target'"):
         load_draft(out, other)
@@ -118,8 +165,9 @@ def test_a_draft_for_another_target_is_refused(tiny_target: Path, tmp_path: Path
         load_draft(out, load_model(tiny_target))
 
 
-def test_an_interrupted_run_resumes(tiny_target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                    one_thread: None) -> None:
+def test_an_interrupted_run_resumes(
+    tiny_target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_thread: None
+) -> None:
     out = tmp_path / "draft"
     real_loss = objective.distill_loss
     calls = {"n": 0}
@@ -166,20 +214,33 @@ def test_the_kept_weights_are_the_best_validated_step(tiny_target: Path, tmp_pat
     manifest = distill(settings, command="test")
     assert 0 <= manifest["kept_step"] < 20  # deterministic (seeded, one thread): the last step is not the best
     target = load_model(tiny_target)
-    records = [r for r in collect_data(target, out / ".work", load_prompts(settings),
-                                       shard_size=4, max_new_tokens=16, temperature=1.0, teacher_k=16,
-                                       seed=0) if r.positions]
+    records = [
+        r
+        for r in collect_data(
+            target,
+            out / ".work",
+            load_prompts(settings),
+            shard_size=4,
+            max_new_tokens=16,
+            temperature=1.0,
+            teacher_k=16,
+            seed=0,
+        )
+        if r.positions
+    ]
     _, valid, _ = split_records(records, settings)
     kept = DraftNet(load_draft(out, target))
-    assert objective.validation_loss(kept, valid, target.vocab_size) == pytest.approx(manifest["validation_loss"],
-                                                                                      rel=1e-3)
+    assert objective.validation_loss(kept, valid, target.vocab_size) == pytest.approx(
+        manifest["validation_loss"], rel=1e-3
+    )
     last = DraftNet(load_draft(out, target))
     last.load_state_dict(torch.load(out / ".work" / "checkpoint.pt", weights_only=False)["net"])
     assert manifest["validation_loss"] <= objective.validation_loss(last, valid, target.vocab_size) + 1e-6
 
 
-def test_grouped_generation_keeps_prompts_and_seeds_and_completes_short_shards(tiny_target: Path, tmp_path: Path,
-                                                                                one_thread: None) -> None:
+def test_grouped_generation_keeps_prompts_and_seeds_and_completes_short_shards(
+    tiny_target: Path, tmp_path: Path, one_thread: None
+) -> None:
     """Shards generated together (continuous batching over a group) hold the same continuations, in the same
     prompt order, as shards generated one by one; a shard left short by a smaller earlier ``--samples`` is
     generated again when the prompt list grows, and the complete shards are not touched; a smaller
@@ -190,7 +251,10 @@ def test_grouped_generation_keeps_prompts_and_seeds_and_completes_short_shards(t
     alone = collect_data(target, tmp_path / "alone", prompts, group=1, **kw)
     grouped = collect_data(target, tmp_path / "grouped", prompts, group=3, max_batch=3, **kw)
     assert [len(torch.load(p, weights_only=False)) for p in sorted((tmp_path / "grouped" / "data").glob("*.pt"))] == [
-        4, 4, 2]
+        4,
+        4,
+        2,
+    ]
     assert len({tuple(r.tokens[: r.positions[0]]) for r in alone}) == 10  # ten different prompts, in order:
     assert [r.tokens[: r.positions[0]] for r in grouped] == [r.tokens[: r.positions[0]] for r in alone]
     assert [r.tokens for r in grouped] == [r.tokens for r in alone]  # each continuation by its own seed
@@ -204,8 +268,9 @@ def test_grouped_generation_keeps_prompts_and_seeds_and_completes_short_shards(t
     assert [r.tokens for r in fewer] == [r.tokens for r in more[:6]]  # a smaller --samples takes a prefix
 
 
-def test_greedy_continuations_follow_their_prompts_split_and_are_evaluated_apart(tiny_target: Path, tmp_path: Path,
-                                                                                 one_thread: None) -> None:
+def test_greedy_continuations_follow_their_prompts_split_and_are_evaluated_apart(
+    tiny_target: Path, tmp_path: Path, one_thread: None
+) -> None:
     """Without ``--greedy-data`` only the held-out prompts are continued greedily, to be evaluated; with it every
     distinct prompt is, each greedy continuation lands in its prompt's split (no held-out prompt is trained on), and
     a checkpoint of the other kind of run is refused rather than resumed."""
@@ -218,18 +283,37 @@ def test_greedy_continuations_follow_their_prompts_split_and_are_evaluated_apart
     assert manifest["data"]["greedy_train_sequences"] == 0
     target = load_model(tiny_target)
     prompts = load_prompts(settings)
-    records = [r for r in collect_data(target, tmp_path / "plain" / ".work", prompts, shard_size=4,
-                                       max_new_tokens=16, temperature=1.0, teacher_k=16, seed=0)
-               if r.positions]
+    records = [
+        r
+        for r in collect_data(
+            target,
+            tmp_path / "plain" / ".work",
+            prompts,
+            shard_size=4,
+            max_new_tokens=16,
+            temperature=1.0,
+            teacher_k=16,
+            seed=0,
+        )
+        if r.positions
+    ]
     parts = split_records(records, settings)
     prompt_of = {tuple(encode_text(target.tokenizer, p, chat=True)): p for p in prompts}
     held_prompts = {prompt_of[tuple(r.tokens[: r.positions[0]])] for r in parts[0]}
-    plain = collect_data(target, tmp_path / "plain" / ".work", sorted(held_prompts, key=prompts.index),
-                         shard_size=4, max_new_tokens=16, temperature=0.0, teacher_k=16, seed=0,
-                         subdir="heldout-greedy")
+    plain = collect_data(
+        target,
+        tmp_path / "plain" / ".work",
+        sorted(held_prompts, key=prompts.index),
+        shard_size=4,
+        max_new_tokens=16,
+        temperature=0.0,
+        teacher_k=16,
+        seed=0,
+        subdir="heldout-greedy",
+    )
     assert len(plain) == len(held_prompts) == manifest["data"]["heldout_greedy_sequences"]
     # a greedy continuation is the target's argmax at every step
-    assert all(r.top_ids[:, 0].tolist() == r.tokens[r.positions[0]:] for r in plain)
+    assert all(r.top_ids[:, 0].tolist() == r.tokens[r.positions[0] :] for r in plain)
 
     with_greedy = _settings(tiny_target, tmp_path / "greedy", steps=2, greedy_data=True)
     manifest = distill(with_greedy, command="test")
@@ -245,8 +329,9 @@ def test_greedy_continuations_follow_their_prompts_split_and_are_evaluated_apart
         distill(_settings(tiny_target, tmp_path / "greedy", steps=3, greedy_data=False), command="test")
 
 
-def test_cached_data_of_other_settings_or_prompts_is_not_reused(tiny_target: Path, tmp_path: Path,
-                                                                one_thread: None) -> None:
+def test_cached_data_of_other_settings_or_prompts_is_not_reused(
+    tiny_target: Path, tmp_path: Path, one_thread: None
+) -> None:
     """A cache generated at another temperature is refused with the difference named; a shard continuing other
     prompts (another ``--prompts`` file) is generated again instead of being trained on."""
     target = load_model(tiny_target)
@@ -267,9 +352,9 @@ def test_cached_data_of_other_settings_or_prompts_is_not_reused(tiny_target: Pat
 def test_records_are_split_by_prompt_and_the_schedule_warms_up_then_decays() -> None:
     """A prompt sampled twice lands wholly in one split; the learning-rate factor rises over the warm-up and
     ends the budget at 10%."""
+
     def record(prompt: int, n: int) -> Record:
-        return Record([prompt, prompt, 7, 8, 9][: 2 + n], list(range(2, 2 + n)), torch.zeros(n, 1),
-                      torch.zeros(n, 1))
+        return Record([prompt, prompt, 7, 8, 9][: 2 + n], list(range(2, 2 + n)), torch.zeros(n, 1), torch.zeros(n, 1))
 
     records = [record(p, 1 + (i % 3)) for i, p in enumerate(list(range(20)) * 3)]  # 20 prompts, 3 samples each
     held, valid, train = split_records(records, DistillSettings(heldout=0.1, valid=0.1, seed=4))
@@ -283,9 +368,9 @@ def test_records_are_split_by_prompt_and_the_schedule_warms_up_then_decays() -> 
     assert factor(500, 0.5, 10) == pytest.approx(0.55) and factor(900, 1.0, 10) == pytest.approx(0.1)
 
 
-def test_the_target_writes_its_own_requests_each_ended_by_it_distinct_and_resumable(tiny_chat_target: Path,
-                                                                                      tmp_path: Path,
-                                                                                      one_thread: None) -> None:
+def test_the_target_writes_its_own_requests_each_ended_by_it_distinct_and_resumable(
+    tiny_chat_target: Path, tmp_path: Path, one_thread: None
+) -> None:
     """Self-written prompts continue the chat template where a user's message starts; only turns the target
     ended itself (EOS) with enough words are kept, without repeats; a larger count later extends the same list
     (candidates are seeded by index, so an interrupted run draws what an uninterrupted one would); other
@@ -319,7 +404,8 @@ def test_the_target_writes_its_own_requests_each_ended_by_it_distinct_and_resuma
 
 
 def test_self_prompts_get_their_own_split_and_a_grown_run_continues_its_checkpoint(
-        tiny_chat_target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_thread: None) -> None:
+    tiny_chat_target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_thread: None
+) -> None:
     """Adding self-written prompts to a finished run: the built-in prompts keep their split (the same held-out
     records, so the draft was never trained on them), the new prompts are split on their own and reported apart,
     the run continues from its checkpoint with its head, the best-step choice starts over on the new validation
@@ -355,8 +441,9 @@ def test_self_prompts_get_their_own_split_and_a_grown_run_continues_its_checkpoi
     assert again["commands"] == ["grown", "third"] and calls["n"] == 5
 
 
-def test_a_grown_draft_starts_as_its_source_and_a_shared_head_is_not_stored(tiny_target: Path, tmp_path: Path,
-                                                                           one_thread: None) -> None:
+def test_a_grown_draft_starts_as_its_source_and_a_shared_head_is_not_stored(
+    tiny_target: Path, tmp_path: Path, one_thread: None
+) -> None:
     """``--init-from``: new layers start as exact no-ops, so the grown draft's logits are its source's; with
     ``--share-head`` the head is the target's own rows, frozen and not written; the finished run's checkpoint is
     kept aside, not overwritten or refused; the lineage of commands is kept; and speculation stays exact."""
@@ -371,8 +458,7 @@ def test_a_grown_draft_starts_as_its_source_and_a_shared_head_is_not_stored(tiny
         want = DraftNet(source)(ids, mask)
         assert torch.equal(DraftNet(grown)(ids, mask), want)
     assert grown.extra["init_layers"] == [0, 1, "draft 0"]  # new layers from the target, the source's last last
-    shared = DraftNet(init_draft(target, 3, source.head_token_ids, share_head=True,
-                                 grow=source))
+    shared = DraftNet(init_draft(target, 3, source.head_token_ids, share_head=True, grow=source))
     rows = target.state_dict["lm_head.weight"][source.head_token_ids]
     assert not shared.head.requires_grad and torch.equal(shared.head.detach(), rows)
     with pytest.raises(ValueError, match="as many or more"):
@@ -387,8 +473,9 @@ def test_a_grown_draft_starts_as_its_source_and_a_shared_head_is_not_stored(tiny
     assert not (elsewhere / ".work" / "data").exists()
     with pytest.raises(DraftLoadError, match="--init-from"):  # another architecture without --init-from
         distill(_settings(tiny_target, out, layers=2, steps=4), command="refused")
-    smaller = distill(_settings(tiny_target, out, layers=2, head_size=400, init_from=str(out), steps=4),
-                      command="smaller head")
+    smaller = distill(
+        _settings(tiny_target, out, layers=2, head_size=400, init_from=str(out), steps=4), command="smaller head"
+    )
     assert (out / ".work" / "checkpoint-1-layers-step-6.pt").is_file()
     assert smaller["head_size"] == 400 and not smaller["shared_head"] and smaller["grown_from"]["steps"] == 6
     assert set(load_draft(out, target).head_token_ids.tolist()) < set(source.head_token_ids.tolist())
@@ -409,14 +496,17 @@ def test_a_grown_draft_starts_as_its_source_and_a_shared_head_is_not_stored(tiny
     assert [o.token_ids for o in got.outputs] == [o.token_ids for o in engine.generate(reqs, "ar").outputs]
     assert got.run.summary()["draft_tokens"] > 0
     # the grown run's own checkpoint now resumes (no second renaming), and --init-from is not read again
-    again = distill(_settings(tiny_target, out, layers=3, share_head=True, init_from=str(tmp_path / "gone"),
-                              steps=5), command="grow")
+    again = distill(
+        _settings(tiny_target, out, layers=3, share_head=True, init_from=str(tmp_path / "gone"), steps=5),
+        command="grow",
+    )
     assert again["steps"] == 5 and again["commands"] == ["first", "smaller head", "grow"]
     assert len(list((out / ".work").glob("checkpoint-*.pt"))) == 2
 
 
-def test_a_fresh_draft_with_a_shared_head_trains_its_layers_only(tiny_target: Path, tmp_path: Path,
-                                                                  one_thread: None) -> None:
+def test_a_fresh_draft_with_a_shared_head_trains_its_layers_only(
+    tiny_target: Path, tmp_path: Path, one_thread: None
+) -> None:
     """``--share-head`` from scratch: the layers learn (held-out KL falls) while the head stays the target's rows,
     which are neither written nor changed, and the loaded draft drafts exactly."""
     out = tmp_path / "draft"
@@ -432,8 +522,9 @@ def test_a_fresh_draft_with_a_shared_head_trains_its_layers_only(tiny_target: Pa
     assert torch.equal(draft.state_dict["lm_head.weight"], target.state_dict["lm_head.weight"][draft.head_token_ids])
     engine = Engine.from_models(target, draft, max_batch=2, max_len=256, num_draft_tokens=3)
     reqs = [engine.request(p, chat=True, max_tokens=12) for p in ("Hi there", "2+2?")]
-    assert [o.token_ids for o in engine.generate(reqs, "ems").outputs] == \
-        [o.token_ids for o in engine.generate(reqs, "ar").outputs]
+    assert [o.token_ids for o in engine.generate(reqs, "ems").outputs] == [
+        o.token_ids for o in engine.generate(reqs, "ar").outputs
+    ]
 
 
 @pytest.mark.real_model
@@ -456,8 +547,10 @@ def test_the_shipped_smollm2_draft_is_small_sound_and_made_for_its_target(smollm
     assert all(c.startswith("specdec distill --target smollm2-135m") for c in manifest["commands"])
     assert manifest["target"]["checksum"] == smollm2.checksum()
     metrics = manifest["metrics"]
-    for after in (metrics["after"], *(metrics[k]["after"] for k in ("heldout_greedy", "self_prompts",
-                                                                    "self_prompts_greedy"))):
+    for after in (
+        metrics["after"],
+        *(metrics[k]["after"] for k in ("heldout_greedy", "self_prompts", "self_prompts_greedy")),
+    ):
         assert after["positions"] > 0 and 0 < after["greedy_agreement"] <= 1
         assert 0 < after["expected_acceptance"] <= 1
     target, draft = load_pair("smollm2-135m", "smollm2-135m-draft")

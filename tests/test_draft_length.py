@@ -135,12 +135,19 @@ def test_fruitless_probes_back_off_and_an_accepted_one_resets_the_wait() -> None
     assert no_backoff.choose(DraftStats([40], [1], idle=8, misses=5), 4, draft_cost=0.1) == 1
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"draft_cost": -0.1}, "draft_cost"), ({"verify_cost": -1.0}, "verify_cost"),
-    ({"prior_acceptance": 1.5}, "prior_acceptance"), ({"prior_weight": 0.0}, "prior_weight"),
-    ({"min_k": -1}, "min_k"), ({"probe_every": 0}, "probe_every"), ({"memory": 0.0}, "memory"),
-    ({"probe_backoff": -1}, "probe_backoff"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"draft_cost": -0.1}, "draft_cost"),
+        ({"verify_cost": -1.0}, "verify_cost"),
+        ({"prior_acceptance": 1.5}, "prior_acceptance"),
+        ({"prior_weight": 0.0}, "prior_weight"),
+        ({"min_k": -1}, "min_k"),
+        ({"probe_every": 0}, "probe_every"),
+        ({"memory": 0.0}, "memory"),
+        ({"probe_backoff": -1}, "probe_backoff"),
+    ],
+)
 def test_bad_settings_are_refused(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         DraftLength(**kwargs)
@@ -162,11 +169,14 @@ def test_adaptive_ems_equals_ar_while_k_follows_acceptance(tiny_target, draft_ki
     """Greedy ems with the policy is token-identical to ar; a draft equal to the target drafts the cap
     every step after the first, an unrelated one soon drafts the floor."""
     backend = TorchBackend(tiny_target)
-    draft = {"same": lambda: ModelDrafter(TorchBackend(tiny_target), 4, 256),
-             "random": lambda: ModelDrafter(TorchBackend(tiny_random(seed=12, vocab_size=96, num_layers=1)), 4, 256),
-             "ngram": NgramDrafter}[draft_kind]()
-    engine = Engine(backend, draft, max_batch=4, max_len=256, num_draft_tokens=5,
-                    draft_length=DraftLength(verify_cost=0.2))
+    draft = {
+        "same": lambda: ModelDrafter(TorchBackend(tiny_target), 4, 256),
+        "random": lambda: ModelDrafter(TorchBackend(tiny_random(seed=12, vocab_size=96, num_layers=1)), 4, 256),
+        "ngram": NgramDrafter,
+    }[draft_kind]()
+    engine = Engine(
+        backend, draft, max_batch=4, max_len=256, num_draft_tokens=5, draft_length=DraftLength(verify_cost=0.2)
+    )
     prompts = [[5, 6, 7], [9] * 20, [1, 2, 3, 4] * 6, [40]]
     requests = [Request(p, max_tokens=40) for p in prompts]
     ar = engine.generate(requests, "ar")
@@ -201,8 +211,13 @@ def test_prices_per_batch_size_interpolate_and_round_trip_through_a_config() -> 
 def test_a_greedy_sequence_is_priced_at_its_batch_size_a_sampled_one_is_not() -> None:
     """Acceptance 0.5: one draft pays at batch 1 (0.2 a draft: 1.5 tokens for 1.2 steps) but not at batch 8 (0.9 a
     draft); the flat prices (the medians a sampled sequence pays) sit between."""
-    policy = DraftLength(verify_cost=0.3, draft_cost=0.1, prior_weight=1.0,
-                         verify_by_batch=((1, 0.1), (8, 0.8)), draft_by_batch=((1, 0.1), (8, 0.1)))
+    policy = DraftLength(
+        verify_cost=0.3,
+        draft_cost=0.1,
+        prior_weight=1.0,
+        verify_by_batch=((1, 0.1), (8, 0.8)),
+        draft_by_batch=((1, 0.1), (8, 0.1)),
+    )
     stats = DraftStats([100.0, 50.0], [50.0, 25.0])
     assert policy.prices(0.0, 1) == (0.1, 0.1) and policy.prices(0.0, 8) == (0.1, 0.8)
     assert policy.prices(0.0) == (0.1, 0.3)
@@ -221,12 +236,19 @@ def test_the_loop_prices_greedy_requests_by_the_batch_and_sampled_ones_alone(tin
 
     backend = TorchBackend(tiny_target)
     policy = DraftLength(verify_cost=0.0, draft_cost=0.0, verify_by_batch=((1, 0.0), (4, 5.0)), probe_every=1000)
-    engine = Engine(backend, ModelDrafter(TorchBackend(tiny_target), 4, 256), max_batch=4, max_len=256,
-                    num_draft_tokens=3, draft_length=policy)
+    engine = Engine(
+        backend,
+        ModelDrafter(TorchBackend(tiny_target), 4, 256),
+        max_batch=4,
+        max_len=256,
+        num_draft_tokens=3,
+        draft_length=policy,
+    )
     prompts = [[5, 6, 7], [9] * 20, [1, 2, 3, 4] * 6, [40]]
     greedy = [Request(p, max_tokens=24) for p in prompts]
-    sampled = [Request(p, max_tokens=24, sampling=SamplingParams(temperature=1.0, seed=i)) for i, p in
-               enumerate(prompts)]
+    sampled = [
+        Request(p, max_tokens=24, sampling=SamplingParams(temperature=1.0, seed=i)) for i, p in enumerate(prompts)
+    ]
     ems = engine.generate(greedy, "ems")
     assert [o.token_ids for o in ems.outputs] == [o.token_ids for o in engine.generate(greedy, "ar").outputs]
     assert sum(s.draft_tokens for s in ems.run.steps[1:]) == 0  # 1 + 3·0.5 tokens for 1 + 3·5 steps: never
@@ -244,8 +266,14 @@ def test_a_greedy_request_starts_from_the_pooled_acceptance_a_sampled_one_from_t
 
     def engine() -> Engine:
         unrelated = ModelDrafter(TorchBackend(tiny_random(seed=12, vocab_size=96, num_layers=1)), 4, 256)
-        return Engine(TorchBackend(tiny_target), unrelated, max_batch=4, max_len=256, num_draft_tokens=3,
-                      draft_length=DraftLength(verify_cost=0.2, draft_cost=0.1))
+        return Engine(
+            TorchBackend(tiny_target),
+            unrelated,
+            max_batch=4,
+            max_len=256,
+            num_draft_tokens=3,
+            draft_length=DraftLength(verify_cost=0.2, draft_cost=0.1),
+        )
 
     seasoned, fresh = engine(), engine()
     history = seasoned.generate([Request([3, 1, 4, 1, 5][: 1 + i], max_tokens=30) for i in range(4)], "ems")
@@ -254,6 +282,7 @@ def test_a_greedy_request_starts_from_the_pooled_acceptance_a_sampled_one_from_t
     greedy = Request([9, 2, 6, 5], max_tokens=12)
     first_drafts = [e.generate([greedy], "ems").run.steps[1].draft_tokens for e in (seasoned, fresh)]
     assert first_drafts[0] == 0 and first_drafts[1] > 0
+
     def answer(e: Engine, request: Request, method: str) -> list[int]:
         return e.generate([request], method).outputs[0].token_ids
 
@@ -337,8 +366,14 @@ def test_the_loop_plans_a_batch_nobody_waits_to_join() -> None:
     policy = DraftLength(verify_by_batch=((1, 0.1), (2, 0.2)), probe_every=1000)
 
     def drafted(lengths: tuple[int, ...], max_batch: int = 2) -> list[int]:
-        engine = Engine(target, NgramDrafter(max_ngram=3, min_ngram=2), max_batch=max_batch, max_len=96,
-                        num_draft_tokens=4, draft_length=policy)
+        engine = Engine(
+            target,
+            NgramDrafter(max_ngram=3, min_ngram=2),
+            max_batch=max_batch,
+            max_len=96,
+            num_draft_tokens=4,
+            draft_length=policy,
+        )
         prompts = [[1, 2, 3, 4, 1, 2, 3, 4], [40, 41, 42], [2, 3, 4, 5, 2, 3, 4, 5]][: len(lengths)]
         requests = [Request(p, max_tokens=n) for p, n in zip(prompts, lengths)]
         ems = engine.generate(requests, "ems")
@@ -362,11 +397,18 @@ def test_a_server_loop_prices_each_sequence_alone(monkeypatch) -> None:
 
     planned: list[int] = []
     real_plan = DraftLength.plan
-    monkeypatch.setattr(DraftLength, "plan", lambda self, seqs, *a, **k: planned.append(len(seqs))
-                        or real_plan(self, seqs, *a, **k))
+    monkeypatch.setattr(
+        DraftLength, "plan", lambda self, seqs, *a, **k: planned.append(len(seqs)) or real_plan(self, seqs, *a, **k)
+    )
     target = ScriptedBackend(lambda c: c[-4] if len(c) >= 4 else (c[-1] + 1) % 64, 64)
-    engine = Engine(target, NgramDrafter(), max_batch=2, max_len=64, num_draft_tokens=4,
-                    draft_length=DraftLength(verify_by_batch=((1, 0.1), (2, 0.2))))
+    engine = Engine(
+        target,
+        NgramDrafter(),
+        max_batch=2,
+        max_len=64,
+        num_draft_tokens=4,
+        draft_length=DraftLength(verify_by_batch=((1, 0.1), (2, 0.2))),
+    )
     requests = [Request([1, 2, 3, 4, 1, 2, 3, 4], max_tokens=12), Request([5, 6, 7, 8, 5, 6], max_tokens=12)]
     engine.generate(requests, "ems")
     assert planned and max(planned) == 2
@@ -389,8 +431,14 @@ def test_a_plan_that_fails_prices_each_sequence_alone(monkeypatch, caplog) -> No
 
     monkeypatch.setattr(DraftLength, "plan", broken)
     target = ScriptedBackend(lambda c: c[-4] if len(c) >= 4 else (c[-1] + 1) % 64, 64)
-    engine = Engine(target, NgramDrafter(), max_batch=2, max_len=64, num_draft_tokens=4,
-                    draft_length=DraftLength(verify_by_batch=((1, 0.1), (2, 0.2))))
+    engine = Engine(
+        target,
+        NgramDrafter(),
+        max_batch=2,
+        max_len=64,
+        num_draft_tokens=4,
+        draft_length=DraftLength(verify_by_batch=((1, 0.1), (2, 0.2))),
+    )
     requests = [Request([1, 2, 3, 4, 1, 2, 3, 4], max_tokens=12), Request([5, 6, 7, 8, 5, 6], max_tokens=12)]
     ems = engine.generate(requests, "ems")
     assert [o.error for o in ems.outputs] == [None, None]

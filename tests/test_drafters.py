@@ -98,5 +98,5 @@ def test_model_drafter_greedy_drafts_equal_the_draft_models_own_greedy_chain(k: 
     import torch
 
     ids = torch.tensor([seq.tokens])
-    chain = hf.generate(ids, max_new_tokens=k, do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    chain = hf.generate(ids, max_new_tokens=k, do_sample=False, pad_token_id=0)[0, ids.shape[1] :].tolist()
     assert proposal == chain

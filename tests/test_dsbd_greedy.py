@@ -52,8 +52,12 @@ def test_an_empty_layer_never_passes() -> None:
 
 def _reference(scores: list[float], probs: list[list[float]], nodes: list[int], width: int) -> list[int]:
     """Plain loops: rank every (parent, token) pair, ties to the lower flat index; look each pick up in the drafts."""
-    pairs = [(scores[b] + math.log(probs[b][v]), -(b * V + v)) for b in range(len(scores)) for v in range(V)
-             if scores[b] > -math.inf]
+    pairs = [
+        (scores[b] + math.log(probs[b][v]), -(b * V + v))
+        for b in range(len(scores))
+        for v in range(V)
+        if scores[b] > -math.inf
+    ]
     picks = [-flat for _, flat in sorted(pairs, reverse=True)[:width]]
     return [nodes.index(x) if x in nodes else -1 for x in picks]
 
@@ -72,8 +76,9 @@ def test_matches_a_plain_loop_reference(data: st.DataObject) -> None:
     live = sum(s > -math.inf for s in scores) * V
     width = data.draw(st.integers(1, min(4, live)))
     nodes = data.draw(st.lists(st.integers(0, parents * V - 1), max_size=6))
-    verdict = verify_layer_greedy(np.array(scores, dtype=np.float64), np.log(np.array(probs, dtype=np.float64)),
-                                  nodes, width)
+    verdict = verify_layer_greedy(
+        np.array(scores, dtype=np.float64), np.log(np.array(probs, dtype=np.float64)), nodes, width
+    )
     expected = _reference(scores, probs, nodes, width)
     assert verdict.found == expected
     assert verdict.passed == all(i >= 0 for i in expected)

@@ -104,8 +104,9 @@ class SlotCounts:
     seconds: float
 
 
-def run_rounds(params: SamplingParams, w_s: int, gamma: int, width: int, n: int, seed: int,
-               draft: Callable = draft_fn, **kw) -> SlotCounts:
+def run_rounds(
+    params: SamplingParams, w_s: int, gamma: int, width: int, n: int, seed: int, draft: Callable = draft_fn, **kw
+) -> SlotCounts:
     generator = np.random.default_rng(seed)
     memo: dict = {}
     first: dict[int, Counter] = defaultdict(Counter)
@@ -133,8 +134,9 @@ def _check_output_beams(result: RoundResult) -> None:
     assert all(layer.passed for layer in result.layers[:-1])
 
 
-def pooled_conditional_chi_square(groups: dict[tuple[Beam, ...], Counter], params: SamplingParams,
-                                  min_count: int = 20) -> tuple[float, int]:
+def pooled_conditional_chi_square(
+    groups: dict[tuple[Beam, ...], Counter], params: SamplingParams, min_count: int = 20
+) -> tuple[float, int]:
     """(p-value, rounds used) of one chi-square summed over parent states.
 
     Per state, cells with expected count < 5 are pooled, and a pooled cell still under 5 joins
@@ -175,8 +177,10 @@ def slot_pvalues(counts: SlotCounts, params: SamplingParams, label: str) -> dict
     for j, slot_counts in sorted(counts.first.items()):
         pvalue = chi_square_pvalue(slot_counts, law)
         tv, bound = total_variation(slot_counts, law)
-        print(f"{label} layer 1 slot {j}: n = {sum(slot_counts.values())}, p = {pvalue:.4g}, "
-              f"TV = {tv:.4f} (bound {bound:.4f})")
+        print(
+            f"{label} layer 1 slot {j}: n = {sum(slot_counts.values())}, p = {pvalue:.4g}, "
+            f"TV = {tv:.4f} (bound {bound:.4f})"
+        )
         out[f"layer 1 slot {j}"] = pvalue
         out[f"layer 1 slot {j} TV excess"] = bound - tv
     for (depth, j), groups in sorted(counts.later.items()):
@@ -208,10 +212,9 @@ def test_beam_distribution_matches_the_formula() -> None:
     plain = beam_distribution(scores, table, PLAIN)
     assert plain.dtype == np.float64 and plain.shape == (3 * VOCAB,)
     np.testing.assert_allclose(plain, joint / joint.sum(), rtol=1e-6, atol=1e-12)
-    assert plain[2 * VOCAB:].sum() == 0.0
+    assert plain[2 * VOCAB :].sum() == 0.0
     # the same from logits, shifted per row (log_softmax removes the shift)
-    from_logits = beam_distribution(scores, np.log(table) + np.array([[3.0], [-1.0], [0.0]]), PLAIN,
-                                    logits=True)
+    from_logits = beam_distribution(scores, np.log(table) + np.array([[3.0], [-1.0], [0.0]]), PLAIN, logits=True)
     np.testing.assert_allclose(from_logits, plain, rtol=1e-6, atol=1e-12)
 
     tempered = joint ** (1 / WARPED.temperature)
@@ -246,8 +249,9 @@ def test_warping_is_joint_not_per_beam() -> None:
 
 def test_beam_search_step_takes_the_top_pairs() -> None:
     scores = np.array([-0.1, -0.5, -3.0], dtype=np.float64)
-    table = np.array([[0.5, 0.5, 0.0, 0.0, 0.0], [0.7, 0.1, 0.1, 0.05, 0.05], [1.0, 0.0, 0.0, 0.0, 0.0]],
-                     dtype=np.float64)
+    table = np.array(
+        [[0.5, 0.5, 0.0, 0.0, 0.0], [0.7, 0.1, 0.1, 0.05, 0.05], [1.0, 0.0, 0.0, 0.0, 0.0]], dtype=np.float64
+    )
     with np.errstate(divide="ignore"):  # log 0 = -inf: the pairs of probability 0
         log_table = np.log(table)
     joint = scores[:, None] + log_table
@@ -334,13 +338,16 @@ def test_sampling_without_replacement_is_successive_sampling() -> None:
     """The ordered triples of 20,000 draws fit the successive-sampling law (torch.multinomial's without
     replacement, which it replaces) and reject the law of i.i.d. draws conditioned on being distinct."""
     generator = np.random.default_rng(31)
-    counts = Counter(tuple(sample_pairs_without_replacement(SUCCESSIVE_P, 3, generator).tolist())
-                     for _ in range(ROUNDS))
+    counts = Counter(
+        tuple(sample_pairs_without_replacement(SUCCESSIVE_P, 3, generator).tolist()) for _ in range(ROUNDS)
+    )
     pvalue = chi_square_pvalue(counts, _ordered_law(SUCCESSIVE_P, 3, successive=True))
     tv, bound = total_variation(counts, _ordered_law(SUCCESSIVE_P, 3, successive=True))
     wrong = chi_square_pvalue(counts, _ordered_law(SUCCESSIVE_P, 3, successive=False))
-    print(f"without replacement: p = {pvalue:.4g}, TV = {tv:.4f} (bound {bound:.4f}); "
-          f"against i.i.d.-given-distinct: p = {wrong:.3g}")
+    print(
+        f"without replacement: p = {pvalue:.4g}, TV = {tv:.4f} (bound {bound:.4f}); "
+        f"against i.i.d.-given-distinct: p = {wrong:.3g}"
+    )
     assert pvalue > ALPHA and tv < bound
     assert wrong < 1e-6
 
@@ -629,6 +636,7 @@ def test_draft_equal_to_target_accepts_every_node(params: SamplingParams, width:
         assert [layer.accepted for layer in result.layers] == [width] * 3 + [0]
         assert all(len(b.prefix) == 1 + 4 for b in result.beams)
     # with W < W_S the unaccepted drafts' children are invalid parents, so later layers can fail
-    passed_first = [dsbd_round(INPUT_BEAMS, target_fn, target_fn, params, 3, 2, 2, generator).layers[0].passed
-                    for _ in range(100)]
+    passed_first = [
+        dsbd_round(INPUT_BEAMS, target_fn, target_fn, params, 3, 2, 2, generator).layers[0].passed for _ in range(100)
+    ]
     assert all(passed_first)

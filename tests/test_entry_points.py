@@ -78,7 +78,8 @@ def test_engine_watcher_keeps_no_client_after_its_request() -> None:
     try:
         ref = _watched_then_dropped(
             lambda c: engine._streams.__setitem__("r1", triton_models._Stream(c, False, ())),  # type: ignore[arg-type]
-            lambda: engine._streams.pop("r1"))
+            lambda: engine._streams.pop("r1"),
+        )
         assert watcher.is_alive(), "the watcher died: the check below would hold vacuously"
         assert _released(ref), "the watcher still holds the last client it polled"
     finally:

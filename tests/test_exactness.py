@@ -37,14 +37,18 @@ def assert_same_as_ar(backend: TorchBackend, reference, result, label: str) -> N
     for i, (ref, got) in enumerate(zip(reference.outputs, result.outputs)):
         if ref.token_ids == got.token_ids:
             continue
-        pos = next((j for j, (a, b) in enumerate(zip(ref.token_ids, got.token_ids)) if a != b),
-                   min(len(ref.token_ids), len(got.token_ids)))
+        pos = next(
+            (j for j, (a, b) in enumerate(zip(ref.token_ids, got.token_ids)) if a != b),
+            min(len(ref.token_ids), len(got.token_ids)),
+        )
         gap = top2_gap(backend, ref.prompt_ids + ref.token_ids[:pos])
         if gap < NEAR_TIE:
             warnings.warn(f"{label}: sample {i} diverges at token {pos} on a near-tie (gap {gap:.2e})", stacklevel=2)
             continue
-        pytest.fail(f"{label}: sample {i} diverges at token {pos} (reference top-2 gap {gap:.3e}):\n"
-                    f"  ar:  {ref.token_ids}\n  got: {got.token_ids}")
+        pytest.fail(
+            f"{label}: sample {i} diverges at token {pos} (reference top-2 gap {gap:.3e}):\n"
+            f"  ar:  {ref.token_ids}\n  got: {got.token_ids}"
+        )
 
 
 def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
@@ -92,8 +96,9 @@ def test_tiny_ems_and_vanilla_equal_ar(tiny_target, batch: int, drafter_kind: st
 def test_tiny_identical_draft_accepts_k_plus_one(tiny_target) -> None:
     """Draft == target: every draft accepted, K + 1 tokens per target call, identical output."""
     backend = TorchBackend(tiny_target)
-    engine = Engine(backend, ModelDrafter(TorchBackend(tiny_target), 2, 256), max_batch=2, max_len=256,
-                    num_draft_tokens=3)
+    engine = Engine(
+        backend, ModelDrafter(TorchBackend(tiny_target), 2, 256), max_batch=2, max_len=256, num_draft_tokens=3
+    )
     requests = [Request([5, 6, 7], max_tokens=21), Request([9] * 20, max_tokens=21)]
     ems = engine.generate(requests, "ems")
     ar = engine.generate(requests, "ar")

@@ -33,19 +33,52 @@ PROBE = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def tiny_export(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("meta") / "deploy"
-    assert export_main(["--target", str(tiny_dir), "--draft", str(tiny_dir), "--out", str(out), "--max-batch", "2",
-                        "--max-len", "128"]) == 0
+    assert (
+        export_main(
+            [
+                "--target",
+                str(tiny_dir),
+                "--draft",
+                str(tiny_dir),
+                "--out",
+                str(out),
+                "--max-batch",
+                "2",
+                "--max-len",
+                "128",
+            ]
+        )
+        == 0
+    )
     return out
 
 
-@pytest.mark.parametrize("args", [
-    ["--method", "ems", "--max-tokens", "8"],
-    ["--method", "ar", "--temperature", "0.8", "--seed", "3", "--max-tokens", "8"],
-    ["--method", "dsbd", "--beam-width", "2", "--temperature", "1", "--seed", "1", "--max-tokens", "6"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--method", "ems", "--max-tokens", "8"],
+        ["--method", "ar", "--temperature", "0.8", "--seed", "3", "--max-tokens", "8"],
+        ["--method", "dsbd", "--beam-width", "2", "--temperature", "1", "--seed", "1", "--max-tokens", "6"],
+    ],
+)
 def test_generating_on_an_onnx_export_never_imports_torch(tiny_export: Path, args: list[str]) -> None:
-    run = subprocess.run([sys.executable, "-c", PROBE, "generate", "--target", str(tiny_export), "--prompt",
-                          "hello there", "--json", *args], capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            PROBE,
+            "generate",
+            "--target",
+            str(tiny_export),
+            "--prompt",
+            "hello there",
+            "--json",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     report = json.loads(run.stderr.strip().splitlines()[-1])
     assert run.returncode == 0 and report["code"] in (0, None), run.stderr[-2000:]
     assert report["heavy"] == [], f"an ONNX Runtime engine imported {report['heavy']}"
@@ -55,8 +88,9 @@ def test_generating_on_an_onnx_export_never_imports_torch(tiny_export: Path, arg
 
 def test_the_exports_tokenizer_encodes_as_the_model_tokenizer(tiny_export: Path) -> None:
     """The torch-free ``PreTrainedTokenizerFast`` over the export's files equals ``AutoTokenizer`` on them."""
-    _assert_same_tokenizer(load_export_metadata(tiny_export).tokenizer, AutoTokenizer.from_pretrained(
-        str(tiny_export / "target")))
+    _assert_same_tokenizer(
+        load_export_metadata(tiny_export).tokenizer, AutoTokenizer.from_pretrained(str(tiny_export / "target"))
+    )
 
 
 @pytest.mark.real_model
@@ -67,8 +101,13 @@ def test_the_real_smollm2_exports_tokenizer_encodes_as_the_model_tokenizer(smoll
 
 
 def _assert_same_tokenizer(fast: object, auto: object) -> None:
-    texts = ["Hello, world!", "  leading spaces and\ttabs\nnew lines", "naïve café — 東京 🙂", "<|im_start|>user",
-             "def f(x):\n    return x ** 2"]
+    texts = [
+        "Hello, world!",
+        "  leading spaces and\ttabs\nnew lines",
+        "naïve café — 東京 🙂",
+        "<|im_start|>user",
+        "def f(x):\n    return x ** 2",
+    ]
     for text in texts:
         assert fast(text)["input_ids"] == auto(text)["input_ids"], text
         ids = auto(text)["input_ids"]
@@ -76,5 +115,7 @@ def _assert_same_tokenizer(fast: object, auto: object) -> None:
     assert fast.eos_token_id == auto.eos_token_id and fast.bos_token_id == auto.bos_token_id
     if getattr(auto, "chat_template", None):
         messages = [{"role": "user", "content": "What is 2 + 2?"}]
-        assert (fast.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"]
-                == auto.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"])
+        assert (
+            fast.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"]
+            == auto.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"]
+        )

@@ -42,12 +42,14 @@ def gqa_graph(tmp_path_factory):
 
 def _ops(proto: onnx.ModelProto) -> collections.Counter:
     """(domain, op) counts of the graph's nodes, the nodes of its If branches included."""
+
     def nodes(graph: onnx.GraphProto):
         for n in graph.node:
             yield n
             for a in n.attribute:
                 if a.type == onnx.AttributeProto.GRAPH:
                     yield from nodes(a.g)
+
     return collections.Counter((n.domain, n.op_type) for n in nodes(proto.graph))
 
 
@@ -58,8 +60,12 @@ def test_every_pattern_is_lowered_and_the_file_keeps_its_custom_nodes(tiny_expor
     proto = onnx.load(str(path), load_external_data=False)
     report = ort_fuse.fuse_model(proto)
     ops = _ops(proto)
-    assert report.counts == {"attention": layers, "rmsnorm": 2 * layers + 1, "skip_rmsnorm": 2 * layers - 1,
-                             "rotary": 2 * layers}, report
+    assert report.counts == {
+        "attention": layers,
+        "rmsnorm": 2 * layers + 1,
+        "skip_rmsnorm": 2 * layers - 1,
+        "rotary": 2 * layers,
+    }, report
     folded = report.fold > 1  # grouped-query heads: an If per layer, a GQA call in each of its two branches
     assert report.fold == int(model.config.num_attention_heads) // int(model.config.num_key_value_heads)
     assert ops[("", "If")] == (layers if folded else 0)
@@ -108,7 +114,7 @@ def test_fused_caches_are_written_in_place_and_equal_the_reference(tiny_export) 
             # sequence's discarded copy row, or a folded step's copies of its last row), and nothing past those
             kept = slice(0, committed[slot])
             assert np.allclose(got[slot, :, kept], want[slot, :, kept], rtol=0, atol=1e-5)
-            assert float(np.abs(got[slot, :, written[slot]:]).sum()) == 0
+            assert float(np.abs(got[slot, :, written[slot] :]).sum()) == 0
     assert any(float(np.abs(t).sum()) > 0 for t in cache.k)
 
 
@@ -144,8 +150,7 @@ def test_steps_gqa_cannot_pad_are_split_or_run_unfused_and_stay_exact(gqa_graph)
                 real[w.slot_id, w.past_len : w.past_len + n] = True
                 real[w.slot_id, w.past_len + n : w.past_len + (fold * n if folded else n + n % 2)] = False
     assert backend.split_steps == 2 and backend.unfused_steps == 0 and backend.inplace_ok
-    bare = HostKVStorage(backend.num_layers, 1, int(backend.num_kv_heads), 16, int(backend.head_dim),
-                         backend.np_dtype)
+    bare = HostKVStorage(backend.num_layers, 1, int(backend.num_kv_heads), 16, int(backend.head_dim), backend.np_dtype)
     assert bare.buffer_len == 16
     bare_ref = ref.allocate_cache(1, 16)
     for work in ([SeqWork(0, 0, list(range(1, 16)))], [SeqWork(0, 15, [7])]):  # the last row's copy has no room
@@ -191,6 +196,7 @@ def _wrong_seqlens(original):
         zero = g.add("Constant", value=onnx.helper.make_tensor("zero", TensorProto.INT32, [], [0]))
         pre.query_seqlens = g.add("Max", g.add("Sub", pre.query_seqlens, one), zero)  # each chunk's last row: padding
         return pre
+
     return prelude
 
 
@@ -243,8 +249,10 @@ def test_each_rewrite_alone_is_exact(tiny_export) -> None:
     for rewrite in ort_fuse.REWRITES:
         if rewrite == "skip_rmsnorm":
             continue  # it rewrites rmsnorm's output
-        assert max_logit_error(TorchBackend(model), OrtBackend(path, fuse=[rewrite]), num_slots=4, max_len=40,
-                               seed=5) < 1e-4, rewrite
+        assert (
+            max_logit_error(TorchBackend(model), OrtBackend(path, fuse=[rewrite]), num_slots=4, max_len=40, seed=5)
+            < 1e-4
+        ), rewrite
 
 
 def test_fp16_fused_graph_runs_close_to_fp32(tmp_path) -> None:
@@ -272,7 +280,6 @@ def test_smollm2_fused_graph_matches_torch(smollm2_export) -> None:
     assert backend.fuse_report.counts == {"attention": 30, "rmsnorm": 61, "skip_rmsnorm": 59, "rotary": 60}
     error = max_logit_error(TorchBackend(load_model("smollm2-135m")), backend, num_slots=4, max_len=160, seed=7)
     assert error < 1e-3 and backend.inplace_ok
-
 
 
 def test_a_graph_whose_files_are_symlinks_loads_fused(tmp_path) -> None:

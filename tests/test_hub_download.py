@@ -35,8 +35,12 @@ REPO = "specdec-test/tiny-llama"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 TOKEN = "hf_local_test_token"
 #: in the repository but never read by the loader: none of these may be fetched
-UNNEEDED = {"pytorch_model.bin": b"pickle bytes the loader must not fetch", "README.md": b"# tiny\n",
-            "consolidated.safetensors": b"the same weights again", "original/params.json": b"{}"}
+UNNEEDED = {
+    "pytorch_model.bin": b"pickle bytes the loader must not fetch",
+    "README.md": b"# tiny\n",
+    "consolidated.safetensors": b"the same weights again",
+    "original/params.json": b"{}",
+}
 
 
 @dataclass
@@ -73,7 +77,9 @@ class LocalHub:
     def fetched(self) -> set[str]:
         """Repository files whose bytes were requested (GET on resolve)."""
         prefix = f"/{REPO}/resolve/"
-        return {p[len(prefix):].split("/", 1)[1] for m, p, _, _ in self.requests if m == "GET" and p.startswith(prefix)}
+        return {
+            p[len(prefix) :].split("/", 1)[1] for m, p, _, _ in self.requests if m == "GET" and p.startswith(prefix)
+        }
 
 
 class _HubHandler(BaseHTTPRequestHandler):
@@ -97,8 +103,9 @@ class _HubHandler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         self._serve(body=True)
 
-    def _send(self, status: int, payload: bytes = b"", headers: dict[str, str] | None = None,
-              body: bool = True) -> None:
+    def _send(
+        self, status: int, payload: bytes = b"", headers: dict[str, str] | None = None, body: bool = True
+    ) -> None:
         self.send_response(status)
         for key, value in {"Content-Length": str(len(payload)), "X-Repo-Commit": COMMIT, **(headers or {})}.items():
             self.send_header(key, value)
@@ -111,18 +118,32 @@ class _HubHandler(BaseHTTPRequestHandler):
         auth = self.headers.get("Authorization")
         self.hub.requests.append((self.command, path, self.headers.get("Range"), auth))
         if self.hub.gated and auth != f"Bearer {TOKEN}":
-            self._send(401, b'{"error": "restricted"}', {"X-Error-Code": "GatedRepo", "X-Error-Message":
-                       f"Access to model {REPO} is restricted. You must be authenticated to access it."}, body)
+            self._send(
+                401,
+                b'{"error": "restricted"}',
+                {
+                    "X-Error-Code": "GatedRepo",
+                    "X-Error-Message": f"Access to model {REPO} is restricted. You must be authenticated to access it.",
+                },
+                body,
+            )
         elif path.startswith(f"/api/models/{REPO}/revision/"):
-            info = {"id": REPO, "sha": COMMIT, "private": False, "gated": "manual" if self.hub.gated else False,
-                    "siblings": [{"rfilename": name} for name in self.hub.files]}
+            info = {
+                "id": REPO,
+                "sha": COMMIT,
+                "private": False,
+                "gated": "manual" if self.hub.gated else False,
+                "siblings": [{"rfilename": name} for name in self.hub.files],
+            }
             self._send(200, json.dumps(info).encode(), {"Content-Type": "application/json"}, body)
         elif path.startswith(f"/api/models/{REPO}/tree/"):
-            tree = [{"type": "file", "path": name, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
-                    for name, data in self.hub.files.items()]
+            tree = [
+                {"type": "file", "path": name, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
+                for name, data in self.hub.files.items()
+            ]
             self._send(200, json.dumps(tree).encode(), {"Content-Type": "application/json"}, body)
         elif path.startswith(f"/{REPO}/resolve/"):
-            self._serve_file(path[len(f"/{REPO}/resolve/"):].split("/", 1)[1], body)
+            self._serve_file(path[len(f"/{REPO}/resolve/") :].split("/", 1)[1], body)
         else:
             self._send(404, b"not found", {"X-Error-Code": "RepoNotFound"}, body)
 
@@ -144,8 +165,7 @@ class _HubHandler(BaseHTTPRequestHandler):
             self.connection.shutdown(socket.SHUT_RDWR)
             self.close_connection = True
         elif start:
-            self._send(206, data[start:], {**meta, "Content-Range": f"bytes {start}-{len(data) - 1}/{len(data)}"},
-                       body)
+            self._send(206, data[start:], {**meta, "Content-Range": f"bytes {start}-{len(data) - 1}/{len(data)}"}, body)
         else:
             self._send(200, data, meta, body)
 
@@ -156,9 +176,17 @@ def local_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = small_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("hub") / "tiny-llama"
     LlamaForCausalLM(config).save_pretrained(out, max_shard_size="200KB")
@@ -268,8 +296,10 @@ def test_gated_model_names_hf_token_and_works_with_it(hub_env, local_model, repo
 
 
 def test_a_dropped_connection_resumes_where_it_stopped(hub_env, local_model, repo_files, monkeypatch) -> None:
-    shard = max((n for n in repo_files if n.endswith(".safetensors") and n.startswith("model-")),
-                key=lambda n: len(repo_files[n]))
+    shard = max(
+        (n for n in repo_files if n.endswith(".safetensors") and n.startswith("model-")),
+        key=lambda n: len(repo_files[n]),
+    )
     from huggingface_hub import constants
 
     # huggingface_hub writes what it received in 10 MiB chunks, so a dropped tiny file restarts from byte 0;
@@ -298,13 +328,25 @@ def test_specdec_export_as_typed_downloads_then_runs_offline(hub_env, repo_files
     exe = str(Path(sys.executable).parent / "specdec-export")
     env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(hub_env)}
     try:
-        run = subprocess.run([exe, "--target", REPO, "--backend", "torch"], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=300)
+        run = subprocess.run(
+            [exe, "--target", REPO, "--backend", "torch"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         hub.stop()
     assert run.returncode == 0, run.stderr[-3000:]
     assert (tmp_path / "exports" / "tiny-llama" / "manifest.json").is_file()
     assert "exports/tiny-llama" in run.stderr and "peak memory (RSS)" in run.stderr
-    again = subprocess.run([exe, "--target", REPO, "--backend", "torch", "--out", "second"], cwd=tmp_path,
-                           env={**env, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300)
+    again = subprocess.run(
+        [exe, "--target", REPO, "--backend", "torch", "--out", "second"],
+        cwd=tmp_path,
+        env={**env, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert again.returncode == 0, again.stderr[-3000:]  # from the cache, the Hub long gone

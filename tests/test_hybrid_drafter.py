@@ -68,8 +68,9 @@ def test_seeded_hybrid_answers_do_not_depend_on_the_batch(temperature: float) ->
     engine = Engine.from_models(target, draft, max_batch=4, max_len=96, num_draft_tokens=3, hybrid=True)
     assert isinstance(engine.drafter, HybridDrafter)
     prompts = [[3, 4, 5, 3, 4], [10, 11, 12], [7, 7, 7, 7]]
-    together = engine.generate([engine.request(p, max_tokens=12, temperature=temperature, seed=i)
-                                for i, p in enumerate(prompts)], "ems").outputs
+    together = engine.generate(
+        [engine.request(p, max_tokens=12, temperature=temperature, seed=i) for i, p in enumerate(prompts)], "ems"
+    ).outputs
     for i, p in enumerate(prompts):
         alone = engine.generate([engine.request(p, max_tokens=12, temperature=temperature, seed=i)], "ems")
         assert alone.outputs[0].token_ids == together[i].token_ids
@@ -79,8 +80,16 @@ def test_seeded_hybrid_answers_do_not_depend_on_the_batch(temperature: float) ->
 
 
 def test_generate_takes_the_hybrid_drafter_and_stays_exact(tiny_dir, capsys) -> None:
-    common = ["--target", str(tiny_dir), "--prompt", "one two three one two three", "--prompt", "Hello there",
-              "--max-tokens", "10"]
+    common = [
+        "--target",
+        str(tiny_dir),
+        "--prompt",
+        "one two three one two three",
+        "--prompt",
+        "Hello there",
+        "--max-tokens",
+        "10",
+    ]
     hybrid = run_json(capsys, *common, "--method", "ems", "--draft", str(tiny_dir), "--drafter", "hybrid")
     ar = run_json(capsys, *common, "--method", "ar")
     assert [o["token_ids"] for o in hybrid["outputs"]] == [o["token_ids"] for o in ar["outputs"]]
@@ -97,14 +106,32 @@ def test_a_hybrid_export_serves_dsbd_with_its_draft_model(tiny_dir, tmp_path) ->
     from specdec.serving.triton_models import served_engine
 
     out = tmp_path / "deploy"
-    assert export_main(["--target", str(tiny_dir), "--draft", str(tiny_dir), "--drafter", "hybrid", "--out",
-                        str(out), "--max-batch", "2", "--max-len", "128"]) == 0
+    assert (
+        export_main(
+            [
+                "--target",
+                str(tiny_dir),
+                "--draft",
+                str(tiny_dir),
+                "--drafter",
+                "hybrid",
+                "--out",
+                str(out),
+                "--max-batch",
+                "2",
+                "--max-len",
+                "128",
+            ]
+        )
+        == 0
+    )
     engine = served_engine(out, read_parameters(out / "triton_repo"))
     assert isinstance(engine.drafter, HybridDrafter) and isinstance(engine.drafter, ForestDrafter)
     assert beam_method(isinstance(engine.drafter, ForestDrafter)) == "dsbd"
     assert not isinstance(NgramDrafter(), ForestDrafter)
-    request = engine.request("hello there", max_tokens=6, temperature=1.0, seed=3, num_draft_tokens=2,
-                             beam=BeamParams(width=2))
+    request = engine.request(
+        "hello there", max_tokens=6, temperature=1.0, seed=3, num_draft_tokens=2, beam=BeamParams(width=2)
+    )
     result = engine.sibling().generate([request], "dsbd")
     assert result.outputs[0].error is None and result.outputs[0].token_ids
     assert result.run.summary()["draft_tokens"] > 0  # the forests came from the hybrid drafter's draft model
@@ -133,9 +160,14 @@ def test_the_adaptive_length_prices_and_counts_each_proposer_on_its_own() -> Non
     model = engine.pooled_drafts.get(HybridDrafter.MODEL)
     assert model is None or not model.reached  # the model drafted nothing, so nothing was counted for it
     # the negative control: the same hybrid seen as one drafter (the model's price for every token) drafts nothing
-    single = Engine(target, _OnePrice(make_drafter("hybrid", max_batch=4, max_len=96, ngram=2, min_ngram=2,
-                                                   model=draft)), max_batch=4, max_len=96, num_draft_tokens=4,
-                    draft_length=dear)
+    single = Engine(
+        target,
+        _OnePrice(make_drafter("hybrid", max_batch=4, max_len=96, ngram=2, min_ngram=2, model=draft)),
+        max_batch=4,
+        max_len=96,
+        num_draft_tokens=4,
+        draft_length=dear,
+    )
     assert single.generate(requests, "ems").run.summary()["draft_tokens"] == 0
 
 
@@ -163,8 +195,9 @@ def test_a_drafter_that_cannot_tell_its_proposer_costs_only_speed(caplog) -> Non
     from specdec.runtime.draft_length import DraftLength
 
     target = ScriptedBackend(lambda c: c[-3] if len(c) >= 3 and c[-1] == c[-2] else (c[-1] + 1) % VOCAB, VOCAB)
-    hybrid = make_drafter("hybrid", max_batch=4, max_len=96, ngram=2, min_ngram=2,
-                          model=ScriptedBackend(counting(VOCAB), VOCAB))
+    hybrid = make_drafter(
+        "hybrid", max_batch=4, max_len=96, ngram=2, min_ngram=2, model=ScriptedBackend(counting(VOCAB), VOCAB)
+    )
 
     def broken(seq):
         raise RuntimeError("no index")

@@ -42,8 +42,22 @@ def test_specdec_export_writes_the_instances_and_records_the_command_as_typed(tm
     from specdec.export.cli import main as export_main
 
     out = tmp_path / "with space"
-    argv = ["--target", "tiny-random:seed=3,num_layers=1", "--out", str(out), "--backend", "torch",
-            "--max-batch", "4", "--max-len", "64", "--instances", "2", "--gpus", "0,1"]
+    argv = [
+        "--target",
+        "tiny-random:seed=3,num_layers=1",
+        "--out",
+        str(out),
+        "--backend",
+        "torch",
+        "--max-batch",
+        "4",
+        "--max-len",
+        "64",
+        "--instances",
+        "2",
+        "--gpus",
+        "0,1",
+    ]
     assert export_main(argv) == 0
     config = (out / "triton_repo" / protocol.ENGINE_MODEL / "config.pbtxt").read_text()
     assert "instance_group [ { kind: KIND_GPU count: 2 gpus: [ 0, 1 ] } ]" in config
@@ -52,8 +66,16 @@ def test_specdec_export_writes_the_instances_and_records_the_command_as_typed(tm
     assert export_main([*argv[:3], str(tmp_path / "bad"), *argv[4:-4], "--instances", "0"]) == 2
 
 
-PROMPTS = ["Name three colours.", "What is a river?", "Write one sentence about tea.", "Count from one to five.",
-           "Why is the sky blue?", "Give me a word that rhymes with cat.", "What do bees make?", "List four fruits."]
+PROMPTS = [
+    "Name three colours.",
+    "What is a river?",
+    "Write one sentence about tea.",
+    "Count from one to five.",
+    "Why is the sky blue?",
+    "Give me a word that rhymes with cat.",
+    "What do bees make?",
+    "List four fruits.",
+]
 MAX_TOKENS = 24
 WAIT_S = 240.0
 #: a client that streams a long answer and prints a line per response, to be SIGKILLed mid-stream
@@ -79,8 +101,13 @@ def test_two_engine_instances_share_the_load_and_answer_as_one(smollm2_export: P
     except TritonNotFoundError as exc:  # pragma: no cover - depends on the machine
         pytest.skip(f"no tritonserver available: {exc}")
     engine = Engine.from_export(smollm2_export, threads=1)
-    reference = {p: o.token_ids for p, o in zip(PROMPTS, engine.generate(
-        [engine.request(p, chat=True, max_tokens=MAX_TOKENS) for p in PROMPTS], "ems").outputs)}
+    reference = {
+        p: o.token_ids
+        for p, o in zip(
+            PROMPTS,
+            engine.generate([engine.request(p, chat=True, max_tokens=MAX_TOKENS) for p in PROMPTS], "ems").outputs,
+        )
+    }
     del engine
     repo = write_repository(smollm2_export, tmp_path / "repo", ServingOptions(instances=2, intra_op_threads=1))
     grpc, http, metrics = free_ports()
@@ -90,12 +117,19 @@ def test_two_engine_instances_share_the_load_and_answer_as_one(smollm2_export: P
         server.wait_ready(WAIT_S)
         url = server.grpc_url
         with ThreadPoolExecutor(8) as pool:
-            answers = list(pool.map(lambda p: SpecdecClient(url).generate(p, max_tokens=MAX_TOKENS,
-                                                                          apply_chat_template=True), PROMPTS * 2))
+            answers = list(
+                pool.map(
+                    lambda p: SpecdecClient(url).generate(p, max_tokens=MAX_TOKENS, apply_chat_template=True),
+                    PROMPTS * 2,
+                )
+            )
         for prompt, answer in zip(PROMPTS * 2, answers):
             assert answer.output_ids == reference[prompt], prompt
-        finished = {k: v for k, v in samples(server.metrics_url, "specdec_requests_total", per_instance=True).items()
-                    if 'outcome="finished"' in k}
+        finished = {
+            k: v
+            for k, v in samples(server.metrics_url, "specdec_requests_total", per_instance=True).items()
+            if 'outcome="finished"' in k
+        }
         assert len(finished) == 2 and sum(finished.values()) == 16, finished
         assert all(v > 0 for v in finished.values()), f"one instance served nothing: {finished}"
         # a client killed mid-stream: whichever instance holds its request cancels it and frees the slot
@@ -106,12 +140,20 @@ def test_two_engine_instances_share_the_load_and_answer_as_one(smollm2_export: P
             proc.send_signal(signal.SIGKILL)
             proc.wait(WAIT_S)
         cancelled = 'specdec_requests_total{outcome="cancelled"}'
-        assert eventually(lambda: samples(server.metrics_url, "specdec_requests_total").get(cancelled, 0)
-                          - before.get(cancelled, 0) == 2, timeout=WAIT_S)
-        assert eventually(lambda: samples(server.metrics_url, "specdec_kv_slots_used").get(
-            "specdec_kv_slots_used", -1) == 0, timeout=WAIT_S)
-        assert SpecdecClient(url).generate(PROMPTS[0], max_tokens=MAX_TOKENS,
-                                           apply_chat_template=True).output_ids == reference[PROMPTS[0]]
+        assert eventually(
+            lambda: (
+                samples(server.metrics_url, "specdec_requests_total").get(cancelled, 0) - before.get(cancelled, 0) == 2
+            ),
+            timeout=WAIT_S,
+        )
+        assert eventually(
+            lambda: samples(server.metrics_url, "specdec_kv_slots_used").get("specdec_kv_slots_used", -1) == 0,
+            timeout=WAIT_S,
+        )
+        assert (
+            SpecdecClient(url).generate(PROMPTS[0], max_tokens=MAX_TOKENS, apply_chat_template=True).output_ids
+            == reference[PROMPTS[0]]
+        )
     finally:
         assert server.stop() == 0, server.read_log()[-3000:]
         assert eventually(lambda: processes_mentioning(str(repo)) == [])

@@ -26,9 +26,11 @@ class InjectedFault(RuntimeError):
 
 def hook(point: str, after: int = 0):
     """Raise at ``point`` for requests named bad-*, once they have ``after`` output tokens."""
+
     def fault(seq: SeqState, at: str) -> None:
         if at == point and seq.request.request_id.startswith("bad") and seq.num_generated >= after:
             raise InjectedFault(f"injected at {at}")
+
     return fault
 
 

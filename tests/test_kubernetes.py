@@ -40,9 +40,18 @@ CRD_DIR = Path(__file__).parent / "data" / "crd_schemas"
 K8S_VERSIONS = (all_versions()[0], all_versions()[-1])
 OPTIONS = {
     "in-pod export, CPU": KubernetesOptions(),
-    "claim, GPU": KubernetesOptions(name="smol", namespace="llm", replicas=2, max_replicas=6, gpus=1,
-                                    source=PvcSource("models", "exports/smol"), cpu="4", memory="8Gi",
-                                    admin_key_secret="specdec-admin", monitor_labels=(("release", "prometheus"),)),
+    "claim, GPU": KubernetesOptions(
+        name="smol",
+        namespace="llm",
+        replicas=2,
+        max_replicas=6,
+        gpus=1,
+        source=PvcSource("models", "exports/smol"),
+        cpu="4",
+        memory="8Gi",
+        admin_key_secret="specdec-admin",
+        monitor_labels=(("release", "prometheus"),),
+    ),
 }
 
 
@@ -50,8 +59,18 @@ OPTIONS = {
 def export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real export of a tiny random model made from a preset (so the in-pod export can repeat its command)."""
     out = tmp_path_factory.mktemp("k8s") / "export"
-    argv = ["--target", "tiny-random:seed=3,num_layers=1", "--out", str(out), "--backend", "torch",
-            "--max-batch", "8", "--max-len", "64"]
+    argv = [
+        "--target",
+        "tiny-random:seed=3,num_layers=1",
+        "--out",
+        str(out),
+        "--backend",
+        "torch",
+        "--max-batch",
+        "8",
+        "--max-len",
+        "64",
+    ]
     assert export_main(argv) == 0  # the manifest records this argv, as the in-pod export repeats it
     return out
 
@@ -63,8 +82,12 @@ def _strict(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
     node = {k: _strict(v) for k, v in node.items()}
-    if (node.get("type") == "object" and "properties" in node and "additionalProperties" not in node
-            and not node.get("x-kubernetes-preserve-unknown-fields")):
+    if (
+        node.get("type") == "object"
+        and "properties" in node
+        and "additionalProperties" not in node
+        and not node.get("x-kubernetes-preserve-unknown-fields")
+    ):
         node["additionalProperties"] = False
     return node
 
@@ -75,7 +98,8 @@ def _crd_validators() -> dict[tuple[str, str], jsonschema.Draft4Validator]:
     for path in sorted(CRD_DIR.glob("*.json")):
         crd = json.loads(path.read_text())
         found[(f"{crd['group']}/{crd['version']}", crd["kind"])] = jsonschema.Draft4Validator(
-            _strict(crd["openAPIV3Schema"]))
+            _strict(crd["openAPIV3Schema"])
+        )
     return found
 
 
@@ -87,8 +111,9 @@ def validate(obj: dict[str, Any]) -> str:
     key = (obj["apiVersion"], obj["kind"])
     if key in CRDS:
         CRDS[key].validate(obj)
-        kubernetes_validate.validate({"apiVersion": "v1", "kind": "ConfigMap", "metadata": obj["metadata"]},
-                                     K8S_VERSIONS[-1], strict=True)
+        kubernetes_validate.validate(
+            {"apiVersion": "v1", "kind": "ConfigMap", "metadata": obj["metadata"]}, K8S_VERSIONS[-1], strict=True
+        )
         return "crd"
     for version in K8S_VERSIONS:
         kubernetes_validate.validate(obj, version, strict=True)  # SchemaNotFoundError for a kind it lacks
@@ -104,20 +129,29 @@ def _objects(export: Path, options: KubernetesOptions) -> dict[str, dict[str, An
 def test_every_object_validates_against_the_api_schemas(export: Path, case: str) -> None:
     objects = _objects(export, OPTIONS[case])
     owners = {kind: validate(obj) for kind, obj in objects.items()}
-    assert owners == {"Deployment": "core", "Service": "core", "PodDisruptionBudget": "core",
-                      "HorizontalPodAutoscaler": "core", "ServiceMonitor": "crd", "ServingRuntime": "crd",
-                      "InferenceService": "crd"}
+    assert owners == {
+        "Deployment": "core",
+        "Service": "core",
+        "PodDisruptionBudget": "core",
+        "HorizontalPodAutoscaler": "core",
+        "ServiceMonitor": "crd",
+        "ServingRuntime": "crd",
+        "InferenceService": "crd",
+    }
 
 
-@pytest.mark.parametrize(("kind", "path", "value"), [
-    ("Deployment", ("spec", "replica"), 1),  # a typo of replicas
-    ("Deployment", ("spec", "template", "spec", "containers", 0, "ports", 0, "containerPort"), "8001"),
-    ("Service", ("spec", "ports", 0, "targetport"), "grpc"),
-    ("ServiceMonitor", ("spec", "endpoints", 0, "prot"), "metrics"),
-    ("ServingRuntime", ("spec", "containers", 0, "imagee"), "x"),
-    ("InferenceService", ("spec", "predictor", "scaleMetric"), "tokens"),
-    ("InferenceService", ("metadata", "labels"), ["not", "a", "map"]),
-])
+@pytest.mark.parametrize(
+    ("kind", "path", "value"),
+    [
+        ("Deployment", ("spec", "replica"), 1),  # a typo of replicas
+        ("Deployment", ("spec", "template", "spec", "containers", 0, "ports", 0, "containerPort"), "8001"),
+        ("Service", ("spec", "ports", 0, "targetport"), "grpc"),
+        ("ServiceMonitor", ("spec", "endpoints", 0, "prot"), "metrics"),
+        ("ServingRuntime", ("spec", "containers", 0, "imagee"), "x"),
+        ("InferenceService", ("spec", "predictor", "scaleMetric"), "tokens"),
+        ("InferenceService", ("metadata", "labels"), ["not", "a", "map"]),
+    ],
+)
 def test_the_validators_refuse_a_broken_object(export: Path, kind: str, path: tuple, value: object) -> None:
     """Negative control: each validator sees deep into its object (a container port, an endpoint, metadata)."""
     obj = _objects(export, OPTIONS["claim, GPU"])[kind]
@@ -143,8 +177,11 @@ def test_ports_timeouts_and_grace_agree_with_specdec_serve(export: Path) -> None
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"grpc": served.grpc_port, "http": served.http_port, "metrics": served.metrics_port}
     defaults = add_serve_args(argparse.ArgumentParser()).parse_args(["repo"])
-    assert (served.grpc_port, served.http_port, served.metrics_port) == (defaults.grpc_port, defaults.http_port,
-                                                                         defaults.metrics_port)
+    assert (served.grpc_port, served.http_port, served.metrics_port) == (
+        defaults.grpc_port,
+        defaults.http_port,
+        defaults.metrics_port,
+    )
     service = {p["name"]: p for p in objects["Service"]["spec"]["ports"]}
     assert {name: (p["port"], p["targetPort"]) for name, p in service.items()} == {n: (v, n) for n, v in ports.items()}
     assert service["grpc"]["appProtocol"] == "kubernetes.io/h2c"
@@ -157,8 +194,10 @@ def test_ports_timeouts_and_grace_agree_with_specdec_serve(export: Path) -> None
     assert startup["periodSeconds"] * startup["failureThreshold"] > served.ready_timeout  # a cold load fits
     runtime = objects["ServingRuntime"]["spec"]["containers"][0]
     assert add_serve_args(argparse.ArgumentParser()).parse_args(runtime["args"]).drain_timeout == served.drain_timeout
-    assert objects["InferenceService"]["spec"]["predictor"]["terminationGracePeriodSeconds"] == \
-        pod["terminationGracePeriodSeconds"]
+    assert (
+        objects["InferenceService"]["spec"]["predictor"]["terminationGracePeriodSeconds"]
+        == pod["terminationGracePeriodSeconds"]
+    )
 
 
 def test_probe_paths_are_the_ones_specdec_serve_waits_on(export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -193,8 +232,7 @@ class _Family:
         pass
 
 
-def test_the_autoscaler_reads_a_metric_the_entry_points_export(export: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_autoscaler_reads_a_metric_the_entry_points_export(export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(triton_metrics, "pb_utils", type("pb_utils", (), {"MetricFamily": _Family}))
     _Family.made.clear()
     triton_metrics.InflightGauge(protocol.STREAM_MODEL).set(3)
@@ -216,8 +254,9 @@ def test_kserve_objects_name_the_repository_and_each_other(export: Path) -> None
     runtime, isvc = objects["ServingRuntime"], objects["InferenceService"]
     model = isvc["spec"]["predictor"]["model"]
     assert model["runtime"] == runtime["metadata"]["name"]
-    assert model["modelFormat"] in [{k: f[k] for k in ("name", "version")}
-                                    for f in runtime["spec"]["supportedModelFormats"]]
+    assert model["modelFormat"] in [
+        {k: f[k] for k in ("name", "version")} for f in runtime["spec"]["supportedModelFormats"]
+    ]
     assert model["protocolVersion"] in runtime["spec"]["protocolVersions"]
     assert model["storageUri"] == "pvc://models/exports/smol"
     repository = {p.name for p in (export / "triton_repo").iterdir() if (p / "config.pbtxt").is_file()}
@@ -240,7 +279,8 @@ def test_the_init_container_repeats_the_export(export: Path) -> None:
     assert objects["ServingRuntime"]["spec"]["containers"][0]["args"][0] == f"{k8s.KSERVE_MODELS_MOUNT}/export"
     explicit = ExportSource(("--target", "smollm2-135m", "--out", "elsewhere"), image="registry/specdec:1")
     init = _objects(export, KubernetesOptions(source=explicit))["Deployment"]["spec"]["template"]["spec"][
-        "initContainers"][0]
+        "initContainers"
+    ][0]
     assert init["args"] == ["--target", "smollm2-135m", "--out", k8s.POD_EXPORT_DIR, "--force"]
     assert init["image"] == "registry/specdec:1"
 
@@ -250,22 +290,30 @@ def test_an_export_from_a_local_path_is_not_repeated_in_the_pod(export: Path) ->
     with pytest.raises(DeployError, match="--target /home/me/model, a path the pod does not have"):
         k8s.export_args(manifest, ExportSource())
     assert k8s.export_args(manifest, ExportSource(("--target", "smollm2-135m"))) == [
-        "--target", "smollm2-135m", "--out", k8s.POD_EXPORT_DIR, "--force"]
+        "--target",
+        "smollm2-135m",
+        "--out",
+        k8s.POD_EXPORT_DIR,
+        "--force",
+    ]
 
 
-@pytest.mark.parametrize(("options", "message"), [
-    (KubernetesOptions(name="Specdec"), "must be a DNS label"),
-    (KubernetesOptions(name="x" * 60), "at most 55 characters"),
-    (KubernetesOptions(namespace="my_ns"), "namespace 'my_ns'"),
-    (KubernetesOptions(image="bad image"), "without spaces"),
-    (KubernetesOptions(replicas=0), "replicas must be at least 1"),
-    (KubernetesOptions(replicas=3, max_replicas=2), r"max_replicas \(2\) must be at least replicas \(3\)"),
-    (KubernetesOptions(gpus=-1), "gpus must be >= 0"),
-    (KubernetesOptions(target_utilization=1.5), r"target_utilization must be in \(0, 1\]"),
-    (KubernetesOptions(drain_timeout_s=-1), "drain_timeout_s must be >= 0"),
-    (KubernetesOptions(source=PvcSource("Models")), "PersistentVolumeClaim name"),
-    (KubernetesOptions(source=PvcSource("models", "../etc")), "without '..'"),
-])
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (KubernetesOptions(name="Specdec"), "must be a DNS label"),
+        (KubernetesOptions(name="x" * 60), "at most 55 characters"),
+        (KubernetesOptions(namespace="my_ns"), "namespace 'my_ns'"),
+        (KubernetesOptions(image="bad image"), "without spaces"),
+        (KubernetesOptions(replicas=0), "replicas must be at least 1"),
+        (KubernetesOptions(replicas=3, max_replicas=2), r"max_replicas \(2\) must be at least replicas \(3\)"),
+        (KubernetesOptions(gpus=-1), "gpus must be >= 0"),
+        (KubernetesOptions(target_utilization=1.5), r"target_utilization must be in \(0, 1\]"),
+        (KubernetesOptions(drain_timeout_s=-1), "drain_timeout_s must be >= 0"),
+        (KubernetesOptions(source=PvcSource("Models")), "PersistentVolumeClaim name"),
+        (KubernetesOptions(source=PvcSource("models", "../etc")), "without '..'"),
+    ],
+)
 def test_bad_options_are_refused_with_the_reason(export: Path, options: KubernetesOptions, message: str) -> None:
     with pytest.raises(DeployError, match=message):
         render(export, options)
@@ -278,15 +326,37 @@ def test_a_directory_that_is_not_an_export_is_refused(export: Path, tmp_path: Pa
         render(export / "triton_repo")
 
 
-def test_the_command_writes_one_file_per_object(export: Path, tmp_path: Path,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_command_writes_one_file_per_object(
+    export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "manifests"
-    assert kubernetes_main([str(export), "--out", str(out), "--pvc", "models:smol", "--gpus", "1",
-                            "--monitor-label", "release=prometheus"]) == 0
+    assert (
+        kubernetes_main(
+            [
+                str(export),
+                "--out",
+                str(out),
+                "--pvc",
+                "models:smol",
+                "--gpus",
+                "1",
+                "--monitor-label",
+                "release=prometheus",
+            ]
+        )
+        == 0
+    )
     written = sorted(str(p.relative_to(out)) for p in out.rglob("*.yaml"))
-    assert written == ["deployment.yaml", "horizontalpodautoscaler.yaml", "kserve/inferenceservice.yaml",
-                       "kserve/servingruntime.yaml", "poddisruptionbudget.yaml", "prometheus-adapter/rules.yaml",
-                       "service.yaml", "servicemonitor.yaml"]
+    assert written == [
+        "deployment.yaml",
+        "horizontalpodautoscaler.yaml",
+        "kserve/inferenceservice.yaml",
+        "kserve/servingruntime.yaml",
+        "poddisruptionbudget.yaml",
+        "prometheus-adapter/rules.yaml",
+        "service.yaml",
+        "servicemonitor.yaml",
+    ]
     for path in out.rglob("*.yaml"):
         doc = yaml.safe_load(path.read_text())
         if "kind" in doc:

@@ -242,7 +242,9 @@ class KVMachine(RuleBasedStateMachine):
 
 
 KVMachine.TestCase.settings = settings(
-    max_examples=50, stateful_step_count=30, deadline=None,
+    max_examples=50,
+    stateful_step_count=30,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestKVMachine = KVMachine.TestCase

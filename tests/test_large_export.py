@@ -36,35 +36,61 @@ def _write_sharded_fp16(out: Path) -> int:
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-                         num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                         max_position_embeddings=2048, tie_word_embeddings=False, dtype="float16",
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        dtype="float16",
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     config.save_pretrained(out)
     kv = KV_HEADS * HIDDEN // HEADS
-    shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "model.norm.weight": (HIDDEN,),
-              "lm_head.weight": (VOCAB, HIDDEN)}
+    shapes = {
+        "model.embed_tokens.weight": (VOCAB, HIDDEN),
+        "model.norm.weight": (HIDDEN,),
+        "lm_head.weight": (VOCAB, HIDDEN),
+    }
     for layer in range(LAYERS):
         p = f"model.layers.{layer}."
-        shapes |= {p + "self_attn.q_proj.weight": (HIDDEN, HIDDEN), p + "self_attn.k_proj.weight": (kv, HIDDEN),
-                   p + "self_attn.v_proj.weight": (kv, HIDDEN), p + "self_attn.o_proj.weight": (HIDDEN, HIDDEN),
-                   p + "mlp.gate_proj.weight": (INTERMEDIATE, HIDDEN), p + "mlp.up_proj.weight": (INTERMEDIATE, HIDDEN),
-                   p + "mlp.down_proj.weight": (HIDDEN, INTERMEDIATE), p + "input_layernorm.weight": (HIDDEN,),
-                   p + "post_attention_layernorm.weight": (HIDDEN,)}
+        shapes |= {
+            p + "self_attn.q_proj.weight": (HIDDEN, HIDDEN),
+            p + "self_attn.k_proj.weight": (kv, HIDDEN),
+            p + "self_attn.v_proj.weight": (kv, HIDDEN),
+            p + "self_attn.o_proj.weight": (HIDDEN, HIDDEN),
+            p + "mlp.gate_proj.weight": (INTERMEDIATE, HIDDEN),
+            p + "mlp.up_proj.weight": (INTERMEDIATE, HIDDEN),
+            p + "mlp.down_proj.weight": (HIDDEN, INTERMEDIATE),
+            p + "input_layernorm.weight": (HIDDEN,),
+            p + "post_attention_layernorm.weight": (HIDDEN,),
+        }
     gen = torch.Generator().manual_seed(0)
-    state = {name: torch.ones(shape, dtype=torch.float16) if len(shape) == 1
-             else (torch.randn(shape, generator=gen) * 0.05).to(torch.float16) for name, shape in shapes.items()}
+    state = {
+        name: torch.ones(shape, dtype=torch.float16)
+        if len(shape) == 1
+        else (torch.randn(shape, generator=gen) * 0.05).to(torch.float16)
+        for name, shape in shapes.items()
+    }
     split = split_torch_state_dict_into_shards(state, max_shard_size="500MB")
     for filename, names in split.filename_to_tensors.items():
         save_file({n: state[n] for n in names}, str(out / filename), metadata={"format": "pt"})
     (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": sum(t.nbytes for t in state.values())},
-                    "weight_map": split.tensor_to_filename}))
+        json.dumps(
+            {"metadata": {"total_size": sum(t.nbytes for t in state.values())}, "weight_map": split.tensor_to_filename}
+        )
+    )
     return sum(t.numel() for t in state.values())
 
 
-def _greedy(backend, cache, prompt: list[int], steps: int, reference, ref_cache
-            ) -> list[tuple[int, np.ndarray, np.ndarray]]:
+def _greedy(
+    backend, cache, prompt: list[int], steps: int, reference, ref_cache
+) -> list[tuple[int, np.ndarray, np.ndarray]]:
     """Greedy tokens of ``backend``, each step also run by ``reference`` on the same input: (token, ref logits,
     backend logits)."""
     out, work = [], SeqWork(0, 0, prompt, logits="last")
@@ -90,8 +116,25 @@ def test_a_sharded_fp16_model_over_the_protobuf_limit_exports_and_generates(tmp_
     assert params * 2 > PROTOBUF_LIMIT and len(list(source.glob("model-*.safetensors"))) > 1  # fp16 itself > 2 GB
     out = tmp_path / "export"
     exe = str(Path(sys.executable).parent / "specdec-export")
-    run = subprocess.run([exe, "--target", str(source), "--dtype", "float16", "--out", str(out), "--max-batch", "4",
-                          "--max-len", "256", "--offline"], capture_output=True, text=True, timeout=900)
+    run = subprocess.run(
+        [
+            exe,
+            "--target",
+            str(source),
+            "--dtype",
+            "float16",
+            "--out",
+            str(out),
+            "--max-batch",
+            "4",
+            "--max-len",
+            "256",
+            "--offline",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     export_peak = float(re.search(r"peak memory \(RSS\) of the export: ([\d.]+) GiB", run.stderr).group(1))
     data = out / "target" / "model.onnx.data"
@@ -101,14 +144,17 @@ def test_a_sharded_fp16_model_over_the_protobuf_limit_exports_and_generates(tmp_
     model = load_model(source, torch.float16)
     graph = OrtBackend(out / "target" / "model.onnx")
     reference = TorchBackend(model, dtype=torch.float32)  # the same fp16 weights, computed in fp32
-    steps = _greedy(graph, graph.allocate_cache(1, 64), [11, 523, 7, 9000, 42], 4, reference,
-                    reference.allocate_cache(1, 64))
+    steps = _greedy(
+        graph, graph.allocate_cache(1, 64), [11, 523, 7, 9000, 42], 4, reference, reference.allocate_cache(1, 64)
+    )
     for token, want, got in steps:
         assert float(np.abs(want - got).max()) < 0.25  # fp16 arithmetic against fp32 on the same weights
         # greedy agrees: the graph's token is the reference's, or ties with it within fp16's error
         assert float(want[token]) >= float(want.max()) - 0.05
     assert sum(token == int(want.argmax()) for token, want, _ in steps) >= 3
     test_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    print(f"\n{params / 1e9:.2f}B params, {data.stat().st_size / 2**30:.2f} GiB graph data; peak RSS: export "
-          f"{export_peak:.2f} GiB, test process {test_peak:.2f} GiB")
+    print(
+        f"\n{params / 1e9:.2f}B params, {data.stat().st_size / 2**30:.2f} GiB graph data; peak RSS: export "
+        f"{export_peak:.2f} GiB, test process {test_peak:.2f} GiB"
+    )
     assert export_peak < 14 and test_peak < 14  # what 24 GiB of CI leaves room for; measured in the guide

@@ -34,9 +34,13 @@ from specdec.serving.server import http_ready
 needs_tritonserver()
 pytestmark = [pytest.mark.server, pytest.mark.real_model]
 
-PROMPTS = ["Write a short story about a lighthouse keeper.", "List ten facts about the ocean.",
-           "Explain how a bicycle works.", "Describe a busy market in the morning.",
-           "Write a letter to a friend about a trip to the mountains."]
+PROMPTS = [
+    "Write a short story about a lighthouse keeper.",
+    "List ten facts about the ocean.",
+    "Explain how a bicycle works.",
+    "Describe a busy market in the morning.",
+    "Write a letter to a friend about a trip to the mountains.",
+]
 MAX_TOKENS = 160  # long enough that every request is still decoding when the signal comes
 WAIT_S = 240.0  # what a loaded CI machine may need; a passing run waits for events, never for this
 BEAM = dict(method="beam", beam_width=2, temperature=1.0, seed=3)
@@ -47,10 +51,13 @@ def reference(smollm2_export: Path) -> dict[str, list[int]]:
     """The local runtime's answers (greedy ems; the beam request with its seed), before any server runs."""
     engine = Engine.from_export(smollm2_export, threads=1)
     greedy = engine.generate([engine.request(p, chat=True, max_tokens=MAX_TOKENS) for p in PROMPTS], "ems").outputs
-    beam = engine.request(PROMPTS[0], chat=True, max_tokens=MAX_TOKENS, temperature=1.0, seed=3,
-                          beam=BeamParams(width=2))
-    return {**{p: o.token_ids for p, o in zip(PROMPTS, greedy)},
-            "beam": engine.generate([beam], "beam").outputs[0].token_ids}
+    beam = engine.request(
+        PROMPTS[0], chat=True, max_tokens=MAX_TOKENS, temperature=1.0, seed=3, beam=BeamParams(width=2)
+    )
+    return {
+        **{p: o.token_ids for p, o in zip(PROMPTS, greedy)},
+        "beam": engine.generate([beam], "beam").outputs[0].token_ids,
+    }
 
 
 @dataclass
@@ -66,10 +73,30 @@ def _serve(export: Path, log: Path) -> Served:
     grpc, http, metrics = free_ports()
     code = "import sys; from specdec.serving.serve import serve_main; sys.exit(serve_main(sys.argv[1:]))"
     proc = subprocess.Popen(
-        [sys.executable, "-c", code, str(export / "triton_repo"), "--grpc-port", str(grpc), "--http-port",
-         str(http), "--metrics-port", str(metrics), "--log-file", str(log), "--ready-timeout", str(WAIT_S),
-         "--drain-timeout", str(WAIT_S), "--exit-timeout", "60"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            code,
+            str(export / "triton_repo"),
+            "--grpc-port",
+            str(grpc),
+            "--http-port",
+            str(http),
+            "--metrics-port",
+            str(metrics),
+            "--log-file",
+            str(log),
+            "--ready-timeout",
+            str(WAIT_S),
+            "--drain-timeout",
+            str(WAIT_S),
+            "--exit-timeout",
+            "60",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
         line = proc.stdout.readline()  # type: ignore[union-attr]
@@ -112,10 +139,19 @@ def _shm() -> set[str]:
 def _in_flight(url: str) -> tuple[list[Future], ThreadPoolExecutor]:
     """4 greedy streams, 1 greedy unary request and 1 beam request, sent from their own threads."""
     pool = ThreadPoolExecutor(len(PROMPTS) + 1)
-    futures = [pool.submit(lambda p=p, i=i: getattr(SpecdecClient(url), "generate" if i == 4 else "generate_stream")(
-        p, max_tokens=MAX_TOKENS, apply_chat_template=True)) for i, p in enumerate(PROMPTS)]
-    futures.append(pool.submit(lambda: SpecdecClient(url).generate(
-        PROMPTS[0], max_tokens=MAX_TOKENS, apply_chat_template=True, **BEAM)))
+    futures = [
+        pool.submit(
+            lambda p=p, i=i: getattr(SpecdecClient(url), "generate" if i == 4 else "generate_stream")(
+                p, max_tokens=MAX_TOKENS, apply_chat_template=True
+            )
+        )
+        for i, p in enumerate(PROMPTS)
+    ]
+    futures.append(
+        pool.submit(
+            lambda: SpecdecClient(url).generate(PROMPTS[0], max_tokens=MAX_TOKENS, apply_chat_template=True, **BEAM)
+        )
+    )
     return futures, pool
 
 
@@ -131,8 +167,9 @@ def _admitted(metrics_url: str, n: int) -> None:
 
 
 @pytest.mark.reliability("R4")
-def test_sigint_drains_in_flight_requests_then_exits_clean(smollm2_export: Path, reference: dict,
-                                                           tmp_path: Path) -> None:
+def test_sigint_drains_in_flight_requests_then_exits_clean(
+    smollm2_export: Path, reference: dict, tmp_path: Path
+) -> None:
     with _served(smollm2_export, tmp_path) as served:
         proc, url = served.proc, served.grpc
         futures, pool, first = _loaded(served, PROMPTS[1])
@@ -185,8 +222,11 @@ def test_a_second_signal_aborts_with_unavailable_and_still_cleans_up(smollm2_exp
 
 
 def _tritonserver_pid(export: Path) -> int:
-    pids = [pid for pid in processes_mentioning(str(export / "triton_repo"))
-            if Path(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()).name == "tritonserver"]
+    pids = [
+        pid
+        for pid in processes_mentioning(str(export / "triton_repo"))
+        if Path(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()).name == "tritonserver"
+    ]
     assert len(pids) == 1, pids
     return pids[0]
 
@@ -202,8 +242,9 @@ def _grpc_ready(url: str) -> bool:
         return False
 
 
-def test_a_dead_engine_or_server_is_replaced_and_serves_the_same_answers(smollm2_export: Path, reference: dict,
-                                                                          tmp_path: Path) -> None:
+def test_a_dead_engine_or_server_is_replaced_and_serves_the_same_answers(
+    smollm2_export: Path, reference: dict, tmp_path: Path
+) -> None:
     """Observation 2: the engine's stub SIGKILLed under a stream, then tritonserver itself SIGKILLed. Each time
     readiness turns false, the stream ends with UNAVAILABLE (no hung client), the server comes back within about
     its cold start, answers exactly as before, and nothing of the dead server is left (processes, /dev/shm)."""
@@ -212,8 +253,11 @@ def test_a_dead_engine_or_server_is_replaced_and_serves_the_same_answers(smollm2
         cold_s = time.monotonic() - started
         proc, url, http = served.proc, served.grpc, served.http
         # R2: the engine SIGKILLed under a stream; R3: tritonserver SIGKILLed; R1: the idle engine crashing (SIGSEGV)
-        for victim, sig, busy in (("engine", signal.SIGKILL, True), ("tritonserver", signal.SIGKILL, True),
-                                  ("engine", signal.SIGSEGV, False)):
+        for victim, sig, busy in (
+            ("engine", signal.SIGKILL, True),
+            ("tritonserver", signal.SIGKILL, True),
+            ("engine", signal.SIGSEGV, False),
+        ):
             server_pid = _tritonserver_pid(smollm2_export)
             stubs = list(children(server_pid))
             engine_stubs = stub_pids(server_pid, "specdec_engine")
@@ -260,8 +304,9 @@ def _stream_once(client: object, model: str, inputs: list) -> None:
 
 
 @pytest.mark.reliability("R13")
-def test_a_fault_in_one_request_fails_it_alone_with_internal(smollm2_export: Path, reference: dict,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_fault_in_one_request_fails_it_alone_with_internal(
+    smollm2_export: Path, reference: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Observations 3, 4 and 7: 10 requests that fail inside their own step (the fault hook), mixed into a batch
     of 6 good ones: each bad one ends with INTERNAL and a message without a traceback, every good one is token
     for token the local answer, the counters move by exactly 10, the server stays ready. The internal models
@@ -276,16 +321,18 @@ def test_a_fault_in_one_request_fails_it_alone_with_internal(smollm2_export: Pat
     monkeypatch.setenv("SPECDEC_FAULT_HOOK", f"{Path(__file__).with_name('fault_hooks.py')}:fail_marked")
     grpc, http, metrics = free_ports()
     server = TritonServer()
-    server.start(smollm2_export / "triton_repo", grpc_port=grpc, http_port=http, metrics_port=metrics,
-                 exit_timeout_s=60)
+    server.start(
+        smollm2_export / "triton_repo", grpc_port=grpc, http_port=http, metrics_port=metrics, exit_timeout_s=60
+    )
     try:
         server.wait_ready(WAIT_S)
         url = server.grpc_url
         before = samples(server.metrics_url, "specdec_requests_total")
         pool = ThreadPoolExecutor(16)
 
-        bad = [pool.submit(ask, url, PROMPTS[i % len(PROMPTS)], i % 2 == 0, MAX_TOKENS, seed=FAULT_SEED)
-               for i in range(10)]
+        bad = [
+            pool.submit(ask, url, PROMPTS[i % len(PROMPTS)], i % 2 == 0, MAX_TOKENS, seed=FAULT_SEED) for i in range(10)
+        ]
         good = [pool.submit(ask, url, p, i % 2 == 1, MAX_TOKENS) for i, p in enumerate(PROMPTS)]
         for i, future in enumerate(bad):
             out = future.result(WAIT_S)
@@ -306,10 +353,12 @@ def test_a_fault_in_one_request_fails_it_alone_with_internal(smollm2_export: Pat
 
         garbage = protocol.engine_response([1, 10**9], 0, True, (), "stop", RequestMetrics())
         wire = {s.name: s.dtype.removeprefix("TYPE_").replace("STRING", "BYTES") for s in protocol.ENGINE_OUTPUTS}
-        for model, tensors in (("postprocessing", {name: (wire[name], value) for name, value in garbage.items()}),
-                               ("specdec_engine", {"input_ids": ("INT32", np.array([1, 2, 3], np.int32))}),
-                               ("specdec_engine", {"cancel_request_id": ("BYTES", np.array([b"x"], object))}),
-                               ("preprocessing", {"text_input": ("BYTES", np.array([b"hi"], object))})):
+        for model, tensors in (
+            ("postprocessing", {name: (wire[name], value) for name, value in garbage.items()}),
+            ("specdec_engine", {"input_ids": ("INT32", np.array([1, 2, 3], np.int32))}),
+            ("specdec_engine", {"cancel_request_id": ("BYTES", np.array([b"x"], object))}),
+            ("preprocessing", {"text_input": ("BYTES", np.array([b"hi"], object))}),
+        ):
             inputs = []
             for name, (dtype, value) in tensors.items():
                 inputs.append(grpcclient.InferInput(name, list(value.shape), dtype))

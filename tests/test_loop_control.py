@@ -21,21 +21,36 @@ EOS = 63  # unreachable by the counting rule from the prompts below unless a tes
 CHAINS = ("ems", "vanilla")
 
 
-def make_engine(target_rule=None, draft_rule=None, *, k: int = 4, max_len: int = 64, max_batch: int = 4,
-                eos: Sequence[int] = (EOS,)) -> tuple[Engine, ScriptedBackend, ScriptedBackend]:
+def make_engine(
+    target_rule=None, draft_rule=None, *, k: int = 4, max_len: int = 64, max_batch: int = 4, eos: Sequence[int] = (EOS,)
+) -> tuple[Engine, ScriptedBackend, ScriptedBackend]:
     """(engine, target, draft): scripted backends, a model drafter over the draft, token-id prompts only."""
     target = ScriptedBackend(target_rule or counting(VOCAB), VOCAB)
     draft = ScriptedBackend(draft_rule or counting(VOCAB), VOCAB)
-    engine = Engine(target, ModelDrafter(draft, max_batch, max_len), eos_token_ids=eos, max_batch=max_batch,
-                    max_len=max_len, num_draft_tokens=k)
+    engine = Engine(
+        target,
+        ModelDrafter(draft, max_batch, max_len),
+        eos_token_ids=eos,
+        max_batch=max_batch,
+        max_len=max_len,
+        num_draft_tokens=k,
+    )
     return engine, target, draft
 
 
-def run(engine: Engine, prompts: Sequence[Sequence[int]], method: str, max_tokens: int | Sequence[int],
-        temperature: float = 0.0, beam: BeamParams | None = None) -> GenerationResult:
+def run(
+    engine: Engine,
+    prompts: Sequence[Sequence[int]],
+    method: str,
+    max_tokens: int | Sequence[int],
+    temperature: float = 0.0,
+    beam: BeamParams | None = None,
+) -> GenerationResult:
     budgets = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
-    requests = [engine.request(list(p), max_tokens=m, temperature=temperature, seed=i, beam=beam)
-                for i, (p, m) in enumerate(zip(prompts, budgets))]
+    requests = [
+        engine.request(list(p), max_tokens=m, temperature=temperature, seed=i, beam=beam)
+        for i, (p, m) in enumerate(zip(prompts, budgets))
+    ]
     result = engine.generate(requests, method)
     assert all(o.error is None for o in result.outputs), [o.error for o in result.outputs]
     return result

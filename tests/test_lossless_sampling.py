@@ -53,8 +53,15 @@ PLAIN = SamplingParams(temperature=1.0)
 # both cuts bind for this target: top-k removes tokens top-p alone would keep in about 3/4
 # of the enumerated contexts, and top-p cuts inside the top 6 in all of them
 WARPED = SamplingParams(temperature=1.3, top_k=6, top_p=0.9)
-_TINY = dict(vocab_size=VOCAB, num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64,
-             max_position_embeddings=64)
+_TINY = dict(
+    vocab_size=VOCAB,
+    num_layers=1,
+    hidden_size=32,
+    num_heads=2,
+    num_kv_heads=1,
+    intermediate_size=64,
+    max_position_embeddings=64,
+)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -129,15 +136,34 @@ def _assert_warp_well_conditioned(logits: np.ndarray, params: SamplingParams) ->
 # -- running the engine --------------------------------------------------------------------
 
 
-def generate_samples(target: LoadedModel, draft: LoadedModel | str, method: str, params: SamplingParams,
-                     n: int, seed0: int, num_draft_tokens: int = 2, draft_length: DraftLength | None = None,
-                     max_tokens: int = NUM_TOKENS, hybrid: bool = False) -> tuple[Counter, float, float]:
+def generate_samples(
+    target: LoadedModel,
+    draft: LoadedModel | str,
+    method: str,
+    params: SamplingParams,
+    n: int,
+    seed0: int,
+    num_draft_tokens: int = 2,
+    draft_length: DraftLength | None = None,
+    max_tokens: int = NUM_TOKENS,
+    hybrid: bool = False,
+) -> tuple[Counter, float, float]:
     """(counts of the first NUM_TOKENS outputs, acceptance rate, seconds) over ``n`` seeded requests."""
-    engine = Engine.from_models(target, draft, max_batch=MAX_BATCH, max_len=32, num_draft_tokens=num_draft_tokens,
-                                draft_length=draft_length, hybrid=hybrid)
+    engine = Engine.from_models(
+        target,
+        draft,
+        max_batch=MAX_BATCH,
+        max_len=32,
+        num_draft_tokens=num_draft_tokens,
+        draft_length=draft_length,
+        hybrid=hybrid,
+    )
     requests = [
-        Request(PROMPT, max_tokens=max_tokens,
-                sampling=SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed0 + i))
+        Request(
+            PROMPT,
+            max_tokens=max_tokens,
+            sampling=SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed0 + i),
+        )
         for i in range(n)
     ]
     start = time.perf_counter()
@@ -192,8 +218,10 @@ def assert_lossless(counts: Counter, law: np.ndarray, label: str) -> None:
         marginal, exact = marginal_counts(counts, keep), law.sum(axis=axis)
         pvalue = chi_square_pvalue(marginal, exact)
         tv, bound = total_variation(marginal, exact)
-        print(f"{label} tokens {keep.start + 1}-{keep.stop}: chi-square p = {pvalue:.4g}, "
-              f"TV = {tv:.4f} (bound {bound:.4f})")
+        print(
+            f"{label} tokens {keep.start + 1}-{keep.stop}: chi-square p = {pvalue:.4g}, "
+            f"TV = {tv:.4f} (bound {bound:.4f})"
+        )
         assert pvalue > ALPHA, f"{label}: tokens {keep.start + 1}-{keep.stop} do not follow the target's law"
         assert tv < bound
 
@@ -220,12 +248,12 @@ def test_ems_draft_model_sampling_is_lossless(ems_plain_samples: Counter, plain_
 
 
 @pytest.mark.statistical
-def test_ems_hybrid_drafter_sampling_is_lossless(target: LoadedModel, draft: LoadedModel,
-                                                 plain_law: np.ndarray) -> None:
+def test_ems_hybrid_drafter_sampling_is_lossless(
+    target: LoadedModel, draft: LoadedModel, plain_law: np.ndarray
+) -> None:
     """Prompt lookup where the prompt's 2-grams recur (always at the first step: the prompt ends with its first
     2-gram), the draft model elsewhere: a point-mass q and the model's q mixed within one request's steps."""
-    counts, acceptance, seconds = generate_samples(target, draft, "ems", PLAIN, NUM_SAMPLES, seed0=50_000,
-                                                   hybrid=True)
+    counts, acceptance, seconds = generate_samples(target, draft, "ems", PLAIN, NUM_SAMPLES, seed0=50_000, hybrid=True)
     print(f"ems/hybrid plain: {NUM_SAMPLES} requests in {seconds:.1f} s, acceptance {acceptance:.3f}")
     assert 0.05 < acceptance < 0.95
     assert_lossless(counts, plain_law, "ems/hybrid T=1")
@@ -251,8 +279,16 @@ def test_ems_ngram_sampling_is_lossless(target: LoadedModel, plain_law: np.ndarr
 class RecordedLength(DraftLength):
     """The adaptive policy, counting its (cap, chosen k) decisions in ``CHOSEN``."""
 
-    def choose(self, stats: DraftStats, k_max: int, draft_cost: float, rows: float = 1.0,
-               batch: int | None = None, prior: float | None = None, own_price: bool = False) -> int:
+    def choose(
+        self,
+        stats: DraftStats,
+        k_max: int,
+        draft_cost: float,
+        rows: float = 1.0,
+        batch: int | None = None,
+        prior: float | None = None,
+        own_price: bool = False,
+    ) -> int:
         assert batch is None and prior is None  # sampled sequences: priced alone, from the fixed prior
         k = super().choose(stats, k_max, draft_cost, rows, batch=batch, prior=prior, own_price=own_price)
         CHOSEN[(k_max, k)] += 1
@@ -263,32 +299,36 @@ CHOSEN: Counter = Counter()
 
 
 @pytest.mark.statistical
-def test_ems_adaptive_draft_length_sampling_is_lossless(target: LoadedModel, draft: LoadedModel,
-                                                        plain_law: np.ndarray) -> None:
+def test_ems_adaptive_draft_length_sampling_is_lossless(
+    target: LoadedModel, draft: LoadedModel, plain_law: np.ndarray
+) -> None:
     """k chosen from each request's own acceptance so far (which depends on its earlier random draws) keeps
     the law exact. Requests run 8 tokens so the budget does not fix k inside the first four: the prior
     gives k = 1 at the first step, then an accepted draft raises the next step's k to 2 and a rejected
     one keeps 1, so both choices under the same cap occur thousands of times."""
     CHOSEN.clear()
     policy = RecordedLength(verify_cost=0.15)  # + the model drafter's 0.1 per draft
-    counts, acceptance, seconds = generate_samples(target, draft, "ems", PLAIN, NUM_SAMPLES, seed0=5 * 10**6,
-                                                   draft_length=policy, max_tokens=2 * NUM_TOKENS)
+    counts, acceptance, seconds = generate_samples(
+        target, draft, "ems", PLAIN, NUM_SAMPLES, seed0=5 * 10**6, draft_length=policy, max_tokens=2 * NUM_TOKENS
+    )
     print(f"ems/draft adaptive: {seconds:.1f} s, acceptance {acceptance:.3f}, choices {dict(CHOSEN)}")
     assert CHOSEN[(2, 1)] > 1000 and CHOSEN[(2, 2)] > 1000
     assert_lossless(counts, plain_law, "ems/draft adaptive k T=1")
 
 
 @pytest.mark.statistical
-def test_vanilla_draft_model_sampling_is_lossless(target: LoadedModel, draft: LoadedModel,
-                                                 plain_law: np.ndarray) -> None:
+def test_vanilla_draft_model_sampling_is_lossless(
+    target: LoadedModel, draft: LoadedModel, plain_law: np.ndarray
+) -> None:
     counts, acceptance, seconds = generate_samples(target, draft, "vanilla", PLAIN, NUM_SAMPLES, seed0=3 * 10**6)
     print(f"vanilla/draft plain: {seconds:.1f} s, acceptance {acceptance:.3f}")
     assert_lossless(counts, plain_law, "vanilla/draft T=1")
 
 
 @pytest.mark.statistical
-def test_check_rejects_the_draft_models_own_law(ems_plain_samples: Counter, draft: LoadedModel,
-                                                plain_law: np.ndarray) -> None:
+def test_check_rejects_the_draft_models_own_law(
+    ems_plain_samples: Counter, draft: LoadedModel, plain_law: np.ndarray
+) -> None:
     """Negative control: the same samples are far from the draft's law, and the check says so."""
     draft_law = exact_joint(draft, PLAIN)
     assert 0.5 * np.abs(draft_law - plain_law).sum() > 0.1
@@ -302,8 +342,9 @@ def test_check_rejects_the_draft_models_own_law(ems_plain_samples: Counter, draf
 
 
 @pytest.mark.statistical
-def test_check_rejects_a_subtly_wrong_verifier(target: LoadedModel, draft: LoadedModel, plain_law: np.ndarray,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_check_rejects_a_subtly_wrong_verifier(
+    target: LoadedModel, draft: LoadedModel, plain_law: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Negative control through the real loop: resampling a rejected draft from p instead of
     norm(max(0, p - q)) (a classic bug) is caught with a quarter of the samples."""
 
@@ -319,8 +360,10 @@ def test_check_rejects_a_subtly_wrong_verifier(target: LoadedModel, draft: Loade
 
     monkeypatch.setattr(loops, "verify_sampling", resample_from_p)
     counts, _, _ = generate_samples(target, draft, "ems", PLAIN, NUM_SAMPLES // 4, seed0=4 * 10**6)
-    pvalues = [chi_square_pvalue(marginal_counts(counts, keep), plain_law.sum(axis=axis))
-               for keep, axis in ((slice(0, 3), 3), (slice(1, 4), 0))]
+    pvalues = [
+        chi_square_pvalue(marginal_counts(counts, keep), plain_law.sum(axis=axis))
+        for keep, axis in ((slice(0, 3), 3), (slice(1, 4), 0))
+    ]
     print(f"resample-from-p bug, tokens 1-3 and 2-4: p = {pvalues[0]:.3g}, {pvalues[1]:.3g}")
     assert min(pvalues) < 1e-6
 
@@ -349,10 +392,19 @@ def _neighbours(count: int, offset: int) -> list[Request]:
     out = []
     for i in range(count):
         prompt = tuple(int(t) for t in gen.integers(0, 128, size=int(gen.integers(1, 30))))
-        sampling = (SamplingParams(0.0) if i % 3 == 0
-                    else SamplingParams(0.5 + 0.2 * (i % 4), top_k=int(gen.integers(0, 50)), seed=offset + i))
-        out.append(Request(prompt, max_tokens=int(gen.integers(1, 30)), sampling=sampling,
-                           num_draft_tokens=None if i % 2 else int(gen.integers(0, 6))))
+        sampling = (
+            SamplingParams(0.0)
+            if i % 3 == 0
+            else SamplingParams(0.5 + 0.2 * (i % 4), top_k=int(gen.integers(0, 50)), seed=offset + i)
+        )
+        out.append(
+            Request(
+                prompt,
+                max_tokens=int(gen.integers(1, 30)),
+                sampling=sampling,
+                num_draft_tokens=None if i % 2 else int(gen.integers(0, 6)),
+            )
+        )
     return out
 
 
@@ -390,8 +442,7 @@ def test_seeded_request_output_does_not_depend_on_its_batch(rng_engine_k: Engine
 
 def test_same_seed_repeats_and_different_seeds_differ(rng_engine_k: Engine) -> None:
     rng_engine = rng_engine_k
-    outs = rng_engine.generate([_needle(7), _needle(7), _needle(8), *_neighbours(3, 500), _needle(7)],
-                               "ems").outputs
+    outs = rng_engine.generate([_needle(7), _needle(7), _needle(8), *_neighbours(3, 500), _needle(7)], "ems").outputs
     assert outs[0].token_ids == outs[1].token_ids == outs[-1].token_ids
     assert outs[0].token_ids != outs[2].token_ids
     others = {tuple(o.token_ids) for o in rng_engine.generate([_needle(s) for s in range(10, 20)], "ems").outputs}

@@ -97,8 +97,15 @@ def test_non_llama_architecture_is_refused(tmp_path: Path) -> None:
 def test_sliding_window_is_refused(tmp_path: Path) -> None:
     from transformers import MistralConfig
 
-    MistralConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                  num_key_value_heads=1, vocab_size=50, sliding_window=16).save_pretrained(tmp_path)
+    MistralConfig(
+        num_hidden_layers=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=50,
+        sliding_window=16,
+    ).save_pretrained(tmp_path)
     with pytest.raises(ModelResolutionError, match="sliding-window"):
         load_model(tmp_path)
 
@@ -154,13 +161,22 @@ def test_save_then_load_round_trips_exactly(tmp_path: Path, tied: bool) -> None:
     for name, tensor in model.state_dict.items():
         assert loaded.state_dict[name].dtype == tensor.dtype
         assert torch.equal(loaded.state_dict[name], tensor), name
-    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "tie_word_embeddings", "rms_norm_eps"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "tie_word_embeddings",
+        "rms_norm_eps",
+    ):
         assert getattr(loaded.config, key) == getattr(model.config, key), key
     ids = [1, 5, 9, 30, 47]
     a, b = TorchBackend(model), TorchBackend(loaded)
-    assert np.array_equal(a.step(pack([SeqWork(0, 0, ids)]), a.allocate_cache(1, 8)),
-                          b.step(pack([SeqWork(0, 0, ids)]), b.allocate_cache(1, 8)))
+    assert np.array_equal(
+        a.step(pack([SeqWork(0, 0, ids)]), a.allocate_cache(1, 8)),
+        b.step(pack([SeqWork(0, 0, ids)]), b.allocate_cache(1, 8)),
+    )
 
 
 def test_save_overwrites_and_leaves_no_temporaries(tmp_path: Path) -> None:
@@ -176,15 +192,22 @@ def test_save_overwrites_and_leaves_no_temporaries(tmp_path: Path) -> None:
 
 
 def test_save_and_load_keep_rope_scaling(tmp_path: Path) -> None:
-    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32}
+    rope = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
     model = tiny_random(seed=3, vocab_size=32, num_layers=1, rope_scaling=rope, init_std=0.1)
     loaded = load_model(save_model(model, tmp_path / "rope"))
     ids = list(range(32)) * 2
     a, b = TorchBackend(model), TorchBackend(loaded)
     assert torch.equal(a.inv_freq, b.inv_freq)
-    assert np.array_equal(a.step(pack([SeqWork(0, 0, ids)]), a.allocate_cache(1, 64)),
-                          b.step(pack([SeqWork(0, 0, ids)]), b.allocate_cache(1, 64)))
+    assert np.array_equal(
+        a.step(pack([SeqWork(0, 0, ids)]), a.allocate_cache(1, 64)),
+        b.step(pack([SeqWork(0, 0, ids)]), b.allocate_cache(1, 64)),
+    )
 
 
 def test_checksum_ignores_a_listed_tied_head() -> None:
@@ -192,8 +215,9 @@ def test_checksum_ignores_a_listed_tied_head() -> None:
     model = tiny_random(seed=3, vocab_size=32, num_layers=1, tie_word_embeddings=True)
     listed = dict(model.state_dict, **{"lm_head.weight": model.state_dict["model.embed_tokens.weight"].clone()})
     with_head = LoadedModel(model.name, model.config, listed, None, "test")
-    without = LoadedModel(model.name, model.config, {k: v for k, v in listed.items() if k != "lm_head.weight"}, None,
-                          "test")
+    without = LoadedModel(
+        model.name, model.config, {k: v for k, v in listed.items() if k != "lm_head.weight"}, None, "test"
+    )
     assert with_head.checksum() == without.checksum()
     other = tiny_random(seed=4, vocab_size=32, num_layers=1, tie_word_embeddings=True)
     assert other.checksum() != without.checksum()

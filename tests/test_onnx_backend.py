@@ -27,9 +27,19 @@ from specdec.runtime.request import Request
 TINY_VARIANTS = {
     "gqa": dict(seed=1, num_layers=2),
     "mha-tied": dict(seed=2, num_layers=1, num_heads=4, num_kv_heads=4, tie_word_embeddings=True),
-    "mqa-llama3": dict(seed=3, num_layers=2, num_heads=4, num_kv_heads=1,
-                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "mqa-llama3": dict(
+        seed=3,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=1,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
 }
 
 
@@ -76,15 +86,32 @@ def test_ems_on_ort_equals_ar_on_torch_tiny(tmp_path) -> None:
     model = tiny_random(seed=9, num_layers=2)
     draft = tiny_random(seed=10, num_layers=1)
     out = tmp_path / "deploy"
-    assert export_main(["--target", "tiny-random:seed=9,num_layers=2", "--draft", "tiny-random:seed=10,num_layers=1",
-                        "--out", str(out), "--max-batch", "4", "--max-len", "128"]) == 0
+    assert (
+        export_main(
+            [
+                "--target",
+                "tiny-random:seed=9,num_layers=2",
+                "--draft",
+                "tiny-random:seed=10,num_layers=1",
+                "--out",
+                str(out),
+                "--max-batch",
+                "4",
+                "--max-len",
+                "128",
+            ]
+        )
+        == 0
+    )
     ort_engine = Engine.from_export(out)
     assert ort_engine.max_batch == 4 and ort_engine.max_len == 128
     assert ort_engine.target.fuse_report.attention  # the ORT lowering (ort_fuse) is what runs
     torch_engine = Engine.from_models(model, draft, max_batch=4, max_len=128)
     g = torch.Generator().manual_seed(1)
-    requests = [Request(torch.randint(0, 128, (n,), generator=g).tolist(), max_tokens=m)
-                for n, m in ((1, 12), (100, 20), (7, 3), (90, 16))]
+    requests = [
+        Request(torch.randint(0, 128, (n,), generator=g).tolist(), max_tokens=m)
+        for n, m in ((1, 12), (100, 20), (7, 3), (90, 16))
+    ]
     want = torch_engine.generate(requests, "ar").outputs
     got = ort_engine.generate(requests, "ems")
     assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want]
@@ -178,8 +205,9 @@ def test_smollm2_export_offline_matches_torch(smollm2_export) -> None:
     graph = smollm2_export / "target" / "model.onnx"
     assert count_attention_nodes(graph) == 30
     onnx.checker.check_model(str(graph), full_check=False)
-    error = max_logit_error(TorchBackend(load_model("smollm2-135m")), OrtBackend(graph), num_slots=4, max_len=160,
-                            seed=7)
+    error = max_logit_error(
+        TorchBackend(load_model("smollm2-135m")), OrtBackend(graph), num_slots=4, max_len=160, seed=7
+    )
     assert error < 1e-3
 
 
@@ -187,11 +215,15 @@ def test_smollm2_export_offline_matches_torch(smollm2_export) -> None:
 def test_smollm2_ems_on_ort_equals_ar_on_torch(smollm2_export) -> None:
     ort_engine = Engine.from_export(smollm2_export, num_draft_tokens=5)
     torch_engine = Engine.from_models(load_model("smollm2-135m"), None, max_batch=8, max_len=1024)
-    texts = ["Hi", "Repeat exactly: red, green, blue, red, green, blue.",
-             "Summarise: " + "The ragged step packs every sequence's new tokens without padding. " * 8,
-             "What is 3 + 4?"]
-    requests = [torch_engine.request(t, chat=i > 0, max_tokens=m)
-                for i, (t, m) in enumerate(zip(texts, (10, 24, 30, 12)))]
+    texts = [
+        "Hi",
+        "Repeat exactly: red, green, blue, red, green, blue.",
+        "Summarise: " + "The ragged step packs every sequence's new tokens without padding. " * 8,
+        "What is 3 + 4?",
+    ]
+    requests = [
+        torch_engine.request(t, chat=i > 0, max_tokens=m) for i, (t, m) in enumerate(zip(texts, (10, 24, 30, 12)))
+    ]
     want = torch_engine.generate(requests, "ar").outputs
     got = ort_engine.generate(requests, "ems")
     assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want]
@@ -204,8 +236,23 @@ def test_a_served_draft_session_does_not_spin_and_the_target_does(tiny_dir, tmp_
     from specdec.runtime.engine import Engine
 
     out = tmp_path / "deploy"
-    assert export_main(["--target", str(tiny_dir), "--draft", str(tiny_dir), "--out", str(out),
-                        "--max-batch", "2", "--max-len", "64"]) == 0
+    assert (
+        export_main(
+            [
+                "--target",
+                str(tiny_dir),
+                "--draft",
+                str(tiny_dir),
+                "--out",
+                str(out),
+                "--max-batch",
+                "2",
+                "--max-len",
+                "64",
+            ]
+        )
+        == 0
+    )
     engine = Engine.from_export(out)
 
     def spinning(backend: OrtBackend) -> bool:

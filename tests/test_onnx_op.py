@@ -150,8 +150,9 @@ def _random_case(
 
 def _torch_index(packed: PackedBatch) -> tuple[torch.Tensor, ...]:
     """``cu_seqlens, past_lens, slot_ids, tree_mask`` of a (numpy) pack as the torch tensors the plugins take."""
-    return tuple(torch.from_numpy(getattr(packed, n).copy()) for n in ("cu_seqlens", "past_lens", "slot_ids",
-                                                                        "tree_mask"))
+    return tuple(
+        torch.from_numpy(getattr(packed, n).copy()) for n in ("cu_seqlens", "past_lens", "slot_ids", "tree_mask")
+    )
 
 
 def _max_abs(a: np.ndarray, b: np.ndarray) -> float:

@@ -140,19 +140,24 @@ def test_export_stores_the_cache_type_and_the_engine_allocates_it(tmp_path: Path
     engines = [Engine.from_export(d) for d in (plain, narrow)]
     assert [e.target.np_dtype for e in engines] == [np.float32, np.float16]
     prompts = [[5, 9, 2, 7], [3] * 11]
-    outs = [[o.token_ids for o in e.generate([e.request(p, max_tokens=8) for p in prompts], "ar").outputs]
-            for e in engines]
+    outs = [
+        [o.token_ids for o in e.generate([e.request(p, max_tokens=8) for p in prompts], "ar").outputs] for e in engines
+    ]
     assert all(len(o) == 8 for o in outs[1])
     narrowed = engines[1].generate([engines[1].request(p, max_tokens=8) for p in prompts], "ems").outputs
     assert [o.token_ids for o in narrowed] == outs[1]  # greedy ems = ar on the fp16-cache graph
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--kv-cache", "float16", "--backend", "torch"], "needs --backend onnx"),
-    (["--kv-cache", "float32", "--dtype", "float16"], "needs --dtype float32"),
-])
-def test_export_refuses_cache_types_it_cannot_serve(tmp_path: Path, capsys: pytest.CaptureFixture, args: list[str],
-                                                    message: str) -> None:
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--kv-cache", "float16", "--backend", "torch"], "needs --backend onnx"),
+        (["--kv-cache", "float32", "--dtype", "float16"], "needs --dtype float32"),
+    ],
+)
+def test_export_refuses_cache_types_it_cannot_serve(
+    tmp_path: Path, capsys: pytest.CaptureFixture, args: list[str], message: str
+) -> None:
     out = tmp_path / "deploy"
     assert export_main(["--target", "tiny-random:num_layers=1", "--out", str(out), *args]) == 2
     assert message in capsys.readouterr().err and not out.exists()

@@ -22,14 +22,19 @@ from specdec.runtime.packed import pack
 
 CUDA_EP = "CUDAExecutionProvider"
 HAS_CUDA_EP = CUDA_EP in ort.get_available_providers() and torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not HAS_CUDA_EP, reason="needs onnxruntime-gpu with the CUDA execution provider "
-                                "and a CUDA torch (pip install 'specdec[gpu]' on a CUDA machine)")
+needs_cuda = pytest.mark.skipif(
+    not HAS_CUDA_EP,
+    reason="needs onnxruntime-gpu with the CUDA execution provider "
+    "and a CUDA torch (pip install 'specdec[gpu]' on a CUDA machine)",
+)
 
 
 def test_cuda_is_chosen_on_its_device_only_where_this_onnxruntime_has_it() -> None:
     assert default_providers(["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
     assert default_providers([CUDA_EP, "CPUExecutionProvider"], device_id=3) == [
-        (CUDA_EP, {"device_id": "3"}), "CPUExecutionProvider"]
+        (CUDA_EP, {"device_id": "3"}),
+        "CPUExecutionProvider",
+    ]
 
 
 def test_the_caches_follow_the_provider_the_session_really_runs_on() -> None:
@@ -87,7 +92,7 @@ def test_cuda_caches_live_on_the_device_and_are_written_in_place(tiny_graph) -> 
     for slot in range(3):
         kept = slice(0, committed[slot])
         np.testing.assert_allclose(gpu_k0[slot, :, kept], cpu_k0[slot, :, kept], atol=1e-3, rtol=1e-3)
-        assert not gpu_k0[slot, :, written[slot]:].any()
+        assert not gpu_k0[slot, :, written[slot] :].any()
 
 
 @pytest.mark.gpu

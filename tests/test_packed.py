@@ -52,16 +52,18 @@ def test_worked_example_exact() -> None:
         cu_seqlens=_i32([0, 3, 5, 8]),
         past_lens=_i32([0, 7, 5]),
         slot_ids=_i32([4, 0, 2]),
-        tree_mask=_mask([
-            "1..",  # p0
-            "11.",  # p1
-            "111",  # p2
-            "1..",  # x0
-            "11.",  # x1
-            "1..",  # a
-            ".1.",  # b
-            "1.1",  # c
-        ]),
+        tree_mask=_mask(
+            [
+                "1..",  # p0
+                "11.",  # p1
+                "111",  # p2
+                "1..",  # x0
+                "11.",  # x1
+                "1..",  # a
+                ".1.",  # b
+                "1.1",  # c
+            ]
+        ),
         logits_indices=_i32(list(range(8))),
     )
     assert batch.cache_mask is None
@@ -95,8 +97,7 @@ def test_chain_is_lower_triangular(n: int) -> None:
 def test_explicit_chain_parents_equal_implicit_chain() -> None:
     implicit = pack([SeqWork(0, 4, [5, 6, 7, 8])])
     explicit = pack([SeqWork(0, 4, [5, 6, 7, 8], parents=[ROOT, 0, 1, 2])])
-    for name in ("input_ids", "position_ids", "cu_seqlens", "past_lens", "slot_ids", "tree_mask",
-                 "logits_indices"):
+    for name in ("input_ids", "position_ids", "cu_seqlens", "past_lens", "slot_ids", "tree_mask", "logits_indices"):
         assert np.array_equal(getattr(implicit, name), getattr(explicit, name)), name
 
 
@@ -104,11 +105,21 @@ def test_tree_mask_width_is_longest_sequence() -> None:
     batch = pack([SeqWork(0, 0, [1]), SeqWork(1, 2, [1, 2, 3, 4, 5]), SeqWork(2, 9, [1, 2])])
     assert batch.tree_mask.shape == (8, 5)
     # rows of shorter sequences never see beyond their own length
-    _assert_batch(batch, tree_mask=_mask([
-        "1....",
-        "1....", "11...", "111..", "1111.", "11111",
-        "1....", "11...",
-    ]))
+    _assert_batch(
+        batch,
+        tree_mask=_mask(
+            [
+                "1....",
+                "1....",
+                "11...",
+                "111..",
+                "1111.",
+                "11111",
+                "1....",
+                "11...",
+            ]
+        ),
+    )
 
 
 def test_position_offset_overrides_past_for_positions_only() -> None:
@@ -140,16 +151,18 @@ def test_forest_three_trees_depths_and_ancestors() -> None:
     _assert_batch(
         batch,
         position_ids=_i64([11, 12, 11, 13, 13, 12, 14, 11]),
-        tree_mask=_mask([
-            "1.......",
-            "11......",
-            "..1.....",
-            "11.1....",
-            "11..1...",
-            "..1..1..",
-            "11.1..1.",
-            ".......1",
-        ]),
+        tree_mask=_mask(
+            [
+                "1.......",
+                "11......",
+                "..1.....",
+                "11.1....",
+                "11..1...",
+                "..1..1..",
+                "11.1..1.",
+                ".......1",
+            ]
+        ),
     )
     assert np.array_equal(batch.tree_mask, visible_new(parents).numpy())
 
@@ -205,13 +218,15 @@ def test_explicit_logit_offsets_must_be_in_range(offsets: list[int]) -> None:
 
 
 def test_sequences_with_no_tokens_are_dropped() -> None:
-    batch = pack([
-        SeqWork(0, 3, []),
-        SeqWork(1, 4, [7, 8]),
-        SeqWork(2, 5, [], parents=[]),
-        SeqWork(3, 6, [9], logits="last"),
-        SeqWork(4, 9, []),
-    ])
+    batch = pack(
+        [
+            SeqWork(0, 3, []),
+            SeqWork(1, 4, [7, 8]),
+            SeqWork(2, 5, [], parents=[]),
+            SeqWork(3, 6, [9], logits="last"),
+            SeqWork(4, 9, []),
+        ]
+    )
     _assert_batch(
         batch,
         input_ids=_i64([7, 8, 9]),

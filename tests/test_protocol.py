@@ -91,13 +91,25 @@ def test_parse_generation_reads_every_parameter() -> None:
         "input_ids": np.array([1, 2, 3], dtype=np.int32),
         "text_input": b("hi"),
         "apply_chat_template": flag(True),
-        "max_tokens": i32(100), "method": b("EMS"), "temperature": f32(0.7), "top_k": i32(40),
-        "top_p": f32(0.9), "seed": i32(7), "num_draft_tokens": i32(6), "stop": b("\n\n", "User:"),
-        "stream": flag(False), "beam_width": i32(1),
+        "max_tokens": i32(100),
+        "method": b("EMS"),
+        "temperature": f32(0.7),
+        "top_k": i32(40),
+        "top_p": f32(0.9),
+        "seed": i32(7),
+        "num_draft_tokens": i32(6),
+        "stop": b("\n\n", "User:"),
+        "stream": flag(False),
+        "beam_width": i32(1),
     }
     gen = parse_generation(inputs, max_len=MAX_LEN)
     assert (gen.max_tokens, gen.method, gen.num_draft_tokens, gen.stop, gen.stream) == (
-        100, "ems", 6, ("\n\n", "User:"), False)
+        100,
+        "ems",
+        6,
+        ("\n\n", "User:"),
+        False,
+    )
     assert math.isclose(gen.sampling.temperature, 0.7, rel_tol=1e-6)
     assert math.isclose(gen.sampling.top_p, 0.9, rel_tol=1e-6)
     assert (gen.sampling.top_k, gen.sampling.seed) == (40, 7)
@@ -108,8 +120,14 @@ def test_parse_generation_reads_every_parameter() -> None:
 def test_an_fp32_parameter_is_the_number_the_client_wrote(value: float) -> None:
     """FP32 carries 1e-5 as 9.99999975e-06, below the smallest temperature: the server reads back 1e-5 itself."""
     assert np.float32(1e-5) < 1e-5  # the rounding this guards against
-    gen = parse_generation({"input_ids": np.array([1], dtype=np.int32), "temperature": f32(value),
-                            "top_p": f32(value if value <= 1 else 1.0)}, max_len=MAX_LEN)
+    gen = parse_generation(
+        {
+            "input_ids": np.array([1], dtype=np.int32),
+            "temperature": f32(value),
+            "top_p": f32(value if value <= 1 else 1.0),
+        },
+        max_len=MAX_LEN,
+    )
     assert gen.sampling.temperature == value
 
 
@@ -121,9 +139,17 @@ def test_method_ar_runs_without_drafts() -> None:
 
 def test_beam_methods_read_their_parameters() -> None:
     """dsbd keeps k and gets its width knobs; beam is dsbd with no draft layers; ems has no beam parameters."""
-    gen = parse_generation({"method": b("dsbd"), "beam_width": i32(4), "dsbd_threshold": f32(0.25),
-                            "dsbd_min_width": i32(2), "memory_mode": b("single"), "num_draft_tokens": i32(3)},
-                           max_len=MAX_LEN)
+    gen = parse_generation(
+        {
+            "method": b("dsbd"),
+            "beam_width": i32(4),
+            "dsbd_threshold": f32(0.25),
+            "dsbd_min_width": i32(2),
+            "memory_mode": b("single"),
+            "num_draft_tokens": i32(3),
+        },
+        max_len=MAX_LEN,
+    )
     assert gen.beam is not None and gen.num_draft_tokens == 3
     assert (gen.beam.width, gen.beam.min_width, gen.beam.threshold, gen.beam.memory_mode) == (4, 2, 0.25, "single")
     beam = parse_generation({"method": b("beam"), "num_draft_tokens": i32(5)}, max_len=MAX_LEN)
@@ -131,12 +157,15 @@ def test_beam_methods_read_their_parameters() -> None:
     assert parse_generation({"beam_width": i32(1)}, max_len=MAX_LEN).beam is None
 
 
-@pytest.mark.parametrize(("inputs", "expected"), [
-    ({"max_tokens": i32(MAX_LEN - 1)}, MAX_LEN - 1),
-    ({"max_tokens": i32(1)}, 1),
-    ({"num_draft_tokens": i32(0)}, 0),
-    ({"num_draft_tokens": i32(MAX_DRAFT_TOKENS)}, MAX_DRAFT_TOKENS),
-])
+@pytest.mark.parametrize(
+    ("inputs", "expected"),
+    [
+        ({"max_tokens": i32(MAX_LEN - 1)}, MAX_LEN - 1),
+        ({"max_tokens": i32(1)}, 1),
+        ({"num_draft_tokens": i32(0)}, 0),
+        ({"num_draft_tokens": i32(MAX_DRAFT_TOKENS)}, MAX_DRAFT_TOKENS),
+    ],
+)
 def test_parse_generation_accepts_the_edges_of_the_ranges(inputs: dict[str, np.ndarray], expected: int) -> None:
     """The limits are inclusive where the docs say so (an off-by-one would refuse a valid request)."""
     gen = parse_generation(inputs, max_len=MAX_LEN)
@@ -166,15 +195,19 @@ BAD_GENERATIONS = [
     pytest.param({"beam_width": i32(0)}, {}, "beam_width", id="beam_width-0"),
     pytest.param({"method": b("dsbd"), "beam_width": i32(0)}, {}, "beam_width", id="dsbd-beam_width-0"),
     pytest.param({"method": b("dsbd"), "dsbd_threshold": f32(1.5)}, {}, "dsbd_threshold", id="threshold-1.5"),
-    pytest.param({"method": b("dsbd"), "dsbd_threshold": f32(float("nan"))}, {}, "dsbd_threshold",
-                 id="threshold-nan"),
-    pytest.param({"method": b("dsbd"), "beam_width": i32(2), "dsbd_min_width": i32(3)}, {}, "dsbd_min_width",
-                 id="min_width-above-width"),
+    pytest.param({"method": b("dsbd"), "dsbd_threshold": f32(float("nan"))}, {}, "dsbd_threshold", id="threshold-nan"),
+    pytest.param(
+        {"method": b("dsbd"), "beam_width": i32(2), "dsbd_min_width": i32(3)},
+        {},
+        "dsbd_min_width",
+        id="min_width-above-width",
+    ),
     pytest.param({"method": b("dsbd"), "memory_mode": b("tiny")}, {}, "memory_mode", id="memory_mode-unknown"),
     pytest.param({"method": b("beam"), "dsbd_threshold": f32(0.5)}, {}, "'dsbd' only", id="threshold-on-beam"),
     pytest.param({"dsbd_threshold": f32(0.5)}, {}, "not 'ems'", id="threshold-on-ems"),
-    pytest.param({"method": b("dsbd"), "dsbd_min_width": f32(1.0)}, {}, "dsbd_min_width.*INT32",
-                 id="min_width-float32"),
+    pytest.param(
+        {"method": b("dsbd"), "dsbd_min_width": f32(1.0)}, {}, "dsbd_min_width.*INT32", id="min_width-float32"
+    ),
     pytest.param({"stream": flag(True)}, {"allow_stream": False}, "specdec_stream", id="stream-on-unary"),
     pytest.param({"max_tokens": f32(8.0)}, {}, "max_tokens.*INT32.*float32", id="max_tokens-float32"),
     pytest.param({"temperature": np.array([0.5], dtype=np.float64)}, {}, "temperature.*FP32", id="temperature-fp64"),
@@ -192,8 +225,9 @@ BAD_GENERATIONS = [
 
 
 @pytest.mark.parametrize(("inputs", "kwargs", "message"), BAD_GENERATIONS)
-def test_parse_generation_refuses_naming_the_input(inputs: dict[str, np.ndarray], kwargs: dict[str, Any],
-                                                   message: str) -> None:
+def test_parse_generation_refuses_naming_the_input(
+    inputs: dict[str, np.ndarray], kwargs: dict[str, Any], message: str
+) -> None:
     """A bad request is INVALID_ARGUMENT with a message that tells the client which input to fix."""
     with pytest.raises(InvalidRequestError, match=message):
         parse_generation(inputs, max_len=MAX_LEN, **kwargs)
@@ -211,15 +245,20 @@ def test_parse_stops_accepts_every_bytes_layout() -> None:
 # -- parse_prompt, parse_input_ids, as_bytes ----------------------------------------------------------
 
 
-@pytest.mark.parametrize(("inputs", "message"), [
-    pytest.param({}, "text_input.*required", id="missing"),
-    pytest.param({"text_input": b("")}, "text_input.*empty", id="empty"),
-    pytest.param({"text_input": b(" \n\t ")}, "text_input.*empty", id="whitespace"),
-    pytest.param({"text_input": b("a", "b")}, "text_input.*one value", id="two-prompts"),
-    pytest.param({"text_input": b(b"\xe4\xbd")}, "text_input.*UTF-8", id="bad-utf8"),
-    pytest.param({"text_input": i32(5)}, "text_input.*STRING", id="int32"),
-    pytest.param({"text_input": b("hi"), "apply_chat_template": i32(1)}, "apply_chat_template.*BOOL", id="chat-int"),
-])
+@pytest.mark.parametrize(
+    ("inputs", "message"),
+    [
+        pytest.param({}, "text_input.*required", id="missing"),
+        pytest.param({"text_input": b("")}, "text_input.*empty", id="empty"),
+        pytest.param({"text_input": b(" \n\t ")}, "text_input.*empty", id="whitespace"),
+        pytest.param({"text_input": b("a", "b")}, "text_input.*one value", id="two-prompts"),
+        pytest.param({"text_input": b(b"\xe4\xbd")}, "text_input.*UTF-8", id="bad-utf8"),
+        pytest.param({"text_input": i32(5)}, "text_input.*STRING", id="int32"),
+        pytest.param(
+            {"text_input": b("hi"), "apply_chat_template": i32(1)}, "apply_chat_template.*BOOL", id="chat-int"
+        ),
+    ],
+)
 def test_parse_prompt_refuses_naming_the_input(inputs: dict[str, np.ndarray], message: str) -> None:
     """An empty prompt would reach the engine with no tokens to condition on: refuse it up front."""
     with pytest.raises(InvalidRequestError, match=message):
@@ -246,8 +285,15 @@ def test_engine_and_client_responses_are_exactly_the_declared_tensors() -> None:
     """A response is built from the tables alone: every declared output, in order, with its numpy type and shape,
     each metric read from ``RequestMetrics`` by its tensor's name; postprocessing reads back what the engine sent
     and passes the metrics on untouched."""
-    metrics = RequestMetrics(prompt_tokens=3, generated_tokens=5, draft_tokens=8, accepted_draft_tokens=6,
-                             target_calls=4, batch_size_sum=10, beam_widths=[2, 2, 1])
+    metrics = RequestMetrics(
+        prompt_tokens=3,
+        generated_tokens=5,
+        draft_tokens=8,
+        accepted_draft_tokens=6,
+        target_calls=4,
+        batch_size_sum=10,
+        beam_widths=[2, 2, 1],
+    )
     engine = protocol.engine_response([7, 8, 9, 10, 11], 2, True, ("\n", "你好"), "stop", metrics)
     assert list(engine) == [s.name for s in protocol.ENGINE_OUTPUTS]
     for spec in protocol.ENGINE_OUTPUTS:
@@ -268,14 +314,17 @@ def test_engine_and_client_responses_are_exactly_the_declared_tensors() -> None:
     assert empty["beam_widths"].dtype == np.int32 and empty["stop_strings"].dtype == object
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(output_ids=np.array([7, 50_000], dtype=np.int32)), "outside"),
-    (dict(output_ids=np.array([-1], dtype=np.int32)), "outside"),
-    (dict(output_ids=np.array([1.5], dtype=np.float32)), "output_ids"),
-    (dict(sent_tokens=np.array([9], dtype=np.int32)), "sent_tokens"),
-    (dict(sent_tokens=None), "missing"),
-    (dict(finished=np.array([1, 1], dtype=bool)), "exactly one value"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(output_ids=np.array([7, 50_000], dtype=np.int32)), "outside"),
+        (dict(output_ids=np.array([-1], dtype=np.int32)), "outside"),
+        (dict(output_ids=np.array([1.5], dtype=np.float32)), "output_ids"),
+        (dict(sent_tokens=np.array([9], dtype=np.int32)), "sent_tokens"),
+        (dict(sent_tokens=None), "missing"),
+        (dict(finished=np.array([1, 1], dtype=bool)), "exactly one value"),
+    ],
+)
 def test_an_engine_response_is_checked_like_client_input(change: dict, message: str) -> None:
     """The postprocessing model is reachable by any client: garbage gets a named INVALID_ARGUMENT, no traceback."""
     engine = protocol.engine_response([7, 8, 9], 1, False, (), "", RequestMetrics())
@@ -291,8 +340,13 @@ def test_an_engine_response_is_checked_like_client_input(change: dict, message: 
 
 def test_every_declared_type_has_a_wire_name_and_a_numpy_type() -> None:
     """The client names each input's type on the wire from the same table the configs are rendered from."""
-    specs = {*protocol.CLIENT_INPUTS, *protocol.ENGINE_OUTPUTS, *protocol.CLIENT_OUTPUTS, protocol.INPUT_IDS,
-             protocol.CANCEL_REQUEST_ID}
+    specs = {
+        *protocol.CLIENT_INPUTS,
+        *protocol.ENGINE_OUTPUTS,
+        *protocol.CLIENT_OUTPUTS,
+        protocol.INPUT_IDS,
+        protocol.CANCEL_REQUEST_ID,
+    }
     assert {s.dtype for s in specs} == set(protocol.NUMPY_OF) == set(protocol.WIRE_DTYPE)
     assert {s.name: s.wire_dtype for s in protocol.CLIENT_INPUTS}["text_input"] == "BYTES"
     assert protocol.array(protocol.STOP, "\n").tolist() == [b"\n"]  # one stop string is one element
@@ -322,18 +376,21 @@ def test_cut_at_stop_cuts_at_the_earliest_stop_whatever_the_list_order() -> None
     assert cut_at_stop("abc", []) == "abc"
 
 
-@pytest.mark.parametrize(("text", "stops", "expected"), [
-    pytest.param("ab\ufffd", [], "ab", id="trailing-fffd"),
-    pytest.param("ab\ufffd\ufffd", [], "ab", id="two-trailing-fffd"),
-    pytest.param("a\ufffdb", [], "a\ufffdb", id="inner-fffd-is-final"),
-    pytest.param("Hello\nUs", ["\nUser:"], "Hello", id="stop-prefix"),
-    pytest.param("\nUse", ["\nUser:"], "", id="whole-text-is-stop-prefix"),
-    pytest.param("abcd", ["cdX", "dY"], "ab", id="longest-prefix-of-several-stops"),
-    pytest.param("abcd", ["dY", "cdX"], "ab", id="longest-prefix-order-independent"),
-    pytest.param("Us are", ["User"], "Us are", id="inner-match-is-not-held"),
-    pytest.param("Hi \n\ufffd", ["\n🙂"], "Hi ", id="fffd-then-stop-prefix"),
-    pytest.param("", ["x"], "", id="empty"),
-])
+@pytest.mark.parametrize(
+    ("text", "stops", "expected"),
+    [
+        pytest.param("ab\ufffd", [], "ab", id="trailing-fffd"),
+        pytest.param("ab\ufffd\ufffd", [], "ab", id="two-trailing-fffd"),
+        pytest.param("a\ufffdb", [], "a\ufffdb", id="inner-fffd-is-final"),
+        pytest.param("Hello\nUs", ["\nUser:"], "Hello", id="stop-prefix"),
+        pytest.param("\nUse", ["\nUser:"], "", id="whole-text-is-stop-prefix"),
+        pytest.param("abcd", ["cdX", "dY"], "ab", id="longest-prefix-of-several-stops"),
+        pytest.param("abcd", ["dY", "cdX"], "ab", id="longest-prefix-order-independent"),
+        pytest.param("Us are", ["User"], "Us are", id="inner-match-is-not-held"),
+        pytest.param("Hi \n\ufffd", ["\n🙂"], "Hi ", id="fffd-then-stop-prefix"),
+        pytest.param("", ["x"], "", id="empty"),
+    ],
+)
 def test_streamable_holds_back_what_later_tokens_may_change(text: str, stops: list[str], expected: str) -> None:
     """Only an incomplete character at the end or the start of a stop string may be revised or cut later."""
     assert streamable(text, stops) == expected
@@ -367,8 +424,9 @@ def tok() -> Any:
 MULTI_BYTE = ("héllo wörld 你好 🙂", "日本語のテキスト", "👍🏽 ünïcödé", " Ελληνικά — naïve café", "🙂🙂🙂")
 
 
-def stream(decode: Callable[[Sequence[int]], str], ids: list[int], ends: Sequence[int],
-           stops: Sequence[str]) -> list[str]:
+def stream(
+    decode: Callable[[Sequence[int]], str], ids: list[int], ends: Sequence[int], stops: Sequence[str]
+) -> list[str]:
     """The text_output of each response when responses cover ``ids[:end]`` for each end (the last is final)."""
     deltas, sent = [], 0
     for i, end in enumerate(ends):
@@ -385,8 +443,9 @@ def finish_at_stop(decode: Callable[[Sequence[int]], str], ids: list[int], stops
     return ids
 
 
-def check_stream(decode: Callable[[Sequence[int]], str], ids: list[int], ends: Sequence[int],
-                 stops: Sequence[str]) -> None:
+def check_stream(
+    decode: Callable[[Sequence[int]], str], ids: list[int], ends: Sequence[int], stops: Sequence[str]
+) -> None:
     final = cut_at_stop(decode(ids), stops)
     deltas = stream(decode, ids, ends, stops)
     assert "".join(deltas) == final
@@ -401,6 +460,7 @@ def check_stream(decode: Callable[[Sequence[int]], str], ids: list[int], ends: S
 @pytest.mark.real_model
 def test_multi_byte_text_streams_whole_characters_at_every_split(tok: Any) -> None:
     """Split a multi-byte text after every token: no response carries half a character or text past a stop."""
+
     def decode(ids: Sequence[int]) -> str:
         return decode_tokens(tok, ids)
 
@@ -418,11 +478,17 @@ def test_multi_byte_text_streams_whole_characters_at_every_split(tok: Any) -> No
 @st.composite
 def token_streams(draw: st.DrawFn, vocab: int, pieces: list[list[int]]) -> tuple[list[int], list[int]]:
     """Ids mixing arbitrary vocab ids with tokens of multi-byte texts, and the response ends splitting them."""
-    parts = draw(st.lists(st.one_of(
-        st.lists(st.integers(0, vocab - 1), min_size=1, max_size=4),
-        st.sampled_from(pieces),
-        st.sampled_from(pieces).flatmap(lambda p: st.lists(st.sampled_from(p), min_size=1, max_size=6)),
-    ), min_size=1, max_size=5))
+    parts = draw(
+        st.lists(
+            st.one_of(
+                st.lists(st.integers(0, vocab - 1), min_size=1, max_size=4),
+                st.sampled_from(pieces),
+                st.sampled_from(pieces).flatmap(lambda p: st.lists(st.sampled_from(p), min_size=1, max_size=6)),
+            ),
+            min_size=1,
+            max_size=5,
+        )
+    )
     ids = [t for part in parts for t in part]
     ends = draw(st.lists(st.integers(1, len(ids)), max_size=6, unique=True))
     return ids, sorted(ends)
@@ -433,6 +499,7 @@ def token_streams(draw: st.DrawFn, vocab: int, pieces: list[list[int]]) -> tuple
 @pytest.mark.real_model
 def test_streamed_deltas_concatenate_to_the_final_text(tok: Any, data: st.DataObject) -> None:
     """Stateless deltas between any responses add up to the unary answer, with or without stop strings."""
+
     def decode(ids: Sequence[int]) -> str:
         return decode_tokens(tok, ids)
 
@@ -464,16 +531,20 @@ class Tensor:
     optional: bool
 
 
-_TENSOR = re.compile(r'\{ name: "(?P<name>\w+)" data_type: (?P<dtype>TYPE_\w+) dims: \[ (?P<dims>[-\d, ]+) \]'
-                     r"(?P<optional> optional: true)? \}")
+_TENSOR = re.compile(
+    r'\{ name: "(?P<name>\w+)" data_type: (?P<dtype>TYPE_\w+) dims: \[ (?P<dims>[-\d, ]+) \]'
+    r"(?P<optional> optional: true)? \}"
+)
 
 
 def tensors(config: str, kind: str) -> dict[str, Tensor]:
     """The ``input`` or ``output`` block of a config.pbtxt, in order."""
     block = re.search(rf"^{kind} \[\n(.*?)\n\]$", config, re.M | re.S)
     assert block, f"no {kind} block in\n{config}"
-    found = {m["name"]: Tensor(m["dtype"], tuple(int(d) for d in m["dims"].split(",")), bool(m["optional"]))
-             for m in _TENSOR.finditer(block[1])}
+    found = {
+        m["name"]: Tensor(m["dtype"], tuple(int(d) for d in m["dims"].split(",")), bool(m["optional"]))
+        for m in _TENSOR.finditer(block[1])
+    }
     assert len(found) == block[1].count("name:"), f"unparsed {kind} entries in\n{block[1]}"
     return found
 
@@ -558,29 +629,57 @@ def test_pipeline_passes_only_tensors_the_next_model_declares(configs: dict[str,
 
 def test_serving_options_reach_the_configs() -> None:
     """Each option lands in the parameters of the model that reads it."""
-    options = ServingOptions(intra_op_threads=3, num_draft_tokens=7, default_max_tokens=99, drafter="ngram",
-                             max_concurrency=5, max_batch=6, adaptive_draft=True, verify_cost=0.02,
-                             draft_cost=0.25, prefill_budget=64, max_queue=9, verify_by_batch=((1, 0.01), (8, 0.3)),
-                             limits=protocol.Limits(max_prompt_bytes=1000, max_stop_strings=3, max_stop_bytes=20))
+    options = ServingOptions(
+        intra_op_threads=3,
+        num_draft_tokens=7,
+        default_max_tokens=99,
+        drafter="ngram",
+        max_concurrency=5,
+        max_batch=6,
+        adaptive_draft=True,
+        verify_cost=0.02,
+        draft_cost=0.25,
+        prefill_budget=64,
+        max_queue=9,
+        verify_by_batch=((1, 0.01), (8, 0.3)),
+        limits=protocol.Limits(max_prompt_bytes=1000, max_stop_strings=3, max_stop_bytes=20),
+    )
     rendered = render_configs("../x", options)
-    assert config_parameters(rendered["specdec_engine"]) == {"export_dir": "../x", "intra_op_threads": "3",
-                                                      "num_draft_tokens": "7", "default_max_tokens": "99",
-                                                      "drafter": "ngram", "max_batch": "6", "adaptive_draft": "1",
-                                                      "verify_cost": "0.02", "draft_cost": "0.25",
-                                                      "verify_cost_by_batch": "1:0.01,8:0.3", "draft_cost_by_batch": "",
-                                                      "prefill_budget": "64"}
+    assert config_parameters(rendered["specdec_engine"]) == {
+        "export_dir": "../x",
+        "intra_op_threads": "3",
+        "num_draft_tokens": "7",
+        "default_max_tokens": "99",
+        "drafter": "ngram",
+        "max_batch": "6",
+        "adaptive_draft": "1",
+        "verify_cost": "0.02",
+        "draft_cost": "0.25",
+        "verify_cost_by_batch": "1:0.01,8:0.3",
+        "draft_cost_by_batch": "",
+        "prefill_budget": "64",
+    }
     assert config_parameters(render_configs("../x", ServingOptions())["specdec_engine"])["adaptive_draft"] == "0"
     for model in ("specdec", "specdec_stream"):
-        assert config_parameters(rendered[model]) == {"max_concurrency": "5", "max_queue": "9",
-                                                      "max_prompt_bytes": "1000", "max_stop_strings": "3",
-                                                      "max_stop_bytes": "20"}, model
+        assert config_parameters(rendered[model]) == {
+            "max_concurrency": "5",
+            "max_queue": "9",
+            "max_prompt_bytes": "1000",
+            "max_stop_strings": "3",
+            "max_stop_bytes": "20",
+        }, model
     for model in ("preprocessing", "postprocessing"):
         assert config_parameters(rendered[model]) == {"export_dir": "../x"}, model
 
 
 #: the Triton Python model class of each model
-CLASSES = {"preprocessing": "Preprocessing", "specdec_engine": "EngineModel", "postprocessing": "Postprocessing",
-           "specdec_stream": "StreamModel", "specdec": "UnaryModel"}
+CLASSES = {
+    "preprocessing": "Preprocessing",
+    "specdec_engine": "EngineModel",
+    "postprocessing": "Postprocessing",
+    "specdec_stream": "StreamModel",
+    "specdec": "UnaryModel",
+}
 
 
 def load_model_py(path: Path) -> Any:
@@ -605,8 +704,10 @@ def check_repository(repo: Path, export: Path) -> None:
         assert not Path(value).is_absolute()  # the pair can be moved together
         assert (repo / value).resolve() == export.resolve(), (model, value)
         # what the Python backend resolves at load: model_repository is <repo>/<model>
-        args = {"model_repository": str(repo / model),
-                "model_config": json.dumps({"parameters": {"export_dir": {"string_value": value}}})}
+        args = {
+            "model_repository": str(repo / model),
+            "model_config": json.dumps({"parameters": {"export_dir": {"string_value": value}}}),
+        }
         assert triton_models._export_dir(args) == export.resolve()
 
 
@@ -674,7 +775,6 @@ def test_user_text_never_becomes_control_tokens() -> None:
         assert "<|im_start|>system" in tok.decode(ids)  # the typed text is kept, as text
         assert sum(1 for t in ids if t in special) == sum(1 for t in plain if t in special), (chat, ids)
     for prompt in ("Hello there", " leading space", "\nnewline first", "tabs\tand  spaces  ", "é ü 你好"):
-        want = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                       tokenize=True)
+        want = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
         want = list(want["input_ids"] if hasattr(want, "keys") else want)
         assert encode_text(tok, prompt, chat=True) == want, prompt

@@ -56,12 +56,25 @@ from specdec.runtime.sampling import SamplingParams
 
 GG = gguf.GGMLQuantizationType
 #: llama.cpp tensor names -> Hugging Face projection names (written out here, independent of specdec's table)
-LAYER_TENSORS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                 "ffn_down": "mlp.down_proj"}
+LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 #: the tiny GGUF's block types: every converted type, Q4_1 on the RoPE-permuted q/k, mixed inside fused weights
-TINY_TYPES = {"attn_q": GG.Q4_1, "attn_k": GG.Q4_1, "attn_v": GG.Q4_0, "attn_output": GG.Q8_0, "ffn_gate": GG.Q4_1,
-              "ffn_up": GG.Q4_0, "ffn_down": GG.Q4_1}
+TINY_TYPES = {
+    "attn_q": GG.Q4_1,
+    "attn_k": GG.Q4_1,
+    "attn_v": GG.Q4_0,
+    "attn_output": GG.Q8_0,
+    "ffn_gate": GG.Q4_1,
+    "ffn_up": GG.Q4_0,
+    "ffn_down": GG.Q4_1,
+}
 
 
 # -- packing ---------------------------------------------------------------------------------------
@@ -139,14 +152,20 @@ def test_centred_q4_1_blocks_round_the_inputs_less() -> None:
     rng = np.random.default_rng(5)
     weight = (rng.standard_normal((96, 576)) * 0.05).astype(np.float32)
     block = q.from_gguf_blocks("Q4_1", gguf.quants.quantize(weight, GG["Q4_1"]), 576)
-    raw_codes = replace(block, zero_points=np.zeros_like(block.zero_points),
-                        offsets=(block.offsets.astype(np.float64) - block.zero_points * block.scales.astype(np.float64)
-                                 ).astype(np.float32))
+    raw_codes = replace(
+        block,
+        zero_points=np.zeros_like(block.zero_points),
+        offsets=(block.offsets.astype(np.float64) - block.zero_points * block.scales.astype(np.float64)).astype(
+            np.float32
+        ),
+    )
     assert np.array_equal(raw_codes.dequantize(), block.dequantize())  # the same weights, held two ways
     x = rng.standard_normal((32, 576)).astype(np.float32)
     want = x.astype(np.float64) @ block.dequantize().T.astype(np.float64)
-    errors = {name: float(np.abs(_one_linear(b, None, q.ACCURACY_LEVEL).run(None, {"x": x})[0] - want).mean())
-              for name, b in (("centred", block), ("raw", raw_codes))}
+    errors = {
+        name: float(np.abs(_one_linear(b, None, q.ACCURACY_LEVEL).run(None, {"x": x})[0] - want).mean())
+        for name, b in (("centred", block), ("raw", raw_codes))
+    }
     assert errors["centred"] < 0.5 * errors["raw"], errors
 
 
@@ -289,8 +308,16 @@ def assert_graph_reproduces_gguf(graph: Path, gguf_path: Path, model: LoadedMode
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tokenizer = small_tokenizer()
-    model = tiny_random(seed=3, vocab_size=len(tokenizer), num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
-                        intermediate_size=128, tie_word_embeddings=True)
+    model = tiny_random(
+        seed=3,
+        vocab_size=len(tokenizer),
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        tie_word_embeddings=True,
+    )
     return write_tiny_gguf(model, tokenizer, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
 
 
@@ -322,8 +349,11 @@ def test_tiny_gguf_graph_holds_the_files_own_blocks(tiny_gguf: Path, gguf_cache:
     assert summary["formats"] == {"Q4_0+Q4_1": 4, "Q4_1": 2, "Q8_0": 3}
     bits = assert_graph_reproduces_gguf(graph, tiny_gguf, model)
     assert bits["Q8_0"] == 3  # o_proj of both layers and the head: Q8_0 stays 8-bit under int4
-    nbits = {n.name: {a.name: helper.get_attribute_value(a) for a in n.attribute}["bits"]
-             for n in onnx.load(str(graph), load_external_data=False).graph.node if n.op_type == "MatMulNBits"}
+    nbits = {
+        n.name: {a.name: helper.get_attribute_value(a) for a in n.attribute}["bits"]
+        for n in onnx.load(str(graph), load_external_data=False).graph.node
+        if n.op_type == "MatMulNBits"
+    }
     assert sorted(nbits.values()) == [4, 4, 4, 4, 4, 4, 8, 8, 8]
     # no second rounding: at fp32 activations the graph computes the loaded (= de-quantized GGUF) model itself
     from specdec.export.validate import max_logit_error
@@ -340,10 +370,16 @@ def test_at_fp32_activations_wider_source_tensors_stay_fp32(tiny_gguf: Path, ggu
     model = load_model(tiny_gguf)
     graph = export_onnx(model, gguf_cache / "exact" / "model.onnx")
     _, summary = q.quantize_export(model, graph, "int4", accuracy_level=q.FP32_ACTIVATIONS)
-    assert summary["fp32_tensors"] == ["model.embed_tokens.weight", "model.layers.0.self_attn.o_proj.weight",
-                                       "model.layers.1.self_attn.o_proj.weight"]
-    nbits = [{a.name: helper.get_attribute_value(a) for a in n.attribute} for n in
-             onnx.load(str(graph), load_external_data=False).graph.node if n.op_type == "MatMulNBits"]
+    assert summary["fp32_tensors"] == [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.layers.1.self_attn.o_proj.weight",
+    ]
+    nbits = [
+        {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        for n in onnx.load(str(graph), load_external_data=False).graph.node
+        if n.op_type == "MatMulNBits"
+    ]
     assert [a["bits"] for a in nbits] == [4] * 6 and all(a["accuracy_level"] == 0 for a in nbits)
     # the head stays an fp32 Gemm, but the table is gathered from the file's Q8_0 blocks: the same values
     assert summary["embedding"] == "8-bit Q8_0"
@@ -356,8 +392,9 @@ def test_at_fp32_activations_wider_source_tensors_stay_fp32(tiny_gguf: Path, ggu
     assert max_logit_error(TorchBackend(model), OrtBackend(graph)) < 1e-4
 
 
-def test_gguf_rows_in_llama_cpp_order_are_refused(tiny_gguf: Path, gguf_cache: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gguf_rows_in_llama_cpp_order_are_refused(
+    tiny_gguf: Path, gguf_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Without the RoPE un-permutation the blocks do not reproduce the loaded q/k rows: refused, not exported."""
     model = load_model(tiny_gguf)
     read = gguf_blocks.read_gguf_tensors
@@ -383,22 +420,30 @@ def test_real_smollm2_graph_holds_the_gguf_blocks(smollm2: LoadedModel, smollm2_
     assert ops["MatMulNBits"] == 121 and ops["Gemm"] == 4 * 30  # the Gemms: Q4_1's block-offset corrections
 
 
-def test_real_smollm2_int4_greedy_ems_equals_ar_on_the_same_graph(smollm2: LoadedModel,
-                                                                   smollm2_int4_graph: Path) -> None:
+def test_real_smollm2_int4_greedy_ems_equals_ar_on_the_same_graph(
+    smollm2: LoadedModel, smollm2_int4_graph: Path
+) -> None:
     """The shipped int4 graph (int8 activations) keeps speculation exact on the real model: verification steps of
     several rows give each row the logits a one-row ar step gives it (bitwise: test_batch_invariance), so greedy
     ems reproduces ar token for token, with prompt lookup accepting drafts."""
     from specdec.runtime.drafters import make_drafter
     from specdec.runtime.engine import Engine
 
-    engine = Engine(OrtBackend(smollm2_int4_graph), make_drafter("ngram", max_batch=4, max_len=512, ngram=2,
-                                                                 min_ngram=2),
-                    tokenizer=smollm2.tokenizer, eos_token_ids=smollm2.eos_token_ids, max_batch=4, max_len=512,
-                    num_draft_tokens=5)
-    prompts = ["Name three rivers in Europe and one fact about each.",
-               "Rewrite as a list: eggs, flour, two lemons, butter, a pinch of salt.",
-               "Why do leaves change colour in autumn? Two sentences.",
-               "Repeat exactly: the early bird catches the worm, but the second mouse gets the cheese."]
+    engine = Engine(
+        OrtBackend(smollm2_int4_graph),
+        make_drafter("ngram", max_batch=4, max_len=512, ngram=2, min_ngram=2),
+        tokenizer=smollm2.tokenizer,
+        eos_token_ids=smollm2.eos_token_ids,
+        max_batch=4,
+        max_len=512,
+        num_draft_tokens=5,
+    )
+    prompts = [
+        "Name three rivers in Europe and one fact about each.",
+        "Rewrite as a list: eggs, flour, two lemons, butter, a pinch of salt.",
+        "Why do leaves change colour in autumn? Two sentences.",
+        "Repeat exactly: the early bird catches the worm, but the second mouse gets the cheese.",
+    ]
     requests = [engine.request(p, chat=True, max_tokens=48) for p in prompts]
     ar = engine.generate(requests, "ar")
     ems = engine.generate(requests, "ems")
@@ -415,8 +460,10 @@ def test_a_gguf_graph_with_q4_1_offsets_is_batch_invariant(tiny_gguf: Path, gguf
     assert summary["formats"]["Q4_1"] == 2 and summary["fp32_tensors"] == []
     backend = OrtBackend(graph)
     sequences = sequences_to_the_end(random.Random(3), backend.vocab_size, (MAX_LEN, 11))
-    assert differing_positions(one_token_per_step(backend, sequences),
-                               random_steps(backend, sequences, random.Random(4))) == []
+    assert (
+        differing_positions(one_token_per_step(backend, sequences), random_steps(backend, sequences, random.Random(4)))
+        == []
+    )
 
 
 # -- quantized exports --------------------------------------------------------------------------------
@@ -428,8 +475,25 @@ SOURCES = {"target": "tiny-random:seed=9,num_layers=2", "draft": "tiny-random:se
 @pytest.fixture(scope="module", params=["int4", "int8", "w8a8"])
 def quantized_export(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     out = tmp_path_factory.mktemp("quantized") / "deploy"
-    assert export_main(["--target", SOURCES["target"], "--draft", SOURCES["draft"],
-                        "--quantize", request.param, "--out", str(out), "--max-batch", "4", "--max-len", "256"]) == 0
+    assert (
+        export_main(
+            [
+                "--target",
+                SOURCES["target"],
+                "--draft",
+                SOURCES["draft"],
+                "--quantize",
+                request.param,
+                "--out",
+                str(out),
+                "--max-batch",
+                "4",
+                "--max-len",
+                "256",
+            ]
+        )
+        == 0
+    )
     return request.param, out
 
 
@@ -453,8 +517,11 @@ def test_quantized_graphs_have_no_fp32_linear_weights(quantized_export: tuple[st
         # the embedding table is gathered from the head's own blocks: no fp32 copy of it is left
         assert ops["GatherBlockQuantized"] == 1
         assert info["embedding"] == f"{q.MODES[mode]}-bit rtn"
-        matrices = {i.name for i in proto.graph.initializer
-                    if i.data_type == TensorProto.FLOAT and len(i.dims) == 2 and min(i.dims) > 1}
+        matrices = {
+            i.name
+            for i in proto.graph.initializer
+            if i.data_type == TensorProto.FLOAT and len(i.dims) == 2 and min(i.dims) > 1
+        }
         scales = {n.input[2] for n in proto.graph.node if n.op_type in ("MatMulNBits", "GatherBlockQuantized")}
         assert matrices == scales  # every fp32 matrix left is a table of block scales
         table, source = q.embedding_weights(out / manifest[part]["graph"])
@@ -469,8 +536,10 @@ def test_greedy_ems_equals_ar_on_the_quantized_graphs(quantized_export: tuple[st
     engine = Engine.from_export(out)
     assert engine.target.np_dtype == np.float16 and engine.drafter.backend.np_dtype == np.float16
     g = torch.Generator().manual_seed(1)
-    requests = [Request(torch.randint(0, 128, (n,), generator=g).tolist(), max_tokens=m)
-                for n, m in ((1, 12), (40, 20), (7, 3), (90, 16))]
+    requests = [
+        Request(torch.randint(0, 128, (n,), generator=g).tolist(), max_tokens=m)
+        for n, m in ((1, 12), (40, 20), (7, 3), (90, 16))
+    ]
     want = engine.generate(requests, "ar").outputs
     got = engine.generate(requests, "ems")
     assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want]
@@ -479,21 +548,29 @@ def test_greedy_ems_equals_ar_on_the_quantized_graphs(quantized_export: tuple[st
     # must give what a one-row ar step gives it
     from specdec.runtime.drafters import ModelDrafter
 
-    itself = Engine(engine.target, ModelDrafter(OrtBackend(out / "target" / "model.onnx", cache_dtype="float16"), 4,
-                                                engine.max_len),
-                    max_batch=4, max_len=engine.max_len, num_draft_tokens=4)
+    itself = Engine(
+        engine.target,
+        ModelDrafter(OrtBackend(out / "target" / "model.onnx", cache_dtype="float16"), 4, engine.max_len),
+        max_batch=4,
+        max_len=engine.max_len,
+        num_draft_tokens=4,
+    )
     selfdrafted = itself.generate(requests, "ems")
     assert [o.token_ids for o in selfdrafted.outputs] == [o.token_ids for o in want]
     assert selfdrafted.run.summary()["acceptance_rate"] > 0.9
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--backend", "torch"], "needs --backend onnx"),
-    (["--backend", "tensorrt"], "needs --backend onnx"),
-    (["--dtype", "float16"], "needs --dtype float32"),
-])
-def test_quantize_refuses_what_it_cannot_make(tmp_path: Path, capsys: pytest.CaptureFixture, args: list[str],
-                                              message: str) -> None:
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--backend", "torch"], "needs --backend onnx"),
+        (["--backend", "tensorrt"], "needs --backend onnx"),
+        (["--dtype", "float16"], "needs --dtype float32"),
+    ],
+)
+def test_quantize_refuses_what_it_cannot_make(
+    tmp_path: Path, capsys: pytest.CaptureFixture, args: list[str], message: str
+) -> None:
     out = tmp_path / "deploy"
     assert export_main(["--target", "tiny-random:num_layers=1", "--quantize", "int4", "--out", str(out), *args]) == 2
     assert message in capsys.readouterr().err and not out.exists()
@@ -532,10 +609,17 @@ def test_ems_sampling_on_a_quantized_target_is_lossless(tmp_path: Path, one_thre
     q.quantize_and_validate(target, graph, mode, tolerance=1e-3)
     backend = OrtBackend(graph)
     law = exact_joint(GraphLaw(backend), PLAIN)
-    engine = Engine(backend, make_drafter(TorchBackend(draft), max_batch=MAX_BATCH, max_len=32),
-                    max_batch=MAX_BATCH, max_len=32, num_draft_tokens=2)
-    requests = [Request(PROMPT, max_tokens=NUM_TOKENS, sampling=SamplingParams(1.0, seed=7 * 10**6 + i))
-                for i in range(NUM_SAMPLES)]
+    engine = Engine(
+        backend,
+        make_drafter(TorchBackend(draft), max_batch=MAX_BATCH, max_len=32),
+        max_batch=MAX_BATCH,
+        max_len=32,
+        num_draft_tokens=2,
+    )
+    requests = [
+        Request(PROMPT, max_tokens=NUM_TOKENS, sampling=SamplingParams(1.0, seed=7 * 10**6 + i))
+        for i in range(NUM_SAMPLES)
+    ]
     start = time.perf_counter()
     outputs = engine.generate(requests, "ems").outputs
     drafted = sum(o.metrics.draft_tokens for o in outputs)

@@ -30,8 +30,14 @@ from specdec.serving.server import TritonServer  # noqa: E402
 
 pytestmark = [pytest.mark.server, pytest.mark.real_model]
 
-PROMPTS = ["Name three colours.", "What is a river?", "Write one sentence about tea.", "Count from one to five.",
-           "Why is the sky blue?", "Give me a word that rhymes with cat."]
+PROMPTS = [
+    "Name three colours.",
+    "What is a river?",
+    "Write one sentence about tea.",
+    "Count from one to five.",
+    "Why is the sky blue?",
+    "Give me a word that rhymes with cat.",
+]
 MAX_TOKENS = 24
 LONG_TOKENS = 160  # a request long enough to be mid-generation when it is cut
 #: about 1,000 tokens with the chat template: with 100 new tokens asked, the 1,024-token context ends it first
@@ -50,8 +56,9 @@ def _reference(export: Path) -> dict[tuple[str, int], list[int]]:
     answers[(CONTEXT_PROMPT, 0)] = engine.request(CONTEXT_PROMPT, chat=True).prompt_ids  # the prompt itself
     # the negative control of the injection test: the same text tokenized as 6a688ea did, markup and all
     tok = engine.tokenizer
-    rendered = tok.apply_chat_template([{"role": "user", "content": INJECTION}], add_generation_prompt=True,
-                                       tokenize=False)
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": INJECTION}], add_generation_prompt=True, tokenize=False
+    )
     unsafe = engine.request(list(tok(rendered, add_special_tokens=False)["input_ids"]), max_tokens=MAX_TOKENS)
     safe = engine.request(INJECTION, chat=True, max_tokens=MAX_TOKENS)
     assert unsafe.prompt_ids != safe.prompt_ids, "the tokenizer parsed no control token out of the text"
@@ -69,8 +76,7 @@ def reference(smollm2_export: Path) -> dict[tuple[str, int], list[int]]:
 def server(smollm2_export: Path, reference: dict) -> TritonServer:
     grpc, http, metrics = free_ports()
     srv = TritonServer()
-    srv.start(smollm2_export / "triton_repo", grpc_port=grpc, http_port=http, metrics_port=metrics,
-              exit_timeout_s=120)
+    srv.start(smollm2_export / "triton_repo", grpc_port=grpc, http_port=http, metrics_port=metrics, exit_timeout_s=120)
     try:
         srv.wait_ready(300)
         yield srv
@@ -82,15 +88,20 @@ def server(smollm2_export: Path, reference: dict) -> TritonServer:
 def _idle(server: TritonServer) -> bool:
     """No request holds a slot or waits for one, in the engine's gauges and Triton's own."""
     values = samples(server.metrics_url)
-    ours = [v for k, v in values.items() if k.split("{")[0] in ("specdec_kv_slots_used", "specdec_active_sequences",
-                                                                "specdec_queued_requests", "specdec_inflight_requests")]
+    ours = [
+        v
+        for k, v in values.items()
+        if k.split("{")[0]
+        in ("specdec_kv_slots_used", "specdec_active_sequences", "specdec_queued_requests", "specdec_inflight_requests")
+    ]
     pending = [v for k, v in values.items() if k.startswith("nv_inference_pending_request_count")]
     return bool(ours) and not any(ours) and not any(pending)
 
 
 @pytest.mark.reliability("R6", "R7")
-def test_an_answer_is_the_same_alone_and_in_any_batch_and_a_seed_fixes_a_sample(server: TritonServer,
-                                                                               reference: dict) -> None:
+def test_an_answer_is_the_same_alone_and_in_any_batch_and_a_seed_fixes_a_sample(
+    server: TritonServer, reference: dict
+) -> None:
     """R6: the needle prompt alone and among 1-4 random others, 3 trials, greedy: identical. R7: a seeded sample
     is the same alone and under load; another seed gives another sample."""
     url, rng = server.grpc_url, random.Random(6)
@@ -120,12 +131,15 @@ class _RawStream:
     def __init__(self, url: str) -> None:
         self.client = grpcclient.InferenceServerClient(url)
         self.events: queue.Queue = queue.Queue()
-        self.client.start_stream(callback=lambda result, error: self.events.put((result, error)),
-                                 stream_timeout=WAIT_S)
+        self.client.start_stream(callback=lambda result, error: self.events.put((result, error)), stream_timeout=WAIT_S)
 
     def send(self, prompt: str, request_id: str, **params: object) -> None:
-        self.client.async_stream_infer(protocol.STREAM_MODEL, make_inputs(prompt, apply_chat_template=True, **params),
-                                       request_id=request_id, enable_empty_final_response=True)
+        self.client.async_stream_infer(
+            protocol.STREAM_MODEL,
+            make_inputs(prompt, apply_chat_template=True, **params),
+            request_id=request_id,
+            enable_empty_final_response=True,
+        )
 
     def next(self) -> tuple[str | None, bool, str, object, list[int]]:
         """The next response: (request id, final, finish reason, error, the output ids it carries)."""
@@ -154,16 +168,20 @@ class _RawStream:
 
 
 @pytest.mark.reliability("R12")
-def test_every_request_gets_exactly_one_final_response_and_nothing_after_it(server: TritonServer,
-                                                                          reference: dict) -> None:
+def test_every_request_gets_exactly_one_final_response_and_nothing_after_it(
+    server: TritonServer, reference: dict
+) -> None:
     """R12 for each way an answer ends: max_tokens (length), EOS (stop), a stop string, a server-side deadline
     (timeout), and a refused request (an in-band error, which is final by itself)."""
     ends = PROMPTS[3]  # its greedy answer ends with EOS after 25 tokens ("1. 1\n2. 2 ...")
     short = SpecdecClient(server.grpc_url).generate(ends, max_tokens=64, apply_chat_template=True)
     assert short.finish_reason == "stop", "this prompt's answer must end with EOS within 64 tokens"
-    cases = {"length": (PROMPTS[0], {"max_tokens": 8}), "stop": (ends, {"max_tokens": 64}),
-             "stop-string": (ends, {"max_tokens": 64, "stop": ["3."]}),
-             "timeout": (PROMPTS[0], {"max_tokens": LONG_TOKENS, "timeout_ms": 300})}
+    cases = {
+        "length": (PROMPTS[0], {"max_tokens": 8}),
+        "stop": (ends, {"max_tokens": 64}),
+        "stop-string": (ends, {"max_tokens": 64, "stop": ["3."]}),
+        "timeout": (PROMPTS[0], {"max_tokens": LONG_TOKENS, "timeout_ms": 300}),
+    }
     raw = _RawStream(server.grpc_url)
     try:
         ids = {name: f"{name}-{uuid.uuid4().hex[:6]}" for name in cases}
@@ -184,8 +202,9 @@ def test_every_request_gets_exactly_one_final_response_and_nothing_after_it(serv
 
 
 @pytest.mark.reliability("R18")
-def test_a_deadline_frees_the_slot_whether_the_server_or_the_client_sets_it(server: TritonServer,
-                                                                          reference: dict) -> None:
+def test_a_deadline_frees_the_slot_whether_the_server_or_the_client_sets_it(
+    server: TritonServer, reference: dict
+) -> None:
     """R18: ``timeout_ms`` ends an answer ``timeout`` with a prefix of the full answer; a client deadline
     (``client_timeout``) expiring mid-generation gives the client DEADLINE_EXCEEDED. Either way the slot is free
     again, and a batch-mate finishes exactly."""
@@ -269,8 +288,9 @@ def test_more_demand_than_slots_and_a_request_the_context_cannot_hold(server: Tr
     assert eventually(lambda: _idle(server), timeout=WAIT_S)
 
 
-def test_a_long_prompt_arriving_mid_stream_is_prefilled_in_chunks_beside_it(server: TritonServer,
-                                                                          reference: dict) -> None:
+def test_a_long_prompt_arriving_mid_stream_is_prefilled_in_chunks_beside_it(
+    server: TritonServer, reference: dict
+) -> None:
     """Issue 22, observation 5 (head-of-line blocking), counted in responses rather than timed: a ~1,000-token prompt
     sent while a stream decodes is prefilled in chunks of the served budget, and every step that carries a chunk
     also carries the stream's rows, so the stream keeps getting responses until the long prompt's first token.
@@ -322,8 +342,9 @@ def test_control_tokens_typed_by_a_user_stay_text_on_the_wire(server: TritonServ
 
 
 @pytest.mark.reliability("R14", "R16")
-def test_oversized_input_is_refused_at_once_and_a_concurrent_answer_is_unaffected(server: TritonServer,
-                                                                                reference: dict) -> None:
+def test_oversized_input_is_refused_at_once_and_a_concurrent_answer_is_unaffected(
+    server: TritonServer, reference: dict
+) -> None:
     """R16 (as CPU allows: the payload limit is the entry points', far below Triton's shm pool) and R14: a 4 MB
     prompt and 100,000 stop strings get INVALID_ARGUMENT naming the limit; a stream running beside them is exact;
     the server stays ready."""
@@ -340,8 +361,9 @@ def test_oversized_input_is_refused_at_once_and_a_concurrent_answer_is_unaffecte
 
 
 @pytest.mark.reliability("R19")
-def test_unload_and_load_cycles_follow_readiness_and_leave_nothing_behind(smollm2_export: Path,
-                                                                         reference: dict) -> None:
+def test_unload_and_load_cycles_follow_readiness_and_leave_nothing_behind(
+    smollm2_export: Path, reference: dict
+) -> None:
     """R19 (3 cycles, not 5: each load is a cold start on 2 cores): with explicit model control, unloading every
     specdec model makes the server not ready for them and ends their stubs; loading them again serves the same
     answer; after the last unload no stub and no new /dev/shm region is left."""
@@ -352,8 +374,14 @@ def test_unload_and_load_cycles_follow_readiness_and_leave_nothing_behind(smollm
     repo = smollm2_export / "triton_repo"
     srv = TritonServer()
     shm_before = {p.name for p in Path("/dev/shm").iterdir()}
-    srv.start(repo, grpc_port=grpc, http_port=http, metrics_port=metrics, exit_timeout_s=120,
-              extra_args=["--model-control-mode=explicit", "--load-model=*"])
+    srv.start(
+        repo,
+        grpc_port=grpc,
+        http_port=http,
+        metrics_port=metrics,
+        exit_timeout_s=120,
+        extra_args=["--model-control-mode=explicit", "--load-model=*"],
+    )
     try:
         srv.wait_ready(300)
         client = grpcclient.InferenceServerClient(srv.grpc_url)
@@ -371,7 +399,14 @@ def test_unload_and_load_cycles_follow_readiness_and_leave_nothing_behind(smollm
                 for model in MODELS:
                     client.load_model(model, headers=admin)
         leftover = {p.name for p in Path("/dev/shm").iterdir()} - shm_before
-        assert eventually(lambda: not {n for n in {p.name for p in Path("/dev/shm").iterdir()} - shm_before
-                                       if n.startswith(srv.shm_prefix or "triton")}), leftover
+        assert eventually(
+            lambda: (
+                not {
+                    n
+                    for n in {p.name for p in Path("/dev/shm").iterdir()} - shm_before
+                    if n.startswith(srv.shm_prefix or "triton")
+                }
+            )
+        ), leftover
     finally:
         assert srv.stop() == 0, srv.read_log()[-3000:]

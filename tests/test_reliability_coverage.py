@@ -25,8 +25,11 @@ def marked() -> dict[str, list[str]]:
             if not isinstance(node, ast.FunctionDef):
                 continue
             for deco in node.decorator_list:
-                if (isinstance(deco, ast.Call) and isinstance(deco.func, ast.Attribute)
-                        and deco.func.attr == "reliability"):
+                if (
+                    isinstance(deco, ast.Call)
+                    and isinstance(deco.func, ast.Attribute)
+                    and deco.func.attr == "reliability"
+                ):
                     for arg in deco.args:
                         assert isinstance(arg, ast.Constant) and arg.value in ALL, (path.name, node.name, arg)
                         found.setdefault(arg.value, []).append(f"{path.name}::{node.name}")

@@ -62,8 +62,9 @@ def test_restrict_head_takes_rows_of_the_lm_head_or_the_tied_embeddings() -> Non
     assert torch.equal(small.state_dict["lm_head.weight"], full.state_dict["lm_head.weight"][[1, 4, 9, 30]])
     assert small.state_dict["model.embed_tokens.weight"].shape[0] == 32
     assert full.head_token_ids is None and full.state_dict["lm_head.weight"].shape[0] == 32  # untouched
-    tied = tiny_random(seed=3, vocab_size=32, num_layers=1, hidden_size=16, num_heads=2, num_kv_heads=1,
-                       tie_word_embeddings=True)
+    tied = tiny_random(
+        seed=3, vocab_size=32, num_layers=1, hidden_size=16, num_heads=2, num_kv_heads=1, tie_word_embeddings=True
+    )
     from_tied = restrict_head(tied, [2, 5])
     assert torch.equal(from_tied.state_dict["lm_head.weight"], tied.state_dict["model.embed_tokens.weight"][[2, 5]])
     assert tied.config.tie_word_embeddings is True and from_tied.config.tie_word_embeddings is False
@@ -152,8 +153,9 @@ def test_sampled_draft_probs_cover_the_full_vocabulary_and_vanish_off_the_head(g
     drafter = ModelDrafter(TorchBackend(draft), max_batch=2, max_len=64)
     assert drafter.vocab_size == GREEDY_VOCAB
     params = [SamplingParams(1.0, seed=1), SamplingParams(1.3, top_k=7, top_p=0.8, seed=2)]
-    seqs = [SeqState.start(Request((5, 6, 7, 8, 9)[: 3 + i], max_tokens=10, sampling=p), i)
-            for i, p in enumerate(params)]
+    seqs = [
+        SeqState.start(Request((5, 6, 7, 8, 9)[: 3 + i], max_tokens=10, sampling=p), i) for i, p in enumerate(params)
+    ]
     drafts = drafter.propose(seqs, [4, 3])
     hf = draft.to_hf()
     for seq, d, p in zip(seqs, drafts, params):
@@ -192,8 +194,9 @@ def lossless_plain_law(lossless_target: LoadedModel) -> np.ndarray:
 
 
 @pytest.mark.statistical
-def test_ems_sampling_with_a_restricted_draft_is_lossless(lossless_target: LoadedModel, lossless_draft: LoadedModel,
-                                                          lossless_plain_law: np.ndarray) -> None:
+def test_ems_sampling_with_a_restricted_draft_is_lossless(
+    lossless_target: LoadedModel, lossless_draft: LoadedModel, lossless_plain_law: np.ndarray
+) -> None:
     """The end-to-end check of test_lossless_sampling (same ALPHA and TV bound, same reasoning).
 
     Only T = 1 runs end to end (20 s); that the warped q of a restricted head is the warped
@@ -201,8 +204,9 @@ def test_ems_sampling_with_a_restricted_draft_is_lossless(lossless_target: Loade
     """
     outside = [t for t in range(VOCAB) if t not in LOSSLESS_HEAD]
     assert lossless_plain_law.sum(axis=(1, 2, 3))[outside].sum() > 0.2  # the first token is often off the head
-    counts, acceptance, seconds = generate_samples(lossless_target, lossless_draft, "ems", PLAIN, NUM_SAMPLES,
-                                                   seed0=7 * 10**6)
+    counts, acceptance, seconds = generate_samples(
+        lossless_target, lossless_draft, "ems", PLAIN, NUM_SAMPLES, seed0=7 * 10**6
+    )
     print(f"ems/restricted draft T=1: {seconds:.1f} s, acceptance {acceptance:.3f}")
     assert 0.2 < acceptance < 0.9  # acceptance, residual resampling and off-head tokens all occur thousands of times
     assert sum(c for k, c in counts.items() if k[1] not in LOSSLESS_HEAD) > 1000
@@ -210,9 +214,12 @@ def test_ems_sampling_with_a_restricted_draft_is_lossless(lossless_target: Loade
 
 
 @pytest.mark.statistical
-def test_check_rejects_q_scattered_to_the_wrong_columns(lossless_target: LoadedModel, lossless_draft: LoadedModel,
-                                                        lossless_plain_law: np.ndarray,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_check_rejects_q_scattered_to_the_wrong_columns(
+    lossless_target: LoadedModel,
+    lossless_draft: LoadedModel,
+    lossless_plain_law: np.ndarray,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Negative control: q placed in columns 0..K-1 instead of at the head's token ids (a
     forgotten map) is caught with a quarter of the samples."""
 
@@ -222,10 +229,11 @@ def test_check_rejects_q_scattered_to_the_wrong_columns(lossless_target: LoadedM
         return full
 
     monkeypatch.setattr(ModelDrafter, "_full_vocab", first_columns)
-    counts, _, _ = generate_samples(lossless_target, lossless_draft, "ems", PLAIN, NUM_SAMPLES // 4,
-                                    seed0=8 * 10**6)
-    pvalues = [chi_square_pvalue(marginal_counts(counts, keep), lossless_plain_law.sum(axis=axis))
-               for keep, axis in ((slice(0, 3), 3), (slice(1, 4), 0))]
+    counts, _, _ = generate_samples(lossless_target, lossless_draft, "ems", PLAIN, NUM_SAMPLES // 4, seed0=8 * 10**6)
+    pvalues = [
+        chi_square_pvalue(marginal_counts(counts, keep), lossless_plain_law.sum(axis=axis))
+        for keep, axis in ((slice(0, 3), 3), (slice(1, 4), 0))
+    ]
     print(f"q in the wrong columns, tokens 1-3 and 2-4: p = {pvalues[0]:.3g}, {pvalues[1]:.3g}")
     assert min(pvalues) < 1e-6
 
@@ -243,8 +251,23 @@ def restricted_export(tmp_path_factory) -> tuple[LoadedModel, LoadedModel, objec
     draft = restrict_head(target, range(0, 128, 2))  # the target's body: drafts are often accepted
     save_model(draft, root / "draft-src")
     out = root / "deploy"
-    assert export_main(["--target", EXPORT_TARGET, "--draft", str(root / "draft-src"), "--out", str(out),
-                        "--max-batch", "4", "--max-len", "128"]) == 0
+    assert (
+        export_main(
+            [
+                "--target",
+                EXPORT_TARGET,
+                "--draft",
+                str(root / "draft-src"),
+                "--out",
+                str(out),
+                "--max-batch",
+                "4",
+                "--max-len",
+                "128",
+            ]
+        )
+        == 0
+    )
     return target, draft, out
 
 
@@ -268,8 +291,10 @@ def test_engine_from_export_with_a_restricted_draft_equals_torch_ar(restricted_e
     assert np.array_equal(ort_engine.drafter.head_token_ids, draft.head_token_ids.numpy())
     torch_engine = Engine.from_models(target, None, max_batch=4, max_len=128)
     g = torch.Generator().manual_seed(1)
-    requests = [Request(torch.randint(0, 128, (n,), generator=g).tolist(), max_tokens=m)
-                for n, m in ((1, 12), (40, 20), (7, 3), (60, 16))]
+    requests = [
+        Request(torch.randint(0, 128, (n,), generator=g).tolist(), max_tokens=m)
+        for n, m in ((1, 12), (40, 20), (7, 3), (60, 16))
+    ]
     want = [o.token_ids for o in torch_engine.generate(requests, "ar").outputs]
     got = ort_engine.generate(requests, "ems")
     assert [o.token_ids for o in got.outputs] == want
@@ -281,8 +306,25 @@ def test_torch_backend_export_keeps_the_head_map(tmp_path) -> None:
     target = load_model(EXPORT_TARGET)
     save_model(restrict_head(target, range(0, 128, 2)), tmp_path / "draft-src")
     out = tmp_path / "deploy"
-    assert export_main(["--target", EXPORT_TARGET, "--draft", str(tmp_path / "draft-src"), "--out", str(out),
-                        "--backend", "torch", "--max-batch", "2", "--max-len", "64"]) == 0
+    assert (
+        export_main(
+            [
+                "--target",
+                EXPORT_TARGET,
+                "--draft",
+                str(tmp_path / "draft-src"),
+                "--out",
+                str(out),
+                "--backend",
+                "torch",
+                "--max-batch",
+                "2",
+                "--max-len",
+                "64",
+            ]
+        )
+        == 0
+    )
     engine = Engine.from_export(out)
     assert engine.drafter.head_token_ids.tolist() == list(range(0, 128, 2))
     requests = [Request([5, 6, 7, 5, 6], max_tokens=10)]

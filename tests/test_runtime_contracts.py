@@ -19,8 +19,9 @@ from specdec.runtime.scheduler import Scheduler
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_random(seed=21, vocab_size=64, num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1,
-                       intermediate_size=64)
+    return tiny_random(
+        seed=21, vocab_size=64, num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64
+    )
 
 
 class SpyDrafter(NgramDrafter):
@@ -110,27 +111,33 @@ def test_stop_conditions(target) -> None:
     assert len(out.token_ids) == 37 and out.finish_reason == "length"
 
 
-@pytest.mark.parametrize("bad, message", [
-    (dict(prompt_ids=()), "prompt is empty"),
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(max_tokens=-3), "max_tokens"),
-    (dict(num_draft_tokens=-1), "num_draft_tokens"),
-    (dict(stop=("",)), "stop"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(prompt_ids=()), "prompt is empty"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-3), "max_tokens"),
+        (dict(num_draft_tokens=-1), "num_draft_tokens"),
+        (dict(stop=("",)), "stop"),
+    ],
+)
 def test_bad_request_fields(bad, message) -> None:
     fields = {"prompt_ids": (1, 2), **bad}
     with pytest.raises(InvalidRequestError, match=message):
         Request(**fields)
 
 
-@pytest.mark.parametrize("bad, message", [
-    (dict(temperature=-0.5), "temperature"),
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-1), "top_k"),
-    (dict(seed=-1), "seed"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(temperature=-0.5), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(seed=-1), "seed"),
+    ],
+)
 def test_bad_sampling_params(bad, message) -> None:
     with pytest.raises(InvalidRequestError, match=message):
         SamplingParams(**bad)
@@ -152,8 +159,12 @@ def test_one_bad_request_does_not_lose_the_others(target) -> None:
     engine = Engine(TorchBackend(target), NgramDrafter(), max_batch=4, max_len=32)
     good = [Request([1, 2, 3], max_tokens=6), Request([4, 5], max_tokens=9)]
     alone = engine.generate(good, "ems").outputs
-    items = [good[0], Request(list(range(40)), max_tokens=4), InvalidRequestError("prompt 2: top_p must be in (0, 1]"),
-             good[1]]
+    items = [
+        good[0],
+        Request(list(range(40)), max_tokens=4),
+        InvalidRequestError("prompt 2: top_p must be in (0, 1]"),
+        good[1],
+    ]
     outputs = engine.generate(items, "ems").outputs
     assert outputs[1].error and "context" in outputs[1].error and outputs[1].token_ids == []
     assert "top_p" in outputs[2].error
@@ -186,8 +197,10 @@ def test_draft_with_other_vocabulary_is_refused(target) -> None:
 def test_identical_results_across_repeated_runs(target) -> None:
     """A run leaves no state behind: the KV manager and drafters start fresh each time."""
     engine = Engine(TorchBackend(target), NgramDrafter(), max_batch=3, max_len=64)
-    requests = [Request([1, 2, 1, 2, 1], max_tokens=12, sampling=SamplingParams(0.8, seed=7)),
-                Request([3, 4], max_tokens=12)]
+    requests = [
+        Request([1, 2, 1, 2, 1], max_tokens=12, sampling=SamplingParams(0.8, seed=7)),
+        Request([3, 4], max_tokens=12),
+    ]
     first = engine.generate(requests, "ems").outputs
     second = engine.generate(requests, "ems").outputs
     assert [o.token_ids for o in first] == [o.token_ids for o in second]

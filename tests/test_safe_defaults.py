@@ -86,8 +86,13 @@ def test_nothing_unpickles_arbitrary_objects() -> None:
     offenders = []
     for path in sorted((REPO / "specdec").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load" \
-                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch":
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "load"
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "torch"
+            ):
                 flag = next((k.value for k in node.keywords if k.arg == "weights_only"), None)
                 if not (isinstance(flag, ast.Constant) and flag.value is True):
                     offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")

@@ -241,8 +241,7 @@ def test_warp_refuses_greedy_params() -> None:
     top_k=st.integers(0, 16),
     top_p=st.one_of(st.just(1.0), st.floats(0.01, 0.999)),
 )
-def test_warp_matches_hf_style_reference(logits: list[float], temperature: float, top_k: int,
-                                         top_p: float) -> None:
+def test_warp_matches_hf_style_reference(logits: list[float], temperature: float, top_k: int, top_p: float) -> None:
     assume(_top_p_boundary_gap(logits, temperature, top_k, top_p) > 1e-5)
     params = SamplingParams(temperature, top_k, top_p)
     got = warp(np.array(logits, dtype=np.float32), params).astype(np.float64)
@@ -489,8 +488,9 @@ def _exact_chain_joint(n: int) -> dict[tuple[int, ...], float]:
 Verifier = Callable[[list[int], "np.ndarray | None", np.ndarray, np.random.Generator], list[int]]
 
 
-def _chain_decode(k: int, n: int, g: np.random.Generator, point_mass: bool,
-                  verifier: Verifier = verify_sampling) -> tuple[int, ...]:
+def _chain_decode(
+    k: int, n: int, g: np.random.Generator, point_mass: bool, verifier: Verifier = verify_sampling
+) -> tuple[int, ...]:
     out: list[int] = []
     while len(out) < n:
         drafts: list[int] = []

@@ -46,7 +46,7 @@ output [ {{ name: "UPPER" data_type: TYPE_STRING dims: [ -1 ] }} ]
 instance_group [ {{ kind: KIND_CPU count: 1 }} ]
 """
 
-UPPER_MODEL = textwrap.dedent('''\
+UPPER_MODEL = textwrap.dedent("""\
     import numpy as np
     import triton_python_backend_utils as pb_utils
 
@@ -59,7 +59,7 @@ UPPER_MODEL = textwrap.dedent('''\
                 out = np.array([t.upper() for t in text.reshape(-1)], dtype=np.object_).reshape(text.shape)
                 responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("UPPER", out)]))
             return responses
-''')
+""")
 
 BROKEN_MODEL = 'raise RuntimeError("specdec-test: broken model on purpose")\n'
 
@@ -80,8 +80,13 @@ EXIT_S = 60
 
 def start_kwargs(ports: list[int]) -> dict:
     grpc, http, metrics = ports
-    return {"host": "127.0.0.1", "grpc_port": grpc, "http_port": http, "metrics_port": metrics,
-            "exit_timeout_s": EXIT_S}
+    return {
+        "host": "127.0.0.1",
+        "grpc_port": grpc,
+        "http_port": http,
+        "metrics_port": metrics,
+        "exit_timeout_s": EXIT_S,
+    }
 
 
 def gone(repo: Path) -> bool:
@@ -98,7 +103,8 @@ def group_gone(pgid: int) -> bool:
 
 
 NUMPY2_STUB_BUG = pytest.mark.xfail(
-    INSTALL.source == "nvidia-pytriton" and int(np.__version__.split(".")[0]) >= 2
+    INSTALL.source == "nvidia-pytriton"
+    and int(np.__version__.split(".")[0]) >= 2
     and not os.environ.get("SPECDEC_TRITON_PYTHON_ENV"),
     reason="the tritonserver 2.51 Python-backend stub bundled in nvidia-pytriton 0.7.0 is built for numpy<2: "
     "with numpy 2 tensors reach model.py corrupted (BYTES: every byte = 0x05, the stub dies; FP32: empty output); "
@@ -180,8 +186,12 @@ def test_busy_port_is_named_before_start(tmp_path: Path) -> None:
         with pytest.raises(PortInUseError, match=rf"port {ports[0]} .*--grpc-port"):
             server.start(repo, **start_kwargs(ports))
         assert server.process is None
-        assert serve_main([str(repo), "--grpc-port", str(ports[0]), "--http-port", str(ports[1]),
-                           "--metrics-port", str(ports[2])]) == 1
+        assert (
+            serve_main(
+                [str(repo), "--grpc-port", str(ports[0]), "--http-port", str(ports[1]), "--metrics-port", str(ports[2])]
+            )
+            == 1
+        )
 
 
 def test_invalid_repositories(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -231,9 +241,25 @@ def test_serve_cli_forwards_sigint(tmp_path: Path) -> None:
     grpc, http, metrics = free_ports()
     code = "import sys; from specdec.serving.serve import serve_main; sys.exit(serve_main(sys.argv[1:]))"
     proc = subprocess.Popen(
-        [sys.executable, "-c", code, str(repo), "--grpc-port", str(grpc), "--http-port", str(http),
-         "--metrics-port", str(metrics), "--log-file", str(tmp_path / "server.log"), "--ready-timeout", str(READY_S)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            code,
+            str(repo),
+            "--grpc-port",
+            str(grpc),
+            "--http-port",
+            str(http),
+            "--metrics-port",
+            str(metrics),
+            "--log-file",
+            str(tmp_path / "server.log"),
+            "--ready-timeout",
+            str(READY_S),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         lines = []

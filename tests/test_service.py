@@ -28,13 +28,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def model() -> LoadedModel:
-    return tiny_random(seed=21, vocab_size=64, num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1,
-                       intermediate_size=64)
+    return tiny_random(
+        seed=21, vocab_size=64, num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64
+    )
 
 
 def make_engine(model: LoadedModel, **kwargs) -> Engine:
-    return Engine(TorchBackend(model), NgramDrafter(), eos_token_ids=[EOS], max_batch=MAX_BATCH, max_len=MAX_LEN,
-                  **kwargs)
+    return Engine(
+        TorchBackend(model), NgramDrafter(), eos_token_ids=[EOS], max_batch=MAX_BATCH, max_len=MAX_LEN, **kwargs
+    )
 
 
 @pytest.fixture
@@ -214,8 +216,9 @@ def test_stop_without_drain_cancels_everything(model) -> None:
 
 
 @pytest.mark.parametrize("failing_calls, lost", [({3}, 0), ({3, 4, 5}, 2)])
-def test_a_failed_step_is_retried_per_sequence_and_fails_only_what_fails_again(model, offline, failing_calls,
-                                                                                lost) -> None:
+def test_a_failed_step_is_retried_per_sequence_and_fails_only_what_fails_again(
+    model, offline, failing_calls, lost
+) -> None:
     """A target step that raises runs again one sequence at a time: a transient failure loses nothing (the
     answers are exact), one that repeats for a sequence fails that sequence; the loop itself never restarts."""
     engine = make_engine(model)
@@ -288,10 +291,25 @@ def test_stream_text_holds_back_partial_characters_and_stop_prefixes() -> None:
 @pytest.fixture(scope="module")
 def text_engine() -> Engine:
     tokenizer = load_model("smollm2-135m").tokenizer
-    tiny = tiny_random(seed=5, vocab_size=len(tokenizer), num_layers=1, hidden_size=16, num_heads=2,
-                       num_kv_heads=1, intermediate_size=32, tie_word_embeddings=True, init_std=1.0)
-    return Engine(TorchBackend(tiny), NgramDrafter(), tokenizer=tokenizer, eos_token_ids=[tokenizer.eos_token_id],
-                  max_batch=MAX_BATCH, max_len=MAX_LEN)
+    tiny = tiny_random(
+        seed=5,
+        vocab_size=len(tokenizer),
+        num_layers=1,
+        hidden_size=16,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=32,
+        tie_word_embeddings=True,
+        init_std=1.0,
+    )
+    return Engine(
+        TorchBackend(tiny),
+        NgramDrafter(),
+        tokenizer=tokenizer,
+        eos_token_ids=[tokenizer.eos_token_id],
+        max_batch=MAX_BATCH,
+        max_len=MAX_LEN,
+    )
 
 
 @pytest.mark.real_model
@@ -357,15 +375,17 @@ def test_a_caller_that_wants_no_text_gets_the_same_tokens_and_the_loop_never_det
 @pytest.mark.parametrize("memory_mode", ["single", "full"])
 @pytest.mark.real_model
 def test_a_streamed_beam_answer_is_cut_at_a_stop_string_exactly_as_the_whole_answer_would_be(
-        text_engine, memory_mode: str) -> None:
+    text_engine, memory_mode: str
+) -> None:
     """A beam request streams the prefix its candidates share, so a stop string can end it mid-search; its answer
     is still the search's best candidate cut by the stopper, as if emitted whole at the end (the search itself
     ignores stop strings), and the stream joins into that answer without ever showing the stop string."""
     from specdec.runtime.request import BeamParams, SeqState, StopChecker
 
     def request(stop: list[str]) -> Request:
-        return text_engine.request("Hello there, how are you", max_tokens=30, stop=stop,
-                                   beam=BeamParams(width=2, memory_mode=memory_mode))
+        return text_engine.request(
+            "Hello there, how are you", max_tokens=30, stop=stop, beam=BeamParams(width=2, memory_mode=memory_mode)
+        )
 
     whole = text_engine.generate([request([])], "beam").outputs[0]
     stop = whole.text[len(whole.text) // 2 :][:3]
@@ -400,8 +420,14 @@ def test_a_beam_request_cancelled_mid_run_ends_cancelled_and_frees_its_beams(mod
     from specdec.runtime.request import BeamParams
 
     def dsbd_engine() -> Engine:
-        return Engine(TorchBackend(model), ModelDrafter(TorchBackend(model), 8, MAX_LEN), eos_token_ids=[EOS],
-                      max_batch=8, max_len=MAX_LEN, num_draft_tokens=2)
+        return Engine(
+            TorchBackend(model),
+            ModelDrafter(TorchBackend(model), 8, MAX_LEN),
+            eos_token_ids=[EOS],
+            max_batch=8,
+            max_len=MAX_LEN,
+            num_draft_tokens=2,
+        )
 
     victim = Request((5, 6, 7, 8), max_tokens=100, request_id="victim", beam=BeamParams(width=4))
     other = Request((9, 10, 11), max_tokens=20, sampling=SamplingParams(1.0, 0, 1.0, 4), beam=BeamParams(width=3))

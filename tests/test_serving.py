@@ -34,12 +34,32 @@ from specdec.serving.repository import ServingOptions, write_repository  # noqa:
 
 pytestmark = [pytest.mark.server, pytest.mark.real_model]
 
-TOPICS = ["the moon", "bread", "rivers", "chess", "volcanoes", "bees", "libraries", "glass",
-          "trains", "tea", "owls", "maps", "clocks", "salt", "bridges", "snow"]
+TOPICS = [
+    "the moon",
+    "bread",
+    "rivers",
+    "chess",
+    "volcanoes",
+    "bees",
+    "libraries",
+    "glass",
+    "trains",
+    "tea",
+    "owls",
+    "maps",
+    "clocks",
+    "salt",
+    "bridges",
+    "snow",
+]
 # 16 prompts of different lengths and shapes (chat and plain), so the ragged steps really are ragged
 PROMPTS = [
-    (f"Write two sentences about {topic}." if i % 2 == 0 else
-     f"Repeat this list exactly: {topic}, {topic} and more {topic}. " * (1 + i % 3) + "Now continue it.", i % 2 == 0)
+    (
+        f"Write two sentences about {topic}."
+        if i % 2 == 0
+        else f"Repeat this list exactly: {topic}, {topic} and more {topic}. " * (1 + i % 3) + "Now continue it.",
+        i % 2 == 0,
+    )
     for i, topic in enumerate(TOPICS)
 ]
 CONCURRENT_MAX_TOKENS = [16, 40, 24, 32, 20, 36, 28, 12]  # the 8-concurrent test: different lengths
@@ -60,7 +80,8 @@ def _local_reference(export: Path) -> dict[tuple[int, int], list[int]]:
     result = engine.generate(requests, "ems")
     assert not any(o.error for o in result.outputs)
     return {key: out.token_ids for key, out in zip(keys, result.outputs)} | {
-        ("text", *key): out.text for key, out in zip(keys, result.outputs)}
+        ("text", *key): out.text for key, out in zip(keys, result.outputs)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +122,10 @@ def _check(answer: Answer | ClientError, reference: dict, i: int, max_tokens: in
 def test_eight_concurrent_greedy_requests_equal_local_and_share_steps(server: TritonServer, reference: dict) -> None:
     before = scrape(server)
     client_threads = ThreadPoolExecutor(8)
-    futures = [client_threads.submit(lambda i=i, m=m: SpecdecClient(server.grpc_url).generate(
-        PROMPTS[i][0], **_params(i, m))) for i, m in enumerate(CONCURRENT_MAX_TOKENS)]
+    futures = [
+        client_threads.submit(lambda i=i, m=m: SpecdecClient(server.grpc_url).generate(PROMPTS[i][0], **_params(i, m)))
+        for i, m in enumerate(CONCURRENT_MAX_TOKENS)
+    ]
     answers = [f.result() for f in futures]
     for i, (answer, m) in enumerate(zip(answers, CONCURRENT_MAX_TOKENS)):
         _check(answer, reference, i, m)
@@ -119,13 +142,18 @@ def test_eight_concurrent_greedy_requests_equal_local_and_share_steps(server: Tr
     assert generated == sum(len(a.output_ids) for a in answers)
 
 
-def test_stream_concatenates_to_the_unary_answer_and_shares_steps_with_unary(server: TritonServer,
-                                                                           reference: dict) -> None:
+def test_stream_concatenates_to_the_unary_answer_and_shares_steps_with_unary(
+    server: TritonServer, reference: dict
+) -> None:
     i, m = 1, CONCURRENT_MAX_TOKENS[1]
     with ThreadPoolExecutor(4) as pool:
         streamed = pool.submit(lambda: SpecdecClient(server.grpc_url).generate_stream(PROMPTS[i][0], **_params(i, m)))
-        unary = [pool.submit(lambda j=j: SpecdecClient(server.grpc_url).generate(
-            PROMPTS[j][0], **_params(j, LOAD_MAX_TOKENS))) for j in (2, 3, 4)]
+        unary = [
+            pool.submit(
+                lambda j=j: SpecdecClient(server.grpc_url).generate(PROMPTS[j][0], **_params(j, LOAD_MAX_TOKENS))
+            )
+            for j in (2, 3, 4)
+        ]
         stream_answer = streamed.result()
         unary_answers = [u.result() for u in unary]
     _check(stream_answer, reference, i, m)
@@ -143,6 +171,7 @@ def test_64_requests_from_8_threads_none_lost_or_mixed_up(server: TritonServer, 
     # half the requests stream; every answer must be exactly its own prompt's reference
     answers: list = [None] * 64
     with ThreadPoolExecutor(8) as pool:
+
         def worker(t: int) -> None:
             client = SpecdecClient(server.grpc_url)
             for k in range(t, 64, 8):
@@ -151,6 +180,7 @@ def test_64_requests_from_8_threads_none_lost_or_mixed_up(server: TritonServer, 
                     answers[k] = call(prompts[k], **_params(indices[k], LOAD_MAX_TOKENS))
                 except ClientError as exc:
                     answers[k] = exc
+
         list(pool.map(worker, range(8)))
     for k, answer in enumerate(answers):
         _check(answer, reference, indices[k], LOAD_MAX_TOKENS)
@@ -196,8 +226,11 @@ def _send_bad(client: SpecdecClient, case: dict) -> None:
 def test_bad_inputs_get_named_errors_while_a_stream_completes(server: TritonServer, reference: dict) -> None:
     i, m = 5, CONCURRENT_MAX_TOKENS[5]
     in_flight: dict = {}
-    thread = threading.Thread(target=lambda: in_flight.setdefault("answer", SpecdecClient(
-        server.grpc_url).generate_stream(PROMPTS[i][0], **_params(i, m))))
+    thread = threading.Thread(
+        target=lambda: in_flight.setdefault(
+            "answer", SpecdecClient(server.grpc_url).generate_stream(PROMPTS[i][0], **_params(i, m))
+        )
+    )
     thread.start()
     client = SpecdecClient(server.grpc_url)
     for name, (case, pattern) in BAD_REQUESTS.items():
@@ -209,14 +242,20 @@ def test_bad_inputs_get_named_errors_while_a_stream_completes(server: TritonServ
 
     text = np.array([b"Say hi."], dtype=np.object_)
     wrong = {
-        "wrong dtype": [_raw_input("text_input", text, "BYTES"),
-                        _raw_input("max_tokens", np.array([8.0], dtype=np.float32), "FP32")],
+        "wrong dtype": [
+            _raw_input("text_input", text, "BYTES"),
+            _raw_input("max_tokens", np.array([8.0], dtype=np.float32), "FP32"),
+        ],
         "wrong shape": [_raw_input("text_input", np.array([b"a", b"b"], dtype=np.object_), "BYTES")],
         "missing text_input": [_raw_input("max_tokens", np.array([8], dtype=np.int32), "INT32")],
         "not UTF-8": [_raw_input("text_input", np.array([b"\xff\xfe bad"], dtype=np.object_), "BYTES")],
     }
-    patterns = {"wrong dtype": r"max_tokens.*(TYPE_INT32|INT32)", "wrong shape": r"text_input.*shape|shape.*text_input",
-                "missing text_input": r"text_input", "not UTF-8": r"UTF-8"}
+    patterns = {
+        "wrong dtype": r"max_tokens.*(TYPE_INT32|INT32)",
+        "wrong shape": r"text_input.*shape|shape.*text_input",
+        "missing text_input": r"text_input",
+        "not UTF-8": r"UTF-8",
+    }
     for name, inputs in wrong.items():
         with pytest.raises(InferenceServerException, match=patterns[name]):
             raw.infer("specdec", inputs)
@@ -240,11 +279,13 @@ for n, result in enumerate(client.stream("Count from one to five hundred in word
 
 
 @pytest.mark.reliability("R8", "R9", "R11")
-def test_client_killed_mid_stream_is_cancelled_and_does_not_wedge_the_engine(server: TritonServer,
-                                                                             reference: dict) -> None:
+def test_client_killed_mid_stream_is_cancelled_and_does_not_wedge_the_engine(
+    server: TritonServer, reference: dict
+) -> None:
     before = scrape(server)
-    proc = subprocess.Popen([sys.executable, "-c", STREAMING_CLIENT, server.grpc_url], stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STREAMING_CLIENT, server.grpc_url], stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout is not None
     for _ in range(3):  # it is streaming
         assert proc.stdout.readline().startswith("response")
@@ -253,8 +294,10 @@ def test_client_killed_mid_stream_is_cancelled_and_does_not_wedge_the_engine(ser
     i = 0
     answer = SpecdecClient(server.grpc_url).generate(PROMPTS[i][0], **_params(i, CONCURRENT_MAX_TOKENS[i]))
     _check(answer, reference, i, CONCURRENT_MAX_TOKENS[i])
-    eventually(lambda: (now := scrape(server))[CANCELLED] - before[CANCELLED] >= 1
-               and now["specdec_active_sequences"] == 0, poll_s=0.5)
+    eventually(
+        lambda: (now := scrape(server))[CANCELLED] - before[CANCELLED] >= 1 and now["specdec_active_sequences"] == 0,
+        poll_s=0.5,
+    )
     now = scrape(server)
     assert now[CANCELLED] - before[CANCELLED] == 1, "the dead client's request was not cancelled"
     assert now["specdec_active_sequences"] == 0
@@ -270,8 +313,7 @@ for result in client.stream("Count from one to five hundred in words.", max_toke
 
 
 @pytest.mark.reliability("R8", "R9", "R11")
-def test_client_killed_during_a_beam_request_is_cancelled_between_rounds(server: TritonServer,
-                                                                          reference: dict) -> None:
+def test_client_killed_during_a_beam_request_is_cancelled_between_rounds(server: TritonServer, reference: dict) -> None:
     """A beam search streams only the prefix its beams share; a client killed while it runs is still noticed: the
     request ends *cancelled* (600 tokens would take far longer than the wait), its beams give back their KV slots,
     and the server answers the next beam and ems requests."""
@@ -283,29 +325,41 @@ def test_client_killed_during_a_beam_request_is_cancelled_between_rounds(server:
     started = scrape(server)["specdec_target_steps_total"]
     assert eventually(lambda: scrape(server)["specdec_target_steps_total"] >= started + 3), "no rounds ran"
     # between rounds (a round frees a slot before it forks one)
-    assert eventually(lambda: scrape(server)["specdec_kv_slots_used"] == 2, poll_s=0.1), \
+    assert eventually(lambda: scrape(server)["specdec_kv_slots_used"] == 2, poll_s=0.1), (
         "a width-2 beam request holds one KV slot per beam"
+    )
     proc.send_signal(signal.SIGKILL)
     proc.wait(WAIT_S)
-    eventually(lambda: (now := scrape(server))[CANCELLED] - before[CANCELLED] >= 1
-               and now["specdec_active_sequences"] == 0 and now["specdec_kv_slots_used"] == 0, poll_s=0.5)
+    eventually(
+        lambda: (
+            (now := scrape(server))[CANCELLED] - before[CANCELLED] >= 1
+            and now["specdec_active_sequences"] == 0
+            and now["specdec_kv_slots_used"] == 0
+        ),
+        poll_s=0.5,
+    )
     now = scrape(server)
     assert now[CANCELLED] - before[CANCELLED] == 1, "the dead client's beam request was not cancelled"
     assert now["specdec_active_sequences"] == 0 and now["specdec_kv_slots_used"] == 0
     client = SpecdecClient(server.grpc_url)
     answer = client.generate(PROMPTS[0][0], **_params(0, 8, method="beam", beam_width=2))
     assert answer.output_ids and max(answer.beam_widths) == 2
-    _check(client.generate(PROMPTS[1][0], **_params(1, CONCURRENT_MAX_TOKENS[1])), reference, 1,
-           CONCURRENT_MAX_TOKENS[1])
+    _check(
+        client.generate(PROMPTS[1][0], **_params(1, CONCURRENT_MAX_TOKENS[1])), reference, 1, CONCURRENT_MAX_TOKENS[1]
+    )
 
 
 def test_sigusr1_dumps_every_stub_thread_and_no_request_thread_outlives_its_request(
-        server: TritonServer, smollm2_export: Path, reference: dict) -> None:
+    server: TritonServer, smollm2_export: Path, reference: dict
+) -> None:
     """``kill -USR1`` on a Python-backend stub writes all its threads' stacks to the log and the stub keeps serving.
     Run after the killed-client tests, the dump of the idle server shows each stub's own threads and, within a
     deadline, no request thread (``_answer``) still running: a killed client's request thread returned."""
-    stubs = [pid for pid in processes_mentioning(str(smollm2_export))
-             if b"triton_python_backend_stub" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    stubs = [
+        pid
+        for pid in processes_mentioning(str(smollm2_export))
+        if b"triton_python_backend_stub" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
     assert len(stubs) == 5  # preprocessing, postprocessing, specdec_engine, specdec, specdec_stream
     assert eventually(lambda: scrape(server)["specdec_active_sequences"] == 0, poll_s=0.5)
     # a killed client's request thread returns once its entry point has heard the engine's cancelled answer: dump
@@ -319,8 +373,12 @@ def test_sigusr1_dumps_every_stub_thread_and_no_request_thread_outlives_its_requ
     assert dump.count("Current thread") == len(stubs), dump[-3000:]
     assert "in _send_loop" in dump and "in _watch" in dump  # the engine's sender and the watchers
     assert " in _answer" not in dump, "a request thread outlived its request:\n" + dump[-3000:]
-    _check(SpecdecClient(server.grpc_url).generate(PROMPTS[1][0], **_params(1, CONCURRENT_MAX_TOKENS[1])),
-           reference, 1, CONCURRENT_MAX_TOKENS[1])
+    _check(
+        SpecdecClient(server.grpc_url).generate(PROMPTS[1][0], **_params(1, CONCURRENT_MAX_TOKENS[1])),
+        reference,
+        1,
+        CONCURRENT_MAX_TOKENS[1],
+    )
 
 
 def _stacks(server: TritonServer, pid: int) -> str:
@@ -360,29 +418,43 @@ def _shadow_export(export: Path, root: Path, options: ServingOptions | None = No
 
 def _serve(repo: Path) -> int:
     grpc, http, metrics = free_ports()
-    return serve_main([str(repo), "--grpc-port", str(grpc), "--http-port", str(http), "--metrics-port", str(metrics),
-                       "--ready-timeout", "240"])
+    return serve_main(
+        [
+            str(repo),
+            "--grpc-port",
+            str(grpc),
+            "--http-port",
+            str(http),
+            "--metrics-port",
+            str(metrics),
+            "--ready-timeout",
+            "240",
+        ]
+    )
 
 
-def test_serve_refuses_a_repository_with_a_missing_model(smollm2_export: Path, tmp_path: Path,
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_serve_refuses_a_repository_with_a_missing_model(
+    smollm2_export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     shadow = _shadow_export(smollm2_export, tmp_path)
     shutil.rmtree(shadow / "triton_repo" / "specdec_engine")
     assert _serve(shadow) == 1
     assert re.search(r"missing model\(s\) specdec_engine", capsys.readouterr().err)
 
 
-def test_serve_refuses_a_corrupt_config(smollm2_export: Path, tmp_path: Path,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_serve_refuses_a_corrupt_config(
+    smollm2_export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     shadow = _shadow_export(smollm2_export, tmp_path)
-    (shadow / "triton_repo" / "postprocessing" / "config.pbtxt").write_text("name: \"postprocessing\"\nbackend: {{{\n")
+    (shadow / "triton_repo" / "postprocessing" / "config.pbtxt").write_text('name: "postprocessing"\nbackend: {{{\n')
     assert _serve(shadow) == 1
     err = capsys.readouterr().err
     assert "postprocessing" in err and "error" in err.lower()
 
 
-def test_serve_refuses_a_corrupt_export(smollm2_export: Path, tmp_path: Path,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_serve_refuses_a_corrupt_export(
+    smollm2_export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     shadow = _shadow_export(smollm2_export, tmp_path)
     config = shadow / "target" / "tokenizer_config.json"
     text = config.read_text()
@@ -403,8 +475,9 @@ BEAM_CASES = [  # (prompt index, max_tokens, parameters): greedy beam search and
 
 
 @pytest.mark.parametrize("method", ["beam", "dsbd"])
-def test_beam_requests_equal_local_and_run_beside_ems(server: TritonServer, smollm2_export: Path,
-                                                      reference: dict, method: str) -> None:
+def test_beam_requests_equal_local_and_run_beside_ems(
+    server: TritonServer, smollm2_export: Path, reference: dict, method: str
+) -> None:
     """method=beam / dsbd through Triton (unary and streamed, concurrently with an ems request) give the local
     runtime's answer for the same seed (so one request's output does not depend on its batch); the beam widths
     come back, dsbd really speculates with the exported draft, and a streamed request that keeps one beam per
@@ -416,16 +489,30 @@ def test_beam_requests_equal_local_and_run_beside_ems(server: TritonServer, smol
     local = []
     for i, m, params in BEAM_CASES:
         sampling = {k: params[k] for k in ("temperature", "top_p", "seed") if k in params}
-        beam = BeamParams(width=params["beam_width"], memory_mode=params.get("memory_mode", "full"),
-                          threshold=extra.get("dsbd_threshold", 0.0))
-        request = engine.request(PROMPTS[i][0], chat=PROMPTS[i][1], max_tokens=m, beam=beam,
-                                 num_draft_tokens=extra.get("num_draft_tokens"), **sampling)
+        beam = BeamParams(
+            width=params["beam_width"],
+            memory_mode=params.get("memory_mode", "full"),
+            threshold=extra.get("dsbd_threshold", 0.0),
+        )
+        request = engine.request(
+            PROMPTS[i][0],
+            chat=PROMPTS[i][1],
+            max_tokens=m,
+            beam=beam,
+            num_draft_tokens=extra.get("num_draft_tokens"),
+            **sampling,
+        )
         local.append(engine.generate([request], method).outputs[0])
     pool = ThreadPoolExecutor(len(BEAM_CASES) + 1)
     ems = pool.submit(lambda: SpecdecClient(server.grpc_url).generate(PROMPTS[5][0], **_params(5, 36)))
-    futures = [pool.submit(lambda n=n, i=i, m=m, p=p: getattr(SpecdecClient(server.grpc_url),
-                                                              "generate_stream" if n in (1, 3) else "generate")(
-        PROMPTS[i][0], **_params(i, m, method=method, **p, **extra))) for n, (i, m, p) in enumerate(BEAM_CASES)]
+    futures = [
+        pool.submit(
+            lambda n=n, i=i, m=m, p=p: getattr(
+                SpecdecClient(server.grpc_url), "generate_stream" if n in (1, 3) else "generate"
+            )(PROMPTS[i][0], **_params(i, m, method=method, **p, **extra))
+        )
+        for n, (i, m, p) in enumerate(BEAM_CASES)
+    ]
     for (i, _m, p), future, want in zip(BEAM_CASES, futures, local):
         answer = future.result()
         assert answer.output_ids == want.token_ids, f"{method} case {i}: differs from the local runtime"
@@ -441,8 +528,9 @@ def test_beam_requests_equal_local_and_run_beside_ems(server: TritonServer, smol
     assert ems.result().beam_widths == []
 
 
-def test_dsbd_on_a_deployment_without_a_draft_model_is_a_named_error(smollm2_export: Path, reference: dict,
-                                                                       tmp_path: Path) -> None:
+def test_dsbd_on_a_deployment_without_a_draft_model_is_a_named_error(
+    smollm2_export: Path, reference: dict, tmp_path: Path
+) -> None:
     """A deployment whose drafter is the n-gram table (no draft model) refuses method=dsbd with a message that
     says why and what to use instead, on both entry points, while a beam request and an ems stream sent beside it
     finish with their local answers; afterwards the same server still serves beam requests."""
@@ -455,13 +543,15 @@ def test_dsbd_on_a_deployment_without_a_draft_model_is_a_named_error(smollm2_exp
         engine = Engine.from_export(smollm2_export, threads=1)
         from specdec.runtime.request import BeamParams
 
-        want = engine.generate([engine.request(PROMPTS[0][0], chat=PROMPTS[0][1], max_tokens=12,
-                                               beam=BeamParams(width=2))], "beam").outputs[0]
+        want = engine.generate(
+            [engine.request(PROMPTS[0][0], chat=PROMPTS[0][1], max_tokens=12, beam=BeamParams(width=2))], "beam"
+        ).outputs[0]
         client = SpecdecClient(srv.grpc_url)
         pool = ThreadPoolExecutor(3)
         stream = pool.submit(lambda: SpecdecClient(srv.grpc_url).generate_stream(PROMPTS[3][0], **_params(3, 24)))
-        beam = pool.submit(lambda: SpecdecClient(srv.grpc_url).generate(
-            PROMPTS[0][0], **_params(0, 12, method="beam", beam_width=2)))
+        beam = pool.submit(
+            lambda: SpecdecClient(srv.grpc_url).generate(PROMPTS[0][0], **_params(0, 12, method="beam", beam_width=2))
+        )
         for call in (client.generate, client.generate_stream):
             with pytest.raises(ClientError, match=r"method 'dsbd' needs a draft model.*use 'beam'"):
                 call(PROMPTS[0][0], **_params(0, 12, method="dsbd", beam_width=2))
@@ -473,8 +563,9 @@ def test_dsbd_on_a_deployment_without_a_draft_model_is_a_named_error(smollm2_exp
         assert srv.stop() == 0, srv.read_log()[-3000:]
 
 
-def test_an_adaptive_draft_deployment_gives_the_same_answers(smollm2_export: Path, reference: dict,
-                                                             tmp_path: Path) -> None:
+def test_an_adaptive_draft_deployment_gives_the_same_answers(
+    smollm2_export: Path, reference: dict, tmp_path: Path
+) -> None:
     """An export served with ``adaptive_draft`` (each sequence picks its own k up to the served 4): its config
     says so; 8 concurrent greedy requests, half of them streamed, give the fixed-k runtime's tokens (greedy
     speculation is exact for any k); a seeded sampled request gives the local adaptive engine's answer (k comes
@@ -484,32 +575,40 @@ def test_an_adaptive_draft_deployment_gives_the_same_answers(smollm2_export: Pat
     The deployment is priced (verified row 0.02, draft token 0.3, as ``--calibrate`` or ``--verify-cost`` /
     ``--draft-cost`` would write them): with either price left at its default, both seeded answers differ
     (checked on the torch backend), so the equalities show the served engine reads both prices."""
-    shadow = _shadow_export(smollm2_export, tmp_path,
-                            ServingOptions(adaptive_draft=True, verify_cost=0.02, draft_cost=0.3))
+    shadow = _shadow_export(
+        smollm2_export, tmp_path, ServingOptions(adaptive_draft=True, verify_cost=0.02, draft_cost=0.3)
+    )
     config = (shadow / "triton_repo" / "specdec_engine" / "config.pbtxt").read_text()
     assert 'key: "adaptive_draft" value: { string_value: "1" }' in config
     assert 'key: "draft_cost" value: { string_value: "0.3" }' in config
     local = Engine.from_export(smollm2_export, threads=1, draft_length=DraftLength(verify_cost=0.02, draft_cost=0.3))
     sampled = dict(temperature=0.8, seed=3)
-    want = local.generate([local.request(PROMPTS[2][0], chat=PROMPTS[2][1], max_tokens=24, **sampled)],
-                          "ems").outputs[0]
+    want = local.generate([local.request(PROMPTS[2][0], chat=PROMPTS[2][1], max_tokens=24, **sampled)], "ems").outputs[
+        0
+    ]
     from specdec.runtime.request import BeamParams
 
-    want_dsbd = local.generate([local.request(PROMPTS[4][0], chat=PROMPTS[4][1], max_tokens=16,
-                                                        beam=BeamParams(width=3), **sampled)], "dsbd").outputs[0]
+    want_dsbd = local.generate(
+        [local.request(PROMPTS[4][0], chat=PROMPTS[4][1], max_tokens=16, beam=BeamParams(width=3), **sampled)], "dsbd"
+    ).outputs[0]
     grpc, http, metrics = free_ports()
     srv = TritonServer()
     srv.start(shadow, grpc_port=grpc, http_port=http, metrics_port=metrics, exit_timeout_s=EXIT_S)
     try:
         srv.wait_ready(300)
         pool = ThreadPoolExecutor(9)
-        greedy = [pool.submit(lambda i=i, m=m: getattr(SpecdecClient(srv.grpc_url),
-                                                       "generate_stream" if i % 2 else "generate")(
-            PROMPTS[i][0], **_params(i, m))) for i, m in enumerate(CONCURRENT_MAX_TOKENS)]
-        seeded = pool.submit(lambda: SpecdecClient(srv.grpc_url).generate(PROMPTS[2][0],
-                                                                         **_params(2, 24, **sampled)))
-        dsbd = SpecdecClient(srv.grpc_url).generate(PROMPTS[4][0], **_params(4, 16, method="dsbd", beam_width=3,
-                                                                               **sampled))
+        greedy = [
+            pool.submit(
+                lambda i=i, m=m: getattr(SpecdecClient(srv.grpc_url), "generate_stream" if i % 2 else "generate")(
+                    PROMPTS[i][0], **_params(i, m)
+                )
+            )
+            for i, m in enumerate(CONCURRENT_MAX_TOKENS)
+        ]
+        seeded = pool.submit(lambda: SpecdecClient(srv.grpc_url).generate(PROMPTS[2][0], **_params(2, 24, **sampled)))
+        dsbd = SpecdecClient(srv.grpc_url).generate(
+            PROMPTS[4][0], **_params(4, 16, method="dsbd", beam_width=3, **sampled)
+        )
         answers = [f.result() for f in greedy]
         for i, (answer, m) in enumerate(zip(answers, CONCURRENT_MAX_TOKENS)):
             _check(answer, reference, i, m)

@@ -130,8 +130,9 @@ def test_require_tensorrt_passes_when_everything_is_there(monkeypatch: pytest.Mo
 
 
 @pytest.mark.usefixtures("_no_triton_import")
-def test_export_cli_refuses_tensorrt_cleanly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_export_cli_refuses_tensorrt_cleanly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from specdec.export.cli import main
 
     monkeypatch.setitem(sys.modules, "tensorrt", None)
@@ -176,8 +177,16 @@ def test_entry_points_without_tensorrt_raise_the_clear_error(tmp_path: Path, mon
 
 def test_build_and_load_share_one_definition_of_each_check() -> None:
     """The export re-exports the plugin module's checks and errors: one definition, so one behaviour and one except."""
-    for name in ("MIN_TENSORRT", "EngineBuildError", "PluginFallbackError", "TensorRTUnavailableError",
-                 "assert_plugin_layers", "count_plugin_layers", "require_tensorrt", "tensorrt_problems"):
+    for name in (
+        "MIN_TENSORRT",
+        "EngineBuildError",
+        "PluginFallbackError",
+        "TensorRTUnavailableError",
+        "assert_plugin_layers",
+        "count_plugin_layers",
+        "require_tensorrt",
+        "tensorrt_problems",
+    ):
         assert getattr(trt_export, name) is getattr(trt_plugin, name), name
         assert name in trt_export.__all__, name
 
@@ -210,8 +219,9 @@ def test_profile_dimension_names() -> None:
         spec.range_of("heads")
 
 
-@pytest.mark.parametrize("kwargs", [{"max_batch": 0}, {"max_len": 0}, {"max_tokens": 0}, {"opt_new": 0},
-                                    {"max_slots": 0}])
+@pytest.mark.parametrize(
+    "kwargs", [{"max_batch": 0}, {"max_len": 0}, {"max_tokens": 0}, {"opt_new": 0}, {"max_slots": 0}]
+)
 def test_profile_rejects_nonsense(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         ProfileSpec.derive(**kwargs)
@@ -228,16 +238,22 @@ def _fake_export(path: Path, num_layers: int = 2, kv_heads: int = 2, head_dim: i
     """A graph with exactly the exported I/O (names, dtypes, symbolic dims) and no computation to speak of."""
     np_to_onnx = {"int64": TensorProto.INT64, "int32": TensorProto.INT32, "bool": TensorProto.BOOL}
     dim_names = {"seqs_plus_1": "seqs + 1"}
-    inputs = [helper.make_tensor_value_info(t.name, np_to_onnx[t.dtype], [dim_names.get(d, d) for d in t.dims])
-              for t in GRAPH_INPUTS]
+    inputs = [
+        helper.make_tensor_value_info(t.name, np_to_onnx[t.dtype], [dim_names.get(d, d) for d in t.dims])
+        for t in GRAPH_INPUTS
+    ]
     cache_dims = ["slots", kv_heads, "max_len", head_dim]
-    inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, cache_dims)
-               for n in cache_names(num_layers, CACHE_INPUT)]
+    inputs += [
+        helper.make_tensor_value_info(n, TensorProto.FLOAT, cache_dims) for n in cache_names(num_layers, CACHE_INPUT)
+    ]
     outputs = [helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, ["rows", vocab])]
-    outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, cache_dims)
-                for n in cache_names(num_layers, CACHE_OUTPUT)]
-    nodes = [helper.make_node("Identity", [i], [o]) for i, o in
-             zip(cache_names(num_layers, CACHE_INPUT), cache_names(num_layers, CACHE_OUTPUT))]
+    outputs += [
+        helper.make_tensor_value_info(n, TensorProto.FLOAT, cache_dims) for n in cache_names(num_layers, CACHE_OUTPUT)
+    ]
+    nodes = [
+        helper.make_node("Identity", [i], [o])
+        for i, o in zip(cache_names(num_layers, CACHE_INPUT), cache_names(num_layers, CACHE_OUTPUT))
+    ]
     graph = helper.make_graph(nodes, "fake", inputs, outputs)
     import onnx
 
@@ -262,16 +278,25 @@ def test_profile_shapes_for_the_exported_inputs(tmp_path: Path) -> None:
 def test_polygraphy_recipe_has_the_comparison_flags(tmp_path: Path) -> None:
     model = _fake_export(tmp_path / "model.onnx")
     recipe = polygraphy_recipe(model, profile=ProfileSpec.derive(4, 64), plugin_library="/opt/lib/libspecdec.so")
-    for flag in ("polygraphy run", "--onnxrt --trt", "--plugins /opt/lib/libspecdec.so",
-                 "--onnx-flags enable_plugin_override", "--preview-features aliased_plugin_io_10_03",
-                 "--strongly-typed", "--atol 0.001", "--rtol 0.001",
-                 f"--data-loader-script {trt_export.POLYGRAPHY_SCRIPT}:load_data",
-                 f"--trt-network-postprocess-script {trt_export.POLYGRAPHY_SCRIPT}:postprocess",
-                 f"SPECDEC_POLYGRAPHY_MODEL={model}", "SPECDEC_POLYGRAPHY_SLOTS=4", "SPECDEC_POLYGRAPHY_MAX_LEN=64"):
+    for flag in (
+        "polygraphy run",
+        "--onnxrt --trt",
+        "--plugins /opt/lib/libspecdec.so",
+        "--onnx-flags enable_plugin_override",
+        "--preview-features aliased_plugin_io_10_03",
+        "--strongly-typed",
+        "--atol 0.001",
+        "--rtol 0.001",
+        f"--data-loader-script {trt_export.POLYGRAPHY_SCRIPT}:load_data",
+        f"--trt-network-postprocess-script {trt_export.POLYGRAPHY_SCRIPT}:postprocess",
+        f"SPECDEC_POLYGRAPHY_MODEL={model}",
+        "SPECDEC_POLYGRAPHY_SLOTS=4",
+        "SPECDEC_POLYGRAPHY_MAX_LEN=64",
+    ):
         assert flag in recipe, flag
     argv = shlex.split(recipe.replace("\\\n", " "))
-    mins = argv[argv.index("--trt-min-shapes") + 1: argv.index("--trt-opt-shapes")]
-    maxs = argv[argv.index("--trt-max-shapes") + 1: argv.index("--atol")]
+    mins = argv[argv.index("--trt-min-shapes") + 1 : argv.index("--trt-opt-shapes")]
+    maxs = argv[argv.index("--trt-max-shapes") + 1 : argv.index("--atol")]
     assert "input_ids:[1]" in mins and "cu_seqlens:[2]" in mins and "past_key_values.0.key:[1,2,1,16]" in mins
     assert "tree_mask:[256,64]" in maxs and "past_key_values.1.value:[4,2,64,16]" in maxs
     assert len(mins) == len(GRAPH_INPUTS) + 4
@@ -372,9 +397,14 @@ def test_polygraphy_script_import_shadows_no_package() -> None:
     registers the plugin, which imports ``tensorrt``. In a fresh process, so that ``tensorrt`` and
     the script are imported for the first time, as in polygraphy's.
     """
-    done = subprocess.run([sys.executable, "-c", _POLYGRAPHY_IMPORT, str(trt_export.POLYGRAPHY_SCRIPT)],
-                          capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", _POLYGRAPHY_IMPORT, str(trt_export.POLYGRAPHY_SCRIPT)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.strip() == "ok"
 
@@ -425,8 +455,7 @@ def test_network_edits_give_the_plugin_an_int32_mask(monkeypatch: pytest.MonkeyP
     fake.bool, fake.int32 = "bool", "int32"
     monkeypatch.setitem(sys.modules, "tensorrt", fake)
     mask, cu = _Tensor("tree_mask", "bool"), _Tensor("cu_seqlens", "int32")
-    attn = [_Layer(f"node_ragged_tree_attention_{i}", "PLUGIN_V3", [_Tensor("q", "float"), cu, mask])
-            for i in range(3)]
+    attn = [_Layer(f"node_ragged_tree_attention_{i}", "PLUGIN_V3", [_Tensor("q", "float"), cu, mask]) for i in range(3)]
     network = _Network([_Layer("MatMul", "MATRIX_MULTIPLY", [mask]), *attn])
     layers = trt_plugin.plugin_layers(network)
     assert layers == attn
@@ -436,8 +465,9 @@ def test_network_edits_give_the_plugin_an_int32_mask(monkeypatch: pytest.MonkeyP
     assert network.layers[0].get_input(0) is mask  # other consumers keep the bool tensor
     trt_plugin.name_plugin_layers(layers)
     trt_plugin.name_plugin_layers(layers)  # idempotent
-    assert [layer.name for layer in attn] == [f"RaggedTreeAttention.{i}:node_ragged_tree_attention_{i}"
-                                              for i in range(3)]
+    assert [layer.name for layer in attn] == [
+        f"RaggedTreeAttention.{i}:node_ragged_tree_attention_{i}" for i in range(3)
+    ]
 
 
 @pytest.mark.skipif(shutil.which("polygraphy") is None, reason="polygraphy not installed")
@@ -445,9 +475,20 @@ def test_polygraphy_runs_onnxruntime_with_the_data_loader(tiny_graph, tmp_path: 
     """The ORT half of the recipe through polygraphy itself (the TRT half is in the GPU test below)."""
     path, _ = tiny_graph
     env = {**os.environ, "SPECDEC_POLYGRAPHY_MODEL": str(path)}
-    done = subprocess.run(["polygraphy", "run", str(path), "--onnxrt", "--data-loader-script",
-                           f"{trt_export.POLYGRAPHY_SCRIPT}:load_data"], capture_output=True, text=True, env=env,
-                          timeout=600)
+    done = subprocess.run(
+        [
+            "polygraphy",
+            "run",
+            str(path),
+            "--onnxrt",
+            "--data-loader-script",
+            f"{trt_export.POLYGRAPHY_SCRIPT}:load_data",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
@@ -459,8 +500,12 @@ def _inspector_json(layers: list) -> str:
 
 
 def test_plugin_layers_are_counted_from_the_inspector() -> None:
-    plugin = {"Name": "RaggedTreeAttention.0:node_ragged_tree_attention__2", "LayerType": "PluginV3",
-              "Inputs": [], "Outputs": []}
+    plugin = {
+        "Name": "RaggedTreeAttention.0:node_ragged_tree_attention__2",
+        "LayerType": "PluginV3",
+        "Inputs": [],
+        "Outputs": [],
+    }
     by_node_name = {"Name": "node_ragged_tree_attention_1__2", "LayerType": "PluginV3", "ParameterType": "PluginV3"}
     other_plugin = {"Name": "nms", "LayerType": "PluginV2", "Plugin": "EfficientNMS_TRT"}
     gemm = {"Name": "/layers.0/mlp/MatMul", "LayerType": "MatrixMultiply"}
@@ -469,8 +514,10 @@ def test_plugin_layers_are_counted_from_the_inspector() -> None:
 
 def test_the_function_body_fallback_counts_zero() -> None:
     # the body's layers carry the node's name but are ordinary layers (Scatter, Gather, Myelin regions...)
-    body = [{"Name": "node_ragged_tree_attention__2/ScatterND", "LayerType": "Scatter"},
-            {"Name": "{ForeignNode[node_ragged_tree_attention__2/Gather...]}", "LayerType": "Myelin"}]
+    body = [
+        {"Name": "node_ragged_tree_attention__2/ScatterND", "LayerType": "Scatter"},
+        {"Name": "{ForeignNode[node_ragged_tree_attention__2/Gather...]}", "LayerType": "Myelin"},
+    ]
     assert count_plugin_layers(_inspector_json(body)) == 0
 
 
@@ -599,8 +646,11 @@ def _fake_builder_trt(  # noqa: C901 - a whole stand-in module, its classes read
 
     class Engine:
         def create_engine_inspector(self) -> object:
-            layers = [{"Name": layer.name, "LayerType": "PluginV3"} for layer in seen["network"].layers
-                      if layer.type == "PLUGIN_V3"]
+            layers = [
+                {"Name": layer.name, "LayerType": "PluginV3"}
+                for layer in seen["network"].layers
+                if layer.type == "PLUGIN_V3"
+            ]
             return types.SimpleNamespace(get_engine_information=lambda fmt: _inspector_json(layers))
 
     trt.Builder, trt.OnnxParser = Builder, Parser
@@ -712,8 +762,8 @@ class _Desc(_OldDesc):
 
 def _fake_trtp(desc_type: type) -> types.SimpleNamespace:
     fake = types.SimpleNamespace(TensorDesc=desc_type, Tensor=type("Tensor", (), {}), registered={}, impls={})
-    fake.register = lambda pid: (lambda f: fake.registered.setdefault(pid, f))
-    fake.impl = lambda pid: (lambda f: fake.impls.setdefault(pid, f))
+    fake.register = lambda pid: lambda f: fake.registered.setdefault(pid, f)
+    fake.impl = lambda pid: lambda f: fake.impls.setdefault(pid, f)
     return fake
 
 
@@ -787,11 +837,16 @@ def _attention_case(seed: int = 0) -> dict:
     for n in lens:
         cu.append(cu[-1] + n)
     return {
-        "q": torch.randn(tokens, hq, d, generator=g), "k": torch.randn(tokens, hkv, d, generator=g),
+        "q": torch.randn(tokens, hq, d, generator=g),
+        "k": torch.randn(tokens, hkv, d, generator=g),
         "v": torch.randn(tokens, hkv, d, generator=g),
         "k_cache": torch.randn(slots, hkv, max_len, d, generator=g),
         "v_cache": torch.randn(slots, hkv, max_len, d, generator=g),
-        "cu": cu, "past": pasts, "slots": slot_ids, "tree": tree, "scale": d ** -0.5,
+        "cu": cu,
+        "past": pasts,
+        "slots": slot_ids,
+        "tree": tree,
+        "scale": d**-0.5,
     }
 
 
@@ -843,8 +898,9 @@ def test_plugin_enqueue_body_matches_the_reference() -> None:
     if importlib.util.find_spec("triton") is None:
         pytest.skip("OpenAI Triton is not installed")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", _ENQUEUE_CHECK], capture_output=True, text=True, cwd=REPO,
-                          env=env, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", _ENQUEUE_CHECK], capture_output=True, text=True, cwd=REPO, env=env, timeout=600
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.strip().endswith("ok")
 
@@ -891,8 +947,10 @@ def test_engine_writes_the_cache_in_place(tiny_graph, tiny_engine: Path) -> None
     backend, reference = trt_backend.TensorRTBackend(tiny_engine), TorchBackend(model)
     cache, ref_cache = backend.allocate_cache(4, 64), reference.allocate_cache(4, 64)
     pointers = [t.data_ptr() for t in (*cache.k, *cache.v)]
-    steps = [[SeqWork(0, 0, [1, 2, 3, 4, 5], logits="last"), SeqWork(2, 0, [7, 8], logits="last")],
-             [SeqWork(2, 2, [9, 10, 11], parents=[ROOT, 0, ROOT]), SeqWork(0, 5, [12])]]
+    steps = [
+        [SeqWork(0, 0, [1, 2, 3, 4, 5], logits="last"), SeqWork(2, 0, [7, 8], logits="last")],
+        [SeqWork(2, 2, [9, 10, 11], parents=[ROOT, 0, ROOT]), SeqWork(0, 5, [12])],
+    ]
     for work in steps:
         batch = pack(work)
         logits = backend.step(batch, cache)
@@ -929,8 +987,11 @@ def test_engine_decodes_like_the_torch_backend(tiny_graph, tiny_engine: Path) ->
     from specdec.runtime.request import Request
 
     _, model = tiny_graph
-    requests = [Request([5, 6, 7, 5, 6], max_tokens=12), Request([9, 10] * 4, max_tokens=9),
-                Request([3], max_tokens=15)]
+    requests = [
+        Request([5, 6, 7, 5, 6], max_tokens=12),
+        Request([9, 10] * 4, max_tokens=9),
+        Request([3], max_tokens=15),
+    ]
     trt_engine = Engine(trt_backend.TensorRTBackend(tiny_engine), NgramDrafter(), max_batch=4, max_len=64)
     torch_engine = Engine(TorchBackend(model), NgramDrafter(), max_batch=4, max_len=64)
     want = [o.token_ids for o in torch_engine.generate(requests, "ar").outputs]
@@ -981,8 +1042,14 @@ def test_build_detects_the_silent_function_body_fallback(tiny_graph, tmp_path: P
     """
     path, _ = tiny_graph
     engine = tmp_path / "model.engine"
-    done = subprocess.run([sys.executable, "-c", _UNREGISTERED_BUILD, str(path), str(engine)], capture_output=True,
-                          text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-c", _UNREGISTERED_BUILD, str(path), str(engine)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     # "fallback" when TensorRT could import the body, "build-error" when it could not: refused either way
     assert done.stdout.startswith(("fallback:", "build-error:")), done.stdout[-3000:]

@@ -18,8 +18,13 @@ from specdec.runtime.packed import ROOT, SeqWork, pack
 HF_ATOL = 1e-4  # fp32, ours vs HF
 SELF_ATOL = 1e-5  # fp32, ours vs ours under a different packing
 
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 32}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 LINEAR = {"rope_type": "linear", "factor": 4.0}
 
 
@@ -27,9 +32,19 @@ def _custom_llama(seed: int, **config: Any) -> LoadedModel:
     """A random LLaMA with config options ``tiny_random`` does not expose (head_dim, biases)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    base = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
-            "initializer_range": 0.1, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    base = {
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "initializer_range": 0.1,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+    }
     cfg = LlamaConfig(**{**base, **config})
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -289,8 +304,14 @@ def test_smollm2_greedy_ar_equals_hf_generate(smollm2: LoadedModel, smollm2_hf: 
         assert out.error is None
         ids = torch.tensor([req.prompt_ids])
         with torch.inference_mode():
-            ref = smollm2_hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                      max_new_tokens=max_new, return_dict_in_generate=True, output_logits=True)
+            ref = smollm2_hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new,
+                return_dict_in_generate=True,
+                output_logits=True,
+            )
         want = ref.sequences[0, ids.shape[1] :].tolist()
         got = out.token_ids
         if got == want:

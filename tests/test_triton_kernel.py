@@ -42,10 +42,6 @@ else:
 KINDS = ("prefill", "decode", "chain", "forest", "forest_past0")
 
 
-
-
-
-
 def _parents(kind: str, n: int, gen: torch.Generator) -> list[int]:
     if kind in ("prefill", "chain"):
         return [ROOT, *range(n - 1)]
@@ -70,8 +66,17 @@ def _random_seqs(seed: int, num_slots: int = 6, max_n: int = 9, max_past: int = 
     return seqs
 
 
-def _inputs(seqs: list[Seq], hq: int, hkv: int, d: int, num_slots: int, max_len: int, seed: int,
-            dtype: torch.dtype = torch.float32, device: str = "cpu"):
+def _inputs(
+    seqs: list[Seq],
+    hq: int,
+    hkv: int,
+    d: int,
+    num_slots: int,
+    max_len: int,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+):
     gen = torch.Generator().manual_seed(1000 + seed)
     total = sum(len(s.parents) for s in seqs)
 
@@ -89,9 +94,21 @@ def _inputs(seqs: list[Seq], hq: int, hkv: int, d: int, num_slots: int, max_len:
     return q, k, v, k_cache, v_cache, cu, tree.to(device)
 
 
-def _check(seqs: list[Seq], hq: int, hkv: int, d: int, seed: int, *, num_slots: int = 6, max_len: int = 40,
-           cache_mask: torch.Tensor | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
-           tol: float = 1e-4, config: KernelConfig | None = None) -> torch.Tensor:
+def _check(
+    seqs: list[Seq],
+    hq: int,
+    hkv: int,
+    d: int,
+    seed: int,
+    *,
+    num_slots: int = 6,
+    max_len: int = 40,
+    cache_mask: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    tol: float = 1e-4,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
     """Run kernel and reference on the same inputs; outputs within tol, caches identical, idle slots untouched."""
     assert all(s.past + len(s.parents) <= max_len for s in seqs)
     q, k, v, k_cache, v_cache, cu, tree = _inputs(seqs, hq, hkv, d, num_slots, max_len, seed, dtype, device)
@@ -101,13 +118,34 @@ def _check(seqs: list[Seq], hq: int, hkv: int, d: int, seed: int, *, num_slots: 
     scale = 1 / math.sqrt(d)
     idx = {"device": device, "dtype": torch.int32}
     out = ragged_tree_attention_triton(
-        q, k, v, k_cache, v_cache, torch.tensor(cu, **idx), torch.tensor(past, **idx), torch.tensor(slots, **idx),
-        tree, scale, None if cache_mask is None else cache_mask.to(device), config=config,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        torch.tensor(cu, **idx),
+        torch.tensor(past, **idx),
+        torch.tensor(slots, **idx),
+        tree,
+        scale,
+        None if cache_mask is None else cache_mask.to(device),
+        config=config,
     )
     # the reference in fp32 on CPU on the same (rounded) inputs: the yardstick for every dtype and device
     # (the reference builds its prefix mask on the CPU, so it cannot take CUDA tensors)
-    want = ragged_tree_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), k_ref.float().cpu(),
-                                 v_ref.float().cpu(), cu, past, slots, tree.cpu(), scale, cache_mask)
+    want = ragged_tree_attention(
+        q.float().cpu(),
+        k.float().cpu(),
+        v.float().cpu(),
+        k_ref.float().cpu(),
+        v_ref.float().cpu(),
+        cu,
+        past,
+        slots,
+        tree.cpu(),
+        scale,
+        cache_mask,
+    )
     assert out.shape == q.shape and out.dtype == q.dtype
     err = (out.float().cpu() - want).abs().max().item()
     assert err < tol, f"max |Δ| = {err:.3g} (tol {tol})"
@@ -157,14 +195,16 @@ def test_sequences_spanning_several_blocks() -> None:
         Seq(slot=3, past=45, parents=_parents("forest", 21, gen)),
         Seq(slot=4, past=33, parents=[ROOT]),
     ]  # slot 1 idle
-    _check(seqs, hq=3, hkv=1, d=32, seed=7, num_slots=5, max_len=96,
-           config=KernelConfig(block_m=16, block_n=16))
+    _check(seqs, hq=3, hkv=1, d=32, seed=7, num_slots=5, max_len=96, config=KernelConfig(block_m=16, block_n=16))
 
 
 def test_empty_sequence_inside_the_pack() -> None:
     """A sequence with no new tokens (cu_seqlens repeats) writes nothing and shifts nobody."""
-    seqs = [Seq(slot=1, past=5, parents=[ROOT, 0]), Seq(slot=3, past=4, parents=[]),
-            Seq(slot=0, past=2, parents=[ROOT, ROOT, 1])]
+    seqs = [
+        Seq(slot=1, past=5, parents=[ROOT, 0]),
+        Seq(slot=3, past=4, parents=[]),
+        Seq(slot=0, past=2, parents=[ROOT, ROOT, 1]),
+    ]
     _check(seqs, hq=4, hkv=2, d=32, seed=8, num_slots=5, max_len=12)
 
 
@@ -177,8 +217,7 @@ def test_cache_mask_with_holes(seed: int) -> None:
     cache_mask[0, :] = True  # one row without holes
     if len(seqs) > 1:
         cache_mask[1, :] = False  # one row whose whole past is hidden
-    _check(seqs, hq=4, hkv=2, d=32, seed=seed, max_len=56, cache_mask=cache_mask,
-           config=KernelConfig(block_n=16))
+    _check(seqs, hq=4, hkv=2, d=32, seed=seed, max_len=56, cache_mask=cache_mask, config=KernelConfig(block_n=16))
 
 
 def test_row_that_sees_nothing_is_zero_like_the_reference() -> None:
@@ -187,9 +226,19 @@ def test_row_that_sees_nothing_is_zero_like_the_reference() -> None:
     tree[1, :] = False  # token 1 of sequence 0 ...
     cache_mask = torch.tensor([[False] * 5, [False] * 5])  # ... and its whole past hidden
     k2, v2 = k_cache.clone(), v_cache.clone()
-    out = ragged_tree_attention_triton(q, k, v, k_cache, v_cache, torch.tensor(cu, dtype=torch.int32),
-                                       torch.tensor([5, 0], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
-                                       tree, 0.2, cache_mask)
+    out = ragged_tree_attention_triton(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        torch.tensor(cu, dtype=torch.int32),
+        torch.tensor([5, 0], dtype=torch.int32),
+        torch.tensor([0, 1], dtype=torch.int32),
+        tree,
+        0.2,
+        cache_mask,
+    )
     want = ragged_tree_attention(q, k, v, k2, v2, cu, [5, 0], [0, 1], tree, 0.2, cache_mask)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     assert (out - want).abs().max().item() < 1e-5
@@ -206,8 +255,9 @@ def test_strided_views_and_index_forms() -> None:
     v = qkv[:, (hq + hkv) * d :].view(-1, hkv, d)
     assert not q.is_contiguous()
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    out = ragged_tree_attention_triton(q, k, v, k_cache, v_cache, torch.tensor(cu), [6, 0], torch.tensor([2, 0]),
-                                       tree, 0.3)
+    out = ragged_tree_attention_triton(
+        q, k, v, k_cache, v_cache, torch.tensor(cu), [6, 0], torch.tensor([2, 0]), tree, 0.3
+    )
     want = ragged_tree_attention(q0, k0, v0, k_ref, v_ref, cu, [6, 0], [2, 0], tree, 0.3)
     assert (out - want).abs().max().item() < 1e-4
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
@@ -218,9 +268,18 @@ def test_empty_batch_returns_empty() -> None:
     kv = torch.empty(0, 1, 32)
     cache = torch.randn(2, 1, 4, 32)
     before = cache.clone()
-    out = ragged_tree_attention_triton(q, kv, kv, cache, cache.clone(), torch.zeros(1, dtype=torch.int32),
-                                       torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int32),
-                                       torch.zeros(0, 1, dtype=torch.bool), 1.0)
+    out = ragged_tree_attention_triton(
+        q,
+        kv,
+        kv,
+        cache,
+        cache.clone(),
+        torch.zeros(1, dtype=torch.int32),
+        torch.empty(0, dtype=torch.int32),
+        torch.empty(0, dtype=torch.int32),
+        torch.zeros(0, 1, dtype=torch.bool),
+        1.0,
+    )
     assert out.shape == (0, 2, 32) and torch.equal(cache, before)
 
 
@@ -234,19 +293,31 @@ def test_bad_arguments_are_named() -> None:
     cache = torch.randn(2, 2, 8, 32)
     idx = torch.zeros(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="multiple of KV heads"):
-        ragged_tree_attention_triton(q, k, v, cache, cache, torch.tensor([0, 3]), idx, idx,
-                                     torch.ones(3, 3, dtype=torch.bool), 1.0)
+        ragged_tree_attention_triton(
+            q, k, v, cache, cache, torch.tensor([0, 3]), idx, idx, torch.ones(3, 3, dtype=torch.bool), 1.0
+        )
     with pytest.raises(TypeError, match="share a dtype"):
-        ragged_tree_attention_triton(q[:, :2], k, v, cache.half(), cache.half(), torch.tensor([0, 3]), idx, idx,
-                                     torch.ones(3, 3, dtype=torch.bool), 1.0)
+        ragged_tree_attention_triton(
+            q[:, :2],
+            k,
+            v,
+            cache.half(),
+            cache.half(),
+            torch.tensor([0, 3]),
+            idx,
+            idx,
+            torch.ones(3, 3, dtype=torch.bool),
+            1.0,
+        )
 
 
 def test_torch_cuda_attention_uses_the_reference_on_cpu() -> None:
     seqs = [Seq(slot=1, past=4, parents=[ROOT, 0]), Seq(slot=0, past=2, parents=[ROOT])]
     q, k, v, k_cache, v_cache, cu, tree = _inputs(seqs, 2, 1, 32, 2, 8, seed=5)
     k2, v2 = k_cache.clone(), v_cache.clone()
-    out = torch_cuda_attention(q, k, v, k_cache, v_cache, torch.tensor(cu, dtype=torch.int32), [4, 2], [1, 0],
-                               tree, 0.25)
+    out = torch_cuda_attention(
+        q, k, v, k_cache, v_cache, torch.tensor(cu, dtype=torch.int32), [4, 2], [1, 0], tree, 0.25
+    )
     want = ragged_tree_attention(q, k, v, k2, v2, cu, [4, 2], [1, 0], tree, 0.25)
     assert torch.equal(out, want) and torch.equal(k_cache, k2)
 
@@ -275,8 +346,11 @@ def test_module_imports_without_triton() -> None:
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-2000:]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled GPU kernel is only "
-                    "checked on a GPU (benchmarks/gpu_check.sh); the interpreter tests above cover the logic")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="no CUDA device: the compiled GPU kernel is only "
+    "checked on a GPU (benchmarks/gpu_check.sh); the interpreter tests above cover the logic",
+)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.gpu

@@ -29,11 +29,16 @@ def _chain_session(linear: w8a8.IntegerLinear) -> ort.InferenceSession:
     gemm = helper.make_node("Gemm", ["x", "w"], ["y"], name="lin", transB=1)
     nodes, tensors = w8a8.integer_nodes(gemm, linear, "w8a8", "w8a8.zero_points", {})
     zp_nodes, _ = w8a8.row_zero_points("input_ids", "w8a8")
-    graph = helper.make_graph([*zp_nodes, *nodes], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", K]),
-                               helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["T"])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", N])],
-                              [*w8a8.shared_constants("w8a8"), *tensors])
+    graph = helper.make_graph(
+        [*zp_nodes, *nodes],
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", K]),
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["T"]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", N])],
+        [*w8a8.shared_constants("w8a8"), *tensors],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
@@ -69,7 +74,7 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(linear_case) -> Non
     _, x, linear = linear_case
     session = _chain_session(linear)
     together = _run(session, x)
-    alone = np.concatenate([_run(session, x[i:i + 1]) for i in range(len(x))])
+    alone = np.concatenate([_run(session, x[i : i + 1]) for i in range(len(x))])
     assert np.array_equal(together, alone)
     reordered = _run(session, x[::-1].copy())[::-1]
     assert np.array_equal(together, reordered)
@@ -139,8 +144,23 @@ def test_activation_maxima_are_the_largest_input_of_each_channel() -> None:
 
 def test_the_check_copy_multiplies_by_the_effective_weights(tmp_path: Path) -> None:
     out = tmp_path / "deploy"
-    assert export_main(["--target", "tiny-random:seed=9,num_layers=1", "--quantize", "w8a8", "--out", str(out),
-                        "--max-batch", "2", "--max-len", "64"]) == 0
+    assert (
+        export_main(
+            [
+                "--target",
+                "tiny-random:seed=9,num_layers=1",
+                "--quantize",
+                "w8a8",
+                "--out",
+                str(out),
+                "--max-batch",
+                "2",
+                "--max-len",
+                "64",
+            ]
+        )
+        == 0
+    )
     graph = out / "target" / "model.onnx"
     shipped = onnx.load(str(graph))
     weights = w8a8.integer_weights(shipped.graph)
@@ -157,13 +177,27 @@ def test_the_check_copy_multiplies_by_the_effective_weights(tmp_path: Path) -> N
 
 def test_w8a8_refuses_fp32_activations(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "deploy"
-    assert export_main(["--target", "tiny-random:num_layers=1", "--quantize", "w8a8", "--quantize-activations",
-                        "fp32", "--out", str(out)]) == 2
+    assert (
+        export_main(
+            [
+                "--target",
+                "tiny-random:num_layers=1",
+                "--quantize",
+                "w8a8",
+                "--quantize-activations",
+                "fp32",
+                "--out",
+                str(out),
+            ]
+        )
+        == 2
+    )
     assert "rounds its activations to int8" in capsys.readouterr().err and not out.exists()
 
 
-@pytest.mark.parametrize(("flags", "want"), [("fpu avx2 avx512_vnni", True), ("fpu avx2 avx_vnni", True),
-                                             ("fpu avx2", False), (None, None)])
+@pytest.mark.parametrize(
+    ("flags", "want"), [("fpu avx2 avx512_vnni", True), ("fpu avx2 avx_vnni", True), ("fpu avx2", False), (None, None)]
+)
 def test_vnni_is_read_from_the_cpu_flags(tmp_path: Path, flags: str | None, want: bool | None) -> None:
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\n" + (f"flags\t\t: {flags}\n" if flags else ""))

@@ -33,22 +33,35 @@ def main(widths: list[int]) -> None:
     torch.set_num_threads(2)
     target, draft = load_pair("smollm2-135m", "smollm2-135m-draft")
     scorer = TorchBackend(target)
-    engine = Engine(scorer, ModelDrafter(TorchBackend(draft), 64, 1024), tokenizer=target.tokenizer,
-                    eos_token_ids=target.eos_token_ids, max_batch=64, max_len=1024, num_draft_tokens=3)
+    engine = Engine(
+        scorer,
+        ModelDrafter(TorchBackend(draft), 64, 1024),
+        tokenizer=target.tokenizer,
+        eos_token_ids=target.eos_token_ids,
+        max_batch=64,
+        max_len=1024,
+        num_draft_tokens=3,
+    )
     prompts = [engine.encode(text, chat=True) for text in build_workload(16)]
     for width in widths:
-        for name, method, policy in [("beam", "beam", None), ("dsbd, γ = 3", "dsbd", None),
-                                     ("dsbd, adaptive γ <= 3", "dsbd", DraftLength())]:
+        for name, method, policy in [
+            ("beam", "beam", None),
+            ("dsbd, γ = 3", "dsbd", None),
+            ("dsbd, adaptive γ <= 3", "dsbd", DraftLength()),
+        ]:
             engine.draft_length = policy
             per_token = []
             for seed in (0, 100):
-                requests = [engine.request(p, max_tokens=32, temperature=1.0, seed=seed + i,
-                                           beam=BeamParams(width=width)) for i, p in enumerate(prompts)]
+                requests = [
+                    engine.request(p, max_tokens=32, temperature=1.0, seed=seed + i, beam=BeamParams(width=width))
+                    for i, p in enumerate(prompts)
+                ]
                 for p, out in zip(prompts, engine.generate(requests, method).outputs):
                     per_token.append(continuation_logprob(scorer, p, out.token_ids) / max(1, len(out.token_ids)))
             mean, se = statistics.fmean(per_token), statistics.stdev(per_token) / len(per_token) ** 0.5
-            print(f"W = {width}, {name}: log-likelihood / token {mean:.3f} ± {se:.3f} (n = {len(per_token)})",
-                  flush=True)
+            print(
+                f"W = {width}, {name}: log-likelihood / token {mean:.3f} ± {se:.3f} (n = {len(per_token)})", flush=True
+            )
 
 
 if __name__ == "__main__":

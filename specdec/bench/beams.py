@@ -95,15 +95,31 @@ def configs(widths: Sequence[int], threshold: float, gamma: int) -> list[Config]
     out += [Config(f"dsbd W_S={w} t=0", "dsbd", w, 0.0, gamma=gamma) for w in widths]  # fixed width W_S
     out += [Config(f"dsbd W_S={w} t=0 adaptive γ", "dsbd", w, 0.0, gamma=gamma, adaptive=True) for w in widths]
     if max(widths) > 2:  # the dynamic width held above one beam: between sampling and beam quality
-        out.append(Config(f"dsbd W_S={max(widths)} t={threshold} W_min=2", "dsbd", max(widths), threshold,
-                          gamma=gamma, min_width=2))
+        out.append(
+            Config(
+                f"dsbd W_S={max(widths)} t={threshold} W_min=2",
+                "dsbd",
+                max(widths),
+                threshold,
+                gamma=gamma,
+                min_width=2,
+            )
+        )
     middle = widths[len(widths) // 2]
     out.append(Config(f"dsbd W_S={middle} t={threshold} single-KV", "dsbd", middle, threshold, "single", gamma))
     return out
 
 
-def run(engine: Engine, scorer: TorchBackend, prompts: Sequence[list[int]], config: Config, max_tokens: int,
-        temperature: float, seed: int, qa: Sequence[QAItem] | None = None) -> dict[str, Any]:
+def run(
+    engine: Engine,
+    scorer: TorchBackend,
+    prompts: Sequence[list[int]],
+    config: Config,
+    max_tokens: int,
+    temperature: float,
+    seed: int,
+    qa: Sequence[QAItem] | None = None,
+) -> dict[str, Any]:
     """One batch of every prompt under ``config``: throughput, quality, speculation counters.
 
     With ``qa`` (one item per prompt) the result also carries the exact-match rate and the QA
@@ -111,34 +127,52 @@ def run(engine: Engine, scorer: TorchBackend, prompts: Sequence[list[int]], conf
     """
     engine.num_draft_tokens = config.gamma
     engine.draft_length = DraftLength() if config.adaptive else None
-    beam = None if not get_method(config.method).beams else BeamParams(
-        width=config.width, min_width=config.min_width, threshold=config.threshold, memory_mode=config.memory_mode)
-    requests = [engine.request(p, max_tokens=max_tokens, temperature=temperature, seed=seed + i, beam=beam)
-                for i, p in enumerate(prompts)]
+    beam = (
+        None
+        if not get_method(config.method).beams
+        else BeamParams(
+            width=config.width, min_width=config.min_width, threshold=config.threshold, memory_mode=config.memory_mode
+        )
+    )
+    requests = [
+        engine.request(p, max_tokens=max_tokens, temperature=temperature, seed=seed + i, beam=beam)
+        for i, p in enumerate(prompts)
+    ]
     start = time.perf_counter()
     result = engine.generate(requests, config.method)
     wall = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in result.outputs)
-    per_token = [continuation_logprob(scorer, p, o.token_ids) / max(1, len(o.token_ids))
-                 for p, o in zip(prompts, result.outputs)]
+    per_token = [
+        continuation_logprob(scorer, p, o.token_ids) / max(1, len(o.token_ids)) for p, o in zip(prompts, result.outputs)
+    ]
     drafts = sum(o.metrics.draft_tokens for o in result.outputs)
     widths = [w for o in result.outputs for w in o.metrics.beam_widths]
     return {
-        "seconds": wall, "tokens": tokens, "tokens_per_second": tokens / wall,
+        "seconds": wall,
+        "tokens": tokens,
+        "tokens_per_second": tokens / wall,
         "logprob_per_token": statistics.fmean(per_token),
         "target_calls": len(result.run.steps),
         "acceptance_rate": sum(o.metrics.accepted_draft_tokens for o in result.outputs) / drafts if drafts else None,
         "mean_beam_width": statistics.fmean(widths) if widths else None,
         "tokens_per_call": tokens / max(1, len(result.run.steps)),
-        **({"exact_match": statistics.fmean(exact_match(o.text, q.answer) for o, q in zip(result.outputs, qa)),
-            "qa_accuracy": statistics.fmean(first_choice(o.text, q.choices) == q.answer
-                                            for o, q in zip(result.outputs, qa)),
-            "answers": [o.text for o in result.outputs]} if qa is not None else {}),
+        **(
+            {
+                "exact_match": statistics.fmean(exact_match(o.text, q.answer) for o, q in zip(result.outputs, qa)),
+                "qa_accuracy": statistics.fmean(
+                    first_choice(o.text, q.choices) == q.answer for o, q in zip(result.outputs, qa)
+                ),
+                "answers": [o.text for o in result.outputs],
+            }
+            if qa is not None
+            else {}
+        ),
     }
 
 
 def pareto(points: dict[str, dict[str, Any]]) -> list[str]:
     """Labels not dominated in (tokens/s, log-likelihood per token), fastest first."""
+
     def key(label: str) -> tuple[float, float]:
         return points[label]["tokens_per_second"], points[label]["logprob_per_token"]
 
@@ -179,8 +213,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     target, draft = load_pair(args.target, args.draft)
     target_backend, draft_backend = TorchBackend(target), TorchBackend(draft)
     batch_slots = max(args.prompts, args.qa) * max(widths)
-    engine = Engine(target_backend, ModelDrafter(draft_backend, batch_slots, 1024), tokenizer=target.tokenizer,
-                    eos_token_ids=target.eos_token_ids, max_batch=batch_slots, max_len=1024)
+    engine = Engine(
+        target_backend,
+        ModelDrafter(draft_backend, batch_slots, 1024),
+        tokenizer=target.tokenizer,
+        eos_token_ids=target.eos_token_ids,
+        max_batch=batch_slots,
+        max_len=1024,
+    )
     prompts = [engine.encode(text, chat=True) for text in build_workload(args.prompts)]
     qa = qa_set(args.qa)
     qa_prompts = [engine.encode(item.prompt, chat=True) for item in qa]
@@ -194,34 +234,66 @@ def main(argv: Sequence[str] | None = None) -> int:
                 bar.set_postfix_str(config.label)
                 sample = run(engine, target_backend, prompts, config, args.max_tokens, args.temperature, args.seed)
                 if qa:
-                    scored = run(engine, target_backend, qa_prompts, config, args.qa_max_tokens, args.temperature,
-                                 args.seed, qa=qa)
-                    sample |= {"exact_match": scored["exact_match"], "qa_accuracy": scored["qa_accuracy"],
-                               "qa_answers": scored["answers"]}
+                    scored = run(
+                        engine,
+                        target_backend,
+                        qa_prompts,
+                        config,
+                        args.qa_max_tokens,
+                        args.temperature,
+                        args.seed,
+                        qa=qa,
+                    )
+                    sample |= {
+                        "exact_match": scored["exact_match"],
+                        "qa_accuracy": scored["qa_accuracy"],
+                        "qa_answers": scored["answers"],
+                    }
                 samples[config.label].append(sample)
                 bar.update()
     # the target's own QA accuracy, deterministic: tells a task the model cannot do from a method that loses it
     references = (Config("greedy", "ar"), Config(f"beam search W={max(widths)}", "beam", max(widths)))
-    qa_reference = {c.label: run(engine, target_backend, qa_prompts, c, args.qa_max_tokens, 0.0, args.seed,
-                                 qa=qa)["qa_accuracy"] for c in references} if qa else {}
-    rows = {label: sorted(runs, key=lambda r: r["tokens_per_second"])[len(runs) // 2]
-            for label, runs in samples.items()}
+    qa_reference = (
+        {
+            c.label: run(engine, target_backend, qa_prompts, c, args.qa_max_tokens, 0.0, args.seed, qa=qa)[
+                "qa_accuracy"
+            ]
+            for c in references
+        }
+        if qa
+        else {}
+    )
+    rows = {
+        label: sorted(runs, key=lambda r: r["tokens_per_second"])[len(runs) // 2] for label, runs in samples.items()
+    }
     info = machine_info()
     doc = {
         "meta": {
-            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "command": command,
-            "target": target.name, "draft": args.draft, "prompts": args.prompts, "max_tokens": args.max_tokens,
-            "temperature": args.temperature, "gamma": args.gamma, "threshold": args.threshold,
-            "repeats": args.repeats, "machine": info, "load_before": load_before,
-            "load_after": info.get("load_average"), "elapsed_seconds": time.perf_counter() - start,
+            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": command,
+            "target": target.name,
+            "draft": args.draft,
+            "prompts": args.prompts,
+            "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
+            "gamma": args.gamma,
+            "threshold": args.threshold,
+            "repeats": args.repeats,
+            "machine": info,
+            "load_before": load_before,
+            "load_after": info.get("load_average"),
+            "elapsed_seconds": time.perf_counter() - start,
             "workload": "`specdec bench`'s extractive prompts (summarise / list the points of a standard-library "
-                        "docstring), chat template applied",
-            "qa_items": len(qa), "qa_max_tokens": args.qa_max_tokens,
+            "docstring), chat template applied",
+            "qa_items": len(qa),
+            "qa_max_tokens": args.qa_max_tokens,
             "qa_workload": "which of five standard-library modules a quoted docstring line describes",
-            "qa_answers": [item.answer for item in qa], "qa_reference": qa_reference,
+            "qa_answers": [item.answer for item in qa],
+            "qa_reference": qa_reference,
             "notes": [*pareto_notes(rows), *args.note],
         },
-        "results": rows, "samples": samples,
+        "results": rows,
+        "samples": samples,
     }
     doc["pareto"] = pareto(rows)
     print(write_report(doc, args.out_dir, "dsbd_pareto", pareto_markdown, plot_pareto))

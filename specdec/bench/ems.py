@@ -72,8 +72,15 @@ def engine_factory(target: LoadedModel, config: BenchConfig) -> EngineFactory:
 
     def make(max_batch: int, max_len: int) -> Engine:
         drafter = NgramDrafter(max_ngram=config.ngram, min_ngram=config.min_ngram)
-        return Engine(backend, drafter, tokenizer=target.tokenizer, eos_token_ids=target.eos_token_ids,
-                      max_batch=max_batch, max_len=max_len, num_draft_tokens=config.num_draft_tokens)
+        return Engine(
+            backend,
+            drafter,
+            tokenizer=target.tokenizer,
+            eos_token_ids=target.eos_token_ids,
+            max_batch=max_batch,
+            max_len=max_len,
+            num_draft_tokens=config.num_draft_tokens,
+        )
 
     return make
 
@@ -82,9 +89,9 @@ def _ratios(values: dict[str, float]) -> dict[str, Any]:
     """Speed-ups over ar and the ems / vanilla ratio of one family of throughputs."""
     out: dict[str, Any] = {
         "over_ar": {m: round(values[m] / values[BASELINE], 3) for m in SPECULATIVE if m in values}
-        if BASELINE in values else {},
-        "ems_over_vanilla": round(values[RAGGED] / values[PADDED], 3)
-        if {RAGGED, PADDED} <= values.keys() else None,
+        if BASELINE in values
+        else {},
+        "ems_over_vanilla": round(values[RAGGED] / values[PADDED], 3) if {RAGGED, PADDED} <= values.keys() else None,
     }
     return out
 
@@ -94,8 +101,11 @@ def _identical(runs: dict[str, MethodRuns]) -> dict[str, bool]:
     if BASELINE not in runs:
         return {}
     reference = [o.token_ids for o in runs[BASELINE].results[0].outputs]
-    return {m: all([o.token_ids for o in r.outputs] == reference for r in mr.results)
-            for m, mr in runs.items() if m != BASELINE}
+    return {
+        m: all([o.token_ids for o in r.outputs] == reference for r in mr.results)
+        for m, mr in runs.items()
+        if m != BASELINE
+    }
 
 
 def _decode_rows(result: GenerationResult) -> tuple[int, int]:
@@ -146,16 +156,23 @@ def summarise(runs: dict[str, MethodRuns], batch: int) -> dict[str, Any]:
         "wall_seconds": {m: [round(r.run.wall_seconds, 3) for r in mr.results] for m, mr in runs.items()},
         "decode_seconds": {m: [round(r.run.decode_seconds, 3) for r in mr.results] for m, mr in runs.items()},
         "cpu_seconds": {m: [round(c, 3) for c in mr.cpu_seconds] for m, mr in runs.items()},
-        "prefill_seconds": {m: round(sum(s.seconds for s in mr.median_run().run.steps if s.prefill_rows), 3)
-                            for m, mr in runs.items()},
+        "prefill_seconds": {
+            m: round(sum(s.seconds for s in mr.median_run().run.steps if s.prefill_rows), 3) for m, mr in runs.items()
+        },
         "draft_seconds": {m: summary[m]["draft_seconds"] for m in spec},
         "identical_to_ar": all(identical.values()) if identical else None,
         "identical_to_ar_by_method": identical,
     }
 
 
-def run_benchmark(make_engine: EngineFactory, prompts: Sequence[str | Sequence[int]], config: BenchConfig, *,
-                  chat: bool = True, progress: bool = True) -> dict[str, dict[str, Any]]:
+def run_benchmark(
+    make_engine: EngineFactory,
+    prompts: Sequence[str | Sequence[int]],
+    config: BenchConfig,
+    *,
+    chat: bool = True,
+    progress: bool = True,
+) -> dict[str, dict[str, Any]]:
     """Measure every method at every batch size; returns ``{"<batch>": record}``.
 
     Batch size B takes the first B prompts, submits them at once to an engine with
@@ -167,8 +184,12 @@ def run_benchmark(make_engine: EngineFactory, prompts: Sequence[str | Sequence[i
     if len(prompts) < needed:
         raise ValueError(f"batch size {needed} needs {needed} prompts, got {len(prompts)}")
     results: dict[str, dict[str, Any]] = {}
-    bar = tqdm(total=len(config.batch_sizes) * config.repeats * len(config.methods), desc="bench",
-               unit="run", disable=not progress)
+    bar = tqdm(
+        total=len(config.batch_sizes) * config.repeats * len(config.methods),
+        desc="bench",
+        unit="run",
+        disable=not progress,
+    )
     for batch in config.batch_sizes:
         batch_prompts = list(prompts[:batch])
         probe = make_engine(1, 2)  # only to tokenise: the lengths size the real cache
@@ -203,8 +224,11 @@ def _prompt_lengths(results: dict[str, dict[str, Any]]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``specdec bench`` options; defaults reproduce the paper's setting at this model's scale."""
-    p = argparse.ArgumentParser(prog="specdec bench", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="specdec bench",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--target", default=DEFAULT_TARGET, help="preset, Hugging Face directory or .gguf file")
     p.add_argument("--batch-sizes", type=int_list, default=(1, 4, 8, 16), help="comma-separated")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
@@ -212,9 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ngram", type=int, default=2, help="longest n-gram the drafter looks up (LLMA: 2)")
     p.add_argument("--min-ngram", type=int, default=2, help="shortest n-gram that counts as a hit (LLMA: 2)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per method and batch size (median)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads (0 = torch's default). One thread is much steadier on a "
-                        "CPU shared with other jobs")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (0 = torch's default). One thread is much steadier on a "
+        "CPU shared with other jobs",
+    )
     p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--quick", action="store_true", help="smoke test: batch sizes 1,2, 16 tokens, 2 prompts")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -249,15 +277,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.batch_sizes, args.max_tokens = (1, 2), 16
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    config = BenchConfig(batch_sizes=args.batch_sizes, max_tokens=args.max_tokens,
-                         num_draft_tokens=args.num_draft_tokens, ngram=args.ngram, min_ngram=args.min_ngram,
-                         repeats=args.repeats)
+    config = BenchConfig(
+        batch_sizes=args.batch_sizes,
+        max_tokens=args.max_tokens,
+        num_draft_tokens=args.num_draft_tokens,
+        ngram=args.ngram,
+        min_ngram=args.min_ngram,
+        repeats=args.repeats,
+    )
     prompts = build_workload(2 if args.quick else max(config.batch_sizes))
     load_before = machine_info().get("load_average")
     start = time.perf_counter()
     target = load_model(args.target)
-    results = run_benchmark(engine_factory(target, config), prompts, config, chat=True,
-                            progress=not args.no_progress)
+    results = run_benchmark(engine_factory(target, config), prompts, config, chat=True, progress=not args.no_progress)
     elapsed = time.perf_counter() - start
     info = machine_info()
     docs = collect_documents()
@@ -269,13 +301,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "load_before": load_before,
         "load_after": info.get("load_average"),
         "elapsed_seconds": elapsed,
-        "config": {k: getattr(config, k) for k in ("max_tokens", "num_draft_tokens", "ngram", "min_ngram",
-                                                    "repeats")},
-        "workload": (f"{len(prompts)} chat prompts asking to summarise / list the points of Python "
-                     f"{platform.python_version()} standard-library docstrings ({MIN_DOC_CHARS}-{MAX_DOC_CHARS} "
-                     f"characters; first sources: {', '.join(name for name, _ in docs[:len(prompts)][:8])}"
-                     f"{', ...' if len(prompts) > 8 else ''}); {_prompt_lengths(results)}; "
-                     "batch size B uses the first B prompts."),
+        "config": {k: getattr(config, k) for k in ("max_tokens", "num_draft_tokens", "ngram", "min_ngram", "repeats")},
+        "workload": (
+            f"{len(prompts)} chat prompts asking to summarise / list the points of Python "
+            f"{platform.python_version()} standard-library docstrings ({MIN_DOC_CHARS}-{MAX_DOC_CHARS} "
+            f"characters; first sources: {', '.join(name for name, _ in docs[: len(prompts)][:8])}"
+            f"{', ...' if len(prompts) > 8 else ''}); {_prompt_lengths(results)}; "
+            "batch size B uses the first B prompts."
+        ),
         "notes": [*ems_notes(results), *args.note],
     }
     for path in write_results(results, meta, args.out_dir):

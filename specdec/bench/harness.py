@@ -70,8 +70,7 @@ class MethodRuns:
 
         The prefill step emits every request's first token, so those are not decode tokens.
         """
-        return statistics.median((r.run.generated_tokens - r.run.requests) / r.run.decode_seconds
-                                 for r in self.results)
+        return statistics.median((r.run.generated_tokens - r.run.requests) / r.run.decode_seconds for r in self.results)
 
     def cpu_tokens_per_second(self) -> float:
         """Median over runs of generated tokens / process CPU seconds: insensitive to other jobs."""
@@ -89,15 +88,30 @@ def required_max_len(prompt_lens: Sequence[int], config: BenchConfig) -> int:
     return max(prompt_lens) + config.max_tokens * (config.num_draft_tokens + 1) + 1
 
 
-def run_once(engine: Engine, prompts: Sequence[str | Sequence[int]], method: str, max_tokens: int,
-             chat: bool, temperature: float = 0.0, seed: int = 0) -> tuple[GenerationResult, float]:
+def run_once(
+    engine: Engine,
+    prompts: Sequence[str | Sequence[int]],
+    method: str,
+    max_tokens: int,
+    chat: bool,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> tuple[GenerationResult, float]:
     """One ``generate`` call; returns its result and the process CPU seconds it used.
 
     ``temperature`` > 0 samples, prompt i with seed ``seed + i``, so every run draws the same way.
     """
-    requests = [engine.request(p, chat=chat, max_tokens=max_tokens, request_id=f"p{i}", temperature=temperature,
-                               seed=seed + i if temperature > 0 else None)
-                for i, p in enumerate(prompts)]
+    requests = [
+        engine.request(
+            p,
+            chat=chat,
+            max_tokens=max_tokens,
+            request_id=f"p{i}",
+            temperature=temperature,
+            seed=seed + i if temperature > 0 else None,
+        )
+        for i, p in enumerate(prompts)
+    ]
     gc.collect()  # a collection inside a timed run would be charged to whichever method hit it
     cpu_start = time.process_time()
     result = engine.generate(requests, method)

@@ -59,5 +59,6 @@ def paired_ratio(arm: Sequence[float], base: Sequence[float], level: float = 0.9
 
     sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (n - 1))
     half = float(t.ppf(0.5 + level / 2, n - 1)) * sd / math.sqrt(n)
-    return PairedRatio(math.exp(mean), math.exp(mean - half), math.exp(mean + half),
-                       tuple(math.exp(x) for x in logs), level)
+    return PairedRatio(
+        math.exp(mean), math.exp(mean - half), math.exp(mean + half), tuple(math.exp(x) for x in logs), level
+    )

@@ -23,8 +23,13 @@ from specdec.bench.harness import PADDED, RAGGED, SPECULATIVE
 # -- the shared writer ------------------------------------------------------------------
 
 
-def write_report(doc: dict[str, Any], out_dir: Path, stem: str, markdown: Callable[[dict[str, Any]], str],
-                 draw: Callable[[dict[str, Any], Path], None]) -> str:
+def write_report(
+    doc: dict[str, Any],
+    out_dir: Path,
+    stem: str,
+    markdown: Callable[[dict[str, Any]], str],
+    draw: Callable[[dict[str, Any], Path], None],
+) -> str:
     """Write a benchmark's ``<stem>.json``, ``.md`` and ``.png`` into ``out_dir``; returns the markdown.
 
     One writer, so every committed result comes as the same three files (data, table, plot).
@@ -95,8 +100,7 @@ def _work_table(results: dict[str, dict[str, Any]]) -> list[str]:
         "|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     for batch, r in results.items():
-        acc, rate, rows, calls = (r["mean_accepted_length"], r["acceptance_rate"], r["target_rows"],
-                                  r["target_calls"])
+        acc, rate, rows, calls = (r["mean_accepted_length"], r["acceptance_rate"], r["target_rows"], r["target_calls"])
         # vanilla and ems verify the same drafts greedily, so their acceptance is the same
         same = acc.get("vanilla") == acc.get("ems") and rate.get("vanilla") == rate.get("ems")
         acc_text = _fmt(acc.get("ems")) if same else f"{_fmt(acc.get('vanilla'))} / {_fmt(acc.get('ems'))}"
@@ -204,42 +208,64 @@ def plot_throughput(results: dict[str, dict[str, Any]], path: Path, title: str =
     plt.close(fig)
 
 
-def write_results(results: dict[str, dict[str, Any]], meta: dict[str, Any], out_dir: Path,
-                  stem: str = "ems_vs_vanilla") -> list[Path]:
+def write_results(
+    results: dict[str, dict[str, Any]], meta: dict[str, Any], out_dir: Path, stem: str = "ems_vs_vanilla"
+) -> list[Path]:
     """Write ``<stem>.json``, ``<stem>.md`` and ``<stem>.png`` into ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md", out_dir / f"{stem}.png"]
     write_json(results, paths[0])
     paths[1].write_text(markdown_report(results, meta), encoding="utf-8")
     cfg = meta["config"]
-    plot_throughput(results, paths[2],
-                    f"{meta['target']}, prompt lookup k={cfg['num_draft_tokens']}, {cfg['max_tokens']} new tokens, "
-                    f"greedy, {meta['machine']['torch_threads']} thread(s)")
+    plot_throughput(
+        results,
+        paths[2],
+        f"{meta['target']}, prompt lookup k={cfg['num_draft_tokens']}, {cfg['max_tokens']} new tokens, "
+        f"greedy, {meta['machine']['torch_threads']} thread(s)",
+    )
     return paths
 
 
 def ems_notes(results: dict[str, dict[str, Any]]) -> list[str]:
     """Plain statements of what the numbers show, so the report cannot drift from them."""
     bad = [b for b, r in results.items() if r["identical_to_ar"] is False]
-    notes = ["Every vanilla and ems output was token-identical to ar's." if not bad else
-             f"OUTPUTS DIFFER from ar at batch size(s) {', '.join(bad)}: see identical_to_ar_by_method."]
-    for label, key in (("wall", "ems_over_vanilla"), ("decode-only", "decode_ems_over_vanilla"),
-                       ("CPU-time", "cpu_ems_over_vanilla")):
+    notes = [
+        "Every vanilla and ems output was token-identical to ar's."
+        if not bad
+        else f"OUTPUTS DIFFER from ar at batch size(s) {', '.join(bad)}: see identical_to_ar_by_method."
+    ]
+    for label, key in (
+        ("wall", "ems_over_vanilla"),
+        ("decode-only", "decode_ems_over_vanilla"),
+        ("CPU-time", "cpu_ems_over_vanilla"),
+    ):
         ratios = {b: r[key] for b, r in results.items() if r[key] is not None}
         if ratios:
             behind = [b for b, x in ratios.items() if round(x, 2) < 1.0]  # as printed: 0.996 is a tie
-            notes.append(f"ems / vanilla, {label}: " + ", ".join(f"B={b} {x:.2f}×" for b, x in ratios.items())
-                         + ("." if not behind else f" (ems behind at B={', '.join(behind)})."))
+            notes.append(
+                f"ems / vanilla, {label}: "
+                + ", ".join(f"B={b} {x:.2f}×" for b, x in ratios.items())
+                + ("." if not behind else f" (ems behind at B={', '.join(behind)}).")
+            )
     both = {b: r for b, r in results.items() if {PADDED, RAGGED} <= r["decode_rows"].keys()}
     if both:
-        notes.append("Target rows in decode steps, vanilla / ems: " + ", ".join(
-            f"B={b} {r['decode_rows']['vanilla']} / {r['decode_rows']['ems']}"
-            f" ({r['decode_rows']['vanilla'] / max(r['decode_rows']['ems'], 1):.2f}×)" for b, r in both.items()
-        ) + ". The prompt rows (prefill) are the same for every method.")
-        notes.append("Share of ems's wall time spent in the prefill step, which every method pays alike: " + ", ".join(
-            f"B={b} {r['prefill_seconds']['ems'] / statistics.median(r['wall_seconds']['ems']):.0%}"
-            for b, r in both.items()
-        ) + ".")
+        notes.append(
+            "Target rows in decode steps, vanilla / ems: "
+            + ", ".join(
+                f"B={b} {r['decode_rows']['vanilla']} / {r['decode_rows']['ems']}"
+                f" ({r['decode_rows']['vanilla'] / max(r['decode_rows']['ems'], 1):.2f}×)"
+                for b, r in both.items()
+            )
+            + ". The prompt rows (prefill) are the same for every method."
+        )
+        notes.append(
+            "Share of ems's wall time spent in the prefill step, which every method pays alike: "
+            + ", ".join(
+                f"B={b} {r['prefill_seconds']['ems'] / statistics.median(r['wall_seconds']['ems']):.0%}"
+                for b, r in both.items()
+            )
+            + "."
+        )
     return notes
 
 
@@ -276,10 +302,18 @@ def pareto_markdown(doc: dict[str, Any]) -> str:
         acc = "–" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
         mbw = "–" if r["mean_beam_width"] is None else f"{r['mean_beam_width']:.2f}"
         em, acc_qa = ("–" if r.get(key) is None else f"{r[key]:.2f}" for key in ("exact_match", "qa_accuracy"))
-        lines.append(f"| {label} | {r['tokens_per_second']:.1f} | {r['logprob_per_token']:.3f} | {em} | {acc_qa} "
-                     f"| {r['target_calls']} | {r['tokens_per_call']:.2f} | {acc} | {mbw} | {vs} |")
-    lines += ["", f"Pareto front (fastest first): {', '.join(doc['pareto'])}.", "",
-              "## Notes", "", *(f"- {n}" for n in meta["notes"])]
+        lines.append(
+            f"| {label} | {r['tokens_per_second']:.1f} | {r['logprob_per_token']:.3f} | {em} | {acc_qa} "
+            f"| {r['target_calls']} | {r['tokens_per_call']:.2f} | {acc} | {mbw} | {vs} |"
+        )
+    lines += [
+        "",
+        f"Pareto front (fastest first): {', '.join(doc['pareto'])}.",
+        "",
+        "## Notes",
+        "",
+        *(f"- {n}" for n in meta["notes"]),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -294,15 +328,34 @@ def plot_pareto(doc: dict[str, Any], path: Path) -> None:
     colors = {"ems": "tab:gray", "beam": "tab:orange", "dsbd": "tab:blue"}
     for label, r in doc["results"].items():
         kind = label.split()[0]
-        ax.scatter(r["tokens_per_second"], r["logprob_per_token"], color=colors[kind],
-                   marker="s" if "single" in label else "^" if "adaptive" in label else "o", s=50)
-        ax.annotate(label, (r["tokens_per_second"], r["logprob_per_token"]), textcoords="offset points",
-                    xytext=(5, 4), fontsize=7)
+        ax.scatter(
+            r["tokens_per_second"],
+            r["logprob_per_token"],
+            color=colors[kind],
+            marker="s" if "single" in label else "^" if "adaptive" in label else "o",
+            s=50,
+        )
+        ax.annotate(
+            label,
+            (r["tokens_per_second"], r["logprob_per_token"]),
+            textcoords="offset points",
+            xytext=(5, 4),
+            fontsize=7,
+        )
     front = [doc["results"][label] for label in doc["pareto"]]
-    ax.plot([r["tokens_per_second"] for r in front], [r["logprob_per_token"] for r in front], "--",
-            color="tab:green", linewidth=1, label="Pareto front")
-    ax.set(xlabel="tokens / s (batch, prefill included)", ylabel="target log-likelihood per token (higher = better)",
-           title=f"{doc['meta']['target']}: DSBD vs beam sampling vs EMS-SD, {doc['meta']['prompts']} requests")
+    ax.plot(
+        [r["tokens_per_second"] for r in front],
+        [r["logprob_per_token"] for r in front],
+        "--",
+        color="tab:green",
+        linewidth=1,
+        label="Pareto front",
+    )
+    ax.set(
+        xlabel="tokens / s (batch, prefill included)",
+        ylabel="target log-likelihood per token (higher = better)",
+        title=f"{doc['meta']['target']}: DSBD vs beam sampling vs EMS-SD, {doc['meta']['prompts']} requests",
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -321,16 +374,23 @@ def pareto_notes(rows: dict[str, dict[str, Any]]) -> list[str]:
         b = rows.get(f"beam W={width}")
         if b:
             speed = r["tokens_per_second"] / b["tokens_per_second"]
-            notes.append(f"{label}: {speed:.2f}× the tokens/s of beam W={width} at log-likelihood/token "
-                         f"{r['logprob_per_token']:.3f} vs {b['logprob_per_token']:.3f} "
-                         f"(acceptance {r['acceptance_rate']:.2f}, {r['mean_beam_width']:.2f} beams per round, "
-                         f"{r['tokens_per_call']:.2f} tokens per target call vs {b['tokens_per_call']:.2f}"
-                         + (f"; QA accuracy {r['qa_accuracy']:.2f} vs {b['qa_accuracy']:.2f}"
-                            if r.get("qa_accuracy") is not None and b.get("qa_accuracy") is not None else "")
-                         + ").")
+            notes.append(
+                f"{label}: {speed:.2f}× the tokens/s of beam W={width} at log-likelihood/token "
+                f"{r['logprob_per_token']:.3f} vs {b['logprob_per_token']:.3f} "
+                f"(acceptance {r['acceptance_rate']:.2f}, {r['mean_beam_width']:.2f} beams per round, "
+                f"{r['tokens_per_call']:.2f} tokens per target call vs {b['tokens_per_call']:.2f}"
+                + (
+                    f"; QA accuracy {r['qa_accuracy']:.2f} vs {b['qa_accuracy']:.2f}"
+                    if r.get("qa_accuracy") is not None and b.get("qa_accuracy") is not None
+                    else ""
+                )
+                + ")."
+            )
     best = max(rows, key=lambda label: rows[label]["logprob_per_token"])
     fastest = max(rows, key=lambda label: rows[label]["tokens_per_second"])
-    notes.append(f"Highest quality: {best} ({rows[best]['logprob_per_token']:.3f} per token) vs ems sampling "
-                 f"{ems['logprob_per_token']:.3f}; fastest: {fastest} ({rows[fastest]['tokens_per_second']:.1f} "
-                 "tokens/s).")
+    notes.append(
+        f"Highest quality: {best} ({rows[best]['logprob_per_token']:.3f} per token) vs ems sampling "
+        f"{ems['logprob_per_token']:.3f}; fastest: {fastest} ({rows[fastest]['tokens_per_second']:.1f} "
+        "tokens/s)."
+    )
     return notes

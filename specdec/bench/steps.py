@@ -20,8 +20,9 @@ from tqdm import tqdm
 BLOCK = 4
 
 
-def interleaved_step_ms(work: Mapping[Hashable, tuple[Any, Any, Any]], rounds: int, desc: str = "steps",
-                        block: int = BLOCK) -> dict[Hashable, float]:
+def interleaved_step_ms(
+    work: Mapping[Hashable, tuple[Any, Any, Any]], rounds: int, desc: str = "steps", block: int = BLOCK
+) -> dict[Hashable, float]:
     """Median ms of ``backend.step(batch, cache)`` per key of ``work`` (key -> (backend, batch, cache)).
 
     Each round runs every variant's block of ``block`` back-to-back steps, the order rotated by one
@@ -33,7 +34,7 @@ def interleaved_step_ms(work: Mapping[Hashable, tuple[Any, Any, Any]], rounds: i
         backend.step(batch, cache)
     samples: dict[Hashable, list[float]] = {key: [] for key in keys}
     for r in tqdm(range(rounds), desc=desc, leave=False):
-        for key in keys[r % len(keys):] + keys[: r % len(keys)]:
+        for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
             backend, batch, cache = work[key]
             for i in range(block):
                 start = time.perf_counter()

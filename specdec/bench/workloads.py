@@ -23,14 +23,56 @@ from typing import NamedTuple
 # taken (a batch of B uses the first B). Modules and functions are mixed so that every
 # prefix holds prose, option lists and API descriptions alike.
 DOC_SOURCES = (
-    "subprocess", "json.dumps", "collections", "functools.lru_cache", "heapq", "textwrap.dedent",
-    "shutil.rmtree", "csv", "bisect.bisect_left", "statistics.median", "random.Random.sample",
-    "tarfile.TarFile.extractall", "zipfile.ZipFile", "itertools", "logging.Logger", "argparse.ArgumentParser",
-    "string", "datetime.timedelta", "pathlib.Path", "unittest.TestCase", "json.JSONEncoder", "functools.reduce",
-    "collections.namedtuple", "heapq.merge", "textwrap.wrap", "shutil.move", "statistics.quantiles",
-    "subprocess.run", "tempfile.mkstemp", "contextlib.contextmanager", "dataclasses.dataclass", "os.makedirs",
-    "re.split", "sched", "struct", "inspect", "uuid", "difflib", "copy", "timeit", "tokenize", "typing",
-    "sqlite3", "io", "zlib", "fnmatch", "pprint", "getopt", "colorsys", "optparse",
+    "subprocess",
+    "json.dumps",
+    "collections",
+    "functools.lru_cache",
+    "heapq",
+    "textwrap.dedent",
+    "shutil.rmtree",
+    "csv",
+    "bisect.bisect_left",
+    "statistics.median",
+    "random.Random.sample",
+    "tarfile.TarFile.extractall",
+    "zipfile.ZipFile",
+    "itertools",
+    "logging.Logger",
+    "argparse.ArgumentParser",
+    "string",
+    "datetime.timedelta",
+    "pathlib.Path",
+    "unittest.TestCase",
+    "json.JSONEncoder",
+    "functools.reduce",
+    "collections.namedtuple",
+    "heapq.merge",
+    "textwrap.wrap",
+    "shutil.move",
+    "statistics.quantiles",
+    "subprocess.run",
+    "tempfile.mkstemp",
+    "contextlib.contextmanager",
+    "dataclasses.dataclass",
+    "os.makedirs",
+    "re.split",
+    "sched",
+    "struct",
+    "inspect",
+    "uuid",
+    "difflib",
+    "copy",
+    "timeit",
+    "tokenize",
+    "typing",
+    "sqlite3",
+    "io",
+    "zlib",
+    "fnmatch",
+    "pprint",
+    "getopt",
+    "colorsys",
+    "optparse",
 )
 
 PROMPT_TEMPLATES = (
@@ -113,10 +155,44 @@ def build_workload(n: int, *, min_chars: int = MIN_DOC_CHARS, max_chars: int = M
 # -- extractive QA ----------------------------------------------------------------------
 
 #: standard-library modules whose docstring's first line makes a QA item (those that name themselves are skipped)
-QA_MODULES = ("csv", "re", "heapq", "bisect", "shutil", "zipfile", "gzip", "textwrap", "fractions", "statistics",
-              "tempfile", "glob", "fnmatch", "pickle", "uuid", "random", "struct", "copy", "itertools", "queue",
-              "getpass", "tarfile", "colorsys", "timeit", "shlex", "mimetypes", "inspect", "tokenize", "filecmp",
-              "linecache", "traceback", "codeop", "reprlib", "configparser", "contextlib", "operator")
+QA_MODULES = (
+    "csv",
+    "re",
+    "heapq",
+    "bisect",
+    "shutil",
+    "zipfile",
+    "gzip",
+    "textwrap",
+    "fractions",
+    "statistics",
+    "tempfile",
+    "glob",
+    "fnmatch",
+    "pickle",
+    "uuid",
+    "random",
+    "struct",
+    "copy",
+    "itertools",
+    "queue",
+    "getpass",
+    "tarfile",
+    "colorsys",
+    "timeit",
+    "shlex",
+    "mimetypes",
+    "inspect",
+    "tokenize",
+    "filecmp",
+    "linecache",
+    "traceback",
+    "codeop",
+    "reprlib",
+    "configparser",
+    "contextlib",
+    "operator",
+)
 QA_GROUP = 5
 
 
@@ -151,9 +227,14 @@ def qa_set(n: int) -> list[QAItem]:
         group = groups[(i // QA_GROUP) % len(groups)]
         name, description = group[i % QA_GROUP]
         listing = "\n".join(f"- {m}: {d}" for m, d in group)
-        items.append(QAItem(f"Here are Python standard-library modules and what they do:\n{listing}\n\n"
-                            f"Which module is described as \"{description}\"? Answer with the module name only.",
-                            name, tuple(m for m, _ in group)))
+        items.append(
+            QAItem(
+                f"Here are Python standard-library modules and what they do:\n{listing}\n\n"
+                f'Which module is described as "{description}"? Answer with the module name only.',
+                name,
+                tuple(m for m, _ in group),
+            )
+        )
     return items
 
 
@@ -173,6 +254,9 @@ def first_choice(text: str, choices: Sequence[str]) -> str | None:
     Why the first: an answer that goes on to mention other modules ("heapq, unlike bisect,
     ...") has already given its choice; a later mention is not a second answer.
     """
-    found = [(m.start(), c) for c in choices
-             if (m := re.search(rf"(?<![\w.]){re.escape(c)}(?!\w)", text, flags=re.IGNORECASE))]
+    found = [
+        (m.start(), c)
+        for c in choices
+        if (m := re.search(rf"(?<![\w.]){re.escape(c)}(?!\w)", text, flags=re.IGNORECASE))
+    ]
     return min(found)[1] if found else None

@@ -113,9 +113,14 @@ class Timeouts:
     retries: int = 3  # connection attempts redispatched to another replica (only for requests never sent)
 
 
-def render_config(replicas: Sequence[Replica], grpc_listen: tuple[str, int],
-                  http_listen: tuple[str, int] | None = None, check: HealthCheck = HealthCheck(),
-                  timeouts: Timeouts = Timeouts(), admin_socket: Path | None = None) -> str:
+def render_config(
+    replicas: Sequence[Replica],
+    grpc_listen: tuple[str, int],
+    http_listen: tuple[str, int] | None = None,
+    check: HealthCheck = HealthCheck(),
+    timeouts: Timeouts = Timeouts(),
+    admin_socket: Path | None = None,
+) -> str:
     """The ``haproxy.cfg`` for ``replicas``: gRPC (h2c) on ``grpc_listen``, optionally Triton's HTTP API on
     ``http_listen``; every replica health-checked on ``READY_PATH`` of its HTTP port."""
     if not replicas:
@@ -123,8 +128,10 @@ def render_config(replicas: Sequence[Replica], grpc_listen: tuple[str, int],
     names = [r.name or f"r{i}" for i, r in enumerate(replicas)]
     if len(set(names)) != len(names):
         raise ValueError(f"replica names must differ: {names}")
-    check_args = (f"check inter {check.interval_ms}ms fastinter {check.fast_interval_ms}ms "
-                  f"downinter {check.down_interval_ms}ms fall {check.fall} rise {check.rise}")
+    check_args = (
+        f"check inter {check.interval_ms}ms fastinter {check.fast_interval_ms}ms "
+        f"downinter {check.down_interval_ms}ms fall {check.fall} rise {check.rise}"
+    )
     lines = ["# written by specdec.deploy.balancer (docs/deployment-balancer.md)", "global"]
     if admin_socket is not None:
         lines.append(f"    stats socket {admin_socket} mode 600 level admin")
@@ -159,13 +166,21 @@ def render_config(replicas: Sequence[Replica], grpc_listen: tuple[str, int],
         "    balance leastconn  # streams differ in length by orders of magnitude: count open ones, not turns",
     ]
     # the check goes to the HTTP port over HTTP/1.1 (Triton's HTTP endpoint speaks no h2), the traffic over h2c
-    lines += [f"    server {name} {_address(r.host, r.grpc_port)} proto h2 {check_args} port {r.http_port} "
-              "check-proto h1" for name, r in zip(names, replicas)]
+    lines += [
+        f"    server {name} {_address(r.host, r.grpc_port)} proto h2 {check_args} port {r.http_port} check-proto h1"
+        for name, r in zip(names, replicas)
+    ]
     if http_listen is not None:
-        lines += ["", "frontend specdec_http_in", f"    bind {_address(*http_listen)}",
-                  f"    default_backend {HTTP_BACKEND}", "", f"backend {HTTP_BACKEND}", "    balance leastconn"]
-        lines += [f"    server {name} {_address(r.host, r.http_port)} {check_args}"
-                  for name, r in zip(names, replicas)]
+        lines += [
+            "",
+            "frontend specdec_http_in",
+            f"    bind {_address(*http_listen)}",
+            f"    default_backend {HTTP_BACKEND}",
+            "",
+            f"backend {HTTP_BACKEND}",
+            "    balance leastconn",
+        ]
+        lines += [f"    server {name} {_address(r.host, r.http_port)} {check_args}" for name, r in zip(names, replicas)]
     return "\n".join(lines) + "\n"
 
 
@@ -227,15 +242,26 @@ class Balancer:
             self.workdir.mkdir(parents=True, exist_ok=True)
         self.directory = self.workdir or Path(tempfile.mkdtemp(prefix="specdec-haproxy-"))
         http_listen = None if self.http_port is None else (self.host, self.http_port)
-        self.config_path.write_text(render_config(self.replicas, (self.host, self.grpc_port), http_listen,
-                                                  self.check, self.timeouts, self.directory / "admin.sock"))
-        checked = subprocess.run([str(binary), "-c", "-f", str(self.config_path)], capture_output=True,
-                                 text=True)
+        self.config_path.write_text(
+            render_config(
+                self.replicas,
+                (self.host, self.grpc_port),
+                http_listen,
+                self.check,
+                self.timeouts,
+                self.directory / "admin.sock",
+            )
+        )
+        checked = subprocess.run([str(binary), "-c", "-f", str(self.config_path)], capture_output=True, text=True)
         if checked.returncode != 0:
             raise BalancerError(f"haproxy refused {self.config_path}:\n{checked.stdout}{checked.stderr}")
         with self.log_path.open("wb") as log:  # -db: foreground, no daemon; haproxy logs to its stdout
-            self.process = subprocess.Popen([str(binary), "-db", "-f", str(self.config_path)], stdout=log,
-                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.process = subprocess.Popen(
+                [str(binary), "-db", "-f", str(self.config_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         deadline = time.monotonic() + timeout_s
         while not self._listening():
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -285,8 +311,11 @@ class Balancer:
     def server_states(self, backend: str = GRPC_BACKEND) -> dict[str, str]:
         """Each server's state as HAProxy sees it: ``UP``, ``DOWN``, ``UP 1/2`` (rising), ``DRAIN``, ``MAINT``..."""
         rows = csv.DictReader(self.admin("show stat").lstrip("# ").splitlines())
-        return {row["svname"]: row["status"] for row in rows
-                if row["pxname"] == backend and row["svname"] not in ("FRONTEND", "BACKEND")}
+        return {
+            row["svname"]: row["status"]
+            for row in rows
+            if row["pxname"] == backend and row["svname"] not in ("FRONTEND", "BACKEND")
+        }
 
     def set_state(self, name: str, state: str) -> None:
         """``ready``, ``drain`` (no new requests; before stopping that replica's ``specdec serve``) or ``maint``,
@@ -300,8 +329,9 @@ class Balancer:
         self.start()
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
-                 traceback: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
+    ) -> None:
         self.stop()
         if self.directory is not None and self.workdir is None:
             shutil.rmtree(self.directory, ignore_errors=True)
@@ -326,18 +356,40 @@ def _replica(text: str) -> Replica:
 
 def add_balancer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Options of ``specdec deploy balancer`` (kept here so cli.py only wires the subcommand)."""
-    parser.add_argument("--replica", action="append", type=_replica, required=True, metavar="HOST:GRPC:HTTP",
-                        help="a `specdec serve` replica: its host, gRPC port and HTTP port (readiness is checked "
-                             "there); repeat for each")
-    parser.add_argument("--listen", type=_listen, default=("127.0.0.1", 8001), metavar="HOST:PORT",
-                        help="where clients connect over gRPC (default 127.0.0.1:8001)")
-    parser.add_argument("--http-listen", type=_listen, metavar="HOST:PORT",
-                        help="also balance Triton's HTTP API here (default: gRPC only)")
-    parser.add_argument("--check-interval-ms", type=int, default=HealthCheck.interval_ms,
-                        help=f"readiness probe interval (default {HealthCheck.interval_ms}; a dead replica is out "
-                             f"within {HealthCheck().down_after_s():.1f} s)")
-    parser.add_argument("--print-config", action="store_true",
-                        help="print the haproxy.cfg and exit (to run it with the system's haproxy)")
+    parser.add_argument(
+        "--replica",
+        action="append",
+        type=_replica,
+        required=True,
+        metavar="HOST:GRPC:HTTP",
+        help="a `specdec serve` replica: its host, gRPC port and HTTP port (readiness is checked "
+        "there); repeat for each",
+    )
+    parser.add_argument(
+        "--listen",
+        type=_listen,
+        default=("127.0.0.1", 8001),
+        metavar="HOST:PORT",
+        help="where clients connect over gRPC (default 127.0.0.1:8001)",
+    )
+    parser.add_argument(
+        "--http-listen",
+        type=_listen,
+        metavar="HOST:PORT",
+        help="also balance Triton's HTTP API here (default: gRPC only)",
+    )
+    parser.add_argument(
+        "--check-interval-ms",
+        type=int,
+        default=HealthCheck.interval_ms,
+        help=f"readiness probe interval (default {HealthCheck.interval_ms}; a dead replica is out "
+        f"within {HealthCheck().down_after_s():.1f} s)",
+    )
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the haproxy.cfg and exit (to run it with the system's haproxy)",
+    )
     return parser
 
 
@@ -353,8 +405,13 @@ def balancer_main(args: argparse.Namespace | Sequence[str] | None = None) -> int
     if args.http_listen is not None and args.http_listen[0] != args.listen[0]:
         print("error: --http-listen must use the host of --listen", file=sys.stderr)
         return 2
-    balancer = Balancer(args.replica, host=args.listen[0], grpc_port=args.listen[1],
-                        http_port=None if args.http_listen is None else args.http_listen[1], check=check)
+    balancer = Balancer(
+        args.replica,
+        host=args.listen[0],
+        grpc_port=args.listen[1],
+        http_port=None if args.http_listen is None else args.http_listen[1],
+        check=check,
+    )
     signals: list[int] = []
 
     def remember(signum: int, _frame: FrameType | None) -> None:
@@ -363,10 +420,12 @@ def balancer_main(args: argparse.Namespace | Sequence[str] | None = None) -> int
     previous = {sig: signal.signal(sig, remember) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         with balancer:
-            print(f"specdec deploy balancer: gRPC {balancer.grpc_url}"
-                  + (f", HTTP {balancer.http_url}" if balancer.http_url else "")
-                  + f" -> {len(args.replica)} replica(s); config {balancer.config_path}, log {balancer.log_path}",
-                  flush=True)
+            print(
+                f"specdec deploy balancer: gRPC {balancer.grpc_url}"
+                + (f", HTTP {balancer.http_url}" if balancer.http_url else "")
+                + f" -> {len(args.replica)} replica(s); config {balancer.config_path}, log {balancer.log_path}",
+                flush=True,
+            )
             while not signals and balancer.running():
                 time.sleep(0.2)
             if not balancer.running():

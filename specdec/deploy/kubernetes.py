@@ -155,8 +155,10 @@ def grace_period_s(options: KubernetesOptions) -> int:
 def check_options(options: KubernetesOptions) -> None:
     """Raise ``DeployError`` for the first option a cluster would refuse, or that cannot work."""
     if not _DNS_LABEL.match(options.name) or len(options.name) + len(_LONGEST_SUFFIX) > 63:
-        raise DeployError(f"name {options.name!r} must be a DNS label (lowercase letters, digits and '-', starting "
-                          f"with a letter) of at most {63 - len(_LONGEST_SUFFIX)} characters")
+        raise DeployError(
+            f"name {options.name!r} must be a DNS label (lowercase letters, digits and '-', starting "
+            f"with a letter) of at most {63 - len(_LONGEST_SUFFIX)} characters"
+        )
     if not _DNS_LABEL.match(options.namespace) or len(options.namespace) > 63:
         raise DeployError(f"namespace {options.namespace!r} must be a DNS label (lowercase letters, digits, '-')")
     if not options.image or any(c.isspace() for c in options.image):
@@ -169,8 +171,11 @@ def check_options(options: KubernetesOptions) -> None:
         raise DeployError(f"gpus must be >= 0 (0 = CPU), got {options.gpus}")
     if not 0 < options.target_utilization <= 1:
         raise DeployError(f"target_utilization must be in (0, 1], got {options.target_utilization}")
-    for label, value in (("drain_timeout_s", options.drain_timeout_s), ("exit_timeout_s", options.exit_timeout_s),
-                         ("pre_stop_s", options.pre_stop_s)):
+    for label, value in (
+        ("drain_timeout_s", options.drain_timeout_s),
+        ("exit_timeout_s", options.exit_timeout_s),
+        ("pre_stop_s", options.pre_stop_s),
+    ):
         if value < 0:
             raise DeployError(f"{label} must be >= 0, got {value}")
     if options.ready_timeout_s <= 0:
@@ -238,8 +243,10 @@ def export_args(manifest: dict[str, Any], source: ExportSource, out: str = POD_E
         for flag in ("--target", "--draft"):
             value = _option(args, flag)
             if value is not None and ("/" in value or value.startswith(".")):
-                raise DeployError(f"the export was made from {flag} {value}, a path the pod does not have: pass "
-                                  "the export options explicitly (a preset), or serve the export from a claim")
+                raise DeployError(
+                    f"the export was made from {flag} {value}, a path the pod does not have: pass "
+                    "the export options explicitly (a preset), or serve the export from a claim"
+                )
     cleaned: list[str] = []
     skip = False
     for arg in args:
@@ -271,10 +278,23 @@ def _meta(options: KubernetesOptions, name: str | None = None, **extra: Any) -> 
 
 def serve_args(model_path: str, options: KubernetesOptions) -> list[str]:
     """``specdec serve``'s arguments in the pod: every interface, and the timeouts the probes and grace rely on."""
-    return [model_path, "--host", "0.0.0.0", "--grpc-port", str(_SERVE.grpc_port),
-            "--http-port", str(_SERVE.http_port), "--metrics-port", str(_SERVE.metrics_port),
-            "--drain-timeout", f"{options.drain_timeout_s:g}", "--exit-timeout", str(options.exit_timeout_s),
-            "--ready-timeout", f"{options.ready_timeout_s:g}"]
+    return [
+        model_path,
+        "--host",
+        "0.0.0.0",
+        "--grpc-port",
+        str(_SERVE.grpc_port),
+        "--http-port",
+        str(_SERVE.http_port),
+        "--metrics-port",
+        str(_SERVE.metrics_port),
+        "--drain-timeout",
+        f"{options.drain_timeout_s:g}",
+        "--exit-timeout",
+        str(options.exit_timeout_s),
+        "--ready-timeout",
+        f"{options.ready_timeout_s:g}",
+    ]
 
 
 #: every port ``specdec serve`` opens, by the name the container, the Service and the monitor give it
@@ -291,12 +311,21 @@ def _probes(options: KubernetesOptions, http_port: str | int) -> dict[str, Any]:
     """
     load = math.ceil(options.ready_timeout_s / PROBE_PERIOD_S) + 1
     return {
-        "startupProbe": {"httpGet": {"path": LIVE_PATH, "port": http_port}, "periodSeconds": PROBE_PERIOD_S,
-                         "failureThreshold": load},
-        "readinessProbe": {"httpGet": {"path": READY_PATH, "port": http_port}, "periodSeconds": 5,
-                           "failureThreshold": 2},
-        "livenessProbe": {"httpGet": {"path": LIVE_PATH, "port": http_port}, "periodSeconds": PROBE_PERIOD_S,
-                          "failureThreshold": load},
+        "startupProbe": {
+            "httpGet": {"path": LIVE_PATH, "port": http_port},
+            "periodSeconds": PROBE_PERIOD_S,
+            "failureThreshold": load,
+        },
+        "readinessProbe": {
+            "httpGet": {"path": READY_PATH, "port": http_port},
+            "periodSeconds": 5,
+            "failureThreshold": 2,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": LIVE_PATH, "port": http_port},
+            "periodSeconds": PROBE_PERIOD_S,
+            "failureThreshold": load,
+        },
     }
 
 
@@ -313,11 +342,16 @@ def _resources(options: KubernetesOptions) -> dict[str, dict[str, Any]]:
     return resources
 
 
-def _server_container(options: KubernetesOptions, model_path: str, name: str,
-                      ports: Sequence[dict[str, Any]], http_port: str | int) -> dict[str, Any]:
+def _server_container(
+    options: KubernetesOptions, model_path: str, name: str, ports: Sequence[dict[str, Any]], http_port: str | int
+) -> dict[str, Any]:
     container: dict[str, Any] = {
-        "name": name, "image": options.image, "command": ["specdec", "serve"],
-        "args": serve_args(model_path, options), "ports": list(ports), **_probes(options, http_port),
+        "name": name,
+        "image": options.image,
+        "command": ["specdec", "serve"],
+        "args": serve_args(model_path, options),
+        "ports": list(ports),
+        **_probes(options, http_port),
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(options.pre_stop_s)]}}},
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
@@ -325,8 +359,12 @@ def _server_container(options: KubernetesOptions, model_path: str, name: str,
     if resources:
         container["resources"] = resources
     if options.admin_key_secret:
-        container["env"] = [{"name": ADMIN_KEY_ENV, "valueFrom": {"secretKeyRef": {
-            "name": options.admin_key_secret, "key": ADMIN_KEY_SECRET_KEY}}}]
+        container["env"] = [
+            {
+                "name": ADMIN_KEY_ENV,
+                "valueFrom": {"secretKeyRef": {"name": options.admin_key_secret, "key": ADMIN_KEY_SECRET_KEY}},
+            }
+        ]
     return container
 
 
@@ -334,17 +372,24 @@ def _init_container(options: KubernetesOptions, manifest: dict[str, Any], mount:
     """``specdec-export`` into the emptyDir mounted at ``mount`` (at its ``export`` folder)."""
     assert isinstance(options.source, ExportSource)
     out = POD_EXPORT_DIR.replace(MODELS_MOUNT, mount, 1)
-    return {"name": "export", "image": options.source.image or options.image, "command": ["specdec-export"],
-            "args": export_args(manifest, options.source, out),
-            "volumeMounts": [{"name": "models", "mountPath": mount}],
-            "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}
+    return {
+        "name": "export",
+        "image": options.source.image or options.image,
+        "command": ["specdec-export"],
+        "args": export_args(manifest, options.source, out),
+        "volumeMounts": [{"name": "models", "mountPath": mount}],
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
 
 
 def _pod_volumes(options: KubernetesOptions) -> list[dict[str, Any]]:
     """The models' volume (the claim, read-only, or the init container's emptyDir) and a memory-backed /dev/shm."""
     source = options.source
-    models: dict[str, Any] = ({"persistentVolumeClaim": {"claimName": source.claim, "readOnly": True}}
-                              if isinstance(source, PvcSource) else {"emptyDir": {}})
+    models: dict[str, Any] = (
+        {"persistentVolumeClaim": {"claimName": source.claim, "readOnly": True}}
+        if isinstance(source, PvcSource)
+        else {"emptyDir": {}}
+    )
     shm = {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": options.shm_size}}
     return [{"name": "models", **models}, shm]
 
@@ -368,16 +413,29 @@ def deployment(options: KubernetesOptions, manifest: dict[str, Any]) -> dict[str
     ports = [{"name": port, "containerPort": number, "protocol": "TCP"} for port, number in PORTS]
     container = _server_container(options, model_path(options), "specdec", ports, HTTP_PORT)
     models = {"name": "models", "mountPath": MODELS_MOUNT}
-    container["volumeMounts"] = [{**models, "readOnly": True} if isinstance(options.source, PvcSource) else models,
-                                 {"name": "dshm", "mountPath": "/dev/shm"}]
-    pod: dict[str, Any] = {"terminationGracePeriodSeconds": grace_period_s(options), "containers": [container],
-                           "volumes": _pod_volumes(options), **_gpu_tolerations(options)}
+    container["volumeMounts"] = [
+        {**models, "readOnly": True} if isinstance(options.source, PvcSource) else models,
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    pod: dict[str, Any] = {
+        "terminationGracePeriodSeconds": grace_period_s(options),
+        "containers": [container],
+        "volumes": _pod_volumes(options),
+        **_gpu_tolerations(options),
+    }
     if isinstance(options.source, ExportSource):
         pod["initContainers"] = [_init_container(options, manifest, MODELS_MOUNT)]
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(options),
-            "spec": {"replicas": options.replicas, "selector": {"matchLabels": _labels(options)},
-                     "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-                     "template": {"metadata": {"labels": _labels(options)}, "spec": pod}}}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(options),
+        "spec": {
+            "replicas": options.replicas,
+            "selector": {"matchLabels": _labels(options)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {"metadata": {"labels": _labels(options)}, "spec": pod},
+        },
+    }
 
 
 def service(options: KubernetesOptions) -> dict[str, Any]:
@@ -387,27 +445,44 @@ def service(options: KubernetesOptions) -> dict[str, Any]:
     calls over pods needs a gRPC-aware balancer (a mesh, or Gateway API's GRPCRoute), which reads the name or
     the appProtocol of the ``grpc`` port.
     """
-    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(options),
-            "spec": {"type": "ClusterIP", "selector": _labels(options),
-                     "ports": [{"name": port, "port": number, "targetPort": port, "protocol": "TCP",
-                                "appProtocol": APP_PROTOCOL[port]} for port, number in PORTS]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(options),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": _labels(options),
+            "ports": [
+                {"name": port, "port": number, "targetPort": port, "protocol": "TCP", "appProtocol": APP_PROTOCOL[port]}
+                for port, number in PORTS
+            ],
+        },
+    }
 
 
 def pod_disruption_budget(options: KubernetesOptions) -> dict[str, Any]:
     """At most one pod evicted at a time (each drains first); ``maxUnavailable`` so a single replica can still move."""
-    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(options),
-            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _labels(options)}}}
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(options),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _labels(options)}},
+    }
 
 
 def service_monitor(options: KubernetesOptions) -> dict[str, Any]:
     """Prometheus (the operator's) scrapes every pod behind the Service on its ``metrics`` port."""
     labels = {**_labels(options), **dict(options.monitor_labels)}
-    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
-            "metadata": {"name": options.name, "namespace": options.namespace, "labels": labels},
-            "spec": {"selector": {"matchLabels": _labels(options)},
-                     "namespaceSelector": {"matchNames": [options.namespace]},
-                     "endpoints": [{"port": METRICS_PORT, "path": METRICS_PATH,
-                                    "interval": options.scrape_interval}]}}
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": {"name": options.name, "namespace": options.namespace, "labels": labels},
+        "spec": {
+            "selector": {"matchLabels": _labels(options)},
+            "namespaceSelector": {"matchNames": [options.namespace]},
+            "endpoints": [{"port": METRICS_PORT, "path": METRICS_PATH, "interval": options.scrape_interval}],
+        },
+    }
 
 
 def horizontal_pod_autoscaler(options: KubernetesOptions, target: int) -> dict[str, Any]:
@@ -416,16 +491,32 @@ def horizontal_pod_autoscaler(options: KubernetesOptions, target: int) -> dict[s
     Removing a pod drains it for up to the grace period, so dropping faster than one per grace period would
     take away capacity that is still answering requests.
     """
-    return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": _meta(options),
-            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": options.name},
-                     "minReplicas": options.replicas, "maxReplicas": options.max_replicas,
-                     "metrics": [{"type": "Pods", "pods": {"metric": {"name": INFLIGHT_METRIC},
-                                                           "target": {"type": "AverageValue",
-                                                                      "averageValue": str(target)}}}],
-                     "behavior": {"scaleUp": {"stabilizationWindowSeconds": 0},
-                                  "scaleDown": {"stabilizationWindowSeconds": 300, "policies": [
-                                      {"type": "Pods", "value": 1,
-                                       "periodSeconds": min(1800, grace_period_s(options))}]}}}}
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": _meta(options),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": options.name},
+            "minReplicas": options.replicas,
+            "maxReplicas": options.max_replicas,
+            "metrics": [
+                {
+                    "type": "Pods",
+                    "pods": {
+                        "metric": {"name": INFLIGHT_METRIC},
+                        "target": {"type": "AverageValue", "averageValue": str(target)},
+                    },
+                }
+            ],
+            "behavior": {
+                "scaleUp": {"stabilizationWindowSeconds": 0},
+                "scaleDown": {
+                    "stabilizationWindowSeconds": 300,
+                    "policies": [{"type": "Pods", "value": 1, "periodSeconds": min(1800, grace_period_s(options))}],
+                },
+            },
+        },
+    }
 
 
 def adapter_rules() -> dict[str, Any]:
@@ -433,12 +524,16 @@ def adapter_rules() -> dict[str, Any]:
 
     Both entry points report the gauge with their own ``model`` label; a pod's load is their sum.
     """
-    return {"rules": [{
-        "seriesQuery": f'{INFLIGHT_METRIC}{{namespace!="",pod!=""}}',
-        "resources": {"overrides": {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}},
-        "name": {"matches": f"^{INFLIGHT_METRIC}$", "as": INFLIGHT_METRIC},
-        "metricsQuery": "sum(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>)",
-    }]}
+    return {
+        "rules": [
+            {
+                "seriesQuery": f'{INFLIGHT_METRIC}{{namespace!="",pod!=""}}',
+                "resources": {"overrides": {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}},
+                "name": {"matches": f"^{INFLIGHT_METRIC}$", "as": INFLIGHT_METRIC},
+                "metricsQuery": "sum(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>)",
+            }
+        ]
+    }
 
 
 def serving_runtime(options: KubernetesOptions, mount: str) -> dict[str, Any]:
@@ -451,15 +546,22 @@ def serving_runtime(options: KubernetesOptions, mount: str) -> dict[str, Any]:
     container = _server_container(options, mount, "kserve-container", ports, _SERVE.http_port)
     container.pop("resources", None)  # the InferenceService's model spec sizes the container
     container["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}]
-    return {"apiVersion": "serving.kserve.io/v1alpha1", "kind": "ServingRuntime",
-            "metadata": _meta(options, f"{options.name}-runtime"),
-            "spec": {"annotations": {"prometheus.kserve.io/port": str(_SERVE.metrics_port),
-                                     "prometheus.kserve.io/path": METRICS_PATH},
-                     "supportedModelFormats": [{"name": KSERVE_FORMAT, "version": str(FORMAT_VERSION),
-                                                "autoSelect": True}],
-                     "protocolVersions": ["v2"], "multiModel": False,
-                     "containers": [container],
-                     "volumes": [v for v in _pod_volumes(options) if v["name"] == "dshm"]}}
+    return {
+        "apiVersion": "serving.kserve.io/v1alpha1",
+        "kind": "ServingRuntime",
+        "metadata": _meta(options, f"{options.name}-runtime"),
+        "spec": {
+            "annotations": {
+                "prometheus.kserve.io/port": str(_SERVE.metrics_port),
+                "prometheus.kserve.io/path": METRICS_PATH,
+            },
+            "supportedModelFormats": [{"name": KSERVE_FORMAT, "version": str(FORMAT_VERSION), "autoSelect": True}],
+            "protocolVersions": ["v2"],
+            "multiModel": False,
+            "containers": [container],
+            "volumes": [v for v in _pod_volumes(options) if v["name"] == "dshm"],
+        },
+    }
 
 
 def inference_service(options: KubernetesOptions, manifest: dict[str, Any], target: int) -> dict[str, Any]:
@@ -469,15 +571,22 @@ def inference_service(options: KubernetesOptions, manifest: dict[str, Any], targ
     in-pod export becomes the predictor's init container writing to an emptyDir mounted there. Concurrency
     scaling aims at the same in-flight requests per pod as the HPA.
     """
-    model: dict[str, Any] = {"modelFormat": {"name": KSERVE_FORMAT, "version": str(FORMAT_VERSION)},
-                             "runtime": f"{options.name}-runtime", "protocolVersion": "v2"}
+    model: dict[str, Any] = {
+        "modelFormat": {"name": KSERVE_FORMAT, "version": str(FORMAT_VERSION)},
+        "runtime": f"{options.name}-runtime",
+        "protocolVersion": "v2",
+    }
     resources = _resources(options)
     if resources:
         model["resources"] = resources
-    predictor: dict[str, Any] = {"minReplicas": options.replicas, "maxReplicas": options.max_replicas,
-                                 "scaleMetric": "concurrency", "scaleTarget": target,
-                                 "terminationGracePeriodSeconds": grace_period_s(options),
-                                 **_gpu_tolerations(options)}
+    predictor: dict[str, Any] = {
+        "minReplicas": options.replicas,
+        "maxReplicas": options.max_replicas,
+        "scaleMetric": "concurrency",
+        "scaleTarget": target,
+        "terminationGracePeriodSeconds": grace_period_s(options),
+        **_gpu_tolerations(options),
+    }
     source = options.source
     if isinstance(source, PvcSource):
         model["storageUri"] = f"pvc://{source.claim}" + (f"/{source.sub_path}" if source.sub_path else "")
@@ -487,14 +596,21 @@ def inference_service(options: KubernetesOptions, manifest: dict[str, Any], targ
         predictor["initContainers"] = [_init_container(options, manifest, KSERVE_MODELS_MOUNT)]
     predictor["model"] = model
     entry = f"{protocol.UNARY_MODEL},{protocol.STREAM_MODEL}"
-    return {"apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService",
-            "metadata": _meta(options, annotations={"specdec/entry-models": entry}), "spec": {"predictor": predictor}}
+    return {
+        "apiVersion": "serving.kserve.io/v1beta1",
+        "kind": "InferenceService",
+        "metadata": _meta(options, annotations={"specdec/entry-models": entry}),
+        "spec": {"predictor": predictor},
+    }
 
 
 def kserve_model_path(options: KubernetesOptions) -> str:
     """Where the KServe runtime's ``specdec serve`` finds the export (storage initializer or init container)."""
-    return KSERVE_MODELS_MOUNT if isinstance(options.source, PvcSource) else \
-        POD_EXPORT_DIR.replace(MODELS_MOUNT, KSERVE_MODELS_MOUNT, 1)
+    return (
+        KSERVE_MODELS_MOUNT
+        if isinstance(options.source, PvcSource)
+        else POD_EXPORT_DIR.replace(MODELS_MOUNT, KSERVE_MODELS_MOUNT, 1)
+    )
 
 
 def render(export_dir: str | Path, options: KubernetesOptions | None = None) -> Rendered:
@@ -508,7 +624,12 @@ def render(export_dir: str | Path, options: KubernetesOptions | None = None) -> 
     export = Path(export_dir)
     manifest = _check_export(export)
     target = inflight_target(export, options)
-    workload = [deployment(options, manifest), service(options), pod_disruption_budget(options),
-                service_monitor(options), horizontal_pod_autoscaler(options, target)]
+    workload = [
+        deployment(options, manifest),
+        service(options),
+        pod_disruption_budget(options),
+        service_monitor(options),
+        horizontal_pod_autoscaler(options, target),
+    ]
     kserve = [serving_runtime(options, kserve_model_path(options)), inference_service(options, manifest, target)]
     return Rendered(workload, kserve, adapter_rules())

@@ -20,8 +20,9 @@ from specdec.distill.settings import DistillSettings
 from specdec.models.loading import LoadedModel
 
 
-def split_records(records: Sequence[Record], settings: DistillSettings
-                  ) -> tuple[list[Record], list[Record], list[Record]]:
+def split_records(
+    records: Sequence[Record], settings: DistillSettings
+) -> tuple[list[Record], list[Record], list[Record]]:
     """Held-out (reported metrics), validation (checkpoint choice) and training records: disjoint, seeded.
 
     Records are split by prompt, so a prompt sampled more than once (``--samples`` past the
@@ -39,8 +40,9 @@ def split_records(records: Sequence[Record], settings: DistillSettings
         part = 0 if len(parts[0]) < n_held else 1 if len(parts[1]) < n_valid else 2
         parts[part].extend(by_prompt[key])
     if not all(parts):
-        raise ValueError(f"{len(records)} sequences ({len(keys)} prompts) are too few to hold out {n_held} and "
-                         f"validate on {n_valid}")
+        raise ValueError(
+            f"{len(records)} sequences ({len(keys)} prompts) are too few to hold out {n_held} and validate on {n_valid}"
+        )
     return parts
 
 
@@ -76,29 +78,46 @@ def distill_data(settings: DistillSettings, target: LoadedModel, work: Path) -> 
     base_prompts = load_prompts(settings)
     written = self_prompts(target, work, settings.self_prompts, seed=settings.seed) if settings.self_prompts else []
     prompts = base_prompts + written
-    records = collect_data(target, work, prompts, shard_size=settings.shard_size,
-                           max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
-                           teacher_k=settings.teacher_k, seed=settings.seed, text=text)
+    records = collect_data(
+        target,
+        work,
+        prompts,
+        shard_size=settings.shard_size,
+        max_new_tokens=settings.max_new_tokens,
+        temperature=settings.temperature,
+        teacher_k=settings.teacher_k,
+        seed=settings.seed,
+        text=text,
+    )
     # each source is split on its own, so adding self-written prompts never moves a built-in
     # (or --prompts) prompt from one split to another: a continued run stays uncontaminated
     own = records[len(base_prompts) : len(prompts)]
-    splits = [split_records([r for r in part if r.positions], settings)
-              for part in (records[: len(base_prompts)] + records[len(prompts):], own) if part]
+    splits = [
+        split_records([r for r in part if r.positions], settings)
+        for part in (records[: len(base_prompts)] + records[len(prompts) :], own)
+        if part
+    ]
     heldout, valid, train = ([r for split in splits for r in split[i]] for i in range(3))
     greedy_held, greedy_valid, greedy_train = greedy_parts(target, work, prompts, (heldout, valid), settings)
     valid, train = valid + greedy_valid, train + greedy_train
     self_keys = {r.prompt_ids for r in own}
-    held = {"heldout": [r for r in heldout if r.prompt_ids not in self_keys],
-            "heldout_greedy": [r for r in greedy_held if r.prompt_ids not in self_keys]}
+    held = {
+        "heldout": [r for r in heldout if r.prompt_ids not in self_keys],
+        "heldout_greedy": [r for r in greedy_held if r.prompt_ids not in self_keys],
+    }
     if self_keys:
         held["self_prompts"] = [r for r in heldout if r.prompt_ids in self_keys]
         held["self_prompts_greedy"] = [r for r in greedy_held if r.prompt_ids in self_keys]
     return DistillData(train, valid, held, len(greedy_train), len(written))
 
 
-def greedy_parts(target: LoadedModel, work: Path, prompts: Sequence[str],
-                  split: tuple[Sequence[Record], Sequence[Record]], settings: DistillSettings
-                  ) -> tuple[list[Record], list[Record], list[Record]]:
+def greedy_parts(
+    target: LoadedModel,
+    work: Path,
+    prompts: Sequence[str],
+    split: tuple[Sequence[Record], Sequence[Record]],
+    settings: DistillSettings,
+) -> tuple[list[Record], list[Record], list[Record]]:
     """Greedy continuations, as (held-out, validation, training) records that follow their prompt's split.
 
     Why: greedy speculative decoding meets the target's *greedy* contexts, which differ from
@@ -115,9 +134,17 @@ def greedy_parts(target: LoadedModel, work: Path, prompts: Sequence[str],
     unique = list(dict.fromkeys(prompts))
     keys = [tuple(encode_text(target.tokenizer, p, chat=True)) for p in unique]
     wanted = unique if settings.greedy_data else [p for p, k in zip(unique, keys) if part_of.get(k) == 0]
-    greedy = collect_data(target, work, wanted, shard_size=settings.shard_size,
-                          max_new_tokens=settings.max_new_tokens, temperature=0.0, teacher_k=settings.teacher_k,
-                          seed=settings.seed, subdir="data-greedy" if settings.greedy_data else "heldout-greedy")
+    greedy = collect_data(
+        target,
+        work,
+        wanted,
+        shard_size=settings.shard_size,
+        max_new_tokens=settings.max_new_tokens,
+        temperature=0.0,
+        teacher_k=settings.teacher_k,
+        seed=settings.seed,
+        subdir="data-greedy" if settings.greedy_data else "heldout-greedy",
+    )
     parts: tuple[list[Record], list[Record], list[Record]] = ([], [], [])
     for r in greedy:
         if r.positions:

@@ -20,16 +20,22 @@ from specdec.distill.records import Record
 from specdec.models.loading import LoadedModel
 
 
-def select_head(records: Sequence[Record], size: int, vocab_size: int, always: Sequence[int] = (),
-                within: torch.Tensor | None = None) -> torch.Tensor:
+def select_head(
+    records: Sequence[Record],
+    size: int,
+    vocab_size: int,
+    always: Sequence[int] = (),
+    within: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The ``size`` most frequent tokens of the data (teacher top-1s and sampled tokens), plus ``always``.
 
     ``within``: choose among these tokens only (a grown draft's smaller head is part of its source's).
     """
     counts = torch.zeros(vocab_size, dtype=torch.float64)
     for r in records:
-        counts.index_add_(0, torch.as_tensor(r.tokens, dtype=torch.long),
-                          torch.ones(len(r.tokens), dtype=torch.float64))
+        counts.index_add_(
+            0, torch.as_tensor(r.tokens, dtype=torch.long), torch.ones(len(r.tokens), dtype=torch.float64)
+        )
         counts.index_add_(0, r.top_ids[:, 0].long(), torch.ones(len(r.positions), dtype=torch.float64))
     for t in always:
         counts[t] = math.inf
@@ -42,8 +48,14 @@ def select_head(records: Sequence[Record], size: int, vocab_size: int, always: S
     return torch.sort(torch.topk(counts, size).indices).values
 
 
-def init_draft(target: LoadedModel, layers: int, head_ids: torch.Tensor, *, share_head: bool = False,
-               grow: LoadedModel | None = None) -> LoadedModel:
+def init_draft(
+    target: LoadedModel,
+    layers: int,
+    head_ids: torch.Tensor,
+    *,
+    share_head: bool = False,
+    grow: LoadedModel | None = None,
+) -> LoadedModel:
     """``layers`` target layers (first, last and evenly spaced), the target's norm and embeddings, a head of rows.
 
     ``share_head``: the head *is* the target's LM head restricted to ``head_ids``, frozen, so it
@@ -80,20 +92,31 @@ def init_draft(target: LoadedModel, layers: int, head_ids: torch.Tensor, *, shar
                 copy = tensor.detach().clone().float()
                 if silent and name.endswith(("o_proj.weight", "down_proj.weight")):
                     copy.zero_()
-                sd[f"model.layers.{new}." + name[len(prefix):]] = copy
+                sd[f"model.layers.{new}." + name[len(prefix) :]] = copy
     sd["model.norm.weight"] = (grow or target).state_dict["model.norm.weight"].detach().clone().float()
     sd["model.embed_tokens.weight"] = target.state_dict["model.embed_tokens.weight"]  # shared, frozen
     if grow is not None and not share_head:  # its trained rows (of a subset of its tokens, for a smaller head)
         head = restrict_head(grow, head_ids).state_dict["lm_head.weight"].float()
     else:
         head = restricted.state_dict["lm_head.weight"].float()
-    config = target.config.__class__.from_dict({**target.config.to_dict(), "num_hidden_layers": layers,
-                                                "tie_word_embeddings": False})
-    extra = {"init_layers": picked if grow is None else
-             [f"draft {layer}" if source is grow.state_dict else layer for source, layer, _ in sources],
-             "head_token_ids": head_ids, "shared_head": share_head}
-    return LoadedModel(f"{target.name}-draft", config, {**sd, "lm_head.weight": head}, target.tokenizer,
-                       f"distilled from {target.name}", extra)
+    config = target.config.__class__.from_dict(
+        {**target.config.to_dict(), "num_hidden_layers": layers, "tie_word_embeddings": False}
+    )
+    extra = {
+        "init_layers": picked
+        if grow is None
+        else [f"draft {layer}" if source is grow.state_dict else layer for source, layer, _ in sources],
+        "head_token_ids": head_ids,
+        "shared_head": share_head,
+    }
+    return LoadedModel(
+        f"{target.name}-draft",
+        config,
+        {**sd, "lm_head.weight": head},
+        target.tokenizer,
+        f"distilled from {target.name}",
+        extra,
+    )
 
 
 def check_growable(old: int, layers: int) -> None:
@@ -111,13 +134,15 @@ class DraftNet(torch.nn.Module):
 
         config = draft.config.__class__.from_dict({**draft.config.to_dict(), "_attn_implementation": "sdpa"})
         self.model = LlamaModel(config)
-        own = {k[len("model."):]: v for k, v in draft.state_dict.items() if k.startswith("model.")}
+        own = {k[len("model.") :]: v for k, v in draft.state_dict.items() if k.startswith("model.")}
         missing, unexpected = self.model.load_state_dict(own, strict=False)
         if unexpected or [m for m in missing if "rotary" not in m]:
             raise ValueError(f"draft weights do not fit: missing={missing} unexpected={unexpected}")
         self.model.embed_tokens.weight.requires_grad_(False)
-        self.head = torch.nn.Parameter(draft.state_dict["lm_head.weight"].detach().clone().float(),
-                                       requires_grad=not draft.extra.get("shared_head", False))
+        self.head = torch.nn.Parameter(
+            draft.state_dict["lm_head.weight"].detach().clone().float(),
+            requires_grad=not draft.extra.get("shared_head", False),
+        )
         self.register_buffer("head_ids", draft.head_token_ids.clone())
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -129,5 +154,6 @@ class DraftNet(torch.nn.Module):
         sd = {f"model.{k}": v.detach().clone() for k, v in self.model.state_dict().items() if "rotary" not in k}
         sd["model.embed_tokens.weight"] = template.state_dict["model.embed_tokens.weight"]
         sd["lm_head.weight"] = self.head.detach().clone()
-        return LoadedModel(template.name, template.config, sd, template.tokenizer, template.source,
-                           dict(template.extra))
+        return LoadedModel(
+            template.name, template.config, sd, template.tokenizer, template.source, dict(template.extra)
+        )

@@ -20,8 +20,9 @@ from specdec.distill.records import Record
 from specdec.models.loading import LoadedModel
 
 
-def teacher_batch(records: Sequence[Record], head_ids: torch.Tensor, vocab_size: int
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def teacher_batch(
+    records: Sequence[Record], head_ids: torch.Tensor, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Padded inputs, mask, and the teacher as (row, head column, prob) triples over the head."""
     width = max(len(r.tokens) for r in records)
     input_ids = torch.zeros(len(records), width, dtype=torch.long)
@@ -93,8 +94,9 @@ def evaluate(net: DraftNet, target: LoadedModel, records: Sequence[Record]) -> d
     for r in records:
         cache = backend.allocate_cache(1, len(r.tokens) + 1)
         p_all = torch.softmax(torch.as_tensor(backend.step(pack([SeqWork(0, 0, r.tokens, logits="all")]), cache)), -1)
-        q_head = torch.softmax(net(torch.as_tensor([r.tokens]), torch.ones(1, len(r.tokens),
-                                                                               dtype=torch.long))[0].float(), -1)
+        q_head = torch.softmax(
+            net(torch.as_tensor([r.tokens]), torch.ones(1, len(r.tokens), dtype=torch.long))[0].float(), -1
+        )
         pos = torch.as_tensor(r.positions, dtype=torch.long) - 1
         p = p_all[pos]
         q = torch.zeros(len(pos), vocab)
@@ -106,5 +108,4 @@ def evaluate(net: DraftNet, target: LoadedModel, records: Sequence[Record]) -> d
         kl += float((p_head * (torch.log(p_head.clamp_min(1e-12)) - torch.log(q_head[pos].clamp_min(1e-12)))).sum())
         count += len(pos)
     n = max(count, 1)
-    return {"greedy_agreement": agree / n, "expected_acceptance": accept / n, "kl_on_head": kl / n,
-            "positions": count}
+    return {"greedy_agreement": agree / n, "expected_acceptance": accept / n, "kl_on_head": kl / n, "positions": count}

@@ -20,36 +20,136 @@ from specdec.distill.settings import DistillSettings
 from specdec.models.errors import DraftLoadError
 from specdec.models.loading import LoadedModel
 
-_TOPICS = ["the water cycle", "black holes", "photosynthesis", "the French revolution", "prime numbers",
-           "a binary search", "recursion in Python", "sourdough bread", "the immune system", "volcanoes",
-           "machine learning", "the stock market", "climate change", "the Roman empire", "electric cars",
-           "honey bees", "the internet", "chess openings", "jazz music", "the moon landing", "vaccines",
-           "coffee", "earthquakes", "the human heart", "solar panels", "the Pythagorean theorem", "rainbows",
-           "sleep", "octopuses", "the printing press", "a hash table", "inflation", "glaciers", "bicycles",
-           "Shakespeare", "the periodic table", "antibiotics", "tides", "the speed of light", "democracy"]
-_TEMPLATES = ["Explain {t} to a ten-year-old.", "Write a short paragraph about {t}.",
-              "What are three interesting facts about {t}?", "Summarise what {t} is in two sentences.",
-              "Write a haiku about {t}.", "List the pros and cons of {t}.", "Give me a quiz question about {t}.",
-              "How would you describe {t} to someone who has never heard of it?",
-              "Write a short story that involves {t}.", "What is a common misconception about {t}?"]
+_TOPICS = [
+    "the water cycle",
+    "black holes",
+    "photosynthesis",
+    "the French revolution",
+    "prime numbers",
+    "a binary search",
+    "recursion in Python",
+    "sourdough bread",
+    "the immune system",
+    "volcanoes",
+    "machine learning",
+    "the stock market",
+    "climate change",
+    "the Roman empire",
+    "electric cars",
+    "honey bees",
+    "the internet",
+    "chess openings",
+    "jazz music",
+    "the moon landing",
+    "vaccines",
+    "coffee",
+    "earthquakes",
+    "the human heart",
+    "solar panels",
+    "the Pythagorean theorem",
+    "rainbows",
+    "sleep",
+    "octopuses",
+    "the printing press",
+    "a hash table",
+    "inflation",
+    "glaciers",
+    "bicycles",
+    "Shakespeare",
+    "the periodic table",
+    "antibiotics",
+    "tides",
+    "the speed of light",
+    "democracy",
+]
+_TEMPLATES = [
+    "Explain {t} to a ten-year-old.",
+    "Write a short paragraph about {t}.",
+    "What are three interesting facts about {t}?",
+    "Summarise what {t} is in two sentences.",
+    "Write a haiku about {t}.",
+    "List the pros and cons of {t}.",
+    "Give me a quiz question about {t}.",
+    "How would you describe {t} to someone who has never heard of it?",
+    "Write a short story that involves {t}.",
+    "What is a common misconception about {t}?",
+]
 
 
-_MORE_TOPICS = ["the Great Wall of China", "penguins", "quantum computers", "the Olympic games", "tea ceremonies",
-                "a linked list", "SQL joins", "the rain forest", "dinosaurs", "the violin", "gardening", "mars rovers",
-                "wind turbines", "the Renaissance", "dolphins", "cryptography", "the human brain", "origami",
-                "marathon running", "the Silk Road", "yeast", "lightning", "public libraries", "the stock exchange",
-                "nuclear fusion", "sorting algorithms", "the Amazon river", "time zones", "bees and flowers",
-                "the piano", "deserts", "a compiler", "the Eiffel tower", "cats", "meditation", "hurricanes",
-                "recycling", "the ancient Egyptians", "DNA", "satellites", "chocolate", "the Industrial Revolution",
-                "friendship", "unit testing", "the metric system", "coral reefs", "opera", "electricity", "maps",
-                "the Fibonacci sequence", "volunteering", "trains", "the ozone layer", "pizza", "git branches",
-                "the Milky Way", "mushrooms", "budgeting", "the Olympics of ancient Greece", "telescopes"]
-_MORE_TEMPLATES = ["Write an email to a friend about {t}.", "Give step-by-step instructions related to {t}.",
-                   "Compare {t} with something similar.", "Why is {t} important?",
-                   "Write a limerick about {t}.", "Describe the history of {t} briefly.",
-                   "What questions do people often ask about {t}? Answer one.", "Write a tweet about {t}.",
-                   "Explain {t} in simple terms, then give an example.",
-                   "Write a dialogue between two people about {t}."]
+_MORE_TOPICS = [
+    "the Great Wall of China",
+    "penguins",
+    "quantum computers",
+    "the Olympic games",
+    "tea ceremonies",
+    "a linked list",
+    "SQL joins",
+    "the rain forest",
+    "dinosaurs",
+    "the violin",
+    "gardening",
+    "mars rovers",
+    "wind turbines",
+    "the Renaissance",
+    "dolphins",
+    "cryptography",
+    "the human brain",
+    "origami",
+    "marathon running",
+    "the Silk Road",
+    "yeast",
+    "lightning",
+    "public libraries",
+    "the stock exchange",
+    "nuclear fusion",
+    "sorting algorithms",
+    "the Amazon river",
+    "time zones",
+    "bees and flowers",
+    "the piano",
+    "deserts",
+    "a compiler",
+    "the Eiffel tower",
+    "cats",
+    "meditation",
+    "hurricanes",
+    "recycling",
+    "the ancient Egyptians",
+    "DNA",
+    "satellites",
+    "chocolate",
+    "the Industrial Revolution",
+    "friendship",
+    "unit testing",
+    "the metric system",
+    "coral reefs",
+    "opera",
+    "electricity",
+    "maps",
+    "the Fibonacci sequence",
+    "volunteering",
+    "trains",
+    "the ozone layer",
+    "pizza",
+    "git branches",
+    "the Milky Way",
+    "mushrooms",
+    "budgeting",
+    "the Olympics of ancient Greece",
+    "telescopes",
+]
+_MORE_TEMPLATES = [
+    "Write an email to a friend about {t}.",
+    "Give step-by-step instructions related to {t}.",
+    "Compare {t} with something similar.",
+    "Why is {t} important?",
+    "Write a limerick about {t}.",
+    "Describe the history of {t} briefly.",
+    "What questions do people often ask about {t}? Answer one.",
+    "Write a tweet about {t}.",
+    "Explain {t} in simple terms, then give an example.",
+    "Write a dialogue between two people about {t}.",
+]
 
 
 def builtin_prompts() -> list[str]:
@@ -77,18 +177,22 @@ def pre_query_ids(tokenizer: Any) -> list[int]:
     """
     marker = "\x00specdec-user-message\x00"
     try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=False,
-                                             tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": marker}], add_generation_prompt=False, tokenize=False
+        )
     except (ValueError, AttributeError) as exc:
         raise ValueError(f"--self-prompts needs a target with a chat template: {exc}") from exc
     if marker not in text:
-        raise ValueError("the target's chat template does not place the user's message verbatim: "
-                         "--self-prompts cannot find where a user turn starts")
+        raise ValueError(
+            "the target's chat template does not place the user's message verbatim: "
+            "--self-prompts cannot find where a user turn starts"
+        )
     return list(tokenizer(text[: text.index(marker)], add_special_tokens=False)["input_ids"])
 
 
-def self_prompts(target: LoadedModel, work: Path, n: int, *, seed: int, max_tokens: int = 96,
-                 block: int = 128, min_words: int = 3) -> list[str]:
+def self_prompts(
+    target: LoadedModel, work: Path, n: int, *, seed: int, max_tokens: int = 96, block: int = 128, min_words: int = 3
+) -> list[str]:
     """``n`` distinct user requests written by the target itself, cached in ``work/self-prompts.json``.
 
     Candidates are sampled at temperature 1 from :func:`pre_query_ids` in blocks of ``block``
@@ -106,26 +210,42 @@ def self_prompts(target: LoadedModel, work: Path, n: int, *, seed: int, max_toke
         raise ValueError(f"--self-prompts must be >= 0, got {n}")
     work.mkdir(parents=True, exist_ok=True)
     path = work / "self-prompts.json"
-    settings = {"target": target.checksum(), "seed": seed, "max_tokens": max_tokens, "block": block,
-                "min_words": min_words}
+    settings = {
+        "target": target.checksum(),
+        "seed": seed,
+        "max_tokens": max_tokens,
+        "block": block,
+        "min_words": min_words,
+    }
     state: dict[str, Any] = {"settings": settings, "candidates": 0, "prompts": []}
     if path.is_file():
         state = json.loads(path.read_text(encoding="utf-8"))
         if state.get("settings") != settings:
-            raise DraftLoadError(f"{path} was written with other settings ({state.get('settings')} vs {settings}): "
-                                 "remove it or use the settings it was made with")
+            raise DraftLoadError(
+                f"{path} was written with other settings ({state.get('settings')} vs {settings}): "
+                "remove it or use the settings it was made with"
+            )
     prefix = pre_query_ids(target.tokenizer)
     eos = set(target.eos_token_ids)
     seen = set(state["prompts"])
     bar = tqdm(total=n, initial=min(n, len(state["prompts"])), desc="self-written prompts", unit="prompt")
     while len(state["prompts"]) < n:
         if state["candidates"] > 50 * max(n, block):
-            raise ValueError(f"the target wrote only {len(state['prompts'])} usable requests in "
-                             f"{state['candidates']} tries: is it an instruction-tuned model?")
-        drawn = generate_records(target, [prefix] * block, max_new_tokens=max_tokens, temperature=1.0,
-                                 teacher_k=1, seed=seed + 10**6 + state["candidates"], max_batch=64)
+            raise ValueError(
+                f"the target wrote only {len(state['prompts'])} usable requests in "
+                f"{state['candidates']} tries: is it an instruction-tuned model?"
+            )
+        drawn = generate_records(
+            target,
+            [prefix] * block,
+            max_new_tokens=max_tokens,
+            temperature=1.0,
+            teacher_k=1,
+            seed=seed + 10**6 + state["candidates"],
+            max_batch=64,
+        )
         for record in drawn:
-            turn = record.tokens[len(prefix):]
+            turn = record.tokens[len(prefix) :]
             if not turn or turn[-1] not in eos:
                 continue
             text = decode_tokens(target.tokenizer, turn).strip()

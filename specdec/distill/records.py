@@ -45,8 +45,16 @@ def _topk(logits: Any, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.to(torch.int32), values.to(torch.float16)
 
 
-def generate_records(target: LoadedModel, prompts: Sequence[str], *, max_new_tokens: int, temperature: float,
-                     teacher_k: int, seed: int, max_batch: int = 16) -> list[Record]:
+def generate_records(
+    target: LoadedModel,
+    prompts: Sequence[str],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    teacher_k: int,
+    seed: int,
+    max_batch: int = 16,
+) -> list[Record]:
     """Sample continuations with the ``ar`` loop, recording the teacher top-k of each sampled token."""
     from specdec.runtime.engine import Engine
     from specdec.runtime.loops import ar
@@ -54,8 +62,12 @@ def generate_records(target: LoadedModel, prompts: Sequence[str], *, max_new_tok
 
     engine = Engine.from_models(target, None, max_batch=max_batch, max_len=1024)
     scheduler = Scheduler(engine.max_batch)
-    requests = [engine.request(p, chat=True, max_tokens=max_new_tokens, temperature=temperature,
-                               seed=seed + i, request_id=f"d{i}") for i, p in enumerate(prompts)]
+    requests = [
+        engine.request(
+            p, chat=True, max_tokens=max_new_tokens, temperature=temperature, seed=seed + i, request_id=f"d{i}"
+        )
+        for i, p in enumerate(prompts)
+    ]
     teacher: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {r.request_id: [] for r in requests}
     finished: dict[str, list[int]] = {}
 
@@ -65,16 +77,20 @@ def generate_records(target: LoadedModel, prompts: Sequence[str], *, max_new_tok
 
     for request in requests:
         scheduler.submit(request)
-    ctx = engine.context(scheduler, on_logits=on_logits,
-                         on_finish=lambda seq: finished.__setitem__(seq.request.request_id, list(seq.tokens)))
+    ctx = engine.context(
+        scheduler,
+        on_logits=on_logits,
+        on_finish=lambda seq: finished.__setitem__(seq.request.request_id, list(seq.tokens)),
+    )
     ar(ctx)
     records = []
     for request in requests:
         rows = teacher[request.request_id]
         tokens = finished[request.request_id]
         rows = [r for r in rows if r[0] < len(tokens)]
-        records.append(Record(tokens, [r[0] for r in rows], torch.stack([r[1] for r in rows]),
-                              torch.stack([r[2] for r in rows])))
+        records.append(
+            Record(tokens, [r[0] for r in rows], torch.stack([r[1] for r in rows]), torch.stack([r[2] for r in rows]))
+        )
     return records
 
 
@@ -96,10 +112,22 @@ def text_records(target: LoadedModel, text: str, *, chunk: int, teacher_k: int) 
     return records
 
 
-def collect_data(target: LoadedModel, work: Path, prompts: Sequence[str], *, shard_size: int,
-                 max_new_tokens: int, temperature: float, teacher_k: int, seed: int,
-                 text: str | None = None, text_chunk: int = 256, group: int = 8,
-                 max_batch: int = 64, subdir: str = "data") -> list[Record]:
+def collect_data(
+    target: LoadedModel,
+    work: Path,
+    prompts: Sequence[str],
+    *,
+    shard_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    teacher_k: int,
+    seed: int,
+    text: str | None = None,
+    text_chunk: int = 256,
+    group: int = 8,
+    max_batch: int = 64,
+    subdir: str = "data",
+) -> list[Record]:
     """All records, generating only the shards that are not on disk yet (so a rerun resumes).
 
     Up to ``group`` consecutive missing shards are generated in one continuously batched run of
@@ -117,9 +145,17 @@ def collect_data(target: LoadedModel, work: Path, prompts: Sequence[str], *, sha
 
     data = work / subdir
     data.mkdir(parents=True, exist_ok=True)
-    _check_data_settings(data, {"target": target.checksum(), "shard_size": shard_size,
-                                "max_new_tokens": max_new_tokens, "temperature": temperature,
-                                "teacher_k": teacher_k, "seed": seed})
+    _check_data_settings(
+        data,
+        {
+            "target": target.checksum(),
+            "shard_size": shard_size,
+            "max_new_tokens": max_new_tokens,
+            "temperature": temperature,
+            "teacher_k": teacher_k,
+            "seed": seed,
+        },
+    )
     starts = list(range(0, len(prompts), shard_size))
     paths = [data / f"shard-{n:05d}.pt" for n in range(len(starts))]
 
@@ -152,9 +188,15 @@ def collect_data(target: LoadedModel, work: Path, prompts: Sequence[str], *, sha
         while len(todo) < group and todo[-1] + 1 < len(starts) and not paths[todo[-1] + 1].is_file():
             todo.append(todo[-1] + 1)
         batch_prompts = prompts[starts[todo[0]] : starts[todo[-1]] + shard_size]
-        part = generate_records(target, batch_prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                teacher_k=teacher_k, seed=seed + starts[todo[0]],
-                                max_batch=min(max_batch, len(batch_prompts)))
+        part = generate_records(
+            target,
+            batch_prompts,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            teacher_k=teacher_k,
+            seed=seed + starts[todo[0]],
+            max_batch=min(max_batch, len(batch_prompts)),
+        )
         for i, m in enumerate(todo):
             shard = part[i * shard_size : (i + 1) * shard_size]
             tmp = paths[m].with_suffix(".tmp")
@@ -183,7 +225,9 @@ def _check_data_settings(data: Path, settings: dict[str, Any]) -> None:
         saved = json.loads(path.read_text(encoding="utf-8"))
         differ = {k: (saved.get(k), v) for k, v in settings.items() if k in saved and saved[k] != v}
         if differ:
-            raise DraftLoadError(f"{data} holds data generated with other settings "
-                                 f"({', '.join(f'{k}: {a!r} there, {b!r} now' for k, (a, b) in differ.items())}); "
-                                 f"use another --out or remove {data}")
+            raise DraftLoadError(
+                f"{data} holds data generated with other settings "
+                f"({', '.join(f'{k}: {a!r} there, {b!r} now' for k, (a, b) in differ.items())}); "
+                f"use another --out or remove {data}"
+            )
     path.write_text(json.dumps(settings, indent=1) + "\n", encoding="utf-8")

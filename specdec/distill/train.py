@@ -32,17 +32,25 @@ from specdec.models.errors import DraftLoadError
 from specdec.models.loading import LoadedModel, load_model
 
 
-def _train(net: DraftNet, optimizer: torch.optim.Optimizer, train: Sequence[Record], valid: Sequence[Record],
-           settings: DistillSettings, state: dict[str, Any], best_net: dict[str, torch.Tensor] | None,
-           save: Callable[[dict[str, torch.Tensor] | None], None]) -> dict[str, torch.Tensor] | None:
+def _train(
+    net: DraftNet,
+    optimizer: torch.optim.Optimizer,
+    train: Sequence[Record],
+    valid: Sequence[Record],
+    settings: DistillSettings,
+    state: dict[str, Any],
+    best_net: dict[str, torch.Tensor] | None,
+    save: Callable[[dict[str, torch.Tensor] | None], None],
+) -> dict[str, torch.Tensor] | None:
     """The optimisation loop, resuming from ``state``; returns the weights with the best validation loss."""
     vocab_size = int(net.model.config.vocab_size)
     params = [p for p in net.parameters() if p.requires_grad]
     budget_s = settings.minutes * 60 if settings.minutes else math.inf
     max_steps = settings.steps if settings.steps is not None else math.inf
     rng = random.Random(settings.seed + state["step"])
-    bar = tqdm(total=None if max_steps == math.inf else int(max_steps), initial=state["step"], desc="distill",
-               unit="step")
+    bar = tqdm(
+        total=None if max_steps == math.inf else int(max_steps), initial=state["step"], desc="distill", unit="step"
+    )
     last_save = last_valid = time.monotonic()
     start = time.monotonic() - state["elapsed"]
 
@@ -102,19 +110,34 @@ def distill(settings: DistillSettings, command: str = "") -> dict[str, Any]:
     if saved is not None:
         head_ids = saved["head_ids"]
     else:  # a grown draft's layers were trained for its tokens: keep them, or the most frequent of them
-        head_ids = select_head(train, settings.head_size, target.vocab_size, target.eos_token_ids,
-                               within=grow.head_token_ids if grow is not None else None)
+        head_ids = select_head(
+            train,
+            settings.head_size,
+            target.vocab_size,
+            target.eos_token_ids,
+            within=grow.head_token_ids if grow is not None else None,
+        )
     draft = init_draft(target, settings.layers, head_ids, share_head=settings.share_head, grow=grow)
     net = DraftNet(draft)
-    optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=settings.lr,
-                                  weight_decay=settings.weight_decay)
-    state: dict[str, Any] = {"step": 0, "elapsed": 0.0, "before": None, "best": None, "commands": [],
-                             "grown_from": None}
+    optimizer = torch.optim.AdamW(
+        [p for p in net.parameters() if p.requires_grad], lr=settings.lr, weight_decay=settings.weight_decay
+    )
+    state: dict[str, Any] = {
+        "step": 0,
+        "elapsed": 0.0,
+        "before": None,
+        "best": None,
+        "commands": [],
+        "grown_from": None,
+    }
     if grow is not None:  # the lineage: whoever reproduces this draft runs the grown one's commands first
         made = grow.extra["draft_manifest"]
         state["commands"] = list(made.get("commands") or [made.get("command", "")])
-        state["grown_from"] = {"layers": made.get("layers"), "steps": made.get("steps"),
-                               "train_minutes": made.get("train_minutes_total", made.get("train_minutes"))}
+        state["grown_from"] = {
+            "layers": made.get("layers"),
+            "steps": made.get("steps"),
+            "train_minutes": made.get("train_minutes_total", made.get("train_minutes")),
+        }
     best_net: dict[str, torch.Tensor] | None = None
     if saved is not None:
         state = {**state, **saved["state"]}
@@ -134,34 +157,60 @@ def distill(settings: DistillSettings, command: str = "") -> dict[str, Any]:
         net.load_state_dict(saved["net"])
         optimizer.load_state_dict(saved["optimizer"])
         print(f"resuming at step {state['step']} ({state['elapsed'] / 60:.1f} min trained)", file=sys.stderr)
-    best_net = _train(net, optimizer, train, valid, settings, state, best_net,
-                      lambda best: _checkpoint(ckpt, net, optimizer, state, head_ids, settings, best))
+    best_net = _train(
+        net,
+        optimizer,
+        train,
+        valid,
+        settings,
+        state,
+        best_net,
+        lambda best: _checkpoint(ckpt, net, optimizer, state, head_ids, settings, best),
+    )
     if best_net is not None:
         net.load_state_dict(best_net)  # the step with the lowest validation loss, not merely the last
     net.eval()
     after = {name: objective.evaluate(net, target, part) for name, part in held.items()}
-    metrics: dict[str, Any] = {name: {"before": state["before"][name], "after": after[name]}
-                               for name in held if name != "heldout"}
+    metrics: dict[str, Any] = {
+        name: {"before": state["before"][name], "after": after[name]} for name in held if name != "heldout"
+    }
     trained = net.export(draft)
     manifest = {
         "specdec_draft": FORMAT,
         "command": command,
         "commands": state["commands"],
         "target": {"name": target.name, "checksum": target.checksum(), "vocab_size": target.vocab_size},
-        "layers": settings.layers, "init_layers": draft.extra.get("init_layers"),
-        "head_size": len(head_ids), "shared_head": settings.share_head, "grown_from": state["grown_from"],
-        "data": {"sequences": len(data.records), "train_sequences": len(train),
-                 "heldout_sequences": len(held["heldout"]), "validation_sequences": len(valid),
-                 "teacher_positions": sum(len(r.positions) for r in data.records), "teacher_k": settings.teacher_k,
-                 "temperature": settings.temperature, "text_file": settings.text_file,
-                 "greedy_data": settings.greedy_data, "greedy_train_sequences": data.greedy_train,
-                 "heldout_greedy_sequences": len(held["heldout_greedy"]), "self_prompts": data.self_prompts,
-                 "self_prompt_heldout_sequences": len(held.get("self_prompts", []))},
-        "seed": settings.seed, "steps": state["step"], "train_minutes": round(state["elapsed"] / 60, 2),
-        "train_minutes_total": round(state["elapsed"] / 60 + ((state["grown_from"] or {}).get("train_minutes") or 0),
-                                     2),
-        "batch": settings.batch, "lr": settings.lr, "warmup": settings.warmup,
-        "weight_decay": settings.weight_decay, "kept_step": state["best"]["step"],
+        "layers": settings.layers,
+        "init_layers": draft.extra.get("init_layers"),
+        "head_size": len(head_ids),
+        "shared_head": settings.share_head,
+        "grown_from": state["grown_from"],
+        "data": {
+            "sequences": len(data.records),
+            "train_sequences": len(train),
+            "heldout_sequences": len(held["heldout"]),
+            "validation_sequences": len(valid),
+            "teacher_positions": sum(len(r.positions) for r in data.records),
+            "teacher_k": settings.teacher_k,
+            "temperature": settings.temperature,
+            "text_file": settings.text_file,
+            "greedy_data": settings.greedy_data,
+            "greedy_train_sequences": data.greedy_train,
+            "heldout_greedy_sequences": len(held["heldout_greedy"]),
+            "self_prompts": data.self_prompts,
+            "self_prompt_heldout_sequences": len(held.get("self_prompts", [])),
+        },
+        "seed": settings.seed,
+        "steps": state["step"],
+        "train_minutes": round(state["elapsed"] / 60, 2),
+        "train_minutes_total": round(
+            state["elapsed"] / 60 + ((state["grown_from"] or {}).get("train_minutes") or 0), 2
+        ),
+        "batch": settings.batch,
+        "lr": settings.lr,
+        "warmup": settings.warmup,
+        "weight_decay": settings.weight_decay,
+        "kept_step": state["best"]["step"],
         "validation_loss": state["best"]["valid_loss"],
         "metrics": {"before": state["before"]["heldout"], "after": after["heldout"], **metrics},
     }
@@ -169,8 +218,9 @@ def distill(settings: DistillSettings, command: str = "") -> dict[str, Any]:
     return manifest
 
 
-def _starting_point(ckpt: Path, settings: DistillSettings, target: LoadedModel
-                    ) -> tuple[dict[str, Any] | None, LoadedModel | None]:
+def _starting_point(
+    ckpt: Path, settings: DistillSettings, target: LoadedModel
+) -> tuple[dict[str, Any] | None, LoadedModel | None]:
     """Where training starts: (this run's checkpoint, or else the draft to grow from, if any).
 
     A checkpoint of another architecture is refused, unless ``--init-from`` says to grow a new
@@ -180,8 +230,10 @@ def _starting_point(ckpt: Path, settings: DistillSettings, target: LoadedModel
     arch = {"layers": settings.layers, "greedy_data": settings.greedy_data, "share_head": settings.share_head}
     if saved is not None and {k: saved.get(k, False) for k in arch} != arch:
         if not settings.init_from:
-            raise DraftLoadError(f"{ckpt} belongs to a different run (--layers, --greedy-data or --share-head "
-                                 f"differ): remove {ckpt}, or grow a new draft from a finished one with --init-from")
+            raise DraftLoadError(
+                f"{ckpt} belongs to a different run (--layers, --greedy-data or --share-head "
+                f"differ): remove {ckpt}, or grow a new draft from a finished one with --init-from"
+            )
         kept = ckpt.with_name(f"checkpoint-{saved['layers']}-layers-step-{saved['state']['step']}.pt")
         ckpt.replace(kept)  # the finished run's state stays on disk; this run starts from --init-from
         print(f"{ckpt} belongs to the draft being grown: kept as {kept.name}", file=sys.stderr)
@@ -192,12 +244,28 @@ def _starting_point(ckpt: Path, settings: DistillSettings, target: LoadedModel
     return saved, grow
 
 
-def _checkpoint(path: Path, net: DraftNet, optimizer: torch.optim.Optimizer, state: dict, head_ids: torch.Tensor,
-                settings: DistillSettings, best_net: dict[str, torch.Tensor] | None) -> None:
+def _checkpoint(
+    path: Path,
+    net: DraftNet,
+    optimizer: torch.optim.Optimizer,
+    state: dict,
+    head_ids: torch.Tensor,
+    settings: DistillSettings,
+    best_net: dict[str, torch.Tensor] | None,
+) -> None:
     """Write the run's state atomically: an interruption leaves the previous checkpoint, never half of one."""
     tmp = path.with_suffix(".tmp")
-    torch.save({"net": net.state_dict(), "optimizer": optimizer.state_dict(), "state": state,
-                "head_ids": head_ids, "layers": settings.layers, "greedy_data": settings.greedy_data,
-                "share_head": settings.share_head,
-                "best_net": best_net}, tmp)
+    torch.save(
+        {
+            "net": net.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "state": state,
+            "head_ids": head_ids,
+            "layers": settings.layers,
+            "greedy_data": settings.greedy_data,
+            "share_head": settings.share_head,
+            "best_net": best_net,
+        },
+        tmp,
+    )
     tmp.replace(path)

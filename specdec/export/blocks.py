@@ -59,11 +59,17 @@ class BlockQuant:
 
     def take(self, start: int, stop: int) -> BlockQuant:
         """Rows ``start:stop``."""
+
         def cut(a: np.ndarray | None) -> np.ndarray | None:
             return None if a is None else a[start:stop]
 
-        return replace(self, codes=self.codes[start:stop], scales=self.scales[start:stop],
-                       zero_points=cut(self.zero_points), offsets=cut(self.offsets))
+        return replace(
+            self,
+            codes=self.codes[start:stop],
+            scales=self.scales[start:stop],
+            zero_points=cut(self.zero_points),
+            offsets=cut(self.offsets),
+        )
 
     def widened(self, bits: int) -> BlockQuant:
         """The same values in ``bits >= self.bits`` (exact: codes re-centred on the wider default zero point)."""
@@ -85,8 +91,15 @@ def concat_rows(parts: Sequence[BlockQuant]) -> BlockQuant:
     if any(p.offsets is not None for p in parts):
         offsets = np.concatenate([p.offsets if p.offsets is not None else np.zeros_like(p.scales) for p in parts])
     sources = sorted({p.source for p in parts})
-    return BlockQuant(bits, np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]),
-                      zps, offsets, parts[0].columns, "+".join(sources))
+    return BlockQuant(
+        bits,
+        np.concatenate([p.codes for p in parts]),
+        np.concatenate([p.scales for p in parts]),
+        zps,
+        offsets,
+        parts[0].columns,
+        "+".join(sources),
+    )
 
 
 def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:

@@ -71,9 +71,19 @@ BACKENDS = ("onnx", "tensorrt", "torch")
 VALIDATION_TOLERANCE = {"float32": 1e-3, "float16": 0.25}
 
 
-def _export_model(model: LoadedModel, sub: str, tmp: Path, backend: str, dtype: str,
-                  stages: tqdm, max_batch: int, max_len: int, quantize: str | None = None,
-                  activations: str = "int8", calibration: list[list[int]] | None = None) -> dict:
+def _export_model(
+    model: LoadedModel,
+    sub: str,
+    tmp: Path,
+    backend: str,
+    dtype: str,
+    stages: tqdm,
+    max_batch: int,
+    max_len: int,
+    quantize: str | None = None,
+    activations: str = "int8",
+    calibration: list[list[int]] | None = None,
+) -> dict:
     """Write one model under ``tmp/sub`` and check the graph against the torch reference.
 
     A quantized graph is checked against the torch backend over its de-quantized weights
@@ -94,8 +104,14 @@ def _export_model(model: LoadedModel, sub: str, tmp: Path, backend: str, dtype: 
             from specdec.export.quantize import ACTIVATIONS, quantize_and_validate
 
             stages.set_postfix_str(f"{sub}: {quantize} quantization, validating on random ragged forests")
-            quantized = quantize_and_validate(model, graph, quantize, VALIDATION_TOLERANCE[dtype],
-                                              accuracy_level=ACTIVATIONS[activations], calibration=calibration)
+            quantized = quantize_and_validate(
+                model,
+                graph,
+                quantize,
+                VALIDATION_TOLERANCE[dtype],
+                accuracy_level=ACTIVATIONS[activations],
+                calibration=calibration,
+            )
             error = quantized["validation_max_abs_logit_error_fp32_activations"]
             stages.update()
         else:
@@ -103,8 +119,10 @@ def _export_model(model: LoadedModel, sub: str, tmp: Path, backend: str, dtype: 
             # the reference runs in the graph's dtype: the same math, and no fp32 copy of a 7B model beside the graph
             error = max_logit_error(TorchBackend(model, dtype=torch_dtype(dtype)), OrtBackend(graph))
             if error > VALIDATION_TOLERANCE[dtype]:
-                raise ExportDirError(f"{sub}: exported graph differs from the torch reference by {error:.3g} "
-                                     f"(tolerance {VALIDATION_TOLERANCE[dtype]}): not writing a broken export")
+                raise ExportDirError(
+                    f"{sub}: exported graph differs from the torch reference by {error:.3g} "
+                    f"(tolerance {VALIDATION_TOLERANCE[dtype]}): not writing a broken export"
+                )
         info = {"graph": f"{sub}/model.onnx", "validation_max_abs_logit_error": error}
         if quantize:
             info["quantize"] = quantized
@@ -112,18 +130,31 @@ def _export_model(model: LoadedModel, sub: str, tmp: Path, backend: str, dtype: 
             from specdec.export.tensorrt import ProfileSpec, build_engine
 
             stages.set_postfix_str(f"{sub}: TensorRT engine")
-            engine = build_engine(graph, tmp / sub / "model.engine", dtype,
-                                  profile=ProfileSpec.derive(max_batch, max_len))
+            engine = build_engine(
+                graph, tmp / sub / "model.engine", dtype, profile=ProfileSpec.derive(max_batch, max_len)
+            )
             info["engine"] = str(engine.relative_to(tmp))
     stages.update()
     return {**_describe(model, sub, tmp, dtype), **info}
 
 
-def export(target: str, draft: str | None, out: Path, force: bool = False, backend: str = "onnx",
-           dtype: str = "float32", max_batch: int = 16, max_len: int = 2048,
-           serving: ServingOptions | None = None, calibrate: bool = False, quantize: str | None = None,
-           activations: str = "int8", offline: bool = False, command: Sequence[str] | None = None,
-           kv_cache: str | None = None) -> Path:
+def export(
+    target: str,
+    draft: str | None,
+    out: Path,
+    force: bool = False,
+    backend: str = "onnx",
+    dtype: str = "float32",
+    max_batch: int = 16,
+    max_len: int = 2048,
+    serving: ServingOptions | None = None,
+    calibrate: bool = False,
+    quantize: str | None = None,
+    activations: str = "int8",
+    offline: bool = False,
+    command: Sequence[str] | None = None,
+    kv_cache: str | None = None,
+) -> Path:
     """Write ``out`` (see module docstring); refuses an existing directory unless ``force``.
 
     ``quantize`` ("int4", "int8"): weight-only block quantization of the target and draft graphs,
@@ -165,7 +196,6 @@ def export(target: str, draft: str | None, out: Path, force: bool = False, backe
             target_model = load_model(target, _load_dtype(target, dtype), offline=offline)
             draft_model = resolve_draft(draft, target_model) if draft else None
         if draft_model is not None:
-
             check_draft_compatible(target_model, draft_model)
         calibration = None
         from specdec.export.quantize import INTEGER_MODES
@@ -189,12 +219,34 @@ def export(target: str, draft: str | None, out: Path, force: bool = False, backe
             "drafter": "model" if draft_model is not None else "ngram",
             "quantize": quantize,
             "kv_cache_dtype": kv_cache,
-            "target": _export_model(target_model, "target", tmp, backend, dtype, stages, max_batch, max_len,
-                                    quantize, activations, calibration),
+            "target": _export_model(
+                target_model,
+                "target",
+                tmp,
+                backend,
+                dtype,
+                stages,
+                max_batch,
+                max_len,
+                quantize,
+                activations,
+                calibration,
+            ),
         }
         if draft_model is not None:
-            manifest["draft"] = _export_model(draft_model, "draft", tmp, backend, dtype, stages, max_batch,
-                                              max_len, quantize, activations, calibration)
+            manifest["draft"] = _export_model(
+                draft_model,
+                "draft",
+                tmp,
+                backend,
+                dtype,
+                stages,
+                max_batch,
+                max_len,
+                quantize,
+                activations,
+                calibration,
+            )
         manifest["versions"] = _versions()
         for part in ("target", "draft"):
             if part in manifest:
@@ -262,14 +314,20 @@ def _check_quantize(quantize: str, backend: str, dtype: str, activations: str = 
     if quantize not in MODES:
         raise ExportDirError(f"unknown --quantize {quantize!r}: choose one of {', '.join(MODES)}")
     if quantize in INTEGER_MODES and activations != "int8":
-        raise ExportDirError(f"--quantize {quantize} rounds its activations to int8 by definition: "
-                             f"--quantize-activations {activations} does not apply")
+        raise ExportDirError(
+            f"--quantize {quantize} rounds its activations to int8 by definition: "
+            f"--quantize-activations {activations} does not apply"
+        )
     if backend != "onnx":
-        raise ExportDirError(f"--quantize {quantize} needs --backend onnx: MatMulNBits is an ONNX Runtime contrib op "
-                             f"that {backend} does not run")
+        raise ExportDirError(
+            f"--quantize {quantize} needs --backend onnx: MatMulNBits is an ONNX Runtime contrib op "
+            f"that {backend} does not run"
+        )
     if dtype != "float32":
-        raise ExportDirError(f"--quantize {quantize} needs --dtype float32 (fp32 activations and scales): "
-                             "ONNX Runtime's CPU MatMulNBits has no fast fp16 path off ARM")
+        raise ExportDirError(
+            f"--quantize {quantize} needs --dtype float32 (fp32 activations and scales): "
+            "ONNX Runtime's CPU MatMulNBits has no fast fp16 path off ARM"
+        )
 
 
 def _kv_cache_dtype(kv_cache: str | None, backend: str, dtype: str, quantize: str | None) -> str:
@@ -282,8 +340,10 @@ def _kv_cache_dtype(kv_cache: str | None, backend: str, dtype: str, quantize: st
     if dtype == "float16":
         raise ExportDirError("--kv-cache float32 needs --dtype float32: an fp16 graph computes attention in fp16")
     if backend != "onnx":
-        raise ExportDirError(f"--kv-cache float16 on a float32 graph needs --backend onnx (ONNX Runtime narrows the "
-                             f"caches when it opens the graph); {backend} keeps the graph's: use --dtype float16")
+        raise ExportDirError(
+            f"--kv-cache float16 on a float32 graph needs --backend onnx (ONNX Runtime narrows the "
+            f"caches when it opens the graph); {backend} keeps the graph's: use --dtype float16"
+        )
     return chosen
 
 
@@ -295,8 +355,7 @@ def _calibrate(root: Path, max_batch: int, serving: ServingOptions | None) -> Dr
     before = torch.get_num_threads()  # timed as served (torch on one thread), then restored for the caller
     try:
         # room for the batch sizes and the context calibrate_engine times (its defaults: 1, 4, 8 and 256 tokens)
-        engine = Engine.from_export(root, max_batch=min(8, max_batch), max_len=512, threads=threads,
-                                    torch_threads=1)
+        engine = Engine.from_export(root, max_batch=min(8, max_batch), max_len=512, threads=threads, torch_threads=1)
         return calibrate_engine(engine)
     finally:
         torch.set_num_threads(before)
@@ -322,45 +381,79 @@ def _device_list(text: str) -> tuple[int, ...]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specdec-export", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="specdec-export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--target", default=DEFAULT_TARGET, help="preset, Hugging Face directory or .gguf file")
     parser.add_argument("--draft", help="draft model (preset, directory, .gguf) or 'none' for the n-gram drafter")
-    parser.add_argument("--backend", choices=BACKENDS, default="onnx",
-                        help="onnx (ONNX Runtime, default), tensorrt (engine; NVIDIA GPU) or torch (weights only)")
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="onnx",
+        help="onnx (ONNX Runtime, default), tensorrt (engine; NVIDIA GPU) or torch (weights only)",
+    )
     parser.add_argument("--dtype", choices=sorted(VALIDATION_TOLERANCE), default="float32")
-    parser.add_argument("--quantize", choices=("int4", "int8", "w8a8"),
-                        help="int4/int8: weight-only block-quantized linear layers (MatMulNBits; a GGUF source keeps "
-                        "its blocks); w8a8: int8 weights per channel and int8 activations per token in the decoder "
-                        "layers (ORT's integer GEMM: faster prefill and batches, a second rounding of the weights)")
-    parser.add_argument("--quantize-activations", choices=("fp32", "int8"), default="int8",
-                        help="with --quantize: int8 (default) runs ORT's int8 kernels, fast and row-independent "
-                        "(greedy ems = ar bit for bit); fp32 computes the stored weights in fp32 (answers equal the "
-                        "fp32 export's), slower above one row")
-    parser.add_argument("--kv-cache", choices=("float32", "float16"),
-                        help="the type the served KV caches are stored in (default: float16 with --quantize, as edge "
-                             "runtimes keep them, else --dtype); float16 over a float32 graph: ONNX Runtime only")
-    parser.add_argument("--drafter", choices=("ngram", "hybrid"),
-                        help="served drafter: ngram (prompt lookup), or hybrid (prompt lookup where the context "
-                        "matches, the --draft model elsewhere); default: the draft model, or ngram without one")
+    parser.add_argument(
+        "--quantize",
+        choices=("int4", "int8", "w8a8"),
+        help="int4/int8: weight-only block-quantized linear layers (MatMulNBits; a GGUF source keeps "
+        "its blocks); w8a8: int8 weights per channel and int8 activations per token in the decoder "
+        "layers (ORT's integer GEMM: faster prefill and batches, a second rounding of the weights)",
+    )
+    parser.add_argument(
+        "--quantize-activations",
+        choices=("fp32", "int8"),
+        default="int8",
+        help="with --quantize: int8 (default) runs ORT's int8 kernels, fast and row-independent "
+        "(greedy ems = ar bit for bit); fp32 computes the stored weights in fp32 (answers equal the "
+        "fp32 export's), slower above one row",
+    )
+    parser.add_argument(
+        "--kv-cache",
+        choices=("float32", "float16"),
+        help="the type the served KV caches are stored in (default: float16 with --quantize, as edge "
+        "runtimes keep them, else --dtype); float16 over a float32 graph: ONNX Runtime only",
+    )
+    parser.add_argument(
+        "--drafter",
+        choices=("ngram", "hybrid"),
+        help="served drafter: ngram (prompt lookup), or hybrid (prompt lookup where the context "
+        "matches, the --draft model elsewhere); default: the draft model, or ngram without one",
+    )
     parser.add_argument("--max-batch", type=int, default=16, help="sequences decoded together (KV slots)")
     parser.add_argument("--max-len", type=int, default=2048, help="KV-cache length per sequence")
     parser.add_argument("--out", help="output directory (default: exports/<target name>)")
-    parser.add_argument("--offline", action="store_true",
-                        help="use only the Hugging Face cache, never the network (as HF_HUB_OFFLINE=1)")
+    parser.add_argument(
+        "--offline",
+        action="store_true",
+        help="use only the Hugging Face cache, never the network (as HF_HUB_OFFLINE=1)",
+    )
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
     parser.add_argument("--num-draft-tokens", type=int, default=4, help="served k when a request does not say")
     add_draft_length_args(parser)
-    parser.add_argument("--intra-op-threads", type=int, default=0,
-                        help="ONNX Runtime threads of the served engine (0 = all cores)")
-    parser.add_argument("--prefill-budget", type=int, default=ServingOptions.prefill_budget,
-                        help="rows a served ragged step may spend on prompt prefills: longer prompts are prefilled "
-                             f"in chunks beside running streams (default {ServingOptions.prefill_budget}; 0: whole)")
-    parser.add_argument("--instances", type=int, default=1,
-                        help="served engine instances (each its own process, loops and KV caches): on the host, or "
-                             "on each of --gpus (default 1)")
-    parser.add_argument("--gpus", type=_device_list, default=(),
-                        help="comma-separated GPU ids the engine instances run on (KIND_GPU); default: the host")
+    parser.add_argument(
+        "--intra-op-threads", type=int, default=0, help="ONNX Runtime threads of the served engine (0 = all cores)"
+    )
+    parser.add_argument(
+        "--prefill-budget",
+        type=int,
+        default=ServingOptions.prefill_budget,
+        help="rows a served ragged step may spend on prompt prefills: longer prompts are prefilled "
+        f"in chunks beside running streams (default {ServingOptions.prefill_budget}; 0: whole)",
+    )
+    parser.add_argument(
+        "--instances",
+        type=int,
+        default=1,
+        help="served engine instances (each its own process, loops and KV caches): on the host, or "
+        "on each of --gpus (default 1)",
+    )
+    parser.add_argument(
+        "--gpus",
+        type=_device_list,
+        default=(),
+        help="comma-separated GPU ids the engine instances run on (KIND_GPU); default: the host",
+    )
     args = parser.parse_args(argv)
     check_draft_length_args(parser, args)
     draft = None if args.draft in (None, "none", "ngram") else args.draft
@@ -368,17 +461,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.out:
         print(f"writing the export to {out_dir} (--out to choose)", file=sys.stderr)
     try:
-        serving = ServingOptions(intra_op_threads=args.intra_op_threads, num_draft_tokens=args.num_draft_tokens,
-                                 adaptive_draft=args.adaptive_draft, verify_cost=args.verify_cost,
-                                 draft_cost=args.draft_cost, drafter=args.drafter or "",
-                                 prefill_budget=args.prefill_budget, instances=args.instances,
-                                 gpus=tuple(args.gpus))
+        serving = ServingOptions(
+            intra_op_threads=args.intra_op_threads,
+            num_draft_tokens=args.num_draft_tokens,
+            adaptive_draft=args.adaptive_draft,
+            verify_cost=args.verify_cost,
+            draft_cost=args.draft_cost,
+            drafter=args.drafter or "",
+            prefill_budget=args.prefill_budget,
+            instances=args.instances,
+            gpus=tuple(args.gpus),
+        )
         if args.drafter == "hybrid" and draft is None:
             raise ExportDirError("--drafter hybrid needs --draft (prompt lookup first, the draft model elsewhere)")
-        out = export(args.target, draft, out_dir, args.force, args.backend, args.dtype, args.max_batch,
-                     args.max_len, serving, calibrate=args.calibrate, quantize=args.quantize,
-                     activations=args.quantize_activations, offline=args.offline,
-                     command=list(argv) if argv is not None else None, kv_cache=args.kv_cache)
+        out = export(
+            args.target,
+            draft,
+            out_dir,
+            args.force,
+            args.backend,
+            args.dtype,
+            args.max_batch,
+            args.max_len,
+            serving,
+            calibrate=args.calibrate,
+            quantize=args.quantize,
+            activations=args.quantize_activations,
+            offline=args.offline,
+            command=list(argv) if argv is not None else None,
+            kv_cache=args.kv_cache,
+        )
     except (ModelResolutionError, ExportDirError, ValueError, RuntimeError) as exc:
         # RuntimeError: TensorRT unavailable, engine build failure, plugin fallback
         print(f"error: {exc}", file=sys.stderr)
@@ -388,9 +500,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     measured = read_manifest(out, verify=False).get("calibration")
     if measured:
-        print(f"calibrated on this machine: a draft token costs {measured['draft_cost']} and a verified row "
-              f"{measured['verify_cost']} of a target step (the served prices: {out / REPOSITORY_DIR}"
-              "/specdec_engine/config.pbtxt)")
+        print(
+            f"calibrated on this machine: a draft token costs {measured['draft_cost']} and a verified row "
+            f"{measured['verify_cost']} of a target step (the served prices: {out / REPOSITORY_DIR}"
+            "/specdec_engine/config.pbtxt)"
+        )
     print(f"exported to {out}; serve it with: specdec serve {out}")
     print(f"peak memory (RSS) of the export: {peak_rss_bytes() / 2**30:.2f} GiB", file=sys.stderr)
     return 0

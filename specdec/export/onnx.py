@@ -33,9 +33,17 @@ class RaggedStep(torch.nn.Module):
         super().__init__()
         self.backend = backend
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                past_lens: torch.Tensor, slot_ids: torch.Tensor, tree_mask: torch.Tensor,
-                logits_indices: torch.Tensor, *caches: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        past_lens: torch.Tensor,
+        slot_ids: torch.Tensor,
+        tree_mask: torch.Tensor,
+        logits_indices: torch.Tensor,
+        *caches: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
         from specdec.plugins import torch_op  # registers torch.ops.specdec.ragged_tree_attention
 
         b = self.backend
@@ -45,8 +53,19 @@ class RaggedStep(torch.nn.Module):
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             out, k_cache, v_cache = torch_op.ragged_tree_attention(
-                q, k, v, keys[layer], values[layer], cu_seqlens, past_lens, slot_ids, tree_mask,
-                b.scale, b.num_heads, b.num_kv_heads)
+                q,
+                k,
+                v,
+                keys[layer],
+                values[layer],
+                cu_seqlens,
+                past_lens,
+                slot_ids,
+                tree_mask,
+                b.scale,
+                b.num_heads,
+                b.num_kv_heads,
+            )
             new_keys.append(k_cache)
             new_values.append(v_cache)
             return out
@@ -63,8 +82,15 @@ def _example_inputs(backend: TorchBackend) -> tuple[torch.Tensor, ...]:
     slots, max_len = 3, 16
     shape = (slots, backend.num_kv_heads, max_len, backend.head_dim)
     caches = [torch.zeros(shape, dtype=backend.dtype) for _ in range(2 * backend.num_layers)]
-    packed = (batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.past_lens, batch.slot_ids,
-              batch.tree_mask, batch.logits_indices)
+    packed = (
+        batch.input_ids,
+        batch.position_ids,
+        batch.cu_seqlens,
+        batch.past_lens,
+        batch.slot_ids,
+        batch.tree_mask,
+        batch.logits_indices,
+    )
     return (*(torch.from_numpy(a) for a in packed), *caches)
 
 
@@ -73,12 +99,21 @@ def _dynamic_shapes(num_caches: int) -> tuple:
     tokens, seqs, new, rows = dim("tokens", min=1), dim("seqs", min=1), dim("max_new", min=1), dim("rows", min=1)
     slots, max_len = dim("slots", min=1), dim("max_len", min=2)
     cache = {0: slots, 2: max_len}
-    return ({0: tokens}, {0: tokens}, {0: seqs + 1}, {0: seqs}, {0: seqs}, {0: tokens, 1: new}, {0: rows},
-            tuple([cache] * num_caches))  # the *caches varargs are one nested entry
+    return (
+        {0: tokens},
+        {0: tokens},
+        {0: seqs + 1},
+        {0: seqs},
+        {0: seqs},
+        {0: tokens, 1: new},
+        {0: rows},
+        tuple([cache] * num_caches),
+    )  # the *caches varargs are one nested entry
 
 
-def export_onnx(model: LoadedModel, path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                external_data: bool = True) -> Path:
+def export_onnx(
+    model: LoadedModel, path: str | os.PathLike, dtype: torch.dtype = torch.float32, external_data: bool = True
+) -> Path:
     """Write ``path`` (+ ``path.data`` for the weights): the model's ragged step as ONNX.
 
     The graph keeps one ``specdec::RaggedTreeAttention`` node per layer with its function
@@ -108,9 +143,15 @@ def export_onnx(model: LoadedModel, path: str | os.PathLike, dtype: torch.dtype 
             warnings.simplefilter("ignore", UserWarning)
             warnings.simplefilter("ignore", FutureWarning)
             program = torch.onnx.export(
-                RaggedStep(backend).eval(), _example_inputs(backend), dynamo=True,
-                custom_translation_table=TRANSLATION_TABLE, input_names=input_names, output_names=output_names,
-                dynamic_shapes=_dynamic_shapes(num_caches), optimize=True, verbose=False,
+                RaggedStep(backend).eval(),
+                _example_inputs(backend),
+                dynamo=True,
+                custom_translation_table=TRANSLATION_TABLE,
+                input_names=input_names,
+                output_names=output_names,
+                dynamic_shapes=_dynamic_shapes(num_caches),
+                optimize=True,
+                verbose=False,
             )
     finally:
         registration.setLevel(level)
@@ -155,11 +196,17 @@ def count_attention_nodes(path: str | os.PathLike, expect: int | None = None) ->
 
     graph = onnx.load(str(path), load_external_data=False).graph
     nodes = [n for n in graph.node if n.op_type == onnx_op.OP_TYPE and n.domain == onnx_op.DOMAIN]
-    ok = [n for n in nodes if {a.name: a.s.decode() for a in n.attribute if a.type == onnx.AttributeProto.STRING}
-          .get("plugin_namespace") == onnx_op.PLUGIN_NAMESPACE]
+    ok = [
+        n
+        for n in nodes
+        if {a.name: a.s.decode() for a in n.attribute if a.type == onnx.AttributeProto.STRING}.get("plugin_namespace")
+        == onnx_op.PLUGIN_NAMESPACE
+    ]
     if expect is not None and len(ok) != expect:
-        raise RuntimeError(f"{path}: expected {expect} RaggedTreeAttention nodes with plugin_namespace="
-                           f"'{onnx_op.PLUGIN_NAMESPACE}', found {len(ok)} (was the op inlined?)")
+        raise RuntimeError(
+            f"{path}: expected {expect} RaggedTreeAttention nodes with plugin_namespace="
+            f"'{onnx_op.PLUGIN_NAMESPACE}', found {len(ok)} (was the op inlined?)"
+        )
     return len(ok)
 
 

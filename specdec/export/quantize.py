@@ -106,8 +106,15 @@ ACCURACY_LEVEL = INT8_ACTIVATIONS
 ACTIVATIONS = {"fp32": FP32_ACTIVATIONS, "int8": INT8_ACTIVATIONS}
 MS_DOMAIN = "com.microsoft"
 #: the projections quantized in every decoder layer (Hugging Face names), besides the LM head
-LINEAR_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                      "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LINEAR_PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 EMBEDDING = "model.embed_tokens.weight"
 ROWS_KEY, FORMAT_KEY, OFFSETS_KEY = "specdec.quantize.rows", "specdec.quantize.format", "specdec.quantize.offsets"
 # -- the source tensors ------------------------------------------------------------------------------
@@ -116,15 +123,16 @@ ROWS_KEY, FORMAT_KEY, OFFSETS_KEY = "specdec.quantize.rows", "specdec.quantize.f
 def linear_names(model: Any) -> list[str]:
     """The state-dict names of every linear weight the graph multiplies by: 7 per layer and the LM head."""
     sd = model.state_dict
-    names = [f"model.layers.{i}.{p}.weight" for i in range(int(model.config.num_hidden_layers))
-             for p in LINEAR_PROJECTIONS]
-    names.append("lm_head.weight" if "lm_head.weight" in sd and not model.config.tie_word_embeddings
-                 else EMBEDDING)
+    names = [
+        f"model.layers.{i}.{p}.weight" for i in range(int(model.config.num_hidden_layers)) for p in LINEAR_PROJECTIONS
+    ]
+    names.append("lm_head.weight" if "lm_head.weight" in sd and not model.config.tie_word_embeddings else EMBEDDING)
     return names
 
 
-def source_blocks(model: Any, bits: int, use_gguf: bool = True,
-                  names: Sequence[str] | None = None) -> dict[str, BlockQuant]:
+def source_blocks(
+    model: Any, bits: int, use_gguf: bool = True, names: Sequence[str] | None = None
+) -> dict[str, BlockQuant]:
     """Each linear weight of ``model`` (or the tensors ``names``) in blocks: the GGUF file's own where it has
     them, RTN otherwise.
 
@@ -145,8 +153,10 @@ def source_blocks(model: Any, bits: int, use_gguf: bool = True,
             continue
         block = from_gguf_blocks(tensor.ggml_type, tensor.data, tensor.shape[1])
         if not np.array_equal(block.dequantize(), weight):
-            raise QuantizeError(f"{path}: the {tensor.ggml_type} blocks of {name} do not reproduce the loaded "
-                                "weights (rows in another order than transformers' un-permuted ones?)")
+            raise QuantizeError(
+                f"{path}: the {tensor.ggml_type} blocks of {name} do not reproduce the loaded "
+                "weights (rows in another order than transformers' un-permuted ones?)"
+            )
         out[name] = block.widened(max(block.bits, bits))
     return out
 
@@ -159,9 +169,15 @@ def fp32_at_level(blocks: Mapping[str, BlockQuant], bits: int, accuracy_level: i
     return {name for name, block in blocks.items() if block.bits > bits}
 
 
-def quantize_export(model: Any, graph: str | os.PathLike, mode: str, *, use_gguf: bool = True,
-                    accuracy_level: int = ACCURACY_LEVEL,
-                    calibration: Sequence[Sequence[int]] | None = None) -> tuple[Any, dict]:
+def quantize_export(
+    model: Any,
+    graph: str | os.PathLike,
+    mode: str,
+    *,
+    use_gguf: bool = True,
+    accuracy_level: int = ACCURACY_LEVEL,
+    calibration: Sequence[Sequence[int]] | None = None,
+) -> tuple[Any, dict]:
     """Quantize the exported ``graph`` of ``model`` in place; (the de-quantized model, the manifest's summary).
 
     ``calibration``: token sequences whose activations smooth a ``w8a8`` graph (default:
@@ -191,11 +207,20 @@ def quantize_export(model: Any, graph: str | os.PathLike, mode: str, *, use_gguf
     reference = {name: model.state_dict[name].detach().float().numpy() for name in [*blocks, *maxima]}
     embedding = None if table is None else (table, model.state_dict[EMBEDDING].detach().float().numpy())
     effective: dict[str, np.ndarray] = {}
-    summary = quantize_graph(graph, blocks, reference, accuracy_level,
-                             keep={name: model.state_dict[name].detach().float().numpy() for name in kept},
-                             embedding=embedding, integer=maxima, effective=effective)
-    return (dequantized_model(model, blocks, table, effective),
-            {"mode": mode, "bits": bits, "fp32_tensors": sorted(kept), **summary})
+    summary = quantize_graph(
+        graph,
+        blocks,
+        reference,
+        accuracy_level,
+        keep={name: model.state_dict[name].detach().float().numpy() for name in kept},
+        embedding=embedding,
+        integer=maxima,
+        effective=effective,
+    )
+    return (
+        dequantized_model(model, blocks, table, effective),
+        {"mode": mode, "bits": bits, "fp32_tensors": sorted(kept), **summary},
+    )
 
 
 def embedding_block(model: Any, bits: int, blocks: Mapping[str, BlockQuant], use_gguf: bool) -> BlockQuant | None:
@@ -247,9 +272,15 @@ def _checked_form(graph: str | os.PathLike, mode: str, accuracy_level: int) -> I
         yield checked
 
 
-def quantize_and_validate(model: Any, graph: str | os.PathLike, mode: str, tolerance: float,
-                          accuracy_level: int = ACCURACY_LEVEL, use_gguf: bool = True,
-                          calibration: Sequence[Sequence[int]] | None = None) -> dict:
+def quantize_and_validate(
+    model: Any,
+    graph: str | os.PathLike,
+    mode: str,
+    tolerance: float,
+    accuracy_level: int = ACCURACY_LEVEL,
+    use_gguf: bool = True,
+    calibration: Sequence[Sequence[int]] | None = None,
+) -> dict:
     """Quantize ``graph``, check it tightly, switch it to ``accuracy_level``; the manifest's ``quantize`` entry.
 
     The tight check runs the graph at accuracy level 0 (fp32 activations, the weights exactly as
@@ -263,23 +294,33 @@ def quantize_and_validate(model: Any, graph: str | os.PathLike, mode: str, toler
     from specdec.runtime.backends.onnxruntime import OrtBackend
     from specdec.runtime.backends.torch_backend import TorchBackend
 
-    reference_model, summary = quantize_export(model, graph, mode, use_gguf=use_gguf, accuracy_level=accuracy_level,
-                                               calibration=calibration)
+    reference_model, summary = quantize_export(
+        model, graph, mode, use_gguf=use_gguf, accuracy_level=accuracy_level, calibration=calibration
+    )
     reference = TorchBackend(reference_model)
     with _checked_form(graph, mode, accuracy_level) as checked:
         error = max_logit_error(reference, OrtBackend(checked))
     if error > tolerance:
-        raise QuantizeError(f"{graph}: the quantized graph differs from the torch reference over its de-quantized "
-                            f"weights by {error:.3g} (tolerance {tolerance}): not writing a broken export")
+        raise QuantizeError(
+            f"{graph}: the quantized graph differs from the torch reference over its de-quantized "
+            f"weights by {error:.3g} (tolerance {tolerance}): not writing a broken export"
+        )
     shipped = OrtBackend(graph)
-    return {**summary, "accuracy_level": accuracy_level,
-            "validation_max_abs_logit_error_fp32_activations": error,
-            "max_abs_logit_error_vs_dequantized": max_logit_error(reference, shipped),
-            "max_abs_logit_error_vs_fp32": max_logit_error(TorchBackend(model), OrtBackend(graph))}
+    return {
+        **summary,
+        "accuracy_level": accuracy_level,
+        "validation_max_abs_logit_error_fp32_activations": error,
+        "max_abs_logit_error_vs_dequantized": max_logit_error(reference, shipped),
+        "max_abs_logit_error_vs_fp32": max_logit_error(TorchBackend(model), OrtBackend(graph)),
+    }
 
 
-def dequantized_model(model: Any, blocks: Mapping[str, BlockQuant], embedding: BlockQuant | None = None,
-                      effective: Mapping[str, np.ndarray] | None = None) -> Any:
+def dequantized_model(
+    model: Any,
+    blocks: Mapping[str, BlockQuant],
+    embedding: BlockQuant | None = None,
+    effective: Mapping[str, np.ndarray] | None = None,
+) -> Any:
     """A copy of ``model`` whose linear weights (and the ``embedding`` table, when the graph gathers it from
     blocks) are the de-quantized blocks, and the ``effective`` weights of w8a8 chains: the validation reference.
 
@@ -367,11 +408,16 @@ def _linear_weight(node: Any, inits: Mapping[str, Any]) -> tuple[str, bool] | No
     return node.input[1], bool(attrs.get("transB", 0))
 
 
-def quantize_graph(path: str | os.PathLike, blocks: Mapping[str, BlockQuant], reference: Mapping[str, np.ndarray],
-                   accuracy_level: int = ACCURACY_LEVEL, keep: Mapping[str, np.ndarray] | None = None,
-                   embedding: tuple[BlockQuant, np.ndarray] | None = None,
-                   integer: Mapping[str, np.ndarray] | None = None,
-                   effective: dict[str, np.ndarray] | None = None) -> dict:
+def quantize_graph(
+    path: str | os.PathLike,
+    blocks: Mapping[str, BlockQuant],
+    reference: Mapping[str, np.ndarray],
+    accuracy_level: int = ACCURACY_LEVEL,
+    keep: Mapping[str, np.ndarray] | None = None,
+    embedding: tuple[BlockQuant, np.ndarray] | None = None,
+    integer: Mapping[str, np.ndarray] | None = None,
+    effective: dict[str, np.ndarray] | None = None,
+) -> dict:
     """Rewrite the graph at ``path`` in place: every linear layer becomes MatMulNBits; returns a summary.
 
     ``blocks`` are the source tensors in block form and ``reference`` their fp32 values as the
@@ -410,17 +456,26 @@ def quantize_graph(path: str | os.PathLike, blocks: Mapping[str, BlockQuant], re
         weight = stored if rows_first else stored.T
         runs = index.runs(np.ascontiguousarray(weight, dtype=np.float32))
         if runs is None:
-            raise QuantizeError(f"{out}: {node.op_type} {node.name!r} multiplies by {name}, which matches no "
-                                "linear weight of the model: not leaving it in fp32 unnoticed")
+            raise QuantizeError(
+                f"{out}: {node.op_type} {node.name!r} multiplies by {name}, which matches no "
+                "linear weight of the model: not leaving it in fp32 unnoticed"
+            )
         if all(n in (keep or {}) for n, _, _ in runs):
             new_nodes.append(node)  # left in fp32 on purpose (``fp32_at_level``)
             continue
         if integer and all(n in integer for n, _, _ in runs):
             from specdec.export import w8a8
 
-            nodes, tensors = w8a8.chain_for(node, weight, runs, integer, {ROWS_KEY: json.dumps(runs),
-                                                                         FORMAT_KEY: "w8a8"},
-                                            reference, effective, first=not formats["w8a8"])
+            nodes, tensors = w8a8.chain_for(
+                node,
+                weight,
+                runs,
+                integer,
+                {ROWS_KEY: json.dumps(runs), FORMAT_KEY: "w8a8"},
+                reference,
+                effective,
+                first=not formats["w8a8"],
+            )
             new_nodes.extend(nodes)
             new_inits.extend(tensors)
             used.update(n for n, _, _ in runs)
@@ -448,25 +503,39 @@ def quantize_graph(path: str | os.PathLike, blocks: Mapping[str, BlockQuant], re
     data = out.with_name(out.name + ".data")
     if data.exists():
         data.unlink()
-    onnx.save_model(proto, str(out), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name,
-                    size_threshold=1024)
+    onnx.save_model(
+        proto,
+        str(out),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=data.name,
+        size_threshold=1024,
+    )
     if embedding is not None and gathered is None:
         raise QuantizeError(f"{out}: no gather reads the embedding table")
     table = "fp32" if gathered is None else f"{embedding[0].bits}-bit {gathered}"
-    return {"linear_layers": sum(formats.values()), "formats": dict(sorted(formats.items())),
-            "embedding": table, "block_size": BLOCK_SIZE, "accuracy_level": accuracy_level,
-            "graph_bytes": out.stat().st_size + (data.stat().st_size if data.exists() else 0)}
+    return {
+        "linear_layers": sum(formats.values()),
+        "formats": dict(sorted(formats.items())),
+        "embedding": table,
+        "block_size": BLOCK_SIZE,
+        "accuracy_level": accuracy_level,
+        "graph_bytes": out.stat().st_size + (data.stat().st_size if data.exists() else 0),
+    }
 
 
-def _matmul_nbits(node: Any, block: BlockQuant, runs: list[tuple[str, int, int]],
-                  accuracy_level: int) -> tuple[list[Any], list[Any]]:
+def _matmul_nbits(
+    node: Any, block: BlockQuant, runs: list[tuple[str, int, int]], accuracy_level: int
+) -> tuple[list[Any], list[Any]]:
     """The MatMulNBits node (and the Q4_1 offset correction) replacing ``node``, with their initializers."""
     from onnx import helper, numpy_helper
 
     base = node.name or node.output[0]
     n, k_blocks = block.scales.shape
-    tensors = [numpy_helper.from_array(pack_codes(block.codes, block.bits), f"{base}.qweight"),
-               numpy_helper.from_array(block.scales.astype(np.float32), f"{base}.scales")]
+    tensors = [
+        numpy_helper.from_array(pack_codes(block.codes, block.bits), f"{base}.qweight"),
+        numpy_helper.from_array(block.scales.astype(np.float32), f"{base}.scales"),
+    ]
     inputs = [node.input[0], tensors[0].name, tensors[1].name, "", "", ""]
     if block.zero_points is not None:
         tensors.append(numpy_helper.from_array(pack_zero_points(block.zero_points, block.bits), f"{base}.zero_points"))
@@ -476,33 +545,62 @@ def _matmul_nbits(node: Any, block: BlockQuant, runs: list[tuple[str, int, int]]
     while inputs[-1] == "":
         inputs.pop()
     output = node.output[0] if block.offsets is None else f"{base}.nbits"
-    q = helper.make_node("MatMulNBits", inputs, [output], name=f"{base}.nbits", domain=MS_DOMAIN, K=block.columns,
-                         N=n, bits=block.bits, block_size=BLOCK_SIZE, accuracy_level=accuracy_level)
+    q = helper.make_node(
+        "MatMulNBits",
+        inputs,
+        [output],
+        name=f"{base}.nbits",
+        domain=MS_DOMAIN,
+        K=block.columns,
+        N=n,
+        bits=block.bits,
+        block_size=BLOCK_SIZE,
+        accuracy_level=accuracy_level,
+    )
     meta = {ROWS_KEY: json.dumps(runs), FORMAT_KEY: block.source}
     nodes = [q]
     if block.offsets is not None:
         if block.columns != k_blocks * BLOCK_SIZE:
             raise QuantizeError(f"{base}: block offsets need whole blocks of inputs")
-        tensors += [numpy_helper.from_array(np.array([-1, k_blocks, BLOCK_SIZE], np.int64), f"{base}.block_shape"),
-                    numpy_helper.from_array(np.array([-1], np.int64), f"{base}.block_axis"),
-                    numpy_helper.from_array(np.ascontiguousarray(block.offsets.T, np.float32), f"{base}.offsets")]
+        tensors += [
+            numpy_helper.from_array(np.array([-1, k_blocks, BLOCK_SIZE], np.int64), f"{base}.block_shape"),
+            numpy_helper.from_array(np.array([-1], np.int64), f"{base}.block_axis"),
+            numpy_helper.from_array(np.ascontiguousarray(block.offsets.T, np.float32), f"{base}.offsets"),
+        ]
         meta[OFFSETS_KEY] = f"{base}.offsets"
         nodes += [
-            helper.make_node("Reshape", [node.input[0], f"{base}.block_shape"], [f"{base}.blocks"],
-                             name=f"{base}.blocks"),
-            helper.make_node("ReduceSum", [f"{base}.blocks", f"{base}.block_axis"], [f"{base}.block_sums"],
-                             name=f"{base}.block_sums", keepdims=0),
+            helper.make_node(
+                "Reshape", [node.input[0], f"{base}.block_shape"], [f"{base}.blocks"], name=f"{base}.blocks"
+            ),
+            helper.make_node(
+                "ReduceSum",
+                [f"{base}.blocks", f"{base}.block_axis"],
+                [f"{base}.block_sums"],
+                name=f"{base}.block_sums",
+                keepdims=0,
+            ),
         ]
         if node.op_type == "Gemm":  # 2-D rows: one Gemm adds the offsets to the product (fewest kernel calls)
-            nodes.append(helper.make_node("Gemm", [f"{base}.block_sums", f"{base}.offsets", output], [node.output[0]],
-                                          name=f"{base}.add_offsets"))
+            nodes.append(
+                helper.make_node(
+                    "Gemm",
+                    [f"{base}.block_sums", f"{base}.offsets", output],
+                    [node.output[0]],
+                    name=f"{base}.add_offsets",
+                )
+            )
         else:  # a MatMul's input may have leading dims: back to the product's shape first
             nodes += [
-                helper.make_node("MatMul", [f"{base}.block_sums", f"{base}.offsets"], [f"{base}.offset_rows"],
-                                 name=f"{base}.offset_rows"),
+                helper.make_node(
+                    "MatMul",
+                    [f"{base}.block_sums", f"{base}.offsets"],
+                    [f"{base}.offset_rows"],
+                    name=f"{base}.offset_rows",
+                ),
                 helper.make_node("Shape", [output], [f"{base}.shape"], name=f"{base}.shape"),
-                helper.make_node("Reshape", [f"{base}.offset_rows", f"{base}.shape"], [f"{base}.offset"],
-                                 name=f"{base}.offset"),
+                helper.make_node(
+                    "Reshape", [f"{base}.offset_rows", f"{base}.shape"], [f"{base}.offset"], name=f"{base}.offset"
+                ),
                 helper.make_node("Add", [output, f"{base}.offset"], [node.output[0]], name=f"{base}.add_offsets"),
             ]
     for key, value in meta.items():
@@ -533,19 +631,30 @@ def _gather_block_quantized(node: Any, block: BlockQuant) -> tuple[list[Any], li
     base = node.name or node.output[0]
     codes = block.codes.reshape(block.rows, -1)[:, : block.columns]
     data = codes if block.bits == 8 else pack_codes(codes, 4)
-    tensors = [numpy_helper.from_array(np.ascontiguousarray(data), f"{base}.qdata"),
-               numpy_helper.from_array(block.scales.astype(np.float32), f"{base}.scales"),
-               numpy_helper.from_array(pack_zero_points(block.zero_point_values(), block.bits), f"{base}.zero_points")]
+    tensors = [
+        numpy_helper.from_array(np.ascontiguousarray(data), f"{base}.qdata"),
+        numpy_helper.from_array(block.scales.astype(np.float32), f"{base}.scales"),
+        numpy_helper.from_array(pack_zero_points(block.zero_point_values(), block.bits), f"{base}.zero_points"),
+    ]
     nodes = []
     indices = node.input[1]
     if node.op_type == "GatherND":
         tensors.append(numpy_helper.from_array(np.array([-1], np.int64), f"{base}.last_axis"))
-        nodes.append(helper.make_node("Squeeze", [indices, f"{base}.last_axis"], [f"{base}.indices"],
-                                      name=f"{base}.indices"))
+        nodes.append(
+            helper.make_node("Squeeze", [indices, f"{base}.last_axis"], [f"{base}.indices"], name=f"{base}.indices")
+        )
         indices = f"{base}.indices"
-    gather = helper.make_node("GatherBlockQuantized", [tensors[0].name, indices, tensors[1].name, tensors[2].name],
-                              [node.output[0]], name=f"{base}.blocks", domain=MS_DOMAIN, bits=block.bits,
-                              block_size=BLOCK_SIZE, gather_axis=0, quantize_axis=1)
+    gather = helper.make_node(
+        "GatherBlockQuantized",
+        [tensors[0].name, indices, tensors[1].name, tensors[2].name],
+        [node.output[0]],
+        name=f"{base}.blocks",
+        domain=MS_DOMAIN,
+        bits=block.bits,
+        block_size=BLOCK_SIZE,
+        gather_axis=0,
+        quantize_axis=1,
+    )
     gather.metadata_props.add(key=FORMAT_KEY, value=block.source)
     return [*nodes, gather], tensors
 
@@ -589,8 +698,9 @@ def graph_weights(path: str | os.PathLike) -> dict[str, tuple[np.ndarray, list[t
         codes = unpack_codes(inits[node.input[1]], bits)
         scales = inits[node.input[2]].reshape(n, -1)
         k_blocks = scales.shape[1]
-        zps = (unpack_zero_points(inits[node.input[3]], bits, k_blocks)
-               if len(node.input) > 3 and node.input[3] else None)
+        zps = (
+            unpack_zero_points(inits[node.input[3]], bits, k_blocks) if len(node.input) > 3 and node.input[3] else None
+        )
         meta = {p.key: p.value for p in node.metadata_props}
         offsets = inits[meta[OFFSETS_KEY]].T if OFFSETS_KEY in meta else None
         block = BlockQuant(bits, codes, scales, zps, offsets, columns, meta.get(FORMAT_KEY, "?"))

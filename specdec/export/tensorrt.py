@@ -72,8 +72,9 @@ class DimRange:
 
     def __post_init__(self) -> None:
         if not (0 <= self.min <= self.opt <= self.max) or self.max < 1:
-            raise ValueError(f"a dimension range needs 0 <= min <= opt <= max and max >= 1, got "
-                             f"{self.min}/{self.opt}/{self.max}")
+            raise ValueError(
+                f"a dimension range needs 0 <= min <= opt <= max and max >= 1, got {self.min}/{self.opt}/{self.max}"
+            )
 
     def shifted(self, k: int) -> DimRange:
         """The range of ``dim + k`` (``cu_seqlens`` has B + 1 entries)."""
@@ -82,10 +83,14 @@ class DimRange:
 
 # symbolic dimension names as the exporter (and onnx_op.attention_model) write them -> ProfileSpec field
 _DIM_ALIASES = {
-    "tokens": "tokens", "T": "tokens",
-    "seqs": "seqs", "B": "seqs",
-    "max_new": "max_new", "S_max": "max_new",
-    "rows": "rows", "R": "rows",
+    "tokens": "tokens",
+    "T": "tokens",
+    "seqs": "seqs",
+    "B": "seqs",
+    "max_new": "max_new",
+    "S_max": "max_new",
+    "rows": "rows",
+    "R": "rows",
     "slots": "slots",
     "max_len": "max_len",
 }
@@ -110,8 +115,15 @@ class ProfileSpec:
     max_len: DimRange
 
     @classmethod
-    def derive(cls, max_batch: int = 16, max_len: int = 2048, *, max_tokens: int | None = None,
-               opt_new: int = 8, max_slots: int | None = None) -> ProfileSpec:
+    def derive(
+        cls,
+        max_batch: int = 16,
+        max_len: int = 2048,
+        *,
+        max_tokens: int | None = None,
+        opt_new: int = 8,
+        max_slots: int | None = None,
+    ) -> ProfileSpec:
         """The profile a ``max_batch`` x ``max_len`` deployment needs.
 
         The worst step is a prefill of ``max_batch`` prompts of ``max_len`` tokens in one pack
@@ -151,12 +163,15 @@ class ProfileSpec:
             shift = int(plus) if plus is not None else int(amount) * (1 if sign == "+" else -1)
         field = _DIM_ALIASES.get(name)
         if field is None:
-            raise ValueError(f"no profile range for the symbolic dimension {dim!r}: known are "
-                             f"{', '.join(sorted(set(_DIM_ALIASES)))} (optionally '+ k')")
+            raise ValueError(
+                f"no profile range for the symbolic dimension {dim!r}: known are "
+                f"{', '.join(sorted(set(_DIM_ALIASES)))} (optionally '+ k')"
+            )
         return getattr(self, field).shifted(shift)
 
-    def shapes_for(self, inputs: Iterable[tuple[str, Sequence[int | str]]]
-                   ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    def shapes_for(
+        self, inputs: Iterable[tuple[str, Sequence[int | str]]]
+    ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
         """(min, opt, max) shapes per input; ``inputs`` are (name, dims) with ints or symbolic names."""
         shapes = {}
         for name, dims in inputs:
@@ -186,8 +201,10 @@ def onnx_inputs(onnx_path: str | os.PathLike) -> list[tuple[str, list[int | str]
         if value.name in weights:
             continue
         tensor = value.type.tensor_type
-        dims: list[int | str] = [d.dim_param if d.dim_param else (int(d.dim_value) if d.HasField("dim_value") else "?")
-                                 for d in tensor.shape.dim]
+        dims: list[int | str] = [
+            d.dim_param if d.dim_param else (int(d.dim_value) if d.HasField("dim_value") else "?")
+            for d in tensor.shape.dim
+        ]
         found.append((value.name, dims, int(tensor.elem_type)))
     return found
 
@@ -243,8 +260,11 @@ def _make_logger(trt: Any) -> Any:
         def log(self, severity: Any, msg: str) -> None:
             if severity in (trt.ILogger.Severity.ERROR, trt.ILogger.Severity.INTERNAL_ERROR):
                 self.errors.append(msg)
-            if severity in (trt.ILogger.Severity.ERROR, trt.ILogger.Severity.INTERNAL_ERROR,
-                            trt.ILogger.Severity.WARNING):
+            if severity in (
+                trt.ILogger.Severity.ERROR,
+                trt.ILogger.Severity.INTERNAL_ERROR,
+                trt.ILogger.Severity.WARNING,
+            ):
                 print(f"[TensorRT] {msg}", flush=True)
 
     return _Logger()
@@ -259,12 +279,16 @@ def _precision(trt: Any, requested: str | None, graph_dtype: str) -> tuple[bool,
         return True, None  # the precision is in the graph: strong typing keeps it exactly (and TRT 11 only has this)
     flag_name = {"float16": "FP16", "bfloat16": "BF16"}.get(requested)
     if graph_dtype != "float32" or flag_name is None:
-        raise EngineBuildError(f"cannot build a {requested} engine from a {graph_dtype} graph: export the ONNX in "
-                               f"{requested} (specdec-export --dtype {requested})")
+        raise EngineBuildError(
+            f"cannot build a {requested} engine from a {graph_dtype} graph: export the ONNX in "
+            f"{requested} (specdec-export --dtype {requested})"
+        )
     if not hasattr(trt.BuilderFlag, flag_name):
-        raise EngineBuildError(f"TensorRT {trt.__version__} only builds strongly typed networks (no "
-                               f"BuilderFlag.{flag_name}): export the ONNX in {requested} "
-                               f"(specdec-export --dtype {requested}) instead of asking for a lower-precision build")
+        raise EngineBuildError(
+            f"TensorRT {trt.__version__} only builds strongly typed networks (no "
+            f"BuilderFlag.{flag_name}): export the ONNX in {requested} "
+            f"(specdec-export --dtype {requested}) instead of asking for a lower-precision build"
+        )
     return False, getattr(trt.BuilderFlag, flag_name)
 
 
@@ -276,9 +300,11 @@ def _check_graph(onnx_path: Path) -> int:
     if expected == 0:
         raise EngineBuildError(f"{onnx_path} has no {DOMAIN}::{OP_TYPE} node: not a specdec graph, or it was inlined")
     if unbound:
-        raise PluginFallbackError(f"{len(unbound)} of the {expected} {OP_TYPE} nodes of {onnx_path} do not name the "
-                                  f"plugin '{PLUGIN_NAMESPACE}' version {PLUGIN_VERSION}, so TensorRT would import "
-                                  f"their function body: {', '.join(unbound[:3])}")
+        raise PluginFallbackError(
+            f"{len(unbound)} of the {expected} {OP_TYPE} nodes of {onnx_path} do not name the "
+            f"plugin '{PLUGIN_NAMESPACE}' version {PLUGIN_VERSION}, so TensorRT would import "
+            f"their function body: {', '.join(unbound[:3])}"
+        )
     return expected
 
 
@@ -322,8 +348,13 @@ def _configure(trt: Any, builder: Any, network: Any, shapes: Mapping[str, tuple]
     return config
 
 
-def build_engine(onnx_path: str | os.PathLike, engine_path: str | os.PathLike, dtype: str | None = None, *,
-                 profile: ProfileSpec | None = None) -> Path:
+def build_engine(
+    onnx_path: str | os.PathLike,
+    engine_path: str | os.PathLike,
+    dtype: str | None = None,
+    *,
+    profile: ProfileSpec | None = None,
+) -> Path:
     """Build ``engine_path`` from the exported ``onnx_path`` with the attention running as the plugin.
 
     ``dtype`` is the engine precision: ``None`` (or the graph's own dtype) builds a strongly typed
@@ -337,16 +368,18 @@ def build_engine(onnx_path: str | os.PathLike, engine_path: str | os.PathLike, d
     onnx_path, engine_path = Path(onnx_path), Path(engine_path)
     expected = _check_graph(onnx_path)
     if not trt_plugin.register():
-        raise EngineBuildError(f"the {OP_TYPE} TensorRT plugin could not be registered: "
-                               f"{trt_plugin.unavailable_reason()}")
+        raise EngineBuildError(
+            f"the {OP_TYPE} TensorRT plugin could not be registered: {trt_plugin.unavailable_reason()}"
+        )
     profile = profile or ProfileSpec.derive()
     inputs = onnx_inputs(onnx_path)
     strongly_typed, precision_flag = _precision(trt, dtype, _graph_dtype(inputs))
 
     logger = _make_logger(trt)
     builder = trt.Builder(logger)
-    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED) if strongly_typed
-                                     else 0)
+    network = builder.create_network(
+        1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED) if strongly_typed else 0
+    )
     _parse(trt, network, logger, onnx_path, expected)
     config = _configure(trt, builder, network, profile.shapes_for((n, d) for n, d, _ in inputs), precision_flag)
     serialized = builder.build_serialized_network(network, config)
@@ -377,9 +410,16 @@ def _shape_arg(shapes: Mapping[str, tuple[tuple[int, ...], ...]], which: int) ->
     return " ".join(shlex.quote(f"{name}:[{','.join(map(str, dims[which]))}]") for name, dims in shapes.items())
 
 
-def polygraphy_recipe(onnx_path: str | os.PathLike, *, profile: ProfileSpec | None = None, atol: float = 1e-3,
-                      rtol: float = 1e-3, plugin_library: str | os.PathLike | None = None,
-                      slots: int = 4, max_len: int = 64) -> str:
+def polygraphy_recipe(
+    onnx_path: str | os.PathLike,
+    *,
+    profile: ProfileSpec | None = None,
+    atol: float = 1e-3,
+    rtol: float = 1e-3,
+    plugin_library: str | os.PathLike | None = None,
+    slots: int = 4,
+    max_len: int = 64,
+) -> str:
     """The ``polygraphy run`` command comparing ONNX Runtime (function body) with TensorRT (plugin).
 
     Both runners get the same ragged packs from ``POLYGRAPHY_SCRIPT``'s ``load_data``
@@ -398,8 +438,10 @@ def polygraphy_recipe(onnx_path: str | os.PathLike, *, profile: ProfileSpec | No
     slots = max(profile.slots.min, min(slots, profile.slots.max))
     max_len = max(profile.max_len.min, min(max_len, profile.max_len.max))
     script = shlex.quote(str(POLYGRAPHY_SCRIPT))
-    env = (f"SPECDEC_POLYGRAPHY_MODEL={shlex.quote(str(onnx_path))} SPECDEC_POLYGRAPHY_SLOTS={slots} "
-           f"SPECDEC_POLYGRAPHY_MAX_LEN={max_len}")
+    env = (
+        f"SPECDEC_POLYGRAPHY_MODEL={shlex.quote(str(onnx_path))} SPECDEC_POLYGRAPHY_SLOTS={slots} "
+        f"SPECDEC_POLYGRAPHY_MAX_LEN={max_len}"
+    )
     parts = [
         f"{env} polygraphy run {shlex.quote(str(onnx_path))}",
         "--onnxrt --trt",
@@ -428,14 +470,28 @@ def polygraphy_inspect_recipe(engine_path: str | os.PathLike) -> str:
     (or Myelin regions) instead.
     """
     argv = ["polygraphy", "inspect", "model", str(Path(engine_path)), "--show", "layers"]
-    code = ("import sys; from specdec.plugins import trt_plugin; assert trt_plugin.register(), "
-            "trt_plugin.unavailable_reason(); from polygraphy.tools import main; "
-            f"sys.argv = {json.dumps(argv)}; sys.exit(main())")  # double quotes: one clean shell quoting
+    code = (
+        "import sys; from specdec.plugins import trt_plugin; assert trt_plugin.register(), "
+        "trt_plugin.unavailable_reason(); from polygraphy.tools import main; "
+        f"sys.argv = {json.dumps(argv)}; sys.exit(main())"
+    )  # double quotes: one clean shell quoting
     return f"python -c {shlex.quote(code)}"
 
 
 __all__: Sequence[str] = (
-    "MIN_TENSORRT", "POLYGRAPHY_SCRIPT", "DimRange", "EngineBuildError", "PluginFallbackError", "ProfileSpec",
-    "TensorRTUnavailableError", "assert_plugin_layers", "attention_nodes", "build_engine", "count_plugin_layers",
-    "polygraphy_inspect_recipe", "polygraphy_recipe", "require_tensorrt", "tensorrt_problems",
+    "MIN_TENSORRT",
+    "POLYGRAPHY_SCRIPT",
+    "DimRange",
+    "EngineBuildError",
+    "PluginFallbackError",
+    "ProfileSpec",
+    "TensorRTUnavailableError",
+    "assert_plugin_layers",
+    "attention_nodes",
+    "build_engine",
+    "count_plugin_layers",
+    "polygraphy_inspect_recipe",
+    "polygraphy_recipe",
+    "require_tensorrt",
+    "tensorrt_problems",
 )

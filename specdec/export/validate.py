@@ -26,8 +26,10 @@ def random_packs(vocab: int, num_slots: int, max_len: int, seed: int = 0, rounds
     past = {slot: 0 for slot in range(num_slots)}
     steps: list[list[SeqWork]] = []
     idle = num_slots - 1  # never touched: must stay unchanged
-    prefill = [SeqWork(s, 0, [rng.randrange(vocab) for _ in range(rng.randint(1, max_len // 4))], logits="last")
-               for s in range(idle)]
+    prefill = [
+        SeqWork(s, 0, [rng.randrange(vocab) for _ in range(rng.randint(1, max_len // 4))], logits="last")
+        for s in range(idle)
+    ]
     steps.append(prefill)
     for w in prefill:
         past[w.slot_id] = len(w.token_ids)
@@ -46,8 +48,9 @@ def random_packs(vocab: int, num_slots: int, max_len: int, seed: int = 0, rounds
     return steps
 
 
-def max_logit_error(reference: Backend, candidate: Backend, *, num_slots: int = 4, max_len: int = 64,
-                    seed: int = 0) -> float:
+def max_logit_error(
+    reference: Backend, candidate: Backend, *, num_slots: int = 4, max_len: int = 64, seed: int = 0
+) -> float:
     """Largest |Δlogit| between ``candidate`` and ``reference`` over a few random ragged steps.
 
     Inputs cover the whole vocabulary the model reads; the logits compared are its head's
@@ -56,8 +59,10 @@ def max_logit_error(reference: Backend, candidate: Backend, *, num_slots: int = 
     ref_head, cand_head = getattr(reference, "head_token_ids", None), getattr(candidate, "head_token_ids", None)
     same_head = (ref_head is None) == (cand_head is None) and (ref_head is None or np.array_equal(ref_head, cand_head))
     if not same_head:
-        raise ValueError("the exported model's head_token_ids differ from the reference's: its logits columns would "
-                         "mean other tokens")
+        raise ValueError(
+            "the exported model's head_token_ids differ from the reference's: its logits columns would "
+            "mean other tokens"
+        )
     ref_cache = reference.allocate_cache(num_slots, max_len)
     cand_cache = candidate.allocate_cache(num_slots, max_len)
     worst = 0.0

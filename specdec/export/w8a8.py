@@ -112,8 +112,9 @@ def calibration_ids(tokenizer: Any | None, vocab_size: int, n: int = CALIBRATION
     out = []
     for prompt in builtin_prompts()[:n]:
         if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                tokenize=True)
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
             ids = ids["input_ids"] if isinstance(ids, Mapping) else ids
         else:
             ids = tokenizer(prompt).input_ids
@@ -136,6 +137,7 @@ def activation_maxima(model: Any, sequences: Sequence[Sequence[int]], names: Seq
         def record(_module: Any, inputs: tuple[Any, ...]) -> None:
             seen = inputs[0].detach().abs().reshape(-1, inputs[0].shape[-1]).amax(dim=0).float()
             maxima[name] = seen if name not in maxima else torch.maximum(maxima[name], seen)
+
         return record
 
     handles = [modules[name.removesuffix(".weight")].register_forward_pre_hook(hook(name)) for name in names]
@@ -159,9 +161,16 @@ def row_zero_points(input_ids: str, tag: str) -> tuple[list[Any], str]:
     """
     from onnx import TensorProto, helper
 
-    nodes = [helper.make_node("Shape", [input_ids], [f"{tag}.tokens"], name=f"{tag}.tokens", start=0, end=1),
-             helper.make_node("ConstantOfShape", [f"{tag}.tokens"], [f"{tag}.zero_points"], name=f"{tag}.zero_points",
-                              value=helper.make_tensor(f"{tag}.zp", TensorProto.UINT8, [1], [ZERO_POINT]))]
+    nodes = [
+        helper.make_node("Shape", [input_ids], [f"{tag}.tokens"], name=f"{tag}.tokens", start=0, end=1),
+        helper.make_node(
+            "ConstantOfShape",
+            [f"{tag}.tokens"],
+            [f"{tag}.zero_points"],
+            name=f"{tag}.zero_points",
+            value=helper.make_tensor(f"{tag}.zp", TensorProto.UINT8, [1], [ZERO_POINT]),
+        ),
+    ]
     return nodes, f"{tag}.zero_points"
 
 
@@ -169,14 +178,17 @@ def shared_constants(tag: str) -> list[Any]:
     """The scalars every chain reads (``integer_nodes``)."""
     from onnx import numpy_helper
 
-    return [numpy_helper.from_array(np.array([-1], np.int64), f"{tag}.last_axis"),
-            numpy_helper.from_array(np.float32(1 / 127), f"{tag}.inv127"),
-            numpy_helper.from_array(np.float32(_TINY), f"{tag}.tiny"),
-            numpy_helper.from_array(np.uint8(ZERO_POINT), f"{tag}.zp")]
+    return [
+        numpy_helper.from_array(np.array([-1], np.int64), f"{tag}.last_axis"),
+        numpy_helper.from_array(np.float32(1 / 127), f"{tag}.inv127"),
+        numpy_helper.from_array(np.float32(_TINY), f"{tag}.tiny"),
+        numpy_helper.from_array(np.uint8(ZERO_POINT), f"{tag}.zp"),
+    ]
 
 
-def integer_nodes(node: Any, linear: IntegerLinear, tag: str, zero_points: str,
-                  meta: Mapping[str, str]) -> tuple[list[Any], list[Any]]:
+def integer_nodes(
+    node: Any, linear: IntegerLinear, tag: str, zero_points: str, meta: Mapping[str, str]
+) -> tuple[list[Any], list[Any]]:
     """The chain replacing the linear ``node`` (a Gemm of rows ``[T, K]``): smooth, round per row, integer GEMM,
     rescale. Per-axis (axis 0) Quantize/DequantizeLinear hold the row scales: the exporter's opset has no blocked ones.
 
@@ -187,9 +199,11 @@ def integer_nodes(node: Any, linear: IntegerLinear, tag: str, zero_points: str,
     base = f"{node.name or node.output[0]}.w8a8"
     if node.op_type != "Gemm" or (len(node.input) > 2 and node.input[2]):
         raise ValueError(f"{base}: w8a8 rewrites a Gemm of 2-D rows without a bias, not this {node.op_type}")
-    tensors = [numpy_helper.from_array(linear.codes, f"{base}.codes"),
-               numpy_helper.from_array(linear.scales, f"{base}.scales"),
-               numpy_helper.from_array(linear.unsmooth, f"{base}.unsmooth")]
+    tensors = [
+        numpy_helper.from_array(linear.codes, f"{base}.codes"),
+        numpy_helper.from_array(linear.scales, f"{base}.scales"),
+        numpy_helper.from_array(linear.unsmooth, f"{base}.unsmooth"),
+    ]
 
     def make(op: str, inputs: list[str], suffix: str, **attrs: Any) -> Any:
         return helper.make_node(op, inputs, [f"{base}.{suffix}"], name=f"{base}.{suffix}", **attrs)
@@ -207,8 +221,15 @@ def integer_nodes(node: Any, linear: IntegerLinear, tag: str, zero_points: str,
         helper.make_node("Mul", [f"{base}.y0", f"{base}.scales"], [node.output[0]], name=f"{base}.y"),
     ]
     product = next(m for m in nodes if m.op_type == "MatMulInteger")
-    chain = {"input": x, "output": node.output[0], "codes": f"{base}.codes", "scales": f"{base}.scales",
-             "unsmooth": f"{base}.unsmooth", "product": product.name, "nodes": [m.name for m in nodes]}
+    chain = {
+        "input": x,
+        "output": node.output[0],
+        "codes": f"{base}.codes",
+        "scales": f"{base}.scales",
+        "unsmooth": f"{base}.unsmooth",
+        "product": product.name,
+        "nodes": [m.name for m in nodes],
+    }
     product.metadata_props.add(key=CHAIN_KEY, value=json.dumps(chain))
     for key, value in meta.items():
         product.metadata_props.add(key=key, value=value)
@@ -232,8 +253,9 @@ def integer_weights(graph: Any) -> dict[str, IntegerLinear]:
     inits = {i.name: i for i in graph.initializer}
     out = {}
     for chain in chains(graph):
-        out[chain["product"]] = IntegerLinear(*(numpy_helper.to_array(inits[chain[key]])
-                                                for key in ("codes", "scales", "unsmooth")))
+        out[chain["product"]] = IntegerLinear(
+            *(numpy_helper.to_array(inits[chain[key]]) for key in ("codes", "scales", "unsmooth"))
+        )
     return out
 
 
@@ -253,9 +275,12 @@ def with_fp32_products(model: Any) -> None:
     for chain in chains(graph):
         name = chain["product"]
         dropped.update(chain["nodes"])
-        gemms[chain["nodes"][-1]] = (helper.make_node("Gemm", [chain["input"], f"{name}.effective"], [chain["output"]],
-                                                      name=f"{name}.fp32", transB=1),
-                                     numpy_helper.from_array(weights[name].effective(), f"{name}.effective"))
+        gemms[chain["nodes"][-1]] = (
+            helper.make_node(
+                "Gemm", [chain["input"], f"{name}.effective"], [chain["output"]], name=f"{name}.fp32", transB=1
+            ),
+            numpy_helper.from_array(weights[name].effective(), f"{name}.effective"),
+        )
     nodes = []
     for node in graph.node:
         if node.name in gemms:
@@ -287,9 +312,16 @@ def fp32_product_copy(graph: str | os.PathLike, edit: Callable[[Any], None]) -> 
         yield checked
 
 
-def chain_for(node: Any, weight: np.ndarray, runs: Sequence[tuple[str, int, int]], maxima: Mapping[str, np.ndarray],
-              meta: Mapping[str, str], reference: Mapping[str, np.ndarray], effective: dict[str, np.ndarray] | None,
-              first: bool) -> tuple[list[Any], list[Any]]:
+def chain_for(
+    node: Any,
+    weight: np.ndarray,
+    runs: Sequence[tuple[str, int, int]],
+    maxima: Mapping[str, np.ndarray],
+    meta: Mapping[str, str],
+    reference: Mapping[str, np.ndarray],
+    effective: dict[str, np.ndarray] | None,
+    first: bool,
+) -> tuple[list[Any], list[Any]]:
     """The chain replacing the linear ``node`` whose weight ``[N, K]`` holds the source rows ``runs``.
 
     ``maxima``: each source's calibrated input maxima (q|k|v, gate|up read one input: the same);
@@ -302,7 +334,7 @@ def chain_for(node: Any, weight: np.ndarray, runs: Sequence[tuple[str, int, int]
     if effective is not None:
         rows, at = linear.effective(), 0
         for name, start, stop in runs:
-            effective.setdefault(name, np.zeros_like(reference[name]))[start:stop] = rows[at:at + stop - start]
+            effective.setdefault(name, np.zeros_like(reference[name]))[start:stop] = rows[at : at + stop - start]
             at += stop - start
     if first:
         zp_nodes, _ = row_zero_points("input_ids", "w8a8")

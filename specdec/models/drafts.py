@@ -99,8 +99,14 @@ def load_draft(path: str | Path, target: LoadedModel, dtype: torch.dtype = torch
         sd["lm_head.weight"] = restrict_head(target, head).state_dict["lm_head.weight"].to(dtype)
     if "lm_head.weight" not in sd:
         raise DraftLoadError(f"{root} is not a complete distilled draft: its weights have no lm_head.weight")
-    return LoadedModel(f"{made_for.get('name')}-draft", config, sd, target.tokenizer, str(root),
-                       {"head_token_ids": head, "draft_manifest": manifest})
+    return LoadedModel(
+        f"{made_for.get('name')}-draft",
+        config,
+        sd,
+        target.tokenizer,
+        str(root),
+        {"head_token_ids": head, "draft_manifest": manifest},
+    )
 
 
 def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> None:
@@ -111,15 +117,19 @@ def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> None:
     must score every token, since the verifier needs p over the whole vocabulary.
     """
     if target.head_token_ids is not None:
-        raise ValueError(f"target {target.name!r} has a restricted LM head ({len(target.head_token_ids)} of "
-                         f"{target.vocab_size} tokens): only a draft may restrict its head")
+        raise ValueError(
+            f"target {target.name!r} has a restricted LM head ({len(target.head_token_ids)} of "
+            f"{target.vocab_size} tokens): only a draft may restrict its head"
+        )
     if draft.vocab_size != target.vocab_size:
         raise DraftMismatchError(
             f"draft {draft.name!r} has a vocabulary of {draft.vocab_size} tokens but target "
             f"{target.name!r} has {target.vocab_size}: a draft model must use the target's tokenizer"
         )
-    if target.tokenizer is not None and draft.tokenizer is not None and (
-        target.tokenizer.get_vocab() != draft.tokenizer.get_vocab()
+    if (
+        target.tokenizer is not None
+        and draft.tokenizer is not None
+        and (target.tokenizer.get_vocab() != draft.tokenizer.get_vocab())
     ):
         raise DraftMismatchError(
             f"draft {draft.name!r} and target {target.name!r} have the same vocabulary size but "

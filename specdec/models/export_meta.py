@@ -24,8 +24,9 @@ HEAD_TOKEN_IDS_FILE = "head_token_ids.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
-def check_head_token_ids(ids: Sequence[int] | np.ndarray | Any, vocab_size: int, rows: int | None = None,
-                         where: str = "head_token_ids") -> np.ndarray:
+def check_head_token_ids(
+    ids: Sequence[int] | np.ndarray | Any, vocab_size: int, rows: int | None = None, where: str = "head_token_ids"
+) -> np.ndarray:
     """``ids`` as a validated 1-D ascending int64 array of distinct ids in ``[0, vocab_size)``.
 
     ``rows`` is the LM head's row count when known: a map of another length would silently
@@ -56,8 +57,9 @@ def read_head_token_ids(directory: str | os.PathLike, vocab_size: int | None = N
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ModelResolutionError(f"{path} must hold a JSON list of integer token ids")
     try:
-        return check_head_token_ids(ids, vocab_size if vocab_size is not None else max(ids, default=0) + 1,
-                                    where=str(path))
+        return check_head_token_ids(
+            ids, vocab_size if vocab_size is not None else max(ids, default=0) + 1, where=str(path)
+        )
     except ValueError as exc:
         raise ModelResolutionError(str(exc)) from exc
 
@@ -138,6 +140,10 @@ def load_export_metadata(path: str | os.PathLike, part: str = "target") -> Expor
     except (OSError, ValueError) as exc:
         raise ModelResolutionError(f"cannot read {directory / 'config.json'}: {exc}") from exc
     tokenizer = load_tokenizer(directory)
-    return ExportMetadata(part, config, tokenizer,
-                          eos_token_ids(config.get("eos_token_id"), generation_eos(directory), tokenizer),
-                          {"export_dir": str(root)})
+    return ExportMetadata(
+        part,
+        config,
+        tokenizer,
+        eos_token_ids(config.get("eos_token_id"), generation_eos(directory), tokenizer),
+        {"export_dir": str(root)},
+    )

@@ -13,10 +13,17 @@ from typing import Any
 #: ``LoadedModel.extra`` key of the GGUF file a model was loaded from (its raw blocks: ``read_gguf_tensors``)
 GGUF_PATH = "gguf_path"
 _GGUF_NAMES = {"token_embd": "model.embed_tokens", "output": "lm_head", "output_norm": "model.norm"}
-_GGUF_LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-                     "ffn_norm": "post_attention_layernorm"}
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
 
 
 @dataclass(frozen=True)
@@ -46,8 +53,11 @@ def read_gguf_tensors(path: str | os.PathLike, config: Any) -> dict[str, GGUFTen
     for tensor in GGUFReader(str(path)).tensors:
         base, _, suffix = tensor.name.rpartition(".")
         parts = base.split(".")
-        hf = (f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
-              if parts[0] == "blk" and len(parts) == 3 and parts[2] in _GGUF_LAYER_NAMES else _GGUF_NAMES.get(base))
+        hf = (
+            f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
+            if parts[0] == "blk" and len(parts) == 3 and parts[2] in _GGUF_LAYER_NAMES
+            else _GGUF_NAMES.get(base)
+        )
         if hf is None:
             continue
         data = np.asarray(tensor.data)

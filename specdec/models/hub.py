@@ -21,9 +21,20 @@ import os
 from pathlib import Path
 
 #: what ``loading._load_hf_dir`` reads besides weights (head_token_ids.json: a restricted draft's head map)
-METADATA_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer.model",
-                  "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-                  "merges.txt", "chat_template.jinja", "chat_template.json", "head_token_ids.json")
+METADATA_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "head_token_ids.json",
+)
 # named, not "*.safetensors": Mistral repositories also ship consolidated.safetensors (the same weights again)
 SAFETENSORS_FILES = ("model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json")
 BIN_FILES = ("pytorch_model.bin", "pytorch_model-*-of-*.bin", "pytorch_model.bin.index.json")
@@ -36,8 +47,9 @@ class HubFetchError(ValueError):
 
 def offline_mode(offline: bool = False) -> bool:
     """``offline``, or ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` as set now."""
-    return offline or any(os.environ.get(v, "").strip().lower() in _TRUE
-                          for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return offline or any(
+        os.environ.get(v, "").strip().lower() in _TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
 
 
 def hub_endpoint() -> str:
@@ -58,8 +70,7 @@ def hub_cache_dir() -> Path:
     return Path(constants.HF_HUB_CACHE)
 
 
-def fetch_model(repo_id: str, *, offline: bool = False, revision: str | None = None,
-                name: str | None = None) -> Path:
+def fetch_model(repo_id: str, *, offline: bool = False, revision: str | None = None, name: str | None = None) -> Path:
     """The local snapshot directory of ``repo_id``, downloading what the loader needs unless offline.
 
     Online, the Hub is asked for the revision's files first (as transformers does), so an updated
@@ -88,8 +99,16 @@ def _snapshot(repo_id: str, patterns: list[str], offline: bool, revision: str | 
 
     endpoint = hub_endpoint()
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, local_files_only=offline,
-                                      endpoint=endpoint, cache_dir=hub_cache_dir()))
+        return Path(
+            snapshot_download(
+                repo_id,
+                revision=revision,
+                allow_patterns=patterns,
+                local_files_only=offline,
+                endpoint=endpoint,
+                cache_dir=hub_cache_dir(),
+            )
+        )
     except GatedRepoError as exc:
         raise HubFetchError(_access_message(what, repo_id, endpoint, exc, gated=True)) from None
     except RevisionNotFoundError:
@@ -100,11 +119,15 @@ def _snapshot(repo_id: str, patterns: list[str], offline: bool, revision: str | 
         status = exc.response.status_code if exc.response is not None else None
         if status in (401, 403):
             raise HubFetchError(_access_message(what, repo_id, endpoint, exc, gated=True)) from None
-        raise HubFetchError(_unreachable_message(what, repo_id, f"the Hub answered {status}: {_first_line(exc)}",
-                                                 offline)) from None
+        raise HubFetchError(
+            _unreachable_message(what, repo_id, f"the Hub answered {status}: {_first_line(exc)}", offline)
+        ) from None
     except (LocalEntryNotFoundError, OSError) as exc:  # offline, unreachable, or a cached snapshot with files missing
-        reason = ("offline mode is on (--offline or HF_HUB_OFFLINE=1)" if offline
-                  else f"{endpoint} could not be reached ({_first_line(exc.__cause__ or exc)})")
+        reason = (
+            "offline mode is on (--offline or HF_HUB_OFFLINE=1)"
+            if offline
+            else f"{endpoint} could not be reached ({_first_line(exc.__cause__ or exc)})"
+        )
         raise HubFetchError(_unreachable_message(what, repo_id, reason, offline)) from None
 
 
@@ -113,24 +136,32 @@ def _access_message(what: str, repo_id: str, endpoint: str, exc: Exception, gate
     status = getattr(getattr(exc, "response", None), "status_code", None)
     page = f"{endpoint}/{repo_id}"
     if not gated:
-        problem = (f"{what} was not found on {endpoint} ({status}): check the name, or, if it is private or gated, "
-                   "set HF_TOKEN to a token of an account that can read it (https://huggingface.co/settings/tokens) "
-                   f"and accept its license at {page}")
+        problem = (
+            f"{what} was not found on {endpoint} ({status}): check the name, or, if it is private or gated, "
+            "set HF_TOKEN to a token of an account that can read it (https://huggingface.co/settings/tokens) "
+            f"and accept its license at {page}"
+        )
     elif os.environ.get("HF_TOKEN"):
-        problem = (f"{what} is gated and the Hub refused the token in HF_TOKEN ({status}): accept the license at "
-                   f"{page} with that token's account (approval can take a while), or use a token of one that has")
+        problem = (
+            f"{what} is gated and the Hub refused the token in HF_TOKEN ({status}): accept the license at "
+            f"{page} with that token's account (approval can take a while), or use a token of one that has"
+        )
     else:
-        problem = (f"{what} is gated ({status}): accept its license at {page}, then set HF_TOKEN to an access token "
-                   "of that account (https://huggingface.co/settings/tokens) and run the command again")
+        problem = (
+            f"{what} is gated ({status}): accept its license at {page}, then set HF_TOKEN to an access token "
+            "of that account (https://huggingface.co/settings/tokens) and run the command again"
+        )
     return f"{problem}; or pass a local copy: --target /path/to/{repo_id.split('/')[-1]}"
 
 
 def _unreachable_message(what: str, repo_id: str, reason: str, offline: bool) -> str:
-    return (f"{what} is not in the Hugging Face cache ({hub_cache_dir()}) and cannot be downloaded: {reason}. "
-            f"On a machine that reaches the Hub, run `hf download {repo_id} --include '*.json' --include "
-            f"'*.safetensors' --include 'tokenizer.model'` (or this same command) and copy the cache here (HF_HOME), "
-            f"or pass its directory: --target /path/to/{repo_id.split('/')[-1]}"
-            + ("" if offline else "; or retry when the network is back"))
+    return (
+        f"{what} is not in the Hugging Face cache ({hub_cache_dir()}) and cannot be downloaded: {reason}. "
+        f"On a machine that reaches the Hub, run `hf download {repo_id} --include '*.json' --include "
+        f"'*.safetensors' --include 'tokenizer.model'` (or this same command) and copy the cache here (HF_HOME), "
+        f"or pass its directory: --target /path/to/{repo_id.split('/')[-1]}"
+        + ("" if offline else "; or retry when the network is back")
+    )
 
 
 def _first_line(exc: BaseException) -> str:

@@ -50,7 +50,6 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 _CACHE_MARKER = "specdec_complete.json"
 
 
-
 @dataclass
 class LoadedModel:
     """LLaMA weights (Hugging Face parameter names), their config and tokenizer."""
@@ -326,16 +325,19 @@ def _load_hf_dir(path: Path, name: str, dtype: torch.dtype, weights: bool = True
     _check_architecture(config, str(path))
     head = read_head_token_ids(path, int(config.vocab_size))
     if head is not None and config.tie_word_embeddings:
-        raise ModelResolutionError(f"{path}: a restricted LM head ({HEAD_TOKEN_IDS_FILE}) cannot be tied to the "
-                                   "embeddings (set tie_word_embeddings to false)")
+        raise ModelResolutionError(
+            f"{path}: a restricted LM head ({HEAD_TOKEN_IDS_FILE}) cannot be tied to the "
+            "embeddings (set tie_word_embeddings to false)"
+        )
     state = _read_weights(path, dtype, restricted=head is not None) if weights else {}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     if head is not None and weights:
         rows = state["lm_head.weight"].shape[0] if "lm_head.weight" in state else None
         if rows != len(head):
-            raise ModelResolutionError(f"{path}: {HEAD_TOKEN_IDS_FILE} lists {len(head)} token ids but the "
-                                       f"weights' lm_head has {rows} rows")
+            raise ModelResolutionError(
+                f"{path}: {HEAD_TOKEN_IDS_FILE} lists {len(head)} token ids but the weights' lm_head has {rows} rows"
+            )
     tokenizer = None
     if any((path / f).is_file() for f in TOKENIZER_FILES):
         try:

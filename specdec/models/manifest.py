@@ -66,11 +66,16 @@ def verify_part(directory: Path, manifest: dict, part: str, *, weights: bool = T
     if "graph" in entry and export_path(directory, entry["graph"]) not in listed:
         raise ExportDirError(f"{directory / MANIFEST}: the {part} graph {entry['graph']!r} has no checksum")
     folder = directory / part
-    unlisted = sorted(str(p.relative_to(directory)) for p in folder.rglob("*") if p.is_file() and p not in listed) \
-        if folder.is_dir() else []
+    unlisted = (
+        sorted(str(p.relative_to(directory)) for p in folder.rglob("*") if p.is_file() and p not in listed)
+        if folder.is_dir()
+        else []
+    )
     if unlisted:
-        raise ExportDirError(f"{directory}: {', '.join(unlisted[:3])} not listed in {MANIFEST}: the export was changed "
-                             "after it was written")
+        raise ExportDirError(
+            f"{directory}: {', '.join(unlisted[:3])} not listed in {MANIFEST}: the export was changed "
+            "after it was written"
+        )
     for file, digest in listed.items():
         if not weights and file.name.endswith(WEIGHT_SUFFIXES):
             continue

@@ -82,13 +82,31 @@ def _interpret_mode() -> bool:
 
 
 def _kv_write_body(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
-    cu_ptr, past_ptr, slot_ptr, table_ptr,
-    stride_kt, stride_kh, stride_kd,
-    stride_vt, stride_vh, stride_vd,
-    stride_kcs, stride_kch, stride_kcl, stride_kcd,
-    stride_vcs, stride_vch, stride_vcl, stride_vcd,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    cu_ptr,
+    past_ptr,
+    slot_ptr,
+    table_ptr,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_kcs,
+    stride_kch,
+    stride_kcl,
+    stride_kcd,
+    stride_vcs,
+    stride_vch,
+    stride_vcl,
+    stride_vcd,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Program (kv head, block): copy up to BLOCK_M new K/V rows of one sequence into its slot."""
     head = tl.program_id(0)
@@ -109,25 +127,57 @@ def _kv_write_body(
         vv = tl.load(v_ptr + src[:, None] * stride_vt + head * stride_vh + offs_d[None, :] * stride_vd, mask=tile)
         kc = k_cache_ptr + slot * stride_kcs + head * stride_kch
         vc = v_cache_ptr + slot * stride_vcs + head * stride_vch
-        tl.store(kc + dst[:, None] * stride_kcl + offs_d[None, :] * stride_kcd,
-                 kk.to(k_cache_ptr.dtype.element_ty), mask=tile)
-        tl.store(vc + dst[:, None] * stride_vcl + offs_d[None, :] * stride_vcd,
-                 vv.to(v_cache_ptr.dtype.element_ty), mask=tile)
+        tl.store(
+            kc + dst[:, None] * stride_kcl + offs_d[None, :] * stride_kcd,
+            kk.to(k_cache_ptr.dtype.element_ty),
+            mask=tile,
+        )
+        tl.store(
+            vc + dst[:, None] * stride_vcl + offs_d[None, :] * stride_vcd,
+            vv.to(v_cache_ptr.dtype.element_ty),
+            mask=tile,
+        )
 
 
 def _attention_body(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    cu_ptr, past_ptr, slot_ptr, table_ptr, tree_ptr, cmask_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    cu_ptr,
+    past_ptr,
+    slot_ptr,
+    table_ptr,
+    tree_ptr,
+    cmask_ptr,
     qk_scale,
-    stride_qt, stride_qh, stride_qd,
-    stride_ot, stride_oh, stride_od,
-    stride_kcs, stride_kch, stride_kcl, stride_kcd,
-    stride_vcs, stride_vch, stride_vcl, stride_vcd,
-    stride_tt, stride_tj, tree_cols,
-    stride_cb, stride_cj, cmask_cols,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_CACHE_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_kcs,
+    stride_kch,
+    stride_kcl,
+    stride_kcd,
+    stride_vcs,
+    stride_vch,
+    stride_vcl,
+    stride_vcd,
+    stride_tt,
+    stride_tj,
+    tree_cols,
+    stride_cb,
+    stride_cj,
+    cmask_cols,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_CACHE_MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Program (query head, block): BLOCK_M new tokens of one sequence against prefix + own tree."""
     head = tl.program_id(0)
@@ -148,8 +198,11 @@ def _attention_body(
         d_ok = offs_d < HEAD_DIM
         offs_n = tl.arange(0, BLOCK_N)
 
-        q = tl.load(q_ptr + grow[:, None] * stride_qt + head * stride_qh + offs_d[None, :] * stride_qd,
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + grow[:, None] * stride_qt + head * stride_qh + offs_d[None, :] * stride_qd,
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         kc = k_cache_ptr + slot * stride_kcs + kv_head * stride_kch
         vc = v_cache_ptr + slot * stride_vcs + kv_head * stride_vch
 
@@ -162,11 +215,15 @@ def _attention_body(
             cols = j0 + offs_n
             col_ok = cols < past
             if HAS_CACHE_MASK:
-                hole = tl.load(cmask_ptr + seq * stride_cb + cols * stride_cj,
-                               mask=col_ok & (cols < cmask_cols), other=0)
+                hole = tl.load(
+                    cmask_ptr + seq * stride_cb + cols * stride_cj, mask=col_ok & (cols < cmask_cols), other=0
+                )
                 col_ok = col_ok & (hole != 0)
-            kt = tl.load(kc + cols[None, :].to(tl.int64) * stride_kcl + offs_d[:, None] * stride_kcd,
-                         mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+            kt = tl.load(
+                kc + cols[None, :].to(tl.int64) * stride_kcl + offs_d[:, None] * stride_kcd,
+                mask=col_ok[None, :] & d_ok[:, None],
+                other=0.0,
+            )
             s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
             s = tl.where(col_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -174,8 +231,11 @@ def _attention_body(
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            vt = tl.load(vc + cols[:, None].to(tl.int64) * stride_vcl + offs_d[None, :] * stride_vcd,
-                         mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+            vt = tl.load(
+                vc + cols[:, None].to(tl.int64) * stride_vcl + offs_d[None, :] * stride_vcd,
+                mask=col_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
             m_i = m_new
 
@@ -184,14 +244,20 @@ def _attention_body(
         #    ordered trees that is everything right of the diagonal block)
         for j0 in range(0, n, BLOCK_N):
             cols = j0 + offs_n
-            vis = tl.load(tree_ptr + grow[:, None] * stride_tt + cols[None, :] * stride_tj,
-                          mask=row_ok[:, None] & ((cols < n) & (cols < tree_cols))[None, :], other=0)
+            vis = tl.load(
+                tree_ptr + grow[:, None] * stride_tt + cols[None, :] * stride_tj,
+                mask=row_ok[:, None] & ((cols < n) & (cols < tree_cols))[None, :],
+                other=0,
+            )
             vis = vis != 0
             if tl.max(vis.to(tl.int32)) > 0:
                 pos = (past + cols).to(tl.int64)
                 col_ok = cols < n
-                kt = tl.load(kc + pos[None, :] * stride_kcl + offs_d[:, None] * stride_kcd,
-                             mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+                kt = tl.load(
+                    kc + pos[None, :] * stride_kcl + offs_d[:, None] * stride_kcd,
+                    mask=col_ok[None, :] & d_ok[:, None],
+                    other=0.0,
+                )
                 s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
                 s = tl.where(vis, s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -199,16 +265,22 @@ def _attention_body(
                 alpha = tl.exp2(m_i - m_safe)
                 p = tl.exp2(s - m_safe[:, None])
                 l_i = l_i * alpha + tl.sum(p, 1)
-                vt = tl.load(vc + pos[:, None] * stride_vcl + offs_d[None, :] * stride_vcd,
-                             mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+                vt = tl.load(
+                    vc + pos[:, None] * stride_vcl + offs_d[None, :] * stride_vcd,
+                    mask=col_ok[:, None] & d_ok[None, :],
+                    other=0.0,
+                )
                 acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
                 m_i = m_new
 
         # a row that sees nothing gives 0, as torch's SDPA (the reference) does
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc / l_safe[:, None]
-        tl.store(out_ptr + grow[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(
+            out_ptr + grow[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
 
 
 @functools.cache
@@ -233,8 +305,9 @@ def _kernels(interpret: bool) -> tuple[Any, Any]:
             os.environ["TRITON_INTERPRET"] = previous
 
 
-def _pick_config(num_tokens: int, num_seqs: int, head_dim: int, dtype: torch.dtype, cfg: KernelConfig | None
-                 ) -> tuple[int, int, int, int]:
+def _pick_config(
+    num_tokens: int, num_seqs: int, head_dim: int, dtype: torch.dtype, cfg: KernelConfig | None
+) -> tuple[int, int, int, int]:
     """Block sizes from host-known shapes only (no device sync): small blocks for decode/verify steps."""
     cfg = cfg or KernelConfig()
     avg = num_tokens / max(num_seqs, 1)
@@ -281,8 +354,16 @@ def _as_index(x: IndexLike, device: torch.device, name: str) -> torch.Tensor:
     return t.to(device=device, dtype=torch.int32).contiguous()
 
 
-def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  tree_mask: torch.Tensor, num_seqs: int, cache_mask: torch.Tensor | None) -> None:
+def _check_shapes(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tree_mask: torch.Tensor,
+    num_seqs: int,
+    cache_mask: torch.Tensor | None,
+) -> None:
     """Validate what the host knows without reading device memory (the kernel trusts the rest)."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"q, k, v must be [T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -293,8 +374,9 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
     if hkv == 0 or hq % hkv:
         raise ValueError(f"query heads {hq} are not a multiple of KV heads {hkv}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[1] != hkv or k_cache.shape[3] != d:
-        raise ValueError(f"caches must be [slots, {hkv}, max_len, {d}], got {tuple(k_cache.shape)}, "
-                         f"{tuple(v_cache.shape)}")
+        raise ValueError(
+            f"caches must be [slots, {hkv}, max_len, {d}], got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise TypeError(f"q ({q.dtype}) and the caches ({k_cache.dtype}, {v_cache.dtype}) must share a dtype")
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -368,20 +450,51 @@ def ragged_tree_attention_triton(
     launch = {} if interpret else {"num_warps": num_warps, "num_stages": num_stages}
 
     kv_write[(hkv, grid_blocks)](
-        k, v, k_cache, v_cache, cu, past, slots, table,
-        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_D=block_d,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        cu,
+        past,
+        slots,
+        table,
+        *k.stride(),
+        *v.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_D=block_d,
         **({} if interpret else {"num_warps": 4}),
     )
     cm = cmask if cmask is not None else tree  # any valid pointer; unused unless HAS_CACHE_MASK
     attention[(hq, grid_blocks)](
-        q, k_cache, v_cache, out, cu, past, slots, table, tree, cm,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        cu,
+        past,
+        slots,
+        table,
+        tree,
+        cm,
         float(scale) * _LOG2E,
-        *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
-        tree.stride(0), tree.stride(1), tree.shape[1],
-        cm.stride(0), cm.stride(1), cm.shape[1],
-        GROUP=hq // hkv, HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        *q.stride(),
+        *out.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        tree.stride(0),
+        tree.stride(1),
+        tree.shape[1],
+        cm.stride(0),
+        cm.stride(1),
+        cm.shape[1],
+        GROUP=hq // hkv,
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
         HAS_CACHE_MASK=cmask is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         **launch,
@@ -409,11 +522,32 @@ def torch_cuda_attention(
     means the backend has one call site and CPU runs never touch triton.
     """
     if q.is_cuda and triton_available():
-        return ragged_tree_attention_triton(q, k, v, k_cache, v_cache, cu_seqlens, past_lens, slot_ids,
-                                            tree_mask.to(q.device), scale,
-                                            None if cache_mask is None else cache_mask.to(q.device))
-    return ragged_tree_attention(q, k, v, k_cache, v_cache, _as_list(cu_seqlens), _as_list(past_lens),
-                                 _as_list(slot_ids), tree_mask, scale, cache_mask)
+        return ragged_tree_attention_triton(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            cu_seqlens,
+            past_lens,
+            slot_ids,
+            tree_mask.to(q.device),
+            scale,
+            None if cache_mask is None else cache_mask.to(q.device),
+        )
+    return ragged_tree_attention(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        _as_list(cu_seqlens),
+        _as_list(past_lens),
+        _as_list(slot_ids),
+        tree_mask,
+        scale,
+        cache_mask,
+    )
 
 
 def _as_list(x: IndexLike) -> list[int]:

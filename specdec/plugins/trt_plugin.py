@@ -121,16 +121,38 @@ def _define(trtp: Any) -> None:
         return cache.aliased() if hasattr(cache, "aliased") else cache.like()
 
     @trtp.register(PLUGIN_ID)
-    def _describe(q: TensorDesc, k: TensorDesc, v: TensorDesc, k_cache: TensorDesc, v_cache: TensorDesc,
-                  cu_seqlens: TensorDesc, past_lens: TensorDesc, slot_ids: TensorDesc, tree_mask: TensorDesc,
-                  scale: float, num_heads: int, num_kv_heads: int) -> tuple[TensorDesc, TensorDesc, TensorDesc]:
+    def _describe(
+        q: TensorDesc,
+        k: TensorDesc,
+        v: TensorDesc,
+        k_cache: TensorDesc,
+        v_cache: TensorDesc,
+        cu_seqlens: TensorDesc,
+        past_lens: TensorDesc,
+        slot_ids: TensorDesc,
+        tree_mask: TensorDesc,
+        scale: float,
+        num_heads: int,
+        num_kv_heads: int,
+    ) -> tuple[TensorDesc, TensorDesc, TensorDesc]:
         # every ONNX attribute the exporter writes is declared: the parser passes declared ones as plugin fields
         return q.like(), in_place(k_cache), in_place(v_cache)
 
     @trtp.impl(PLUGIN_ID)
-    def _enqueue(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens: Tensor,
-                 past_lens: Tensor, slot_ids: Tensor, tree_mask: Tensor, scale: float,
-                 outputs: tuple[Tensor, Tensor, Tensor], stream: int) -> None:
+    def _enqueue(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        cu_seqlens: Tensor,
+        past_lens: Tensor,
+        slot_ids: Tensor,
+        tree_mask: Tensor,
+        scale: float,
+        outputs: tuple[Tensor, Tensor, Tensor],
+        stream: int,
+    ) -> None:
         # only `scale` is serialised into the engine: head counts come from the shapes
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
             args = [as_torch(t) for t in (q, k, v, k_cache, v_cache, cu_seqlens, past_lens, slot_ids, tree_mask)]
@@ -151,8 +173,16 @@ _CAI_TYPES = {
     "UINT8": ("|u1", None, 1),
     "BOOL": ("|b1", None, 1),
 }
-_TORCH_TYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT32": torch.int32,
-                "INT64": torch.int64, "INT8": torch.int8, "UINT8": torch.uint8, "BOOL": torch.bool}
+_TORCH_TYPES = {
+    "FLOAT": torch.float32,
+    "HALF": torch.float16,
+    "BF16": torch.bfloat16,
+    "INT32": torch.int32,
+    "INT64": torch.int64,
+    "INT8": torch.int8,
+    "UINT8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 class _DeviceArray:
@@ -160,8 +190,12 @@ class _DeviceArray:
 
     def __init__(self, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], typestr: str) -> None:
         self.__cuda_array_interface__ = {
-            "data": (int(ptr), False), "shape": shape, "strides": strides, "typestr": typestr,
-            "version": 3, "stream": None,  # TensorRT's stream is torch's current stream already: no sync
+            "data": (int(ptr), False),
+            "shape": shape,
+            "strides": strides,
+            "typestr": typestr,
+            "version": 3,
+            "stream": None,  # TensorRT's stream is torch's current stream already: no sync
         }
 
 
@@ -187,9 +221,15 @@ def as_torch(t: Any) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------- the computation
 
 
-def sanitize_indices(cu_seqlens: torch.Tensor, past_lens: torch.Tensor, slot_ids: torch.Tensor, *,
-                     num_tokens: int, num_slots: int, max_len: int
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def sanitize_indices(
+    cu_seqlens: torch.Tensor,
+    past_lens: torch.Tensor,
+    slot_ids: torch.Tensor,
+    *,
+    num_tokens: int,
+    num_slots: int,
+    max_len: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(cu_seqlens, past_lens, slot_ids, ok): the inputs unchanged when valid, an empty pack when not.
 
     Valid = ``cu_seqlens`` starts at 0, never decreases, ends <= T; every slot is in
@@ -198,15 +238,32 @@ def sanitize_indices(cu_seqlens: torch.Tensor, past_lens: torch.Tensor, slot_ids
     replacement is all-or-nothing, so a valid pack is never altered.
     """
     n = cu_seqlens[1:] - cu_seqlens[:-1]
-    ok = ((cu_seqlens[:1] == 0).all() & (n >= 0).all() & (cu_seqlens[-1:] <= num_tokens).all()
-          & ((slot_ids >= 0) & (slot_ids < num_slots)).all() & (past_lens >= 0).all()
-          & (past_lens + n <= max_len).all())
+    ok = (
+        (cu_seqlens[:1] == 0).all()
+        & (n >= 0).all()
+        & (cu_seqlens[-1:] <= num_tokens).all()
+        & ((slot_ids >= 0) & (slot_ids < num_slots)).all()
+        & (past_lens >= 0).all()
+        & (past_lens + n <= max_len).all()
+    )
     return (torch.where(ok, cu_seqlens, 0), torch.where(ok, past_lens, 0), torch.where(ok, slot_ids, 0), ok)
 
 
-def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  cu_seqlens: torch.Tensor, past_lens: torch.Tensor, slot_ids: torch.Tensor, tree_mask: torch.Tensor,
-                  scale: float, out: torch.Tensor, k_cache_out: torch.Tensor, v_cache_out: torch.Tensor) -> None:
+def run_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    past_lens: torch.Tensor,
+    slot_ids: torch.Tensor,
+    tree_mask: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    k_cache_out: torch.Tensor,
+    v_cache_out: torch.Tensor,
+) -> None:
     """The plugin's enqueue on torch tensors: caches updated in ``*_cache_out``, attention written to ``out``.
 
     When TensorRT aliased the cache outputs to the inputs (the normal case) they are the same
@@ -225,8 +282,14 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
     if cu_seqlens.shape[0] != slot_ids.shape[0] + 1 or past_lens.shape[0] != slot_ids.shape[0]:
         out.fill_(float("nan"))
         return
-    cu, past, slots, ok = sanitize_indices(cu_seqlens, past_lens, slot_ids, num_tokens=num_tokens,
-                                           num_slots=int(k_cache_out.shape[0]), max_len=int(k_cache_out.shape[2]))
+    cu, past, slots, ok = sanitize_indices(
+        cu_seqlens,
+        past_lens,
+        slot_ids,
+        num_tokens=num_tokens,
+        num_slots=int(k_cache_out.shape[0]),
+        max_len=int(k_cache_out.shape[2]),
+    )
     result = ragged_tree_attention_triton(q, k, v, k_cache_out, v_cache_out, cu, past, slots, tree_mask, scale)
     out.copy_(torch.where(ok, result, float("nan")))
 
@@ -299,8 +362,10 @@ def tensorrt_problems() -> list[str]:
     else:
         version = str(getattr(trt, "__version__", "0"))
         if _parse_version(version) < MIN_TENSORRT:
-            problems.append(f"TensorRT {version} is too old: specdec needs >= {minimum} (Python plugins, and "
-                            "plugins taking precedence over the ONNX function body)")
+            problems.append(
+                f"TensorRT {version} is too old: specdec needs >= {minimum} (Python plugins, and "
+                "plugins taking precedence over the ONNX function body)"
+            )
         else:
             try:
                 importlib.import_module("tensorrt.plugin")
@@ -309,8 +374,10 @@ def tensorrt_problems() -> list[str]:
     try:
         if not torch.cuda.is_available():
             build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
-            problems.append(f"no CUDA GPU is visible (torch {torch.__version__}, {build}): a TensorRT builder "
-                            "and the plugin's kernel need an NVIDIA GPU and driver")
+            problems.append(
+                f"no CUDA GPU is visible (torch {torch.__version__}, {build}): a TensorRT builder "
+                "and the plugin's kernel need an NVIDIA GPU and driver"
+            )
     except Exception as exc:  # a broken torch install
         problems.append(f"torch cannot query CUDA ({exc})")
     from specdec.plugins.triton_kernel import triton_available
@@ -354,8 +421,10 @@ def count_plugin_layers(engine_information: str) -> int:
         raise PluginFallbackError(f"the engine inspector returned no JSON ({exc})") from exc
     layers = info.get("Layers", []) if isinstance(info, dict) else []
     if layers and all(isinstance(layer, str) for layer in layers):
-        raise PluginFallbackError("the engine records layer names only (built without ProfilingVerbosity.DETAILED):"
-                                  " its plugin layers cannot be told apart; rebuild with build_engine()")
+        raise PluginFallbackError(
+            "the engine records layer names only (built without ProfilingVerbosity.DETAILED):"
+            " its plugin layers cannot be told apart; rebuild with build_engine()"
+        )
     needles = (OP_TYPE.lower(), "ragged_tree_attention")
     count = 0
     for layer in layers:

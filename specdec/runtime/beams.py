@@ -123,8 +123,10 @@ class BeamDecoder:
         self.drafter: ForestDrafter | None = None
         if speculative:
             if not isinstance(ctx.drafter, ForestDrafter):
-                raise ValueError("dsbd needs a draft model (the draft beam-samples the forest with its q): "
-                                 f"got {type(ctx.drafter).__name__ if ctx.drafter else 'no drafter'}")
+                raise ValueError(
+                    "dsbd needs a draft model (the draft beam-samples the forest with its q): "
+                    f"got {type(ctx.drafter).__name__ if ctx.drafter else 'no drafter'}"
+                )
             self.drafter = ctx.drafter
         self.groups: list[Group] = []
         self.vocab = ctx.target.vocab_size
@@ -133,8 +135,9 @@ class BeamDecoder:
     def admit(self) -> None:
         kv = self.ctx.kv
         reserved = sum(g.params.width - len(g.beams) for g in self.groups)
-        new = self.ctx.scheduler.admit(kv, len(self.groups), slots=lambda r: _params(r).width,
-                                       free=kv.num_free - reserved)
+        new = self.ctx.scheduler.admit(
+            kv, len(self.groups), slots=lambda r: _params(r).width, free=kv.num_free - reserved
+        )
         for seq in new:
             params = _params(seq.request)
             root = Hyp(list(seq.tokens), 0.0, 0.0, seq.slot, self.drafter.open_slot() if self.drafter else None)
@@ -169,7 +172,7 @@ class BeamDecoder:
 
         def rank(h: Hyp) -> float:
             length = max(1, len(h.tokens) - seq.num_prompt)
-            return h.logprob / length ** params.length_penalty
+            return h.logprob / length**params.length_penalty
 
         ranked = sorted(candidates, key=rank, reverse=True)[: params.num_return_sequences]
         best = ranked[0]
@@ -178,8 +181,9 @@ class BeamDecoder:
             self.ctx.emit(seq, best.tokens[len(seq.tokens) :])
         if not seq.finished:
             seq.finish_reason = best.finish_reason or "length"
-        seq.sequences = [BeamCandidate(h.tokens[seq.num_prompt :], h.logprob, rank(h), h.finish_reason or "length")
-                         for h in ranked]
+        seq.sequences = [
+            BeamCandidate(h.tokens[seq.num_prompt :], h.logprob, rank(h), h.finish_reason or "length") for h in ranked
+        ]
         if self.ctx.on_finish is not None:
             self.ctx.on_finish(seq)
 
@@ -216,8 +220,13 @@ class BeamDecoder:
                     prefill_rows += tails[gi][bi]
         drafted = sum(len(layer.nodes) for g in groups for layer in g.layers)
         work += [item for item, _ in chunks]  # no logits: zip below leaves them out
-        rows = ctx.target_step(work, real_rows=sum(len(w.token_ids) for w in work), prefill_rows=prefill_rows,
-                               draft_tokens=drafted, draft_seconds=draft_seconds)
+        rows = ctx.target_step(
+            work,
+            real_rows=sum(len(w.token_ids) for w in work),
+            prefill_rows=prefill_rows,
+            draft_tokens=drafted,
+            draft_seconds=draft_seconds,
+        )
         for item, _ in chunks:
             ctx.kv.commit(item.slot_id, len(item.token_ids))
         logits: dict[tuple[int, int], np.ndarray] = dict(zip(owners, rows))
@@ -259,8 +268,9 @@ class BeamDecoder:
             slot = group.beams[0].draft_slot
             assert slot is not None
             past = self.drafter.cached_length(slot)
-            work.append(SeqWork(slot, past, group.beams[0].tokens[past : item.past_len + len(item.token_ids)],
-                                logits="none"))
+            work.append(
+                SeqWork(slot, past, group.beams[0].tokens[past : item.past_len + len(item.token_ids)], logits="none")
+            )
         if work:
             self.drafter.forest_step(work)
             for item in work:
@@ -294,8 +304,9 @@ class BeamDecoder:
         seq = group.seq
         gamma = self.ctx.draft_budget(seq, group.num_generated)
         kv = self.ctx.kv
-        while gamma > 0 and any(len(h.tokens) - kv.length(h.slot) + gamma * group.params.width > kv.room(h.slot)
-                                for h in group.beams):
+        while gamma > 0 and any(
+            len(h.tokens) - kv.length(h.slot) + gamma * group.params.width > kv.room(h.slot) for h in group.beams
+        ):
             gamma -= 1
         # a layer passes or not, as a chain's draft is accepted or not: the same policy, over layers, where one
         # layer adds W_S draft and verified rows to the round of the group's live beams
@@ -328,8 +339,9 @@ class BeamDecoder:
                 rows = np.stack([table[(id(group), r)] for r in parents])
                 self._draft_layer(group, parents, np.asarray(scores, dtype=np.float64), rows)
 
-    def _draft_work(self, group: Group, b: int, depth: int,
-                    parents: Sequence[NodeRef]) -> tuple[SeqWork, list[NodeRef]] | None:
+    def _draft_work(
+        self, group: Group, b: int, depth: int, parents: Sequence[NodeRef]
+    ) -> tuple[SeqWork, list[NodeRef]] | None:
         """Root ``b``'s draft work: its tail (depth 0) or its tree so far; logits at the layer's parents."""
         assert self.drafter is not None
         hyp = group.beams[b]
@@ -342,8 +354,9 @@ class BeamDecoder:
         if depth == 0:
             return SeqWork(slot, past, hyp.tokens[past:], logits="last"), mine
         tree = group.trees[b]
-        return SeqWork(slot, past, [t for t, _ in tree], [ROOT if p < 0 else p for _, p in tree],
-                       logits=[pos for _, pos in mine]), mine
+        return SeqWork(
+            slot, past, [t for t, _ in tree], [ROOT if p < 0 else p for _, p in tree], logits=[pos for _, pos in mine]
+        ), mine
 
     def _draft_layer(self, group: Group, parents: list[NodeRef], scores: np.ndarray, logits: np.ndarray) -> None:
         """Draw one forest layer from the draft's beam distribution over ``parents`` and grow the trees."""
@@ -374,11 +387,9 @@ class BeamDecoder:
             return SeqWork(hyp.slot, past, tail, logits="last")
         n = len(tail)
         parents = [ROOT, *range(n - 1)] + [n - 1 if p < 0 else n + p for _, p in tree]
-        return SeqWork(hyp.slot, past, tail + [t for t, _ in tree], parents,
-                       logits=[n - 1, *range(n, n + len(tree))])
+        return SeqWork(hyp.slot, past, tail + [t for t, _ in tree], parents, logits=[n - 1, *range(n, n + len(tree))])
 
-    def _verify(self, group: Group,
-                rows: dict[int, np.ndarray]) -> tuple[list[tuple[NodeRef, int, float]], int, int]:
+    def _verify(self, group: Group, rows: dict[int, np.ndarray]) -> tuple[list[tuple[NodeRef, int, float]], int, int]:
         """The round's output beams as (parent, token, score), the accepted drafts, and the layers that passed."""
         params, gen = group.seq.request.sampling, group.seq.generator
         eos = self.ctx.stopper.eos_ids
@@ -387,8 +398,9 @@ class BeamDecoder:
             return rows[ref[0]][ref[1] + 1]
 
         def table(refs: Sequence[NodeRef], valid: Sequence[bool]) -> np.ndarray:
-            return np.stack([logits_of(r) if ok else np.zeros(self.vocab, dtype=np.float32)
-                             for r, ok in zip(refs, valid)])
+            return np.stack(
+                [logits_of(r) if ok else np.zeros(self.vocab, dtype=np.float32) for r, ok in zip(refs, valid)]
+            )
 
         def masked(scores: Sequence[float], valid: Sequence[bool]) -> np.ndarray:
             """Parent scores with invalid parents absent (-inf), as the beam distribution takes them."""
@@ -410,8 +422,9 @@ class BeamDecoder:
             else:
                 pb = beam_distribution(score_t, logits, params, logits=True)
                 assert layer.q_beam is not None
-                width = dynamic_width(pb, layer.q_beam, group.params.width, group.params.threshold,
-                                      group.params.min_width)
+                width = dynamic_width(
+                    pb, layer.q_beam, group.params.width, group.params.threshold, group.params.min_width
+                )
                 verdict = verify_layer(pb, layer.q_beam, layer.nodes, np.asarray(valid), width, gen)
                 accepted_total += len(verdict.accepted)
                 out = [(parents[x // self.vocab], x % self.vocab, math.log(float(pb[x]))) for x in verdict.outputs]
@@ -427,13 +440,15 @@ class BeamDecoder:
         group.width = width
         score_t = masked(scores, valid)
         mode = "iid" if group.layers else group.params.mode  # a drafted round reproduces i.i.d. beam sampling
-        step = beam_step(score_t, table(parents, valid), params, width if not params.greedy else group.params.width,
-                         gen, mode)
+        step = beam_step(
+            score_t, table(parents, valid), params, width if not params.greedy else group.params.width, gen, mode
+        )
         return _outputs(parents, step), accepted_total, len(group.layers)
 
     # -- after verification: new beams and their caches -------------------------------------
-    def _advance(self, group: Group, outputs: list[tuple[NodeRef, int, float]], tails: list[int],
-                 rows: dict[int, np.ndarray]) -> None:
+    def _advance(
+        self, group: Group, outputs: list[tuple[NodeRef, int, float]], tails: list[int], rows: dict[int, np.ndarray]
+    ) -> None:
         """Turn the outputs into the group's beams; compact, fork and free the KV slots to match.
 
         ``rows[b]`` are root ``b``'s target logits (row 0: its last token, row 1 + j: tree node j).
@@ -567,4 +582,3 @@ def dsbd(ctx: DecodeContext) -> RunMetrics:
     """DSBD: the draft beam-samples a forest per request, the target verifies all forests in one call."""
     ctx.run.method = "dsbd"
     return _run(ctx, speculative=True)
-

@@ -44,8 +44,9 @@ def _timed_step(backend: Backend, batch: PackedBatch, cache: KVStorage) -> float
     return (time.perf_counter() - start) * 1000
 
 
-def _decode_shape(target: Backend, draft: Backend | None, batch: int, context: int, rows: int,
-                  stream: Sequence[int] | None = None) -> tuple[list[int], PackedBatch, dict[str, KVStorage]]:
+def _decode_shape(
+    target: Backend, draft: Backend | None, batch: int, context: int, rows: int, stream: Sequence[int] | None = None
+) -> tuple[list[int], PackedBatch, dict[str, KVStorage]]:
     """The fixed decode shape every timing runs: ``batch`` sequences with ``context`` cached tokens each.
 
     Returns each sequence's next token, the one-row step over them, and a prefilled cache per backend
@@ -63,9 +64,16 @@ def _decode_shape(target: Backend, draft: Backend | None, batch: int, context: i
     return nxt, pack([SeqWork(b, context, [t], logits="last") for b, t in enumerate(nxt)]), caches
 
 
-def step_costs(target: Backend, draft: Backend | None, batch: int, *, context: int = 200,
-               ks: Sequence[int] = (2, 4, 6), steps: int = 20,
-               stream: Sequence[int] | None = None) -> dict[str, Any]:
+def step_costs(
+    target: Backend,
+    draft: Backend | None,
+    batch: int,
+    *,
+    context: int = 200,
+    ks: Sequence[int] = (2, 4, 6),
+    steps: int = 20,
+    stream: Sequence[int] | None = None,
+) -> dict[str, Any]:
     """ms per step of the draft and of the target at one decode shape, and of the target verifying k drafts.
 
     ``stream``: the tokens the sequences' caches are cut from (default: a fixed pattern of
@@ -79,8 +87,11 @@ def step_costs(target: Backend, draft: Backend | None, batch: int, *, context: i
         name: (backend, one, caches[name]) for name, backend in (("draft", draft), ("target", target)) if name in caches
     }
     for k in ks:  # verification: the last token + k drafts, logits on all k + 1 rows
-        shapes[f"verify{k}"] = (target, pack([SeqWork(b, context, [t] * (k + 1)) for b, t in enumerate(nxt)]),
-                                shapes["target"][2])
+        shapes[f"verify{k}"] = (
+            target,
+            pack([SeqWork(b, context, [t] * (k + 1)) for b, t in enumerate(nxt)]),
+            shapes["target"][2],
+        )
     names = list(shapes)
     for name in names:  # first touch of each shape, untimed
         _timed_step(*shapes[name])
@@ -113,8 +124,9 @@ def step_costs(target: Backend, draft: Backend | None, batch: int, *, context: i
     return record
 
 
-def loop_costs(target: Backend, draft: Backend | None, batch: int, *, k: int = 4, context: int = 128,
-               steps: int = 10) -> dict[str, Any]:
+def loop_costs(
+    target: Backend, draft: Backend | None, batch: int, *, k: int = 4, context: int = 128, steps: int = 10
+) -> dict[str, Any]:
     """ms of a target step as a loop without drafts runs it, and of a speculative step as EMS-SD runs it.
 
     A loop that does not draft runs one-row target steps back to back; a speculative step is k
@@ -146,10 +158,16 @@ def loop_costs(target: Backend, draft: Backend | None, batch: int, *, k: int = 4
         spec.append(total)
         draft_ms.extend(drafts)
         verify_ms.append(v)
-    return {"batch_size": batch, "context": context, "k": k, "steps": steps,
-            "plain_ms": round(statistics.median(plain), 3), "spec_ms": round(statistics.median(spec), 3),
-            "draft_ms": round(statistics.median(draft_ms), 3) if draft_ms else None,
-            "verify_ms": round(statistics.median(verify_ms), 3)}
+    return {
+        "batch_size": batch,
+        "context": context,
+        "k": k,
+        "steps": steps,
+        "plain_ms": round(statistics.median(plain), 3),
+        "spec_ms": round(statistics.median(spec), 3),
+        "draft_ms": round(statistics.median(draft_ms), 3) if draft_ms else None,
+        "verify_ms": round(statistics.median(verify_ms), 3),
+    }
 
 
 @dataclass(frozen=True)
@@ -171,13 +189,16 @@ class DraftCosts:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON form, as an export's manifest keeps it."""
-        return {"draft_cost": self.draft_cost, "verify_cost": self.verify_cost,
-                VERIFY_BY_BATCH: [list(p) for p in self.verify_by_batch],
-                DRAFT_BY_BATCH: [list(p) for p in self.draft_by_batch],
-                "batch_sizes": [r["batch_size"] for r in self.records],
-                "k": self.records[0]["k"] if self.records else None,
-                "context": self.records[0]["context"] if self.records else None,
-                **{key: [r[key] for r in self.records] for key in ("plain_ms", "spec_ms", "draft_ms", "verify_ms")}}
+        return {
+            "draft_cost": self.draft_cost,
+            "verify_cost": self.verify_cost,
+            VERIFY_BY_BATCH: [list(p) for p in self.verify_by_batch],
+            DRAFT_BY_BATCH: [list(p) for p in self.draft_by_batch],
+            "batch_sizes": [r["batch_size"] for r in self.records],
+            "k": self.records[0]["k"] if self.records else None,
+            "context": self.records[0]["context"] if self.records else None,
+            **{key: [r[key] for r in self.records] for key in ("plain_ms", "spec_ms", "draft_ms", "verify_ms")},
+        }
 
 
 def draft_costs(records: Sequence[dict[str, Any]]) -> DraftCosts:
@@ -199,19 +220,31 @@ def draft_costs(records: Sequence[dict[str, Any]]) -> DraftCosts:
         verify[r["batch_size"]] = round(max(0.0, per_draft - share), 4)
         if r["draft_ms"] is not None:
             draft[r["batch_size"]] = round(share, 4)
-    return DraftCosts(round(statistics.median(draft.values()), 4) if draft else None,
-                      round(statistics.median(verify.values()), 4), tuple(records),
-                      verify_by_batch=batch_prices(verify.items()), draft_by_batch=batch_prices(draft.items()))
+    return DraftCosts(
+        round(statistics.median(draft.values()), 4) if draft else None,
+        round(statistics.median(verify.values()), 4),
+        tuple(records),
+        verify_by_batch=batch_prices(verify.items()),
+        draft_by_batch=batch_prices(draft.items()),
+    )
 
 
-def calibrate(target: Backend, draft: Backend | None, *, batch_sizes: Sequence[int] = (1, 4, 8), k: int = 4,
-              context: int = 128, steps: int = 10) -> DraftCosts:
+def calibrate(
+    target: Backend,
+    draft: Backend | None,
+    *,
+    batch_sizes: Sequence[int] = (1, 4, 8),
+    k: int = 4,
+    context: int = 128,
+    steps: int = 10,
+) -> DraftCosts:
     """Measure the draft and verification prices of these backends (seconds for SmolLM2 on a CPU)."""
     return draft_costs([loop_costs(target, draft, b, context=context, k=k, steps=steps) for b in batch_sizes])
 
 
-def calibrate_engine(engine: Engine, *, batch_sizes: Sequence[int] = (1, 4, 8), k: int = 4,
-                     context: int = 256, steps: int = 10) -> DraftCosts:
+def calibrate_engine(
+    engine: Engine, *, batch_sizes: Sequence[int] = (1, 4, 8), k: int = 4, context: int = 256, steps: int = 10
+) -> DraftCosts:
     """``calibrate`` on an engine's own target and draft backends (prompt lookup: no draft step to time).
 
     Batch sizes above the engine's ``max_batch`` are dropped, since a deployment never runs them.

@@ -230,8 +230,16 @@ class DraftLength:
             verify = price_at(self.verify_by_batch, batch) if self.verify_by_batch else verify
         return draft, verify
 
-    def choose(self, stats: DraftStats, k_max: int, draft_cost: float, rows: float = 1.0,
-               batch: int | None = None, prior: float | None = None, own_price: bool = False) -> int:
+    def choose(
+        self,
+        stats: DraftStats,
+        k_max: int,
+        draft_cost: float,
+        rows: float = 1.0,
+        batch: int | None = None,
+        prior: float | None = None,
+        own_price: bool = False,
+    ) -> int:
         """The k in ``[min(min_k, k_max), k_max]`` with the most expected tokens per unit of cost (ties: shorter).
 
         ``draft_cost``: the drafter's own price of a draft token (used where the policy has none).
@@ -254,8 +262,9 @@ class DraftLength:
         """Expected tokens per step of a sequence that drafts ``k``: 1 + sum_{j<=k} prod_{i<=j} beta_i."""
         return self._expected(stats, k, prior)[-1]
 
-    def _best(self, stats: DraftStats, k_max: int, per_draft: float, prior: float | None,
-              probe: bool = True) -> tuple[int, float]:
+    def _best(
+        self, stats: DraftStats, k_max: int, per_draft: float, prior: float | None, probe: bool = True
+    ) -> tuple[int, float]:
         """``choose``'s k at ``per_draft`` (one unit of k's price, in the step's units), with its ``rate``;
         ``probe``: a probe that is due replaces a choice of 0."""
         expected = self._expected(stats, max(0, k_max), prior)
@@ -392,25 +401,46 @@ def _cost(text: str) -> float:
 
 def add_draft_length_args(parser: argparse.ArgumentParser) -> None:
     """The adaptive draft length's options, the same on ``specdec generate`` and ``specdec-export``."""
-    parser.add_argument("--adaptive-draft", action="store_true",
-                        help="each sequence drafts the k (ems) or γ (dsbd), at most --num-draft-tokens or the "
-                             "request's, that its own acceptance says pays most")
-    parser.add_argument("--verify-cost", type=_cost, default=None,
-                        help="--adaptive-draft: a verified row per sequence, in target steps (default: measured by "
-                             f"--calibrate or at export, else {DraftLength.verify_cost}; CPU ~0.15, GPU ~0)")
-    parser.add_argument("--draft-cost", type=_cost, default=None,
-                        help="--adaptive-draft: a draft token, in target steps (default: measured by --calibrate "
-                             "or at export, else the drafter's estimate: 0.1 for a draft model, 0 for prompt lookup)")
-    parser.add_argument("--calibrate", action="store_true",
-                        help="--adaptive-draft: measure both costs on this machine's backends first (seconds); "
-                             "--verify-cost / --draft-cost still win")
+    parser.add_argument(
+        "--adaptive-draft",
+        action="store_true",
+        help="each sequence drafts the k (ems) or γ (dsbd), at most --num-draft-tokens or the "
+        "request's, that its own acceptance says pays most",
+    )
+    parser.add_argument(
+        "--verify-cost",
+        type=_cost,
+        default=None,
+        help="--adaptive-draft: a verified row per sequence, in target steps (default: measured by "
+        f"--calibrate or at export, else {DraftLength.verify_cost}; CPU ~0.15, GPU ~0)",
+    )
+    parser.add_argument(
+        "--draft-cost",
+        type=_cost,
+        default=None,
+        help="--adaptive-draft: a draft token, in target steps (default: measured by --calibrate "
+        "or at export, else the drafter's estimate: 0.1 for a draft model, 0 for prompt lookup)",
+    )
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="--adaptive-draft: measure both costs on this machine's backends first (seconds); "
+        "--verify-cost / --draft-cost still win",
+    )
 
 
 def check_draft_length_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse cost options that would be ignored (they price the adaptive draft length only)."""
     if not args.adaptive_draft:
-        given = [flag for flag, value in (("--calibrate", args.calibrate), ("--verify-cost", args.verify_cost),
-                                          ("--draft-cost", args.draft_cost)) if value not in (None, False)]
+        given = [
+            flag
+            for flag, value in (
+                ("--calibrate", args.calibrate),
+                ("--verify-cost", args.verify_cost),
+                ("--draft-cost", args.draft_cost),
+            )
+            if value not in (None, False)
+        ]
         if given:
             parser.error(f"{', '.join(given)} price(s) the adaptive draft length: add --adaptive-draft")
 
@@ -427,8 +457,11 @@ def draft_length_from(args: argparse.Namespace, measured: Mapping[str, Any] | No
     measured = measured or {}
     verify = args.verify_cost if args.verify_cost is not None else measured.get("verify_cost")
     draft = args.draft_cost if args.draft_cost is not None else measured.get("draft_cost")
-    return DraftLength(verify_cost=DraftLength.verify_cost if verify is None else float(verify),
-                       draft_cost=None if draft is None else float(draft),
-                       verify_by_batch=batch_prices(measured.get(VERIFY_BY_BATCH)) if args.verify_cost is None else (),
-                       draft_by_batch=batch_prices(measured.get(DRAFT_BY_BATCH))
-                       if args.draft_cost is None and measured.get("draft_cost") is not None else ())
+    return DraftLength(
+        verify_cost=DraftLength.verify_cost if verify is None else float(verify),
+        draft_cost=None if draft is None else float(draft),
+        verify_by_batch=batch_prices(measured.get(VERIFY_BY_BATCH)) if args.verify_cost is None else (),
+        draft_by_batch=batch_prices(measured.get(DRAFT_BY_BATCH))
+        if args.draft_cost is None and measured.get("draft_cost") is not None
+        else (),
+    )

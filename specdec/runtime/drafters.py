@@ -111,8 +111,7 @@ class ForestDrafter(Drafter, Protocol):
         """A free draft slot for a new root beam."""
         ...
 
-    def close_slot(self, slot: int) -> None:
-        ...
+    def close_slot(self, slot: int) -> None: ...
 
     def fork_slot(self, slot: int) -> int:
         """A new slot holding ``slot``'s committed prefix (a beam that forks)."""
@@ -378,8 +377,15 @@ class HybridDrafter:
 DRAFTER_NAMES = ("ngram", "hybrid", "none")
 
 
-def make_drafter(draft: Backend | str | None, *, max_batch: int, max_len: int, ngram: int = 3,
-                 min_ngram: int = 2, model: Backend | None = None) -> Drafter | None:
+def make_drafter(
+    draft: Backend | str | None,
+    *,
+    max_batch: int,
+    max_len: int,
+    ngram: int = 3,
+    min_ngram: int = 2,
+    model: Backend | None = None,
+) -> Drafter | None:
     """The one place a drafter is built: a draft model's backend, ``"ngram"`` (prompt lookup), ``"hybrid"``
     (prompt lookup, else the draft ``model``) or ``None``/``"none"``.
 
@@ -393,8 +399,9 @@ def make_drafter(draft: Backend | str | None, *, max_batch: int, max_len: int, n
     if draft == "hybrid":
         if model is None:
             raise ValueError("the hybrid drafter needs a draft model (prompt lookup first, the model elsewhere)")
-        return HybridDrafter(NgramDrafter(max_ngram=ngram, min_ngram=min_ngram),
-                             ModelDrafter(model, max_batch, max_len))
+        return HybridDrafter(
+            NgramDrafter(max_ngram=ngram, min_ngram=min_ngram), ModelDrafter(model, max_batch, max_len)
+        )
     if isinstance(draft, str):
         raise ValueError(f"unknown drafter {draft!r}: pass a draft model or one of {', '.join(DRAFTER_NAMES)}")
     return ModelDrafter(draft, max_batch, max_len)

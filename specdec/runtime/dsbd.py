@@ -90,8 +90,9 @@ def _log_joint(scores: np.ndarray, probs_or_logits: np.ndarray, logits: bool) ->
     return joint
 
 
-def beam_distribution(scores: np.ndarray, probs_or_logits: np.ndarray, params: SamplingParams, *,
-                      logits: bool = False) -> np.ndarray:
+def beam_distribution(
+    scores: np.ndarray, probs_or_logits: np.ndarray, params: SamplingParams, *, logits: bool = False
+) -> np.ndarray:
     """``p_beam`` over the flat ``[W * V]`` pairs: ``warp(exp(s_b) * p(v | b))``, normalised (float64).
 
     ``probs_or_logits[b]`` is the *unwarped* next-token distribution of beam ``b`` (probabilities,
@@ -111,8 +112,7 @@ def beam_distribution(scores: np.ndarray, probs_or_logits: np.ndarray, params: S
     return probs / probs.sum()
 
 
-def beam_search_step(scores: np.ndarray, probs_or_logits: np.ndarray, width: int, *,
-                     logits: bool = False) -> BeamStep:
+def beam_search_step(scores: np.ndarray, probs_or_logits: np.ndarray, width: int, *, logits: bool = False) -> BeamStep:
     """Deterministic beam search (the temperature -> 0 limit): the ``width`` best pairs.
 
     Pairs are ranked by ``s_b + log p(v | b)`` and the new score is that cumulative
@@ -127,8 +127,7 @@ def beam_search_step(scores: np.ndarray, probs_or_logits: np.ndarray, width: int
         raise ValueError(f"width must be in [1, {live}] (pairs of positive probability), got {width}")
     order = np.argsort(-joint, kind="stable")[:width]  # descending, ties to the lower index
     vocab = probs_or_logits.shape[-1]
-    return BeamStep([int(i) // vocab for i in order], [int(i) % vocab for i in order],
-                    [float(joint[i]) for i in order])
+    return BeamStep([int(i) // vocab for i in order], [int(i) % vocab for i in order], [float(joint[i]) for i in order])
 
 
 # -- sampling pairs --------------------------------------------------------------------------
@@ -154,8 +153,14 @@ def sample_pairs_without_replacement(p_beam: np.ndarray, n: int, generator: np.r
     return np.asarray(drawn, dtype=np.int64)
 
 
-def beam_step(scores: np.ndarray, logits: np.ndarray, params: SamplingParams, width: int,
-              generator: np.random.Generator, mode: Literal["iid", "without_replacement"] = "iid") -> BeamStep:
+def beam_step(
+    scores: np.ndarray,
+    logits: np.ndarray,
+    params: SamplingParams,
+    width: int,
+    generator: np.random.Generator,
+    mode: Literal["iid", "without_replacement"] = "iid",
+) -> BeamStep:
     """One step of the target-only ``beam`` process: ``width`` new beams from ``W`` parents.
 
     ``logits`` is ``[W, V]``. Each drawn pair becomes a beam scored ``log p_beam(b, v)``
@@ -176,8 +181,9 @@ def beam_step(scores: np.ndarray, logits: np.ndarray, params: SamplingParams, wi
     else:
         raise ValueError(f"mode must be 'iid' or 'without_replacement', got {mode!r}")
     vocab = logits.shape[-1]
-    return BeamStep([int(i) // vocab for i in flat], [int(i) % vocab for i in flat],
-                    [math.log(float(p_beam[i])) for i in flat])
+    return BeamStep(
+        [int(i) // vocab for i in flat], [int(i) % vocab for i in flat], [math.log(float(p_beam[i])) for i in flat]
+    )
 
 
 def draft_layer(q_beam: np.ndarray, n: int, generator: np.random.Generator) -> list[int]:
@@ -204,16 +210,23 @@ def _check_layer(pb: np.ndarray, q_beam: np.ndarray, valid_parent_mask: np.ndarr
     """The vocabulary size, after checking that ``pb`` and ``q_beam`` share the parents x vocab space."""
     parents = valid_parent_mask.size
     if pb.shape != q_beam.shape or pb.ndim != 1 or parents == 0 or pb.size % parents:
-        raise ValueError(f"pb {pb.shape} and q_beam {q_beam.shape} must be flat vectors over the "
-                         f"same {parents} parents x vocabulary")
+        raise ValueError(
+            f"pb {pb.shape} and q_beam {q_beam.shape} must be flat vectors over the same {parents} parents x vocabulary"
+        )
     vocab = pb.size // parents
     if float(np.abs(pb.reshape(parents, vocab)[~valid_parent_mask.astype(bool)]).sum()) > 0:
         raise ValueError("pb must be 0 on pairs of invalid parents (give them score -inf)")
     return vocab
 
 
-def verify_layer(pb: np.ndarray, q_beam: np.ndarray, nodes: Sequence[int], valid_parent_mask: np.ndarray,
-                 width: int, generator: np.random.Generator) -> LayerVerdict:
+def verify_layer(
+    pb: np.ndarray,
+    q_beam: np.ndarray,
+    nodes: Sequence[int],
+    valid_parent_mask: np.ndarray,
+    width: int,
+    generator: np.random.Generator,
+) -> LayerVerdict:
     """Verify one forest layer: steps 4-6 of dsbd.md.
 
     ``pb`` and ``q_beam`` are flat over *all* the draft's parents of this layer x vocabulary;
@@ -275,8 +288,7 @@ class GreedyLayerVerdict:
         return sum(i >= 0 for i in self.found)
 
 
-def verify_layer_greedy(scores: np.ndarray, logits: np.ndarray, nodes: Sequence[int],
-                        width: int) -> GreedyLayerVerdict:
+def verify_layer_greedy(scores: np.ndarray, logits: np.ndarray, nodes: Sequence[int], width: int) -> GreedyLayerVerdict:
     """Greedy DSBD's layer check: the layer passes when the draft proposed every pair beam search picks.
 
     ``scores`` are the parents' cumulative target log-probabilities (-inf for parents that are not

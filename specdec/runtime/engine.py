@@ -30,8 +30,9 @@ from specdec.runtime.scheduler import Scheduler
 from specdec.runtime.text import cut_at_stop, decode_tokens, encode_text
 
 
-def _backend_opener(kind: str, threads: int | None = None, device_id: int = 0,
-                    cache_dtype: str | None = None) -> Callable[[Path, bool], Backend]:
+def _backend_opener(
+    kind: str, threads: int | None = None, device_id: int = 0, cache_dtype: str | None = None
+) -> Callable[[Path, bool], Backend]:
     """How to open one exported graph of this export's backend kind; the flag says it is the draft.
 
     ``device_id``: the GPU its session and caches live on (a Triton instance's ``model_instance_device_id``);
@@ -42,8 +43,9 @@ def _backend_opener(kind: str, threads: int | None = None, device_id: int = 0,
         from specdec.runtime.backends.onnxruntime import OrtBackend
 
         # a draft's idle ORT workers must not spin: they would hold the cores of the target's next step
-        return lambda graph, draft: OrtBackend(graph, intra_op_threads=threads, spin=not draft, device_id=device_id,
-                                               cache_dtype=cache_dtype)
+        return lambda graph, draft: OrtBackend(
+            graph, intra_op_threads=threads, spin=not draft, device_id=device_id, cache_dtype=cache_dtype
+        )
     if kind == "tensorrt":
         from specdec.runtime.backends.tensorrt import TensorRTBackend
 
@@ -60,13 +62,24 @@ class GenerationResult:
 class Engine:
     """Runs any method of ``specdec.runtime.methods`` over one target backend and one drafter."""
 
-    def __init__(self, target: Backend, drafter: Drafter | None = None, *, tokenizer: Any = None,
-                 eos_token_ids: Sequence[int] = (), max_batch: int = 16, max_len: int = 1024,
-                 num_draft_tokens: int = 4, draft_length: DraftLength | None = None) -> None:
+    def __init__(
+        self,
+        target: Backend,
+        drafter: Drafter | None = None,
+        *,
+        tokenizer: Any = None,
+        eos_token_ids: Sequence[int] = (),
+        max_batch: int = 16,
+        max_len: int = 1024,
+        num_draft_tokens: int = 4,
+        draft_length: DraftLength | None = None,
+    ) -> None:
         """``num_draft_tokens``: k of every step, or with an adaptive ``draft_length`` the most a sequence drafts."""
         if getattr(target, "head_token_ids", None) is not None:
-            raise ValueError("the target backend has a restricted LM head: the verifier needs logits over the "
-                             "whole vocabulary (only a draft may restrict its head)")
+            raise ValueError(
+                "the target backend has a restricted LM head: the verifier needs logits over the "
+                "whole vocabulary (only a draft may restrict its head)"
+            )
         if drafter is not None and drafter.vocab_size not in (None, target.vocab_size):
             raise DraftMismatchError(
                 f"draft vocabulary ({drafter.vocab_size}) differs from the target's ({target.vocab_size})"
@@ -87,10 +100,19 @@ class Engine:
         self.storage = target.allocate_cache(max_batch, max_len)
 
     @classmethod
-    def from_models(cls, target: Any, draft: Any = "ngram", *,
-                    max_batch: int = 16, max_len: int | None = None, num_draft_tokens: int = 4,
-                    ngram: int = 3, min_ngram: int = 2, draft_length: DraftLength | None = None,
-                    hybrid: bool = False) -> Engine:
+    def from_models(
+        cls,
+        target: Any,
+        draft: Any = "ngram",
+        *,
+        max_batch: int = 16,
+        max_len: int | None = None,
+        num_draft_tokens: int = 4,
+        ngram: int = 3,
+        min_ngram: int = 2,
+        draft_length: DraftLength | None = None,
+        hybrid: bool = False,
+    ) -> Engine:
         """Torch backends for ``target`` and ``draft`` (a ``LoadedModel``, ``"ngram"`` or ``None``).
 
         ``hybrid``: with a draft model, draft by prompt lookup where the context has a match and by
@@ -109,17 +131,40 @@ class Engine:
         if hybrid and not isinstance(draft, LoadedModel):
             raise ValueError("the hybrid drafter needs a draft model")
         model = TorchBackend(draft) if isinstance(draft, LoadedModel) else None
-        drafter = make_drafter("hybrid" if hybrid else model or draft, max_batch=max_batch, max_len=max_len,
-                               ngram=ngram, min_ngram=min_ngram, model=model)
-        return cls(backend, drafter, tokenizer=target.tokenizer, eos_token_ids=target.eos_token_ids,
-                   max_batch=max_batch, max_len=max_len, num_draft_tokens=num_draft_tokens, draft_length=draft_length)
+        drafter = make_drafter(
+            "hybrid" if hybrid else model or draft,
+            max_batch=max_batch,
+            max_len=max_len,
+            ngram=ngram,
+            min_ngram=min_ngram,
+            model=model,
+        )
+        return cls(
+            backend,
+            drafter,
+            tokenizer=target.tokenizer,
+            eos_token_ids=target.eos_token_ids,
+            max_batch=max_batch,
+            max_len=max_len,
+            num_draft_tokens=num_draft_tokens,
+            draft_length=draft_length,
+        )
 
     @classmethod
-    def from_export(cls, directory: str | Path, *, max_batch: int | None = None, max_len: int | None = None,
-                    num_draft_tokens: int = 4, drafter: str | None = None,
-                    threads: int | None = None, draft_length: DraftLength | None = None,
-                    torch_threads: int | None = None, device_id: int = 0,
-                    kv_cache_dtype: str | None = None) -> Engine:
+    def from_export(
+        cls,
+        directory: str | Path,
+        *,
+        max_batch: int | None = None,
+        max_len: int | None = None,
+        num_draft_tokens: int = 4,
+        drafter: str | None = None,
+        threads: int | None = None,
+        draft_length: DraftLength | None = None,
+        torch_threads: int | None = None,
+        device_id: int = 0,
+        kv_cache_dtype: str | None = None,
+    ) -> Engine:
         """An engine over a ``specdec-export`` directory, on the backend it was exported for.
 
         The manifest's checksums are verified first, so a corrupt graph is refused at load.
@@ -151,9 +196,15 @@ class Engine:
             target = load_model(root)
             model = load_model(root / "draft") if wants_model else None
             draft = model if model is not None else "ngram" if drafter in (None, "model") else drafter
-            return cls.from_models(target, draft, max_batch=max_batch, max_len=max_len,
-                                   num_draft_tokens=num_draft_tokens, draft_length=draft_length,
-                                   hybrid=drafter == "hybrid")
+            return cls.from_models(
+                target,
+                draft,
+                max_batch=max_batch,
+                max_len=max_len,
+                num_draft_tokens=num_draft_tokens,
+                draft_length=draft_length,
+                hybrid=drafter == "hybrid",
+            )
         meta = load_export_metadata(root, "target")
         cache_dtype = kv_cache_dtype or manifest.get("kv_cache_dtype")
         open_backend = _backend_opener(backend_kind, threads, device_id, cache_dtype)
@@ -163,8 +214,16 @@ class Engine:
         chosen = make_drafter(draft, max_batch=max_batch, max_len=max_len, model=model)
         if torch_threads and "torch" in sys.modules:  # only where a backend runs torch (TensorRT's caches)
             sys.modules["torch"].set_num_threads(torch_threads)
-        return cls(target_backend, chosen, tokenizer=meta.tokenizer, eos_token_ids=meta.eos_token_ids,
-                   max_batch=max_batch, max_len=max_len, num_draft_tokens=num_draft_tokens, draft_length=draft_length)
+        return cls(
+            target_backend,
+            chosen,
+            tokenizer=meta.tokenizer,
+            eos_token_ids=meta.eos_token_ids,
+            max_batch=max_batch,
+            max_len=max_len,
+            num_draft_tokens=num_draft_tokens,
+            draft_length=draft_length,
+        )
 
     def sibling(self) -> Engine:
         """Another engine over the same model backends with its own KV caches (a second decoding loop).
@@ -173,9 +232,16 @@ class Engine:
         each loop owns its caches, and both may call the backends from their own threads.
         """
         drafter = None if self.drafter is None else self.drafter.fork()
-        twin = Engine(self.target, drafter, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
-                      max_batch=self.max_batch, max_len=self.max_len, num_draft_tokens=self.num_draft_tokens,
-                      draft_length=self.draft_length)
+        twin = Engine(
+            self.target,
+            drafter,
+            tokenizer=self.tokenizer,
+            eos_token_ids=self.eos_token_ids,
+            max_batch=self.max_batch,
+            max_len=self.max_len,
+            num_draft_tokens=self.num_draft_tokens,
+            draft_length=self.draft_length,
+        )
         twin.fault_hook, twin.prefill_budget = self.fault_hook, self.prefill_budget
         return twin
 
@@ -190,10 +256,21 @@ class Engine:
     def decode(self, token_ids: Sequence[int]) -> str:
         return decode_tokens(self.tokenizer, token_ids) if self.tokenizer else ""
 
-    def request(self, prompt: str | Sequence[int], *, chat: bool = False, max_tokens: int = 128,
-                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                num_draft_tokens: int | None = None, stop: Sequence[str] = (),
-                request_id: str | None = None, beam: BeamParams | None = None) -> Request:
+    def request(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        chat: bool = False,
+        max_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        num_draft_tokens: int | None = None,
+        stop: Sequence[str] = (),
+        request_id: str | None = None,
+        beam: BeamParams | None = None,
+    ) -> Request:
         """Build and validate a request; raises ``InvalidRequestError`` naming the problem.
 
         ``beam`` configures the ``beam`` and ``dsbd`` methods (width, dynamic-width knobs).
@@ -202,8 +279,15 @@ class Engine:
         if not ids:
             raise InvalidRequestError("prompt is empty: a request needs at least one prompt token")
         kwargs = {} if request_id is None else {"request_id": request_id}
-        req = Request(tuple(ids), max_tokens, SamplingParams(temperature, top_k, top_p, seed),
-                      num_draft_tokens, tuple(stop), beam=beam, **kwargs)
+        req = Request(
+            tuple(ids),
+            max_tokens,
+            SamplingParams(temperature, top_k, top_p, seed),
+            num_draft_tokens,
+            tuple(stop),
+            beam=beam,
+            **kwargs,
+        )
         self.check(req)
         return req
 
@@ -211,26 +295,46 @@ class Engine:
         """What this engine in particular cannot serve: a prompt past the context, a width past the cache."""
         req.check_fits(self.max_len, self.target.vocab_size)
         if req.beam is not None and req.beam.width > self.max_batch:
-            raise InvalidRequestError(f"beam_width {req.beam.width} exceeds the {self.max_batch} KV slots of this "
-                                      "engine (one per beam)")
+            raise InvalidRequestError(
+                f"beam_width {req.beam.width} exceeds the {self.max_batch} KV slots of this engine (one per beam)"
+            )
 
     # -- running ----------------------------------------------------------------------
-    def context(self, scheduler: Scheduler, *, on_tokens: Callable[[SeqState, list[int]], None] | None = None,
-                on_finish: Callable[[SeqState], None] | None = None,
-                keep_running: Callable[[], bool] | None = None,
-                on_logits: Callable[[SeqState, Any], None] | None = None,
-                is_cancelled: Callable[[SeqState], bool] | None = None) -> DecodeContext:
+    def context(
+        self,
+        scheduler: Scheduler,
+        *,
+        on_tokens: Callable[[SeqState, list[int]], None] | None = None,
+        on_finish: Callable[[SeqState], None] | None = None,
+        keep_running: Callable[[], bool] | None = None,
+        on_logits: Callable[[SeqState, Any], None] | None = None,
+        is_cancelled: Callable[[SeqState], bool] | None = None,
+    ) -> DecodeContext:
         """A fresh decoding context over this engine's cache (all slots free)."""
         if self.drafter is not None:
             self.drafter.reset()
         stopper = StopChecker(self.eos_token_ids, self.max_len, self.decode if self.tokenizer else None)
-        return DecodeContext(self.target, KVCacheManager(self.storage), scheduler, stopper, self.drafter,
-                             self.num_draft_tokens, on_tokens, on_finish, keep_running, on_logits, is_cancelled,
-                             self.draft_length, fault_hook=self.fault_hook, prefill_budget=self.prefill_budget,
-                             pooled_drafts=self.pooled_drafts)
+        return DecodeContext(
+            self.target,
+            KVCacheManager(self.storage),
+            scheduler,
+            stopper,
+            self.drafter,
+            self.num_draft_tokens,
+            on_tokens,
+            on_finish,
+            keep_running,
+            on_logits,
+            is_cancelled,
+            self.draft_length,
+            fault_hook=self.fault_hook,
+            prefill_budget=self.prefill_budget,
+            pooled_drafts=self.pooled_drafts,
+        )
 
-    def generate(self, requests: Sequence[Request | Exception], method: str = DEFAULT_METHOD,
-                 progress: bool = False) -> GenerationResult:
+    def generate(
+        self, requests: Sequence[Request | Exception], method: str = DEFAULT_METHOD, progress: bool = False
+    ) -> GenerationResult:
         """Run ``requests`` to completion with ``method``; outputs come back in request order.
 
         Items that are exceptions (a request that failed to build) or that do not fit the
@@ -238,9 +342,11 @@ class Engine:
         """
         spec = get_method(method)
         if spec.masks_cache and not getattr(self.target, "supports_cache_mask", False):
-            raise ValueError(f"{spec.name!r} pads the KV cache with masked holes, which the "
-                             f"{type(self.target).__name__} target cannot mask (an exported graph has no cache_mask "
-                             "input): run it on the torch backend, or use 'ems'")
+            raise ValueError(
+                f"{spec.name!r} pads the KV cache with masked holes, which the "
+                f"{type(self.target).__name__} target cannot mask (an exported graph has no cache_mask "
+                "input): run it on the torch backend, or use 'ems'"
+            )
         outputs: dict[int, RequestOutput] = {}
         scheduler = Scheduler(self.max_batch)
         position: dict[str, int] = {}
@@ -257,8 +363,9 @@ class Engine:
                     raise InvalidRequestError(f"duplicate request_id {req.request_id!r}")
             except InvalidRequestError as exc:
                 prompt = [] if isinstance(req, Exception) else list(req.prompt_ids)
-                outputs[i] = RequestOutput(getattr(req, "request_id", f"invalid-{i}"), prompt, [], None, None,
-                                           RequestMetrics(), error=str(exc))
+                outputs[i] = RequestOutput(
+                    getattr(req, "request_id", f"invalid-{i}"), prompt, [], None, None, RequestMetrics(), error=str(exc)
+                )
                 continue
             position[req.request_id] = i
             scheduler.submit(req)
@@ -280,5 +387,13 @@ class Engine:
     def output(self, seq: SeqState, text: bool = True) -> RequestOutput:
         """A finished sequence as the caller's answer; ``text=False`` skips detokenising (for callers of ids)."""
         decoded = cut_at_stop(self.decode(seq.output_ids), seq.request.stop) if text and self.tokenizer else None
-        return RequestOutput(seq.request.request_id, list(seq.request.prompt_ids), seq.output_ids, decoded,
-                             seq.finish_reason, seq.metrics, error=seq.error, sequences=seq.sequences)
+        return RequestOutput(
+            seq.request.request_id,
+            list(seq.request.prompt_ids),
+            seq.output_ids,
+            decoded,
+            seq.finish_reason,
+            seq.metrics,
+            error=seq.error,
+            sequences=seq.sequences,
+        )

@@ -64,11 +64,14 @@ def graph_feeds(batch: PackedBatch) -> dict[str, np.ndarray]:
     if batch.cache_mask is not None and not bool(batch.cache_mask.all()):
         raise CacheMaskUnsupportedError(
             "this step masks cached positions (cache_mask: the padded 'vanilla' baseline's KV holes), and an "
-            "exported graph has no cache_mask input: run 'vanilla' on the torch backend, or use 'ems'")
+            "exported graph has no cache_mask input: run 'vanilla' on the torch backend, or use 'ems'"
+        )
     return {spec.name: getattr(batch, spec.name) for spec in GRAPH_INPUTS}
 
 
 def expected_io_names(num_layers: int) -> tuple[list[str], list[str]]:
     """The names this table prescribes for a model with ``num_layers`` layers."""
-    return ([t.name for t in GRAPH_INPUTS] + cache_names(num_layers, CACHE_INPUT),
-            [LOGITS, *cache_names(num_layers, CACHE_OUTPUT)])
+    return (
+        [t.name for t in GRAPH_INPUTS] + cache_names(num_layers, CACHE_INPUT),
+        [LOGITS, *cache_names(num_layers, CACHE_OUTPUT)],
+    )

@@ -104,8 +104,9 @@ class DecodeContext:
             offers.append(self._offer(seq, k_max))
         if self.draft_length is None or self.drafter is None:
             return k_maxes
-        if (waiting is None or self.keep_running is not None or self.scheduler.pending()
-                or self.draft_length.min_k > 0):  # the plan's empty group drafts nothing: below a floor of k
+        if (
+            waiting is None or self.keep_running is not None or self.scheduler.pending() or self.draft_length.min_k > 0
+        ):  # the plan's empty group drafts nothing: below a floor of k
             return self._priced_alone(seqs, offers)
         try:
             return self._planned(seqs, k_maxes, offers, waiting)
@@ -115,18 +116,23 @@ class DecodeContext:
 
     def _priced_alone(self, seqs: Sequence[SeqState], offers: Sequence[int]) -> list[int]:
         """``draft_lengths`` per sequence: a greedy one at the prices of the step's batch, a sampled one alone."""
-        return [self.choose_draft_length(seq, k, greedy_batch=len(seqs) if seq.request.sampling.greedy else None)
-                for seq, k in zip(seqs, offers)]
+        return [
+            self.choose_draft_length(seq, k, greedy_batch=len(seqs) if seq.request.sampling.greedy else None)
+            for seq, k in zip(seqs, offers)
+        ]
 
-    def _planned(self, seqs: Sequence[SeqState], k_maxes: Sequence[int], offers: Sequence[int],
-                 waiting: Sequence[SeqState]) -> list[int]:
+    def _planned(
+        self, seqs: Sequence[SeqState], k_maxes: Sequence[int], offers: Sequence[int], waiting: Sequence[SeqState]
+    ) -> list[int]:
         """``draft_lengths`` of a batch nobody waits to join: the greedy sequences by ``DraftLength.plan``, the
         sampled ones alone as always (their k must not depend on batch-mates); those and the prompts still
         prefilling bound the batch's length (``floor``: a prompt at one token a step)."""
         policy = self.draft_length
         assert policy is not None
-        ks, floor = list(offers), max((min(s.request.max_tokens, self.kv.max_len - s.num_prompt) for s in waiting),
-                                      default=0)
+        ks, floor = (
+            list(offers),
+            max((min(s.request.max_tokens, self.kv.max_len - s.num_prompt) for s in waiting), default=0),
+        )
         candidates, planned = [], []
         for i, seq in enumerate(seqs):
             stats, cost, own_price, prior = self._pricing(seq, greedy=seq.request.sampling.greedy)
@@ -135,8 +141,18 @@ class DecodeContext:
                 floor = max(floor, self._budget(seq) / policy.rate(stats, ks[i]))
                 continue
             pooled = _history(self.pooled_drafts, seq.draft_source)
-            candidates.append(Candidate(stats, k_maxes[i], cost, self._budget(seq), own_price, prior, k_now=offers[i],
-                                        offer_rate=policy.offer_rate(stats, policy.offer_rate(pooled))))
+            candidates.append(
+                Candidate(
+                    stats,
+                    k_maxes[i],
+                    cost,
+                    self._budget(seq),
+                    own_price,
+                    prior,
+                    k_now=offers[i],
+                    offer_rate=policy.offer_rate(stats, policy.offer_rate(pooled)),
+                )
+            )
             planned.append(i)
         for i, k in zip(planned, policy.plan(candidates, len(seqs), floor)):
             ks[i] = k
@@ -163,8 +179,7 @@ class DecodeContext:
         seq.finish_reason = CANCELLED
         return True
 
-    def choose_draft_length(self, seq: SeqState, k_max: int, rows: float = 1.0,
-                            greedy_batch: int | None = None) -> int:
+    def choose_draft_length(self, seq: SeqState, k_max: int, rows: float = 1.0, greedy_batch: int | None = None) -> int:
         """``k_max``, or with an adaptive ``draft_length`` what ``seq``'s own history says pays (chains and forests).
 
         ``rows``: draft and verified rows one unit of k adds per sequence of the step (a DSBD layer: W_S per beam).
@@ -204,8 +219,9 @@ class DecodeContext:
         try:
             offer = max(0, min(k, self.drafter.offer(seq, k)))
         except Exception:
-            log.exception("the drafter could not tell what it offers request %r; pricing it for k=%d",
-                          seq.request.request_id, k)
+            log.exception(
+                "the drafter could not tell what it offers request %r; pricing it for k=%d", seq.request.request_id, k
+            )
             return k
         _history(seq.draft_stats, seq.draft_source).note_offer(offer > 0, self.draft_length.memory)
         _history(self.pooled_drafts, seq.draft_source).note_offer(offer > 0, POOLED_MEMORY)
@@ -217,12 +233,15 @@ class DecodeContext:
         try:
             return self.drafter.source(seq)  # type: ignore[union-attr]  # a SourcedDrafter (draft_lengths checks)
         except Exception:
-            log.exception("the drafter could not tell the proposer for request %r; pricing it as one drafter",
-                          seq.request.request_id)
+            log.exception(
+                "the drafter could not tell the proposer for request %r; pricing it as one drafter",
+                seq.request.request_id,
+            )
             return ""
 
-    def propose(self, seqs: Sequence[SeqState], ks: Sequence[int] | None = None,
-                waiting: Sequence[SeqState] | None = None) -> tuple[list[Draft], float]:
+    def propose(
+        self, seqs: Sequence[SeqState], ks: Sequence[int] | None = None, waiting: Sequence[SeqState] | None = None
+    ) -> tuple[list[Draft], float]:
         """Drafts for ``seqs``, with the time choosing their k took (``draft_lengths``, ``waiting`` passed on). A
         drafter that raises costs only speed: each sequence is asked alone, and one whose own drafting fails
         verifies no drafts this step (exact either way: drafts never change an answer)."""
@@ -258,8 +277,15 @@ class DecodeContext:
         except Exception as exc:
             self.fail(seq, exc)
 
-    def step_isolated(self, seqs: Sequence[SeqState], work: Sequence[SeqWork], real_rows: int, prefill_rows: int,
-                      draft_tokens: int, draft_seconds: float = 0.0) -> list[np.ndarray | None]:
+    def step_isolated(
+        self,
+        seqs: Sequence[SeqState],
+        work: Sequence[SeqWork],
+        real_rows: int,
+        prefill_rows: int,
+        draft_tokens: int,
+        draft_seconds: float = 0.0,
+    ) -> list[np.ndarray | None]:
         """``target_step`` in which a failure that belongs to one sequence fails that sequence only.
 
         A step of several sequences that raises runs again one sequence at a time: each retry rewrites the same
@@ -268,21 +294,38 @@ class DecodeContext:
         """
         try:
             self._fault(seqs, "step")
-            return list(self.target_step(work, real_rows=real_rows, prefill_rows=prefill_rows,
-                                         draft_tokens=draft_tokens, draft_seconds=draft_seconds))
+            return list(
+                self.target_step(
+                    work,
+                    real_rows=real_rows,
+                    prefill_rows=prefill_rows,
+                    draft_tokens=draft_tokens,
+                    draft_seconds=draft_seconds,
+                )
+            )
         except Exception as exc:
             if len(work) == 1:
                 self.fail(seqs[0], exc)
                 return [None]
-            log.warning("a target step of %d sequences failed (%s: %s); running them one at a time",
-                        len(work), type(exc).__name__, exc)
+            log.warning(
+                "a target step of %d sequences failed (%s: %s); running them one at a time",
+                len(work),
+                type(exc).__name__,
+                exc,
+            )
         rows: list[np.ndarray | None] = []
         for seq, item in zip(seqs, work):
             prefill = len(item.token_ids) if item.past_len == 0 else 0
             try:
                 self._fault([seq], "step")
-                rows.append(self.target_step([item], real_rows=len(item.token_ids), prefill_rows=prefill,
-                                             draft_tokens=len(item.token_ids) - 1 if not prefill else 0)[0])
+                rows.append(
+                    self.target_step(
+                        [item],
+                        real_rows=len(item.token_ids),
+                        prefill_rows=prefill,
+                        draft_tokens=len(item.token_ids) - 1 if not prefill else 0,
+                    )[0]
+                )
             except Exception as exc:
                 self.fail(seq, exc)
                 rows.append(None)
@@ -293,19 +336,34 @@ class DecodeContext:
             for seq in seqs:
                 self.fault_hook(seq, point)
 
-    def target_step(self, work: Sequence[SeqWork], real_rows: int, prefill_rows: int, draft_tokens: int,
-                    draft_seconds: float = 0.0, cache_mask: np.ndarray | None = None,
-                    active: int | None = None) -> list[np.ndarray]:
+    def target_step(
+        self,
+        work: Sequence[SeqWork],
+        real_rows: int,
+        prefill_rows: int,
+        draft_tokens: int,
+        draft_seconds: float = 0.0,
+        cache_mask: np.ndarray | None = None,
+        active: int | None = None,
+    ) -> list[np.ndarray]:
         """Run one packed target call; returns each work item's logits rows."""
         batch = pack(work, cache_mask)
         rows_before = self.target.rows_processed
         start = time.perf_counter()
         logits = self.target.step(batch, self.kv.storage)
-        self.run.steps.append(StepRecord(
-            batch_size=batch.num_seqs, rows=self.target.rows_processed - rows_before, real_rows=real_rows,
-            prefill_rows=prefill_rows, draft_tokens=draft_tokens, accepted_draft_tokens=0,
-            seconds=time.perf_counter() - start, draft_seconds=draft_seconds, active=active,
-        ))
+        self.run.steps.append(
+            StepRecord(
+                batch_size=batch.num_seqs,
+                rows=self.target.rows_processed - rows_before,
+                real_rows=real_rows,
+                prefill_rows=prefill_rows,
+                draft_tokens=draft_tokens,
+                accepted_draft_tokens=0,
+                seconds=time.perf_counter() - start,
+                draft_seconds=draft_seconds,
+                active=active,
+            )
+        )
         return np.split(logits, np.cumsum([len(w.logit_offsets()) for w in work])[:-1])
 
     def count_call(self, seq: SeqState) -> None:
@@ -331,8 +389,9 @@ class DecodeContext:
             n = rest if budget is None else min(rest, budget)
             if n <= 0:
                 break
-            work.append(SeqWork(seq.slot, done, seq.request.prompt_ids[done : done + n],
-                                logits="last" if n == rest else "none"))
+            work.append(
+                SeqWork(seq.slot, done, seq.request.prompt_ids[done : done + n], logits="last" if n == rest else "none")
+            )
             if budget is not None:
                 budget -= n
         return work
@@ -410,8 +469,13 @@ def ar(ctx: DecodeContext) -> RunMetrics:
         work = [SeqWork(s.slot, ctx.kv.length(s.slot), [s.tokens[-1]]) for s in live]
         chunks = ctx.prefill_chunks(filling, len(work))
         prompt_rows = sum(len(c.token_ids) for c in chunks)
-        rows = ctx.step_isolated(live + filling[: len(chunks)], work + chunks, real_rows=len(live) + prompt_rows,
-                                 prefill_rows=prompt_rows, draft_tokens=0)
+        rows = ctx.step_isolated(
+            live + filling[: len(chunks)],
+            work + chunks,
+            real_rows=len(live) + prompt_rows,
+            prefill_rows=prompt_rows,
+            draft_tokens=0,
+        )
         for seq, logits in zip(live, rows):
             if logits is not None:
                 with ctx.isolated(seq):
@@ -422,8 +486,13 @@ def ar(ctx: DecodeContext) -> RunMetrics:
     return ctx.run
 
 
-def _prefill_done(ctx: DecodeContext, live: list[SeqState], filling: list[SeqState], chunks: Sequence[SeqWork],
-                  rows: Sequence[np.ndarray | None]) -> tuple[list[SeqState], list[SeqState]]:
+def _prefill_done(
+    ctx: DecodeContext,
+    live: list[SeqState],
+    filling: list[SeqState],
+    chunks: Sequence[SeqWork],
+    rows: Sequence[np.ndarray | None],
+) -> tuple[list[SeqState], list[SeqState]]:
     """After a step: commit its prefill chunks, move prompts prefilled in full to the live sequences, retire.
 
     Returns (live, still prefilling); a prompt whose chunk failed is retired with its error.
@@ -458,9 +527,14 @@ def ems(ctx: DecodeContext) -> RunMetrics:
         num_drafts = sum(len(d.tokens) for d in drafts)
         chunks = ctx.prefill_chunks(filling, len(live) + num_drafts)
         prompt_rows = sum(len(c.token_ids) for c in chunks)
-        rows = ctx.step_isolated(live + filling[: len(chunks)], work + chunks,
-                                 real_rows=len(live) + num_drafts + prompt_rows, prefill_rows=prompt_rows,
-                                 draft_tokens=num_drafts, draft_seconds=draft_seconds)
+        rows = ctx.step_isolated(
+            live + filling[: len(chunks)],
+            work + chunks,
+            real_rows=len(live) + num_drafts + prompt_rows,
+            prefill_rows=prompt_rows,
+            draft_tokens=num_drafts,
+            draft_seconds=draft_seconds,
+        )
         for seq, draft, logits in zip(live, drafts, rows):
             if logits is not None:
                 with ctx.isolated(seq):
@@ -485,8 +559,9 @@ def vanilla(ctx: DecodeContext) -> RunMetrics:
     while ctx.has_work([]):
         batch = ctx.admit([])
         prompt_rows = sum(s.num_prompt for s in batch)
-        rows = ctx.target_step([ctx.prefill_work(s) for s in batch], real_rows=prompt_rows,
-                               prefill_rows=prompt_rows, draft_tokens=0)
+        rows = ctx.target_step(
+            [ctx.prefill_work(s) for s in batch], real_rows=prompt_rows, prefill_rows=prompt_rows, draft_tokens=0
+        )
         for seq, logits in zip(batch, rows):
             ctx.start(seq, logits)
         while live := [s for s in batch if not s.finished]:
@@ -495,17 +570,31 @@ def vanilla(ctx: DecodeContext) -> RunMetrics:
             drafts, draft_seconds = ctx.propose(live, ks)
             width = 1 + max(len(d.tokens) for d in drafts)
             work = [
-                SeqWork(s.slot, ctx.kv.length(s.slot), _padded([s.tokens[-1], *d.tokens], width),
-                        position_offset=ctx.kv.num_tokens(s.slot))
+                SeqWork(
+                    s.slot,
+                    ctx.kv.length(s.slot),
+                    _padded([s.tokens[-1], *d.tokens], width),
+                    position_offset=ctx.kv.num_tokens(s.slot),
+                )
                 for s, d in zip(live, drafts)
             ]
             # finished sequences compute `width` padding rows at a scratch position of their slot
-            work += [SeqWork(s.slot, min(ctx.kv.length(s.slot), ctx.kv.max_len - width), [s.tokens[-1]] * width)
-                     for s in batch if s.finished]
+            work += [
+                SeqWork(s.slot, min(ctx.kv.length(s.slot), ctx.kv.max_len - width), [s.tokens[-1]] * width)
+                for s in batch
+                if s.finished
+            ]
             num_drafts = sum(len(d.tokens) for d in drafts)
             mask = ctx.kv.cache_mask([w.slot_id for w in work])
-            rows = ctx.target_step(work, real_rows=len(live) + num_drafts, prefill_rows=0, draft_tokens=num_drafts,
-                                   draft_seconds=draft_seconds, cache_mask=mask, active=len(live))
+            rows = ctx.target_step(
+                work,
+                real_rows=len(live) + num_drafts,
+                prefill_rows=0,
+                draft_tokens=num_drafts,
+                draft_seconds=draft_seconds,
+                cache_mask=mask,
+                active=len(live),
+            )
             verified = [ctx.verify(s, d, logits[: 1 + len(d.tokens)]) for s, d, logits in zip(live, drafts, rows)]
             advance = max(len(tokens) for tokens in verified)
             for seq, tokens in zip(live, verified):
@@ -520,4 +609,3 @@ def vanilla(ctx: DecodeContext) -> RunMetrics:
 def _padded(tokens: list[int], width: int) -> list[int]:
     """Pad with copies of the last token; padded rows are computed and discarded."""
     return tokens + [tokens[-1]] * (width - len(tokens))
-

@@ -48,15 +48,29 @@ class Method:
         return self.drafts == FOREST_DRAFT
 
 
-METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("ems", ems, "EMS-SD: ragged drafts and acceptance, no padding", drafts=CHAIN_DRAFT),
-    Method("ar", ar, "batched autoregressive decoding (the baseline)"),
-    Method("vanilla", vanilla, "padded multi-sample speculative decoding (the papers' baseline)",
-           drafts=CHAIN_DRAFT, served=False, masks_cache=True),
-    Method("beam", beam, "target-only beam sampling, or beam search when greedy", beams=True),
-    Method("dsbd", dsbd, "DSBD: draft-sampled forests verified in one call, adaptive width",
-           drafts=FOREST_DRAFT, beams=True),
-)}
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("ems", ems, "EMS-SD: ragged drafts and acceptance, no padding", drafts=CHAIN_DRAFT),
+        Method("ar", ar, "batched autoregressive decoding (the baseline)"),
+        Method(
+            "vanilla",
+            vanilla,
+            "padded multi-sample speculative decoding (the papers' baseline)",
+            drafts=CHAIN_DRAFT,
+            served=False,
+            masks_cache=True,
+        ),
+        Method("beam", beam, "target-only beam sampling, or beam search when greedy", beams=True),
+        Method(
+            "dsbd",
+            dsbd,
+            "DSBD: draft-sampled forests verified in one call, adaptive width",
+            drafts=FOREST_DRAFT,
+            beams=True,
+        ),
+    )
+}
 METHOD_NAMES = tuple(METHODS)
 SERVED_METHODS = tuple(name for name, m in METHODS.items() if m.served)
 BEAM_METHODS = tuple(name for name, m in METHODS.items() if m.beams)

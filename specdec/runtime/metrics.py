@@ -65,7 +65,6 @@ class RunMetrics:
             "accepted_draft_tokens": accepted,
             "acceptance_rate": round(accepted / drafts, 4) if drafts else 0.0,
             "mean_accepted_length": round(1 + accepted / seq_steps, 4) if seq_steps else 0.0,
-            "mean_batch_size": round(sum(s.batch_size for s in self.steps) / len(self.steps), 3)
-            if self.steps else 0.0,
+            "mean_batch_size": round(sum(s.batch_size for s in self.steps) / len(self.steps), 3) if self.steps else 0.0,
             "draft_seconds": round(sum(s.draft_seconds for s in self.steps), 4),
         }

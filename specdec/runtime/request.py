@@ -53,14 +53,14 @@ class BeamParams:
             raise InvalidRequestError(f"dsbd_min_width ({self.min_width}) must not exceed beam_width ({self.width})")
         if self.num_return_sequences > self.width:
             raise InvalidRequestError(
-                f"num_return_sequences ({self.num_return_sequences}) must not exceed beam_width ({self.width})")
+                f"num_return_sequences ({self.num_return_sequences}) must not exceed beam_width ({self.width})"
+            )
         if not (isinstance(self.threshold, (int, float)) and 0.0 <= self.threshold <= 1.0):
             raise InvalidRequestError(f"dsbd_threshold must be in [0, 1], got {self.threshold!r}")
         if self.mode not in BEAM_MODES:
             raise InvalidRequestError(f"beam mode must be one of {', '.join(BEAM_MODES)}, got {self.mode!r}")
         if self.memory_mode not in MEMORY_MODES:
-            raise InvalidRequestError(
-                f"memory_mode must be one of {', '.join(MEMORY_MODES)}, got {self.memory_mode!r}")
+            raise InvalidRequestError(f"memory_mode must be one of {', '.join(MEMORY_MODES)}, got {self.memory_mode!r}")
         if not (isinstance(self.length_penalty, (int, float)) and math.isfinite(self.length_penalty)):
             raise InvalidRequestError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
 
@@ -141,8 +141,11 @@ class RequestMetrics:
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "target_calls": self.target_calls,
             "mean_batch_size": round(self.mean_batch_size, 4),
-            **({"mean_beam_width": round(sum(self.beam_widths) / len(self.beam_widths), 4),
-                "logprob": self.logprob} if self.beam_widths else {}),
+            **(
+                {"mean_beam_width": round(sum(self.beam_widths) / len(self.beam_widths), 4), "logprob": self.logprob}
+                if self.beam_widths
+                else {}
+            ),
         }
 
 
@@ -189,8 +192,9 @@ class StopChecker:
     output is cut exactly where plain autoregressive decoding would have stopped.
     """
 
-    def __init__(self, eos_ids: Sequence[int], max_len: int,
-                 decode: Callable[[Sequence[int]], str] | None = None) -> None:
+    def __init__(
+        self, eos_ids: Sequence[int], max_len: int, decode: Callable[[Sequence[int]], str] | None = None
+    ) -> None:
         self.eos_ids = frozenset(eos_ids)
         self.max_len = max_len
         self.decode = decode
@@ -245,8 +249,13 @@ class SeqState:
 
     @classmethod
     def start(cls, request: Request, slot: int) -> SeqState:
-        return cls(request, slot, list(request.prompt_ids), request.sampling.make_generator(),
-                   RequestMetrics(prompt_tokens=len(request.prompt_ids)))
+        return cls(
+            request,
+            slot,
+            list(request.prompt_ids),
+            request.sampling.make_generator(),
+            RequestMetrics(prompt_tokens=len(request.prompt_ids)),
+        )
 
     @property
     def num_prompt(self) -> int:

@@ -84,7 +84,7 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     # shift before dividing so a tiny temperature gives -inf gaps, never inf - inf = NaN
     scores = (logits - logits.max(axis=-1, keepdims=True)) / np.float32(params.temperature)
     if params.top_k and params.top_k < scores.shape[-1]:
-        kth = np.partition(scores, -params.top_k, axis=-1)[..., -params.top_k:].min(axis=-1, keepdims=True)
+        kth = np.partition(scores, -params.top_k, axis=-1)[..., -params.top_k :].min(axis=-1, keepdims=True)
         scores = np.where(scores < kth, -np.inf, scores).astype(np.float32)
     probs = softmax(scores)
     if params.top_p < 1.0:

@@ -56,8 +56,15 @@ class Scheduler:
             self._cond.wait_for(lambda: self._queue or self._closed, timeout=timeout)
             return bool(self._queue)
 
-    def admit(self, kv: KVCacheManager, num_live: int, accept: Callable[[Request], bool] | None = None, *,
-              slots: Callable[[Request], int] | None = None, free: int | None = None) -> list[SeqState]:
+    def admit(
+        self,
+        kv: KVCacheManager,
+        num_live: int,
+        accept: Callable[[Request], bool] | None = None,
+        *,
+        slots: Callable[[Request], int] | None = None,
+        free: int | None = None,
+    ) -> list[SeqState]:
         """Pop queued requests into fresh slots while there is room in the batch and the cache.
 
         ``accept`` may veto a request (e.g. it was cancelled while queued); vetoed requests

@@ -26,8 +26,9 @@ def encode_text(tokenizer: Any, prompt: str, chat: bool = False) -> list[int]:
     """
     if not chat:
         return list(tokenizer(prompt, split_special_tokens=True)["input_ids"]) if prompt else []
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": _USER_SLOT}], add_generation_prompt=True,
-                                             tokenize=False)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _USER_SLOT}], add_generation_prompt=True, tokenize=False
+    )
     before, slot, after = rendered.partition(_USER_SLOT)
     if not slot or _USER_SLOT in after:
         raise ValueError("the tokenizer's chat template does not hold the user's text once, verbatim")
@@ -72,8 +73,13 @@ def streamable(text: str, stops: Sequence[str]) -> str:
     return text[: len(text) - hold]
 
 
-def text_delta(decode: Callable[[Sequence[int]], str], output_ids: Sequence[int], sent_tokens: int,
-               finished: bool, stops: Sequence[str]) -> str:
+def text_delta(
+    decode: Callable[[Sequence[int]], str],
+    output_ids: Sequence[int],
+    sent_tokens: int,
+    finished: bool,
+    stops: Sequence[str],
+) -> str:
     """The text a response adds, computed from token ids alone (no per-request state).
 
     ``output_ids`` are all tokens generated so far and ``sent_tokens`` how many of them the

@@ -94,8 +94,15 @@ def _answer(results: Sequence[Any], seconds: float, first: float) -> Answer:
     chunks = [text_of(r) for r in results]
     ids = [t for r in results for t in _value(r, protocol.OUTPUT_IDS)]
     metrics = {spec.name: _value(results[-1], spec) for spec in protocol.METRICS}
-    return Answer("".join(chunks), ids, **metrics, responses=len(results), seconds=seconds,
-                  first_response_seconds=first, chunks=chunks)
+    return Answer(
+        "".join(chunks),
+        ids,
+        **metrics,
+        responses=len(results),
+        seconds=seconds,
+        first_response_seconds=first,
+        chunks=chunks,
+    )
 
 
 class SpecdecClient:
@@ -137,12 +144,17 @@ class SpecdecClient:
         events: queue.Queue[tuple[Any, Any]] = queue.Queue()
         # errors arrive in band, without a gRPC status (Triton's default): the `triton_grpc_error` header would give
         # them one, but tritonserver 2.51 then crashed (SIGSEGV in its stream handler) on an error response here
-        self._client.start_stream(callback=lambda result, error: events.put((result, error)),
-                                  stream_timeout=self.timeout_s)
+        self._client.start_stream(
+            callback=lambda result, error: events.put((result, error)), stream_timeout=self.timeout_s
+        )
         complete = False
         try:
-            self._client.async_stream_infer(STREAM_MODEL, make_inputs(prompt, **params), request_id=uuid.uuid4().hex,
-                                            enable_empty_final_response=True)
+            self._client.async_stream_infer(
+                STREAM_MODEL,
+                make_inputs(prompt, **params),
+                request_id=uuid.uuid4().hex,
+                enable_empty_final_response=True,
+            )
             while True:
                 result, error = events.get(timeout=self.timeout_s)
                 if error is not None:
@@ -176,8 +188,9 @@ class SpecdecClient:
         self._client.close()
 
 
-def run_concurrent(url: str, prompts: Sequence[str], concurrency: int, stream: bool = False,
-                   **params: Any) -> tuple[list[Answer | ClientError], float]:
+def run_concurrent(
+    url: str, prompts: Sequence[str], concurrency: int, stream: bool = False, **params: Any
+) -> tuple[list[Answer | ClientError], float]:
     """Send ``prompts`` from ``concurrency`` threads (one client each); answers in prompt order + wall time."""
 
     def worker(indices: list[int]) -> list[tuple[int, Answer | ClientError]]:
@@ -223,8 +236,7 @@ def add_client_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--url", default="127.0.0.1:8001", help="gRPC address of `specdec serve`")
     parser.add_argument("--prompt", action="append", help="a prompt (repeatable; default: the demo prompts)")
     parser.add_argument("--prompts-file", help="JSON list of strings, or one prompt per line")
-    parser.add_argument("--method", default=DEFAULT_METHOD, choices=SERVED_METHODS,
-                        help=f"default {DEFAULT_METHOD}")
+    parser.add_argument("--method", default=DEFAULT_METHOD, choices=SERVED_METHODS, help=f"default {DEFAULT_METHOD}")
     parser.add_argument("--beam-width", type=int, help="dsbd / beam: beams per step (draft width W_S for dsbd)")
     parser.add_argument("--dsbd-threshold", type=float, help="dsbd dynamic-width threshold (0 = fixed width)")
     parser.add_argument("--dsbd-min-width", type=int, help="dsbd smallest width")
@@ -239,12 +251,17 @@ def add_client_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--chat", action="store_true", help="apply the chat template on the server")
     parser.add_argument("--stream", action="store_true", help="stream through specdec_stream (prints as it comes)")
     parser.add_argument("--concurrency", type=int, default=0, help="client threads (default: one per prompt)")
-    parser.add_argument("--compare-ar", action="store_true",
-                        help="send the same prompts again with method=ar and print the speed-up")
-    parser.add_argument("--repeats", type=_at_least_one, default=1,
-                        help="with --compare-ar: warm up once, then send both methods this many times, "
-                             "interleaved, and report the median of each (a single cold run mostly measures the "
-                             "first one's warm-up)")
+    parser.add_argument(
+        "--compare-ar", action="store_true", help="send the same prompts again with method=ar and print the speed-up"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=_at_least_one,
+        default=1,
+        help="with --compare-ar: warm up once, then send both methods this many times, "
+        "interleaved, and report the median of each (a single cold run mostly measures the "
+        "first one's warm-up)",
+    )
     parser.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the server to become ready")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--summary", action="store_true", help="print the totals only, not every answer")
@@ -253,23 +270,39 @@ def add_client_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def _params(args: argparse.Namespace, method: str) -> dict[str, Any]:
     spec = get_method(method, served=True)
-    return {"method": method, "max_tokens": args.max_tokens, "num_draft_tokens": args.num_draft_tokens,
-            "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
-            "stop": args.stop, "apply_chat_template": True if args.chat else None,
-            **({"beam_width": args.beam_width, "memory_mode": args.memory_mode} if spec.beams else {}),
-            **({"dsbd_threshold": args.dsbd_threshold, "dsbd_min_width": args.dsbd_min_width}
-               if spec.beams and spec.uses_drafter else {})}
+    return {
+        "method": method,
+        "max_tokens": args.max_tokens,
+        "num_draft_tokens": args.num_draft_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "stop": args.stop,
+        "apply_chat_template": True if args.chat else None,
+        **({"beam_width": args.beam_width, "memory_mode": args.memory_mode} if spec.beams else {}),
+        **(
+            {"dsbd_threshold": args.dsbd_threshold, "dsbd_min_width": args.dsbd_min_width}
+            if spec.beams and spec.uses_drafter
+            else {}
+        ),
+    }
 
 
 def _summary(answers: Sequence[Answer | ClientError], wall: float) -> dict[str, float]:
     ok = [a for a in answers if isinstance(a, Answer)]
     tokens = sum(len(a.output_ids) for a in ok)
     drafts = sum(a.draft_tokens for a in ok)
-    return {"requests": len(answers), "errors": len(answers) - len(ok), "tokens": tokens,
-            "seconds": round(wall, 3), "tokens_per_second": round(tokens / wall, 2) if wall else 0.0,
-            "requests_per_second": round(len(ok) / wall, 3) if wall else 0.0,
-            "acceptance_rate": round(sum(a.accepted_draft_tokens for a in ok) / drafts, 4) if drafts else 0.0,
-            "mean_batch_size": round(sum(a.mean_batch_size for a in ok) / len(ok), 3) if ok else 0.0}
+    return {
+        "requests": len(answers),
+        "errors": len(answers) - len(ok),
+        "tokens": tokens,
+        "seconds": round(wall, 3),
+        "tokens_per_second": round(tokens / wall, 2) if wall else 0.0,
+        "requests_per_second": round(len(ok) / wall, 3) if wall else 0.0,
+        "acceptance_rate": round(sum(a.accepted_draft_tokens for a in ok) / drafts, 4) if drafts else 0.0,
+        "mean_batch_size": round(sum(a.mean_batch_size for a in ok) / len(ok), 3) if ok else 0.0,
+    }
 
 
 def _median_run(runs: Sequence[tuple[list[Answer | ClientError], float]]) -> tuple[list[Answer | ClientError], float]:
@@ -308,8 +341,10 @@ def client_main(args: argparse.Namespace) -> int:
         ar_answers, ar_wall = _median_run(runs[BASELINE_METHOD])
         baseline = _summary(ar_answers, ar_wall)
     if args.json:
-        doc: dict[str, Any] = {"answers": [a.__dict__ if isinstance(a, Answer) else {"error": str(a)} for a in answers],
-                               "summary": summary}
+        doc: dict[str, Any] = {
+            "answers": [a.__dict__ if isinstance(a, Answer) else {"error": str(a)} for a in answers],
+            "summary": summary,
+        }
         if baseline:
             doc[BASELINE_METHOD] = baseline
         print(json.dumps(doc))
@@ -320,21 +355,31 @@ def client_main(args: argparse.Namespace) -> int:
                 print(f"    ERROR: {answer}")
                 continue
             print(f"--> {answer.text!r}")
-            print(f"    tokens={len(answer.output_ids)} finish={answer.finish_reason} "
-                  f"acceptance={answer.acceptance_rate:.2f} accepted/draft={answer.accepted_draft_tokens}/"
-                  f"{answer.draft_tokens} target_calls={answer.target_calls} "
-                  f"mean_batch={answer.mean_batch_size:.2f} latency={answer.seconds:.2f}s"
-                  + (f" beams/round={answer.beam_widths}" if answer.beam_widths else ""))
+            print(
+                f"    tokens={len(answer.output_ids)} finish={answer.finish_reason} "
+                f"acceptance={answer.acceptance_rate:.2f} accepted/draft={answer.accepted_draft_tokens}/"
+                f"{answer.draft_tokens} target_calls={answer.target_calls} "
+                f"mean_batch={answer.mean_batch_size:.2f} latency={answer.seconds:.2f}s"
+                + (f" beams/round={answer.beam_widths}" if answer.beam_widths else "")
+            )
         timing = f" (median of {len(runs[args.method])} interleaved runs)" if len(runs[args.method]) > 1 else ""
-        print(f"\n{args.method} through Triton{timing}: {summary['requests']} requests from {concurrency} clients, "
-              f"{summary['tokens']} tokens in {summary['seconds']:.2f} s = {summary['tokens_per_second']:.1f} tok/s, "
-              f"acceptance {summary['acceptance_rate']:.2f}, mean batch {summary['mean_batch_size']:.2f}")
+        print(
+            f"\n{args.method} through Triton{timing}: {summary['requests']} requests from {concurrency} clients, "
+            f"{summary['tokens']} tokens in {summary['seconds']:.2f} s = {summary['tokens_per_second']:.1f} tok/s, "
+            f"acceptance {summary['acceptance_rate']:.2f}, mean batch {summary['mean_batch_size']:.2f}"
+        )
         if baseline:
-            print(f"ar through Triton: {baseline['tokens']} tokens in {baseline['seconds']:.2f} s = "
-                  f"{baseline['tokens_per_second']:.1f} tok/s")
-            same = all(isinstance(a, Answer) and isinstance(b, Answer) and a.output_ids == b.output_ids
-                       for a, b in zip(answers, ar_answers))
-            print(f"speed-up of {args.method} over ar: "
-                  f"{summary['tokens_per_second'] / max(baseline['tokens_per_second'], 1e-9):.2f}x"
-                  + ("  (outputs identical)" if same else ""))
+            print(
+                f"ar through Triton: {baseline['tokens']} tokens in {baseline['seconds']:.2f} s = "
+                f"{baseline['tokens_per_second']:.1f} tok/s"
+            )
+            same = all(
+                isinstance(a, Answer) and isinstance(b, Answer) and a.output_ids == b.output_ids
+                for a, b in zip(answers, ar_answers)
+            )
+            print(
+                f"speed-up of {args.method} over ar: "
+                f"{summary['tokens_per_second'] / max(baseline['tokens_per_second'], 1e-9):.2f}x"
+                + ("  (outputs identical)" if same else "")
+            )
     return 1 if summary["errors"] else 0

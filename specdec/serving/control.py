@@ -169,8 +169,9 @@ def stub_pids(server_pid: int, model: str) -> list[int]:
     A stub's command line names its model's ``model.py`` (``<repository>/<model>/1/model.py``), and its
     parent is the server, which is how a supervisor tells the engine's stub from the others.
     """
-    return sorted(pid for pid, cmdline in children(server_pid).items()
-                  if any(f"/{model}/".encode() in arg for arg in cmdline))
+    return sorted(
+        pid for pid, cmdline in children(server_pid).items() if any(f"/{model}/".encode() in arg for arg in cmdline)
+    )
 
 
 def alive(pid: int) -> bool:

@@ -26,8 +26,10 @@ from specdec.runtime.sampling import InvalidRequestError, SamplingParams
 PREPROCESSING_MODEL, ENGINE_MODEL, POSTPROCESSING_MODEL = "preprocessing", "specdec_engine", "postprocessing"
 STREAM_MODEL, UNARY_MODEL = "specdec_stream", "specdec"
 MODELS = (PREPROCESSING_MODEL, ENGINE_MODEL, POSTPROCESSING_MODEL, STREAM_MODEL, UNARY_MODEL)
-STREAM_NEEDS_DECOUPLED = (f"stream=true needs the decoupled model '{STREAM_MODEL}' (gRPC streaming); "
-                          f"'{UNARY_MODEL}' answers with one complete response")
+STREAM_NEEDS_DECOUPLED = (
+    f"stream=true needs the decoupled model '{STREAM_MODEL}' (gRPC streaming); "
+    f"'{UNARY_MODEL}' answers with one complete response"
+)
 
 DEFAULT_BEAM_WIDTH = 2
 #: num_draft_tokens above this is refused: verification cost grows with k while acceptance decays
@@ -65,17 +67,23 @@ PARAMETERS = (
     TensorSpec("top_k", "TYPE_INT32", doc="0 = off"),
     TensorSpec("top_p", "TYPE_FP32", doc="1 = off"),
     TensorSpec("seed", "TYPE_INT32", doc="sampling seed (>= 0)"),
-    TensorSpec("num_draft_tokens", "TYPE_INT32",
-               doc="k per step (ems), γ per round (dsbd); with an adaptive-draft export, the most drafted"),
+    TensorSpec(
+        "num_draft_tokens",
+        "TYPE_INT32",
+        doc="k per step (ems), γ per round (dsbd); with an adaptive-draft export, the most drafted",
+    ),
     TensorSpec("stop", "TYPE_STRING", (-1,), doc="stop strings"),
     TensorSpec("stream", "TYPE_BOOL", doc=f"partial responses ({STREAM_MODEL} only)"),
     TensorSpec("beam_width", "TYPE_INT32", doc="beams per step (beam) / draft width W_S (dsbd); 1 for ems and ar"),
     TensorSpec("dsbd_threshold", "TYPE_FP32", doc="dsbd dynamic width threshold t in [0, 1] (0 = fixed width)"),
     TensorSpec("dsbd_min_width", "TYPE_INT32", doc="dsbd smallest width W_min (default 1)"),
     TensorSpec("memory_mode", "TYPE_STRING", doc="full (default) or single: one beam kept per round"),
-    TensorSpec("timeout_ms", "TYPE_INT32",
-               doc="server-side deadline from arrival at the engine: past it the answer ends finish_reason=timeout "
-                   "with what it has, and its KV slot is freed (default: none)"),
+    TensorSpec(
+        "timeout_ms",
+        "TYPE_INT32",
+        doc="server-side deadline from arrival at the engine: past it the answer ends finish_reason=timeout "
+        "with what it has, and its KV slot is freed (default: none)",
+    ),
 )
 CLIENT_INPUTS = (TEXT_INPUT, APPLY_CHAT_TEMPLATE, *PARAMETERS)
 _PARAMETER = {s.name: s for s in PARAMETERS}
@@ -88,8 +96,12 @@ CANCEL_REQUEST_ID = TensorSpec("cancel_request_id", "TYPE_STRING")
 OUTPUT_IDS = TensorSpec("output_ids", "TYPE_INT32", (-1,), optional=False)
 SENT_TOKENS = TensorSpec("sent_tokens", "TYPE_INT32", optional=False, doc="tokens covered by earlier responses")
 FINISHED = TensorSpec("finished", "TYPE_BOOL", optional=False)
-FINISH_REASON = TensorSpec("finish_reason", "TYPE_STRING", optional=False,
-                          doc="stop | length (max_tokens) | context (the context filled up) | cancelled | timeout")
+FINISH_REASON = TensorSpec(
+    "finish_reason",
+    "TYPE_STRING",
+    optional=False,
+    doc="stop | length (max_tokens) | context (the context filled up) | cancelled | timeout",
+)
 #: what a response reports of its request's metrics, each named as the ``RequestMetrics`` attribute it is
 REQUEST_METRICS = (
     TensorSpec("acceptance_rate", "TYPE_FP32", optional=False),
@@ -133,8 +145,9 @@ def _scalar(inputs: Mapping[str, np.ndarray], spec: TensorSpec) -> object | None
         return None
     array = np.asarray(array)
     if array.size != 1:
-        raise InvalidRequestError(f"input '{spec.name}' must hold exactly one value (shape [1]), got shape "
-                                  f"{list(array.shape)}")
+        raise InvalidRequestError(
+            f"input '{spec.name}' must hold exactly one value (shape [1]), got shape {list(array.shape)}"
+        )
     _check_dtype(array, spec)
     value = array.reshape(-1)[0]
     if spec.dtype == "TYPE_STRING":
@@ -185,14 +198,16 @@ class Limits:
         if text is not None:
             size = sum(len(v) if isinstance(v, (bytes, str)) else 0 for v in np.asarray(text).reshape(-1))
             if size > self.max_prompt_bytes:
-                raise InvalidRequestError(f"input 'text_input' is {size} bytes, more than this server accepts "
-                                          f"({self.max_prompt_bytes})")
+                raise InvalidRequestError(
+                    f"input 'text_input' is {size} bytes, more than this server accepts ({self.max_prompt_bytes})"
+                )
         stops = inputs.get(STOP.name)
         if stops is not None:
             values = np.asarray(stops).reshape(-1)
             if values.size > self.max_stop_strings:
-                raise InvalidRequestError(f"input 'stop' holds {values.size} strings, more than this server "
-                                          f"accepts ({self.max_stop_strings})")
+                raise InvalidRequestError(
+                    f"input 'stop' holds {values.size} strings, more than this server accepts ({self.max_stop_strings})"
+                )
             if any(isinstance(v, (bytes, str)) and len(v) > self.max_stop_bytes for v in values):
                 raise InvalidRequestError(f"input 'stop' holds a string longer than {self.max_stop_bytes} bytes")
 
@@ -209,8 +224,9 @@ def parse_prompt(inputs: Mapping[str, np.ndarray]) -> tuple[str, bool]:
     return text, bool(chat)
 
 
-def parse_generation(inputs: Mapping[str, np.ndarray], *, max_len: int, default_max_tokens: int = 64,
-                     allow_stream: bool = True) -> Generation:
+def parse_generation(
+    inputs: Mapping[str, np.ndarray], *, max_len: int, default_max_tokens: int = 64, allow_stream: bool = True
+) -> Generation:
     """Validate every optional parameter; the first problem raises ``InvalidRequestError`` naming it."""
     values = {name: _scalar(inputs, s) for name, s in _PARAMETER.items() if s.dims == (1,)}
     unknown = sorted(set(inputs) - set(_PARAMETER) - {INPUT_IDS.name, TEXT_INPUT.name, APPLY_CHAT_TEMPLATE.name})
@@ -220,13 +236,15 @@ def parse_generation(inputs: Mapping[str, np.ndarray], *, max_len: int, default_
     beam = _beam(values, spec)
     max_tokens = default_max_tokens if values["max_tokens"] is None else values["max_tokens"]
     if not 1 <= int(max_tokens) < max_len:
-        raise InvalidRequestError(f"max_tokens must be between 1 and {max_len - 1} (the context holds {max_len} "
-                                  f"tokens), got {max_tokens}")
+        raise InvalidRequestError(
+            f"max_tokens must be between 1 and {max_len - 1} (the context holds {max_len} tokens), got {max_tokens}"
+        )
     temperature = 0.0 if values["temperature"] is None else float(values["temperature"])
     if not math.isfinite(temperature) or temperature < 0:
         raise InvalidRequestError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
     sampling = SamplingParams(
-        temperature, 0 if values["top_k"] is None else int(values["top_k"]),
+        temperature,
+        0 if values["top_k"] is None else int(values["top_k"]),
         1.0 if values["top_p"] is None else float(values["top_p"]),
         None if values["seed"] is None else int(values["seed"]),
     )
@@ -242,30 +260,43 @@ def parse_generation(inputs: Mapping[str, np.ndarray], *, max_len: int, default_
         raise InvalidRequestError(f"timeout_ms must be a positive number of milliseconds, got {timeout_ms}")
     # `ar` is EMS-SD with no drafts and `beam` is DSBD with no draft layers: each shares its loop's ragged steps
     num_draft_tokens = (None if k is None else int(k)) if spec.uses_drafter else 0
-    return Generation(int(max_tokens), spec.name, sampling, num_draft_tokens, stops, stream, beam,
-                      None if timeout_ms is None else int(timeout_ms) / 1000)
+    return Generation(
+        int(max_tokens),
+        spec.name,
+        sampling,
+        num_draft_tokens,
+        stops,
+        stream,
+        beam,
+        None if timeout_ms is None else int(timeout_ms) / 1000,
+    )
 
 
 def _beam(values: Mapping[str, object], spec: Method) -> BeamParams | None:
     """The beam parameters of a beam method's request; the others accept only their neutral values."""
-    width, threshold, min_width, memory = (values[n] for n in ("beam_width", "dsbd_threshold", "dsbd_min_width",
-                                                                "memory_mode"))
+    width, threshold, min_width, memory = (
+        values[n] for n in ("beam_width", "dsbd_threshold", "dsbd_min_width", "memory_mode")
+    )
     beam_names = " or ".join(repr(name) for name in BEAM_METHODS)
     if not spec.beams:
         if width not in (None, 1):
-            raise InvalidRequestError(f"beam_width must be 1 for method {spec.name!r} (got {width}): beam search is "
-                                      f"method {beam_names}")
+            raise InvalidRequestError(
+                f"beam_width must be 1 for method {spec.name!r} (got {width}): beam search is method {beam_names}"
+            )
         if threshold is not None or min_width is not None or memory is not None:
-            raise InvalidRequestError(f"dsbd_threshold, dsbd_min_width and memory_mode apply to method {beam_names}, "
-                                      f"not {spec.name!r}")
+            raise InvalidRequestError(
+                f"dsbd_threshold, dsbd_min_width and memory_mode apply to method {beam_names}, not {spec.name!r}"
+            )
         return None
     if not spec.uses_drafter and (threshold is not None or min_width is not None):
         speculative = " or ".join(repr(n) for n in BEAM_METHODS if get_method(n).uses_drafter)
         raise InvalidRequestError(f"dsbd_threshold and dsbd_min_width apply to method {speculative} only")
-    return BeamParams(width=DEFAULT_BEAM_WIDTH if width is None else int(width),
-                      min_width=1 if min_width is None else int(min_width),
-                      threshold=0.0 if threshold is None else float(threshold),
-                      memory_mode=str(memory or "full").strip().lower())
+    return BeamParams(
+        width=DEFAULT_BEAM_WIDTH if width is None else int(width),
+        min_width=1 if min_width is None else int(min_width),
+        threshold=0.0 if threshold is None else float(threshold),
+        memory_mode=str(memory or "full").strip().lower(),
+    )
 
 
 def parse_stops(array: np.ndarray | None) -> tuple[str, ...]:
@@ -317,12 +348,25 @@ def array(spec: TensorSpec, value: Any) -> np.ndarray:
     return np.array(values, dtype=NUMPY_OF[spec.dtype])
 
 
-def engine_response(output_ids: Sequence[int], sent_tokens: int, finished: bool, stops: Sequence[str],
-                    finish_reason: str, metrics: RequestMetrics, error: str = "") -> dict[str, np.ndarray]:
+def engine_response(
+    output_ids: Sequence[int],
+    sent_tokens: int,
+    finished: bool,
+    stops: Sequence[str],
+    finish_reason: str,
+    metrics: RequestMetrics,
+    error: str = "",
+) -> dict[str, np.ndarray]:
     """Every tensor of ``ENGINE_OUTPUTS`` for one engine response, in that order and typed by its spec."""
-    values = {OUTPUT_IDS.name: output_ids, SENT_TOKENS.name: sent_tokens, FINISHED.name: finished,
-              STOP_STRINGS.name: stops, FINISH_REASON.name: finish_reason, ENGINE_ERROR.name: error,
-              **{spec.name: getattr(metrics, spec.name) for spec in REQUEST_METRICS}}
+    values = {
+        OUTPUT_IDS.name: output_ids,
+        SENT_TOKENS.name: sent_tokens,
+        FINISHED.name: finished,
+        STOP_STRINGS.name: stops,
+        FINISH_REASON.name: finish_reason,
+        ENGINE_ERROR.name: error,
+        **{spec.name: getattr(metrics, spec.name) for spec in REQUEST_METRICS},
+    }
     return {spec.name: array(spec, values[spec.name]) for spec in ENGINE_OUTPUTS}
 
 
@@ -359,13 +403,19 @@ def parse_engine_response(tensors: Mapping[str, np.ndarray], vocab_size: int | N
         raise InvalidRequestError(f"input '{OUTPUT_IDS.name}' holds token ids outside [0, {vocab_size})")
     if not 0 <= int(sent) <= len(output_ids):  # type: ignore[call-overload]
         raise InvalidRequestError(f"input '{SENT_TOKENS.name}' must be between 0 and {len(output_ids)}, got {sent}")
-    return EngineResponse(output_ids, int(sent), bool(finished),  # type: ignore[call-overload]
-                          parse_stops(tensors.get(STOP_STRINGS.name)))
+    return EngineResponse(
+        output_ids,
+        int(sent),
+        bool(finished),  # type: ignore[call-overload]
+        parse_stops(tensors.get(STOP_STRINGS.name)),
+    )
 
 
 def client_response(text: str, engine: Mapping[str, np.ndarray], response: EngineResponse) -> dict[str, np.ndarray]:
     """Every tensor of ``CLIENT_OUTPUTS``: ``text``, the ids this response adds, the engine's metrics as sent."""
-    values = {TEXT_OUTPUT.name: array(TEXT_OUTPUT, text),
-              OUTPUT_IDS.name: array(OUTPUT_IDS, response.output_ids[response.sent_tokens :]),
-              **{spec.name: engine[spec.name] for spec in METRICS}}
+    values = {
+        TEXT_OUTPUT.name: array(TEXT_OUTPUT, text),
+        OUTPUT_IDS.name: array(OUTPUT_IDS, response.output_ids[response.sent_tokens :]),
+        **{spec.name: engine[spec.name] for spec in METRICS},
+    }
     return {spec.name: values[spec.name] for spec in CLIENT_OUTPUTS}

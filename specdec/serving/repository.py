@@ -33,9 +33,13 @@ from specdec.serving import protocol
 REPOSITORY_DIR = "triton_repo"
 MODELS = protocol.MODELS
 #: the class of ``specdec.serving.triton_models`` each model's ``model.py`` serves
-_CLASS_OF = {protocol.PREPROCESSING_MODEL: "Preprocessing", protocol.ENGINE_MODEL: "EngineModel",
-             protocol.POSTPROCESSING_MODEL: "Postprocessing", protocol.STREAM_MODEL: "StreamModel",
-             protocol.UNARY_MODEL: "UnaryModel"}
+_CLASS_OF = {
+    protocol.PREPROCESSING_MODEL: "Preprocessing",
+    protocol.ENGINE_MODEL: "EngineModel",
+    protocol.POSTPROCESSING_MODEL: "Postprocessing",
+    protocol.STREAM_MODEL: "StreamModel",
+    protocol.UNARY_MODEL: "UnaryModel",
+}
 
 
 @dataclass(frozen=True)
@@ -80,17 +84,21 @@ class ServingOptions:
         """These options with the costs left unset (None) taken from a calibration: what is set explicitly wins
         (and a price set explicitly has no per-batch-size variant)."""
         verify, draft = self.verify_cost is None, self.draft_cost is None
-        return replace(self, verify_cost=measured.verify_cost if verify else self.verify_cost,
-                       draft_cost=measured.draft_cost if draft else self.draft_cost,
-                       verify_by_batch=measured.verify_by_batch if verify else (),
-                       draft_by_batch=measured.draft_by_batch if draft else ())
+        return replace(
+            self,
+            verify_cost=measured.verify_cost if verify else self.verify_cost,
+            draft_cost=measured.draft_cost if draft else self.draft_cost,
+            verify_by_batch=measured.verify_by_batch if verify else (),
+            draft_by_batch=measured.draft_by_batch if draft else (),
+        )
 
 
 def _tensor(spec: protocol.TensorSpec, optional: bool | None = None) -> str:
     dims = ", ".join(str(d) for d in spec.dims)
     opt = spec.optional if optional is None else optional
-    return (f'  {{ name: "{spec.name}" data_type: {spec.dtype} dims: [ {dims} ]'
-            + (" optional: true" if opt else "") + " }")
+    return (
+        f'  {{ name: "{spec.name}" data_type: {spec.dtype} dims: [ {dims} ]' + (" optional: true" if opt else "") + " }"
+    )
 
 
 def _io(kind: str, specs: Iterable[protocol.TensorSpec], optional: bool | None = None) -> str:
@@ -109,8 +117,14 @@ def instance_group(count: int = 1, gpus: Iterable[int] = ()) -> str:
     return f"instance_group [ {{ kind: KIND_CPU count: {count} }} ]\n"
 
 
-def _python_model(name: str, inputs: Iterable[protocol.TensorSpec], outputs: Iterable[protocol.TensorSpec],
-                  params: Mapping[str, object], decoupled: bool = False, instances: str = instance_group()) -> str:
+def _python_model(
+    name: str,
+    inputs: Iterable[protocol.TensorSpec],
+    outputs: Iterable[protocol.TensorSpec],
+    params: Mapping[str, object],
+    decoupled: bool = False,
+    instances: str = instance_group(),
+) -> str:
     text = f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
     if decoupled:
         text += "model_transaction_policy { decoupled: true }\n"
@@ -122,29 +136,54 @@ def _python_model(name: str, inputs: Iterable[protocol.TensorSpec], outputs: Ite
 def render_configs(export_dir_from_repo: str, options: ServingOptions) -> dict[str, str]:
     """``config.pbtxt`` text of each model; ``export_dir_from_repo`` is the export seen from the repo root."""
     common = {"export_dir": export_dir_from_repo}
-    engine = {**common, "intra_op_threads": options.intra_op_threads, "num_draft_tokens": options.num_draft_tokens,
-              "default_max_tokens": options.default_max_tokens, "drafter": options.drafter,
-              "max_batch": options.max_batch, "adaptive_draft": int(options.adaptive_draft),
-              "prefill_budget": options.prefill_budget,
-              "verify_cost": "" if options.verify_cost is None else options.verify_cost,
-              "draft_cost": "" if options.draft_cost is None else options.draft_cost,
-              "verify_cost_by_batch": prices_text(options.verify_by_batch),
-              "draft_cost_by_batch": prices_text(options.draft_by_batch)}
-    entry = {"max_concurrency": options.max_concurrency, "max_queue": options.max_queue,
-             **{name: getattr(options.limits, name) for name in protocol.Limits.__dataclass_fields__}}
+    engine = {
+        **common,
+        "intra_op_threads": options.intra_op_threads,
+        "num_draft_tokens": options.num_draft_tokens,
+        "default_max_tokens": options.default_max_tokens,
+        "drafter": options.drafter,
+        "max_batch": options.max_batch,
+        "adaptive_draft": int(options.adaptive_draft),
+        "prefill_budget": options.prefill_budget,
+        "verify_cost": "" if options.verify_cost is None else options.verify_cost,
+        "draft_cost": "" if options.draft_cost is None else options.draft_cost,
+        "verify_cost_by_batch": prices_text(options.verify_by_batch),
+        "draft_cost_by_batch": prices_text(options.draft_by_batch),
+    }
+    entry = {
+        "max_concurrency": options.max_concurrency,
+        "max_queue": options.max_queue,
+        **{name: getattr(options.limits, name) for name in protocol.Limits.__dataclass_fields__},
+    }
     models = {
-        protocol.PREPROCESSING_MODEL: ((protocol.TEXT_INPUT, protocol.APPLY_CHAT_TEMPLATE), (protocol.INPUT_IDS,),
-                                       common, False),
-        protocol.ENGINE_MODEL: ((protocol.INPUT_IDS, *protocol.PARAMETERS, protocol.CANCEL_REQUEST_ID),
-                                protocol.ENGINE_OUTPUTS, engine, True),
+        protocol.PREPROCESSING_MODEL: (
+            (protocol.TEXT_INPUT, protocol.APPLY_CHAT_TEMPLATE),
+            (protocol.INPUT_IDS,),
+            common,
+            False,
+        ),
+        protocol.ENGINE_MODEL: (
+            (protocol.INPUT_IDS, *protocol.PARAMETERS, protocol.CANCEL_REQUEST_ID),
+            protocol.ENGINE_OUTPUTS,
+            engine,
+            True,
+        ),
         protocol.POSTPROCESSING_MODEL: (protocol.ENGINE_OUTPUTS, protocol.CLIENT_OUTPUTS, common, False),
         protocol.STREAM_MODEL: (protocol.CLIENT_INPUTS, protocol.CLIENT_OUTPUTS, entry, True),
         protocol.UNARY_MODEL: (protocol.CLIENT_INPUTS, protocol.CLIENT_OUTPUTS, entry, False),
     }
     engine_group = instance_group(options.instances, options.gpus)
-    return {name: _python_model(name, inputs, outputs, params, decoupled,
-                                engine_group if name == protocol.ENGINE_MODEL else instance_group())
-            for name, (inputs, outputs, params, decoupled) in models.items()}
+    return {
+        name: _python_model(
+            name,
+            inputs,
+            outputs,
+            params,
+            decoupled,
+            engine_group if name == protocol.ENGINE_MODEL else instance_group(),
+        )
+        for name, (inputs, outputs, params, decoupled) in models.items()
+    }
 
 
 def config_parameters(config: str) -> dict[str, str]:
@@ -160,8 +199,11 @@ def read_parameters(repository: str | os.PathLike[str], model: str = protocol.EN
     return config_parameters((Path(repository) / model / "config.pbtxt").read_text())
 
 
-def write_repository(export_dir: str | os.PathLike[str], repository: str | os.PathLike[str] | None = None,
-                     options: ServingOptions | None = None) -> Path:
+def write_repository(
+    export_dir: str | os.PathLike[str],
+    repository: str | os.PathLike[str] | None = None,
+    options: ServingOptions | None = None,
+) -> Path:
     """Write (or rewrite) the model repository serving ``export_dir``; returns the repository path.
 
     The export is referenced by a path relative to the repository, so the pair can be moved
@@ -189,6 +231,10 @@ def missing_models(repo: Path) -> list[str]:
     The entry points call the other models over BLS, which Triton cannot check at load time: a
     repository without ``specdec_engine`` would start, then fail every request.
     """
-    ours = [m for m in MODELS if (repo / m / "1" / "model.py").is_file()
-            and "specdec.serving.triton_models" in (repo / m / "1" / "model.py").read_text(errors="replace")]
+    ours = [
+        m
+        for m in MODELS
+        if (repo / m / "1" / "model.py").is_file()
+        and "specdec.serving.triton_models" in (repo / m / "1" / "model.py").read_text(errors="replace")
+    ]
     return [m for m in MODELS if m not in ours] if ours else []

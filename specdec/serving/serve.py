@@ -26,33 +26,54 @@ def _loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Options of ``specdec serve`` (kept here so cli.py only wires the subcommand)."""
     parser.add_argument("model_repository", help="Triton model repository (e.g. the one `specdec export` wrote)")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address to listen on (default 127.0.0.1, this machine only; 0.0.0.0 for all, warned)")
-    parser.add_argument("--admin-key", default=os.environ.get("SPECDEC_ADMIN_KEY"),
-                        help="the value of the specdec-admin-key header that Triton's management APIs (model "
-                             "repository, shared memory, logging, trace) require (default $SPECDEC_ADMIN_KEY, else "
-                             "a random key written to a private file named at start)")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1, this machine only; 0.0.0.0 for all, warned)",
+    )
+    parser.add_argument(
+        "--admin-key",
+        default=os.environ.get("SPECDEC_ADMIN_KEY"),
+        help="the value of the specdec-admin-key header that Triton's management APIs (model "
+        "repository, shared memory, logging, trace) require (default $SPECDEC_ADMIN_KEY, else "
+        "a random key written to a private file named at start)",
+    )
     parser.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (default 8001)")
     parser.add_argument("--http-port", type=int, default=8000, help="HTTP port (default 8000)")
     parser.add_argument("--metrics-port", type=int, default=8002, help="Prometheus metrics port (default 8002)")
-    parser.add_argument("--log-file", type=Path, help="server log (default: a temporary file, printed at start, "
-                        "removed after a clean exit unless something went wrong)")
+    parser.add_argument(
+        "--log-file",
+        type=Path,
+        help="server log (default: a temporary file, printed at start, "
+        "removed after a clean exit unless something went wrong)",
+    )
     parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
-    parser.add_argument("--ready-timeout", type=float, default=300.0,
-                        help="seconds to wait for all models to load (default 300)")
-    parser.add_argument("--drain-timeout", type=float, default=60.0,
-                        help="on SIGINT/SIGTERM, seconds the requests in flight may take to finish before they are "
-                             "aborted (default 60; pair it with the pod's terminationGracePeriodSeconds)")
-    parser.add_argument("--max-restarts", type=int, default=5,
-                        help="how often a failed server (dead engine, crashed tritonserver) is restarted before "
-                             "`specdec serve` gives up and exits 1 (default 5; 0: never)")
-    parser.add_argument("--exit-timeout", type=int, default=30,
-                        help="tritonserver --exit-timeout-secs: seconds it may take to unload after the drain "
-                             "(default 30)")
+    parser.add_argument(
+        "--ready-timeout", type=float, default=300.0, help="seconds to wait for all models to load (default 300)"
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=60.0,
+        help="on SIGINT/SIGTERM, seconds the requests in flight may take to finish before they are "
+        "aborted (default 60; pair it with the pod's terminationGracePeriodSeconds)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="how often a failed server (dead engine, crashed tritonserver) is restarted before "
+        "`specdec serve` gives up and exits 1 (default 5; 0: never)",
+    )
+    parser.add_argument(
+        "--exit-timeout",
+        type=int,
+        default=30,
+        help="tritonserver --exit-timeout-secs: seconds it may take to unload after the drain (default 30)",
+    )
     return parser
 
 
@@ -76,17 +97,35 @@ def serve_main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     try:
         try:
             if not _loopback(args.host):
-                print(f"warning: --host {args.host} serves every network this machine is on; inference has no "
-                      "authentication (put it behind a gateway that has), management APIs need the admin key",
-                      file=sys.stderr, flush=True)
-            server.start(args.model_repository, host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
-                         metrics_port=args.metrics_port, log_verbose=args.log_verbose,
-                         exit_timeout_s=args.exit_timeout, admin_key=args.admin_key)
+                print(
+                    f"warning: --host {args.host} serves every network this machine is on; inference has no "
+                    "authentication (put it behind a gateway that has), management APIs need the admin key",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            server.start(
+                args.model_repository,
+                host=args.host,
+                grpc_port=args.grpc_port,
+                http_port=args.http_port,
+                metrics_port=args.metrics_port,
+                log_verbose=args.log_verbose,
+                exit_timeout_s=args.exit_timeout,
+                admin_key=args.admin_key,
+            )
             if not args.admin_key:
-                print(f"specdec serve: management APIs need header {ADMIN_HEADER} (HTTP) / {GRPC_ADMIN_HEADER} "
-                      f"(gRPC): its value is in {server.write_admin_key()}", file=sys.stderr, flush=True)
-            print(f"specdec serve: starting {server.install.binary} ({server.install.source}); "  # type: ignore[union-attr]
-                  f"log: {server.log_file}", file=sys.stderr, flush=True)
+                print(
+                    f"specdec serve: management APIs need header {ADMIN_HEADER} (HTTP) / {GRPC_ADMIN_HEADER} "
+                    f"(gRPC): its value is in {server.write_admin_key()}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            print(
+                f"specdec serve: starting {server.install.binary} ({server.install.source}); "  # type: ignore[union-attr]
+                f"log: {server.log_file}",
+                file=sys.stderr,
+                flush=True,
+            )
             _wait_ready_unless_signalled(server, args.ready_timeout, signals)
         except TritonError as exc:
             server.stop()
@@ -97,14 +136,21 @@ def serve_main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
         if signals:  # stopped while loading: nothing was admitted yet, so there is nothing to drain
             server.stop()
             return 0
-        print(f"specdec serve: ready\n  gRPC    {server.grpc_url}\n  HTTP    {server.http_url}\n"
-              f"  metrics {server.metrics_url}\n(Ctrl-C to stop: in-flight requests finish first)", flush=True)
+        print(
+            f"specdec serve: ready\n  gRPC    {server.grpc_url}\n  HTTP    {server.http_url}\n"
+            f"  metrics {server.metrics_url}\n(Ctrl-C to stop: in-flight requests finish first)",
+            flush=True,
+        )
         server.watch_engine()
         if not _supervise(server, signals, args.max_restarts, args.ready_timeout):
             return 1
         if signals:
-            print(f"specdec serve: {signal.Signals(signals[0]).name}: draining, admitting no new requests "
-                  f"({server.inflight() or 0} in flight; signal again to abort them)", file=sys.stderr, flush=True)
+            print(
+                f"specdec serve: {signal.Signals(signals[0]).name}: draining, admitting no new requests "
+                f"({server.inflight() or 0} in flight; signal again to abort them)",
+                file=sys.stderr,
+                flush=True,
+            )
             aborted = server.drain(args.drain_timeout, abort=lambda: len(signals) > 1)
             if aborted:
                 print(f"specdec serve: aborted {aborted} request(s) still in flight", file=sys.stderr, flush=True)
@@ -113,8 +159,7 @@ def serve_main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
         if code < 0:  # killed by a signal: report it the way a shell would
             code = 128 - code
         if code != 0:
-            print(f"error: tritonserver exited with code {code}\n{error_summary(server.read_log())}",
-                  file=sys.stderr)
+            print(f"error: tritonserver exited with code {code}\n{error_summary(server.read_log())}", file=sys.stderr)
         elif signals:
             print("specdec serve: stopped", file=sys.stderr, flush=True)
         return code
@@ -135,8 +180,12 @@ def _supervise(server: TritonServer, signals: list[int], max_restarts: int, read
             time.sleep(SUPERVISE_POLL_S)
             continue
         if server.restarts >= max_restarts:
-            print(f"error: {failure}; not restarting again (--max-restarts {max_restarts})\n"
-                  f"{error_summary(server.read_log())}", file=sys.stderr, flush=True)
+            print(
+                f"error: {failure}; not restarting again (--max-restarts {max_restarts})\n"
+                f"{error_summary(server.read_log())}",
+                file=sys.stderr,
+                flush=True,
+            )
             server.stop()
             return False
         start = time.monotonic()
@@ -149,8 +198,11 @@ def _supervise(server: TritonServer, signals: list[int], max_restarts: int, read
             server.stop()
             return False
         server.watch_engine()
-        print(f"specdec serve: ready again after {time.monotonic() - start:.1f} s (restart {server.restarts})",
-              file=sys.stderr, flush=True)
+        print(
+            f"specdec serve: ready again after {time.monotonic() - start:.1f} s (restart {server.restarts})",
+            file=sys.stderr,
+            flush=True,
+        )
     return True
 
 

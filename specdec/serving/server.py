@@ -68,7 +68,6 @@ class InvalidRepositoryError(TritonError):
     """The model repository is missing or malformed (checked before Triton would fail more obscurely)."""
 
 
-
 def free_ports(n: int = 3, host: str = "127.0.0.1") -> list[int]:
     """``n`` distinct free ports on ``host`` (all bound at once so the kernel cannot hand out one twice)."""
     socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
@@ -119,13 +118,16 @@ def validate_repository(path: str | os.PathLike[str]) -> Path:
 
     missing = missing_models(repo)
     if missing:
-        raise InvalidRepositoryError(f"specdec model repository {repo} is missing model(s) {', '.join(missing)} "
-                                     "(rewrite it with `specdec-export`, or copy the whole triton_repo)")
+        raise InvalidRepositoryError(
+            f"specdec model repository {repo} is missing model(s) {', '.join(missing)} "
+            "(rewrite it with `specdec-export`, or copy the whole triton_repo)"
+        )
     for model in models:
         for needed in re.findall(r'model_name:\s*"([^"]+)"', (model / "config.pbtxt").read_text(errors="replace")):
             if needed not in names:
-                raise InvalidRepositoryError(f"ensemble {model.name!r} in {repo} uses model {needed!r}, which is "
-                                             "missing from the repository")
+                raise InvalidRepositoryError(
+                    f"ensemble {model.name!r} in {repo} uses model {needed!r}, which is missing from the repository"
+                )
     return repo
 
 
@@ -177,23 +179,32 @@ class TritonServer:
     #: something went wrong that the log records (a failed start, a dead engine, a restart, a forced stop): it stays
     _keep_log: bool = field(default=False, init=False, repr=False)
 
-    def command(self, model_repository: Path, *, log_verbose: int, exit_timeout_s: int,
-                extra_args: Sequence[str]) -> list[str]:
+    def command(
+        self, model_repository: Path, *, log_verbose: int, exit_timeout_s: int, extra_args: Sequence[str]
+    ) -> list[str]:
         """The exact command line (exposed so the CLI can print it and tests can inspect it)."""
         assert self.install is not None
         return [
             str(self.install.binary),
             f"--model-repository={model_repository}",
             f"--backend-directory={self.install.backend_directory}",
-            f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
-            f"--http-address={self.host}", f"--http-port={self.http_port}",
-            f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
+            f"--grpc-address={self.host}",
+            f"--grpc-port={self.grpc_port}",
+            f"--http-address={self.host}",
+            f"--http-port={self.http_port}",
+            f"--metrics-address={self.host}",
+            f"--metrics-port={self.metrics_port}",
             f"--exit-timeout-secs={exit_timeout_s}",
             f"--log-verbose={log_verbose}",
             *([f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}"] if self.shm_prefix else []),
-            *([f"--grpc-restricted-protocol={','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={self.admin_key}",
-               f"--http-restricted-api={','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={self.admin_key}"]
-              if self.admin_key else []),
+            *(
+                [
+                    f"--grpc-restricted-protocol={','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={self.admin_key}",
+                    f"--http-restricted-api={','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={self.admin_key}",
+                ]
+                if self.admin_key
+                else []
+            ),
             *extra_args,
         ]
 
@@ -230,9 +241,19 @@ class TritonServer:
             env[INTERNAL_KEY_ENV] = self._internal_key
         return env
 
-    def start(self, model_repository: str | os.PathLike[str], *, host: str = "127.0.0.1", grpc_port: int = 8001,
-              http_port: int = 8000, metrics_port: int = 8002, log_verbose: int = 0, exit_timeout_s: int = 30,
-              extra_args: Sequence[str] = (), admin_key: str | None = None) -> TritonServer:
+    def start(
+        self,
+        model_repository: str | os.PathLike[str],
+        *,
+        host: str = "127.0.0.1",
+        grpc_port: int = 8001,
+        http_port: int = 8000,
+        metrics_port: int = 8002,
+        log_verbose: int = 0,
+        exit_timeout_s: int = 30,
+        extra_args: Sequence[str] = (),
+        admin_key: str | None = None,
+    ) -> TritonServer:
         """Validate, check the ports, and launch the server (returns at once; call :meth:`wait_ready`).
 
         ``admin_key``: what clients of Triton's management APIs must send in the ``specdec-admin-key`` header
@@ -246,8 +267,9 @@ class TritonServer:
             if not port_free(host, port):
                 raise PortInUseError(f"port {port} on {host} ({flag}) is already in use; pick another with {flag}")
         if len({grpc_port, http_port, metrics_port}) != 3:
-            raise PortInUseError(f"grpc, http and metrics ports must differ (got {grpc_port}, {http_port}, "
-                                 f"{metrics_port})")
+            raise PortInUseError(
+                f"grpc, http and metrics ports must differ (got {grpc_port}, {http_port}, {metrics_port})"
+            )
         if self.install is None:
             self.install = find_tritonserver()
         self.host, self.grpc_port, self.http_port, self.metrics_port = host, grpc_port, http_port, metrics_port
@@ -258,9 +280,17 @@ class TritonServer:
             self.log_file = Path(name)
             self._own_log = True
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        self._start_args = dict(model_repository=model_repository, host=host, grpc_port=grpc_port,
-                                http_port=http_port, metrics_port=metrics_port, log_verbose=log_verbose,
-                                exit_timeout_s=exit_timeout_s, extra_args=tuple(extra_args), admin_key=admin_key)
+        self._start_args = dict(
+            model_repository=model_repository,
+            host=host,
+            grpc_port=grpc_port,
+            http_port=http_port,
+            metrics_port=metrics_port,
+            log_verbose=log_verbose,
+            exit_timeout_s=exit_timeout_s,
+            extra_args=tuple(extra_args),
+            admin_key=admin_key,
+        )
         handle = open(self.log_file, "ab" if self.restarts else "wb")  # a restart keeps the log of what died
         self._log_handle = handle
         self.control = Control(Path(tempfile.mkdtemp(prefix="specdec-control-")))
@@ -269,8 +299,14 @@ class TritonServer:
         self._internal_key = self._internal_key or new_secret()
         cmd = self.command(repo, log_verbose=log_verbose, exit_timeout_s=exit_timeout_s, extra_args=extra_args)
         try:
-            self.process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.STDOUT,
-                                            env=self.environment(), start_new_session=True)
+            self.process = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                env=self.environment(),
+                start_new_session=True,
+            )
         except OSError as exc:
             handle.close()
             raise TritonStartError(f"cannot run {cmd[0]}: {exc}") from exc
@@ -486,6 +522,7 @@ class TritonServer:
     def __enter__(self) -> TritonServer:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()

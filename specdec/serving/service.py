@@ -82,8 +82,9 @@ class ServiceStats:
 class RequestHandle:
     """The caller's view of a submitted request: wait for it, or cancel it."""
 
-    def __init__(self, service: EngineService, request: Request,
-                 on_event: Callable[[StreamEvent], None], text: bool = True) -> None:
+    def __init__(
+        self, service: EngineService, request: Request, on_event: Callable[[StreamEvent], None], text: bool = True
+    ) -> None:
         self.request = request
         self._service = service
         self._on_event = on_event
@@ -124,8 +125,9 @@ class EngineService:
     ``engine.generate`` concurrently.
     """
 
-    def __init__(self, engine: Engine, method: str = DEFAULT_METHOD,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, engine: Engine, method: str = DEFAULT_METHOD, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         #: the time deadlines count in (a test passes its own, to pass a deadline without sleeping)
         self.clock = clock
         self.engine, self.method = engine, get_method(method)
@@ -179,8 +181,14 @@ class EngineService:
         self.stop(drain=exc[0] is None)
 
     # -- requests -----------------------------------------------------------------------
-    def submit(self, request: Request, on_event: Callable[[StreamEvent], None], *,
-               text: bool = True, timeout_s: float | None = None) -> RequestHandle:
+    def submit(
+        self,
+        request: Request,
+        on_event: Callable[[StreamEvent], None],
+        *,
+        text: bool = True,
+        timeout_s: float | None = None,
+    ) -> RequestHandle:
         """Queue ``request``; its events go to ``on_event``. Bad requests raise here, queue nothing.
 
         ``text=False``: the events carry no text and the output's ``text`` is None, and the loop
@@ -232,8 +240,11 @@ class EngineService:
         """
         now = self.clock()
         with self._lock:
-            late = [rid for rid, h in self._handles.items() if h.deadline is not None and now >= h.deadline
-                    and rid not in self._cancelled]
+            late = [
+                rid
+                for rid, h in self._handles.items()
+                if h.deadline is not None and now >= h.deadline and rid not in self._cancelled
+            ]
         return [rid for rid in late if self.cancel(rid, TIMEOUT)]
 
     def _ends_now(self, seq: SeqState) -> bool:
@@ -256,12 +267,17 @@ class EngineService:
                 for record in list(self._ctx.run.steps):
                     steps, batch_sum = steps + 1, batch_sum + record.batch_size
             return ServiceStats(
-                submitted=self._counts["submitted"], finished=self._counts["finished"],
-                cancelled=self._counts["cancelled"], failed=self._counts["failed"],
-                timed_out=self._counts[TIMEOUT], steps=steps,
-                mean_batch_size=batch_sum / steps if steps else 0.0, active=len(self._live),
+                submitted=self._counts["submitted"],
+                finished=self._counts["finished"],
+                cancelled=self._counts["cancelled"],
+                failed=self._counts["failed"],
+                timed_out=self._counts[TIMEOUT],
+                steps=steps,
+                mean_batch_size=batch_sum / steps if steps else 0.0,
+                active=len(self._live),
                 kv_slots=kv_slots,
-                queued=self.scheduler.pending(), loop_restarts=self._counts["restarts"],
+                queued=self.scheduler.pending(),
+                loop_restarts=self._counts["restarts"],
             )
 
     # -- the loop thread ----------------------------------------------------------------
@@ -269,9 +285,13 @@ class EngineService:
         """Run the loop; if it raises, fail the sequences it held and start it again, fresh."""
         while True:
             try:
-                ctx = self.engine.context(self.scheduler, on_tokens=self._on_tokens, on_finish=self._on_finish,
-                                          keep_running=lambda: not self._stopping,
-                                          is_cancelled=self._ends_now)
+                ctx = self.engine.context(
+                    self.scheduler,
+                    on_tokens=self._on_tokens,
+                    on_finish=self._on_finish,
+                    keep_running=lambda: not self._stopping,
+                    is_cancelled=self._ends_now,
+                )
             except Exception:  # cannot even build a loop: refuse the queue rather than hang its callers
                 log.exception("could not start decoding loop %r; failing queued requests", self.method.name)
                 for request in self.scheduler.drain():
@@ -285,8 +305,9 @@ class EngineService:
             try:
                 self.method.loop(ctx)
             except Exception as exc:  # a server must outlive one bad step
-                log.exception("decoding loop %r failed; failing its in-flight requests and restarting",
-                              self.method.name)
+                log.exception(
+                    "decoding loop %r failed; failing its in-flight requests and restarting", self.method.name
+                )
                 self._fail_live(f"decoding loop failed: {type(exc).__name__}: {exc}")
                 with self._lock:
                     self._counts["restarts"] += 1
@@ -328,8 +349,9 @@ class EngineService:
             if safe.startswith(handle._text_sent):
                 text_delta, handle._text_sent = safe[len(handle._text_sent) :], safe
         handle._streamed = seq.num_generated
-        self._deliver(handle, StreamEvent(request_id, list(tokens), text_delta,
-                                          metrics=dataclasses.replace(seq.metrics)))
+        self._deliver(
+            handle, StreamEvent(request_id, list(tokens), text_delta, metrics=dataclasses.replace(seq.metrics))
+        )
 
     def _on_finish(self, seq: SeqState) -> None:
         request_id = seq.request.request_id
@@ -344,8 +366,9 @@ class EngineService:
             metrics = dataclasses.replace(seq.metrics, generated_tokens=len(tokens))
             with self._lock:
                 reason = None if seq.error is not None else self._cancelled.get(request_id, CANCELLED)
-            output = RequestOutput(request_id, list(seq.request.prompt_ids), tokens, text, reason, metrics,
-                                   error=seq.error)
+            output = RequestOutput(
+                request_id, list(seq.request.prompt_ids), tokens, text, reason, metrics, error=seq.error
+            )
             new_tokens: list[int] = []
         else:
             new_tokens = seq.output_ids[handle._streamed :]
@@ -368,8 +391,9 @@ class EngineService:
             else:  # the tokenizer re-spelled text already sent: nothing sound to add
                 log.warning("request %r: final text does not extend the streamed text", handle.request_id)
         handle.output = output
-        self._deliver(handle, StreamEvent(handle.request_id, new_tokens, text_delta, True, output, output.error,
-                                          output.metrics))
+        self._deliver(
+            handle, StreamEvent(handle.request_id, new_tokens, text_delta, True, output, output.error, output.metrics)
+        )
         handle._done.set()
 
     def _finish_unadmitted(self, request: Request, reason: str | None, error: str | None = None) -> None:
@@ -392,8 +416,9 @@ class EngineService:
                 continue
             tokens = seq.output_ids[: handle._streamed]
             text = self.engine.decode(tokens) if handle.wants_text else None
-            output = RequestOutput(seq.request.request_id, list(seq.request.prompt_ids), tokens, text, None,
-                                   seq.metrics, error=error)
+            output = RequestOutput(
+                seq.request.request_id, list(seq.request.prompt_ids), tokens, text, None, seq.metrics, error=error
+            )
             self._finish(handle, output, [])
 
     def _deliver(self, handle: RequestHandle, event: StreamEvent) -> None:

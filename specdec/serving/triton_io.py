@@ -106,5 +106,6 @@ def from_entry_point(request: Any) -> bool:
 
 def internal_only(model: str) -> Any:
     """The error a client gets for calling an internal model directly."""
-    return error_response(f"{model} is internal to the specdec deployment: send requests to the 'specdec' "
-                          "or 'specdec_stream' model")
+    return error_response(
+        f"{model} is internal to the specdec deployment: send requests to the 'specdec' or 'specdec_stream' model"
+    )

@@ -46,12 +46,15 @@ class EngineMetrics:
         self.drafts = metric("specdec_draft_tokens_total", counter, "draft tokens verified")
         self.accepted = metric("specdec_accepted_draft_tokens_total", counter, "draft tokens accepted")
         self.steps = metric("specdec_target_steps_total", counter, "ragged target steps")
-        self.step_sequences = metric("specdec_step_sequences_total", counter,
-                                     "sequences verified, summed over steps (/ steps = mean batch)")
-        self.active = metric("specdec_active_sequences", gauge,
-                             "requests decoding (holding KV slots: one, or one per beam)")
-        self.kv_slots = metric("specdec_kv_slots_used", gauge,
-                               "target KV slots held (one per ems/ar sequence, one per live beam)")
+        self.step_sequences = metric(
+            "specdec_step_sequences_total", counter, "sequences verified, summed over steps (/ steps = mean batch)"
+        )
+        self.active = metric(
+            "specdec_active_sequences", gauge, "requests decoding (holding KV slots: one, or one per beam)"
+        )
+        self.kv_slots = metric(
+            "specdec_kv_slots_used", gauge, "target KV slots held (one per ems/ar sequence, one per live beam)"
+        )
         self.queued = metric("specdec_queued_requests", gauge, "requests waiting for a KV slot")
         self._steps = self._sequences = 0
 
@@ -85,8 +88,11 @@ class InflightGauge:
         self.value = 0
         self._family = self._metric = None
         if pb_utils is not None:  # outside a stub (the watcher tests) it only counts
-            self._family = pb_utils.MetricFamily(name=INFLIGHT_METRIC, kind=pb_utils.MetricFamily.GAUGE,
-                                                 description="requests an entry point admitted and has not answered")
+            self._family = pb_utils.MetricFamily(
+                name=INFLIGHT_METRIC,
+                kind=pb_utils.MetricFamily.GAUGE,
+                description="requests an entry point admitted and has not answered",
+            )
             self._metric = self._family.Metric(labels={"model": model})
 
     def set(self, value: int) -> None:

@@ -117,8 +117,11 @@ class Preprocessing:
                 ids = encode_text(self.tokenizer, text, chat)
                 if not ids:
                     raise InvalidRequestError("input 'text_input' tokenizes to nothing")
-                responses.append(pb_utils.InferenceResponse(
-                    [pb_utils.Tensor(protocol.INPUT_IDS.name, protocol.array(protocol.INPUT_IDS, ids))]))
+                responses.append(
+                    pb_utils.InferenceResponse(
+                        [pb_utils.Tensor(protocol.INPUT_IDS.name, protocol.array(protocol.INPUT_IDS, ids))]
+                    )
+                )
             except InvalidRequestError as exc:
                 responses.append(error_response(str(exc)))
         return responses
@@ -143,8 +146,7 @@ class Postprocessing:
             try:
                 inputs = _read(request, protocol.ENGINE_OUTPUTS)
                 engine = protocol.parse_engine_response(inputs, vocab_size=len(self.tokenizer))
-                delta = text_delta(self._decode, engine.output_ids, engine.sent_tokens, engine.finished,
-                                   engine.stops)
+                delta = text_delta(self._decode, engine.output_ids, engine.sent_tokens, engine.finished, engine.stops)
                 outputs = protocol.client_response(delta, inputs, engine)
                 responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()]))
             except InvalidRequestError as exc:
@@ -191,13 +193,20 @@ def served_engine(export_dir: Path, params: Mapping[str, str], device_id: int = 
         return _param(params, name, float, default)
 
     return Engine.from_export(
-        export_dir, max_batch=number("max_batch") or None, threads=number("intra_op_threads") or None,
-        num_draft_tokens=number("num_draft_tokens", 4), drafter=params.get("drafter") or None, torch_threads=1,
-        draft_length=DraftLength(verify_cost=cost("verify_cost", DraftLength.verify_cost),
-                                 draft_cost=cost("draft_cost"),
-                                 verify_by_batch=parse_prices(params.get("verify_cost_by_batch", "")),
-                                 draft_by_batch=parse_prices(params.get("draft_cost_by_batch", "")))
-        if number("adaptive_draft", 0) else None,
+        export_dir,
+        max_batch=number("max_batch") or None,
+        threads=number("intra_op_threads") or None,
+        num_draft_tokens=number("num_draft_tokens", 4),
+        drafter=params.get("drafter") or None,
+        torch_threads=1,
+        draft_length=DraftLength(
+            verify_cost=cost("verify_cost", DraftLength.verify_cost),
+            draft_cost=cost("draft_cost"),
+            verify_by_batch=parse_prices(params.get("verify_cost_by_batch", "")),
+            draft_by_batch=parse_prices(params.get("draft_cost_by_batch", "")),
+        )
+        if number("adaptive_draft", 0)
+        else None,
         device_id=device_id,
     )
 
@@ -246,16 +255,26 @@ class EngineModel:
                 continue
             try:
                 inputs = _read(request, (protocol.INPUT_IDS, *protocol.PARAMETERS))
-                gen = protocol.parse_generation(inputs, max_len=self.engine.max_len,
-                                                default_max_tokens=self.default_max_tokens)
+                gen = protocol.parse_generation(
+                    inputs, max_len=self.engine.max_len, default_max_tokens=self.default_max_tokens
+                )
                 request_id = f"{request.request_id() or 'triton'}#{next(self._ids)}"
                 method = get_method(gen.method)
                 if method.needs_draft_model and not self.has_draft_model:
-                    raise InvalidRequestError(f"method {method.name!r} needs a draft model and this deployment has "
-                                              f"none (export with --draft); use {self.beam_service.method.name!r} "
-                                              "for beam decoding without one")
-                req = Request(tuple(protocol.parse_input_ids(inputs)), gen.max_tokens, gen.sampling,
-                              gen.num_draft_tokens, gen.stop, request_id=request_id, beam=gen.beam)
+                    raise InvalidRequestError(
+                        f"method {method.name!r} needs a draft model and this deployment has "
+                        f"none (export with --draft); use {self.beam_service.method.name!r} "
+                        "for beam decoding without one"
+                    )
+                req = Request(
+                    tuple(protocol.parse_input_ids(inputs)),
+                    gen.max_tokens,
+                    gen.sampling,
+                    gen.num_draft_tokens,
+                    gen.stop,
+                    request_id=request_id,
+                    beam=gen.beam,
+                )
                 service = self.beam_service if method.beams else self.service
                 stream = _Stream(client, gen.stream, gen.stop)
                 with self._lock:
@@ -264,8 +283,9 @@ class EngineModel:
                         self._external[request.request_id()] = request_id
                 try:
                     # no text: postprocessing re-decodes it from the ids, off the decoding thread
-                    service.submit(req, lambda event, s=stream: self._outbox.put((s, event)), text=False,
-                                   timeout_s=gen.timeout_s)
+                    service.submit(
+                        req, lambda event, s=stream: self._outbox.put((s, event)), text=False, timeout_s=gen.timeout_s
+                    )
                 except Exception:
                     with self._lock:
                         self._streams.pop(request_id, None)
@@ -325,10 +345,12 @@ class EngineModel:
             stream.ids = list(output.token_ids)
         self._respond(stream, output.metrics, output.finish_reason or "", finished=True, error=output.error or "")
 
-    def _respond(self, stream: _Stream, metrics: RequestMetrics, finish_reason: str, finished: bool,
-                 error: str = "") -> None:
-        outputs = protocol.engine_response(stream.ids, stream.sent, finished, stream.stops, finish_reason, metrics,
-                                           error)
+    def _respond(
+        self, stream: _Stream, metrics: RequestMetrics, finish_reason: str, finished: bool, error: str = ""
+    ) -> None:
+        outputs = protocol.engine_response(
+            stream.ids, stream.sent, finished, stream.stops, finish_reason, metrics, error
+        )
         tensors = [pb_utils.Tensor(name, value) for name, value in outputs.items()]
         stream.client.send(pb_utils.InferenceResponse(tensors), final=finished)
         stream.sent = len(stream.ids)
@@ -380,8 +402,9 @@ class _EntryPoint:
         concurrency = _param(params, "max_concurrency", int, 64)
         self._slots = threading.BoundedSemaphore(concurrency)
         self._capacity = concurrency + _param(params, "max_queue", int, 256)  # running + waiting for a slot
-        self._limits = protocol.Limits(**{name: _param(params, name, int, default) for name, default in
-                                          vars(protocol.Limits()).items()})
+        self._limits = protocol.Limits(
+            **{name: _param(params, name, int, default) for name, default in vars(protocol.Limits()).items()}
+        )
         self._thread_name = f"specdec-{'stream' if self.streaming else 'unary'}"
         self._active: dict[str, Client] = {}  # engine request id -> client
         self._lock = threading.Lock()
@@ -399,8 +422,13 @@ class _EntryPoint:
                 client.send(error_response(DRAINING, code="UNAVAILABLE"), final=True)
                 continue
             if self._inflight.value >= self._capacity:  # back-pressure: no unbounded queue of waiting threads
-                client.send(error_response(f"the server is overloaded ({self._inflight.value} requests in flight): "
-                                           "retry later", code="UNAVAILABLE"), final=True)
+                client.send(
+                    error_response(
+                        f"the server is overloaded ({self._inflight.value} requests in flight): retry later",
+                        code="UNAVAILABLE",
+                    ),
+                    final=True,
+                )
                 continue
             self._count(+1)  # here, not in the thread: a drain that reads 0 has really seen this request
             # daemon threads: a request thread that never returns must not keep the stub alive past unload
@@ -464,9 +492,11 @@ class _EntryPoint:
         (pre,) = _bls(protocol.PREPROCESSING_MODEL, prompt, (protocol.INPUT_IDS,))
         params = {k: v for k, v in inputs.items() if k not in prompt}
         engine = pb_utils.InferenceRequest(
-            model_name=protocol.ENGINE_MODEL, request_id=engine_id,
+            model_name=protocol.ENGINE_MODEL,
+            request_id=engine_id,
             requested_output_names=[s.name for s in protocol.ENGINE_OUTPUTS],
-            inputs=[pb_utils.Tensor(k, v) for k, v in {**pre, **params}.items()], parameters=internal_parameters(),
+            inputs=[pb_utils.Tensor(k, v) for k, v in {**pre, **params}.items()],
+            parameters=internal_parameters(),
         )
         for response in engine.exec(decoupled=True):
             if response.has_error():
@@ -521,8 +551,11 @@ class _EntryPoint:
             return
         try:
             cancel = pb_utils.InferenceRequest(
-                model_name=protocol.ENGINE_MODEL, requested_output_names=[], parameters=internal_parameters(),
-                inputs=[pb_utils.Tensor(protocol.CANCEL_REQUEST_ID.name, protocol.as_bytes(engine_id))])
+                model_name=protocol.ENGINE_MODEL,
+                requested_output_names=[],
+                parameters=internal_parameters(),
+                inputs=[pb_utils.Tensor(protocol.CANCEL_REQUEST_ID.name, protocol.as_bytes(engine_id))],
+            )
             for _ in cancel.exec(decoupled=True):
                 pass
         except Exception:
@@ -552,9 +585,12 @@ def _release_senders() -> None:
 
 def _bls(model: str, inputs: dict[str, np.ndarray], outputs: tuple[protocol.TensorSpec, ...]) -> tuple[dict, ...]:
     """Call a non-decoupled model; its output tensors as numpy, or its error (with its code) as ``ModelError``."""
-    request = pb_utils.InferenceRequest(model_name=model, requested_output_names=[s.name for s in outputs],
-                                        inputs=[pb_utils.Tensor(k, v) for k, v in inputs.items()],
-                                        parameters=internal_parameters())
+    request = pb_utils.InferenceRequest(
+        model_name=model,
+        requested_output_names=[s.name for s in outputs],
+        inputs=[pb_utils.Tensor(k, v) for k, v in inputs.items()],
+        parameters=internal_parameters(),
+    )
     response = request.exec()
     if response.has_error():
         raise_model_error(response.error())

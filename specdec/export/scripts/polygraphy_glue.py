@@ -29,8 +29,14 @@ from specdec.runtime.graph_io import GRAPH_INPUTS
 from specdec.runtime.packed import pack
 
 
-def ragged_feeds(inputs: Sequence[tuple[str, Sequence[int | str], int]], vocab_size: int, *, num_slots: int = 4,
-                 max_len: int = 64, seed: int = 0) -> Iterator[dict[str, np.ndarray]]:
+def ragged_feeds(
+    inputs: Sequence[tuple[str, Sequence[int | str], int]],
+    vocab_size: int,
+    *,
+    num_slots: int = 4,
+    max_len: int = 64,
+    seed: int = 0,
+) -> Iterator[dict[str, np.ndarray]]:
     """Feeds (name -> array) of random ragged steps for a specdec graph with inputs ``inputs`` (``onnx_inputs``).
 
     Each feed is self-contained (polygraphy does not carry caches between iterations): random
@@ -67,8 +73,12 @@ def load_data() -> Iterator[dict[str, np.ndarray]]:
     graph = onnx.load(model, load_external_data=False).graph
     logits = next(o for o in graph.output if o.name == "logits")
     vocab = int(logits.type.tensor_type.shape.dim[-1].dim_value)
-    return ragged_feeds(onnx_inputs(model), vocab, num_slots=int(os.environ.get("SPECDEC_POLYGRAPHY_SLOTS", 4)),
-                        max_len=int(os.environ.get("SPECDEC_POLYGRAPHY_MAX_LEN", 64)))
+    return ragged_feeds(
+        onnx_inputs(model),
+        vocab,
+        num_slots=int(os.environ.get("SPECDEC_POLYGRAPHY_SLOTS", 4)),
+        max_len=int(os.environ.get("SPECDEC_POLYGRAPHY_MAX_LEN", 64)),
+    )
 
 
 def postprocess(network: Any) -> None:

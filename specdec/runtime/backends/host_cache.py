@@ -36,8 +36,16 @@ class SlotMajorMoves:
 class HostKVStorage(SlotMajorMoves):
     """Slot-major per-layer caches ``[slots, kv_heads, buffer_len, head_dim]`` in host memory (``KVStorage``)."""
 
-    def __init__(self, num_layers: int, num_slots: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype: np.dtype | type = np.float32, spare: int = 0) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: np.dtype | type = np.float32,
+        spare: int = 0,
+    ) -> None:
         """``spare`` positions past ``max_len`` in every slot are scratch for the backend (``KVStorage``)."""
         self.num_slots, self.max_len, self.buffer_len = num_slots, max_len, max_len + spare
         shape = (num_slots, kv_heads, self.buffer_len, head_dim)

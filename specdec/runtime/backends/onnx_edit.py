@@ -35,16 +35,25 @@ class GraphEditor:
         self._count += 1
         return f"ort_fuse/{tag}/{self._count}"
 
-    def add(self, op: str, *inputs: str, outputs: Sequence[str] | None = None, domain: str = "", n_out: int = 1,
-            **attrs: object) -> str:
+    def add(
+        self,
+        op: str,
+        *inputs: str,
+        outputs: Sequence[str] | None = None,
+        domain: str = "",
+        n_out: int = 1,
+        **attrs: object,
+    ) -> str:
         outs = list(outputs) if outputs is not None else [self.name(op) for _ in range(n_out)]
-        self.new_nodes.append(helper.make_node(op, list(inputs), outs, name=self.name(op + "_node"), domain=domain,
-                                               **attrs))
+        self.new_nodes.append(
+            helper.make_node(op, list(inputs), outs, name=self.name(op + "_node"), domain=domain, **attrs)
+        )
         return outs[0]
 
     def ints(self, *values: int) -> str:
-        return self.add("Constant", value=helper.make_tensor(self.name("c"), TensorProto.INT64, [len(values)],
-                                                               list(values)))
+        return self.add(
+            "Constant", value=helper.make_tensor(self.name("c"), TensorProto.INT64, [len(values)], list(values))
+        )
 
     def scalar(self, value: float, dtype: int) -> str:
         return self.add("Constant", value=helper.make_tensor(self.name("c"), dtype, [], [value]))
@@ -75,7 +84,7 @@ def outer_inputs(node: onnx.NodeProto) -> set[str]:
     """The outer-scope names the subgraphs of ``node`` (an ``If``'s branches) read: its inputs beside ``input``."""
     names: set[str] = set()
     for attr in node.attribute:
-        for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+        for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
             made = {o for n in sub.node for o in n.output} | {i.name for i in sub.initializer}
             for n in sub.node:
                 names |= {i for i in (*n.input, *outer_inputs(n)) if i and i not in made}
@@ -108,8 +117,7 @@ def live_sorted(graph: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> list[onn
                 order.append(nodes[j])
                 continue
             todo.append((j, True))
-            todo.extend((producer[n], False) for n in reversed(inputs[j])
-                        if n in producer and producer[n] not in done)
+            todo.extend((producer[n], False) for n in reversed(inputs[j]) if n in producer and producer[n] not in done)
 
     for i in sorted(live):
         visit(i)

@@ -73,15 +73,18 @@ def graph_head(graph: Path, head_size: int) -> tuple[np.ndarray | None, int]:
     try:
         vocab_size = int(json.loads(config.read_text())["vocab_size"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise OnnxModelError(f"{graph} has a restricted LM head ({HEAD_TOKEN_IDS_FILE}) but no readable "
-                             f"vocab_size in {config}: {exc}") from exc
+        raise OnnxModelError(
+            f"{graph} has a restricted LM head ({HEAD_TOKEN_IDS_FILE}) but no readable vocab_size in {config}: {exc}"
+        ) from exc
     try:
         ids = read_head_token_ids(directory, vocab_size)
     except ModelResolutionError as exc:
         raise OnnxModelError(str(exc)) from exc
     if ids is None or len(ids) != head_size:
-        raise OnnxModelError(f"{graph}: {HEAD_TOKEN_IDS_FILE} lists {0 if ids is None else len(ids)} token ids "
-                             f"but the graph's logits have {head_size} columns")
+        raise OnnxModelError(
+            f"{graph}: {HEAD_TOKEN_IDS_FILE} lists {0 if ids is None else len(ids)} token ids "
+            f"but the graph's logits have {head_size} columns"
+        )
     return ids, vocab_size
 
 
@@ -93,13 +96,15 @@ def _external_data_folder(proto: Any, graph: Path) -> Path:
     the graph's own folder: use the folder the links resolve to, when every external file is found
     there under its own name, and the graph's folder otherwise.
     """
-    locations = {entry.value for init in proto.graph.initializer for entry in init.external_data
-                 if entry.key == "location"}
+    locations = {
+        entry.value for init in proto.graph.initializer for entry in init.external_data if entry.key == "location"
+    }
     here = graph.parent.resolve()
     real = {(graph.parent / loc).resolve() for loc in locations}
     folders = {r.parent for r in real}
-    if len(folders) == 1 and all((next(iter(folders)) / Path(loc).name).resolve() == (graph.parent / loc).resolve()
-                                 for loc in locations):
+    if len(folders) == 1 and all(
+        (next(iter(folders)) / Path(loc).name).resolve() == (graph.parent / loc).resolve() for loc in locations
+    ):
         return next(iter(folders))
     return here
 
@@ -110,10 +115,19 @@ class OrtBackend:
     #: the graph has no cache_mask input (``graph_io``): a step with KV holes is refused
     supports_cache_mask = False
 
-    def __init__(self, path: str | os.PathLike, *, providers: Sequence[Any] | None = None,
-                 intra_op_threads: int | None = None, name: str | None = None, spin: bool = True,
-                 fuse: bool | Sequence[str] | None = None, profile_prefix: str | None = None,
-                 device_id: int = 0, cache_dtype: str | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        providers: Sequence[Any] | None = None,
+        intra_op_threads: int | None = None,
+        name: str | None = None,
+        spin: bool = True,
+        fuse: bool | Sequence[str] | None = None,
+        profile_prefix: str | None = None,
+        device_id: int = 0,
+        cache_dtype: str | None = None,
+    ) -> None:
         """``spin``: let the session's idle worker threads spin-wait for the next run (ORT's default).
 
         Why a draft opens without: its workers spin on after each short draft step and hold the
@@ -140,11 +154,15 @@ class OrtBackend:
         rewrites = _rewrites(fuse, self._providers)
         if cache_dtype is not None and ("attention" not in rewrites or not ort_fuse.gqa_supported()):
             # unfused, every step would cast the whole caches both ways (ort_cache_dtype): keep the graph's type
-            _log.warning("%s: attention is not fused here, so the KV caches keep the graph's type instead of %s",
-                         self.name, cache_dtype)
+            _log.warning(
+                "%s: attention is not fused here, so the KV caches keep the graph's type instead of %s",
+                self.name,
+                cache_dtype,
+            )
             cache_dtype = None
-        self._options = dict(intra_op_threads=intra_op_threads, spin=spin, profile_prefix=profile_prefix,
-                             cache_dtype=cache_dtype)
+        self._options = dict(
+            intra_op_threads=intra_op_threads, spin=spin, profile_prefix=profile_prefix, cache_dtype=cache_dtype
+        )
         self.fuse_report: ort_fuse.FuseReport | None = None
         self.session = self._open(rewrites)
         self._unfused = None  # opened on the first step the fused graph cannot run (see step)
@@ -196,8 +214,9 @@ class OrtBackend:
                 first = self._providers[0] if isinstance(self._providers[0], str) else self._providers[0][0]
                 _warn_integer_saturation(proto, self.path, first == "CPUExecutionProvider")
                 model = proto.SerializeToString()
-                options.add_session_config_entry("session.model_external_initializers_file_folder_path",
-                                                 str(_external_data_folder(proto, self.path)))
+                options.add_session_config_entry(
+                    "session.model_external_initializers_file_folder_path", str(_external_data_folder(proto, self.path))
+                )
             return ort.InferenceSession(model, options, providers=self._providers)
         except Exception as exc:  # ORT raises its own Fail/InvalidGraph/... types, onnx a DecodeError
             raise OnnxModelError(f"cannot load {self.path}: {exc}") from exc
@@ -213,12 +232,16 @@ class OrtBackend:
 
             from specdec.runtime.backends.torch_backend import TorchKVStorage
         except ImportError as exc:
-            raise OnnxModelError(f"{self.path}: ONNX Runtime runs this graph on CUDA; its caches live on the device as "
-                                 "torch CUDA tensors, and torch is not installed") from exc
+            raise OnnxModelError(
+                f"{self.path}: ONNX Runtime runs this graph on CUDA; its caches live on the device as "
+                "torch CUDA tensors, and torch is not installed"
+            ) from exc
         if not torch.cuda.is_available():
-            raise OnnxModelError(f"{self.path}: ONNX Runtime runs this graph on CUDA, but this torch has no CUDA, so "
-                                 "the caches cannot live on the device: install a CUDA build of torch, or run on "
-                                 "the CPU (providers=['CPUExecutionProvider'])")
+            raise OnnxModelError(
+                f"{self.path}: ONNX Runtime runs this graph on CUDA, but this torch has no CUDA, so "
+                "the caches cannot live on the device: install a CUDA build of torch, or run on "
+                "the CPU (providers=['CPUExecutionProvider'])"
+            )
         dtype = torch.float32 if self.np_dtype == np.float32 else torch.float16
         return TorchKVStorage(*shape, dtype, device=torch.device("cuda", self.device[1]), spare=spare)
 
@@ -247,8 +270,7 @@ class OrtBackend:
             logits[rows] = out
         return logits
 
-    def _run(self, session: onnxruntime.InferenceSession, feeds: dict[str, np.ndarray],
-             cache: KVStorage) -> np.ndarray:
+    def _run(self, session: onnxruntime.InferenceSession, feeds: dict[str, np.ndarray], cache: KVStorage) -> np.ndarray:
         binding, first = self._binding(session, cache)
         for name, array in feeds.items():
             binding.bind_cpu_input(name, np.ascontiguousarray(array))
@@ -276,8 +298,10 @@ class OrtBackend:
         buffers = [*cache.k, *cache.v]
         kind, index = self.device
         if buffers and _device_of(buffers[0]) != self.device:
-            raise OnnxModelError(f"{self.name}: the caches are on {_device_name(_device_of(buffers[0]))}, the session "
-                                 f"on {_device_name(self.device)} (allocate them with this backend's allocate_cache)")
+            raise OnnxModelError(
+                f"{self.name}: the caches are on {_device_name(_device_of(buffers[0]))}, the session "
+                f"on {_device_name(self.device)} (allocate them with this backend's allocate_cache)"
+            )
         binding = session.io_binding()
         binding.bind_output(LOGITS, "cpu")  # first, so that outputs[0] is the logits; each step rebinds it
         for in_name, out_name, buf in zip(self._in_names, self._out_names, buffers):
@@ -358,10 +382,14 @@ def split_batch(batch: PackedBatch, seqs: Sequence[int]) -> tuple[PackedBatch, n
     sub_cu = np.zeros(len(seq_idx) + 1, dtype=np.int32)
     sub_cu[1:] = np.cumsum(lens)
     part = PackedBatch(
-        input_ids=batch.input_ids[rows], position_ids=batch.position_ids[rows], cu_seqlens=sub_cu,
-        past_lens=batch.past_lens[seq_idx], slot_ids=batch.slot_ids[seq_idx],
+        input_ids=batch.input_ids[rows],
+        position_ids=batch.position_ids[rows],
+        cu_seqlens=sub_cu,
+        past_lens=batch.past_lens[seq_idx],
+        slot_ids=batch.slot_ids[seq_idx],
         tree_mask=np.ascontiguousarray(batch.tree_mask[rows][:, : max(int(lens.max()), 1)]),
-        logits_indices=mapped[where].astype(np.int32))
+        logits_indices=mapped[where].astype(np.int32),
+    )
     return part, where
 
 
@@ -392,7 +420,10 @@ def _warn_integer_saturation(proto: object, path: Path, on_cpu: bool, cpuinfo: s
         return False
     if not any(node.op_type == "MatMulInteger" for node in proto.graph.node):  # type: ignore[attr-defined]
         return False
-    _log.warning("%s: this CPU has no VNNI; ONNX Runtime's u8 x s8 integer GEMM may saturate here, so this w8a8 "
-                 "graph's answers can differ from the exact products it was exported with (prefer --quantize "
-                 "int4 or int8 on this machine)", path)
+    _log.warning(
+        "%s: this CPU has no VNNI; ONNX Runtime's u8 x s8 integer GEMM may saturate here, so this w8a8 "
+        "graph's answers can differ from the exact products it was exported with (prefer --quantize "
+        "int4 or int8 on this machine)",
+        path,
+    )
     return True

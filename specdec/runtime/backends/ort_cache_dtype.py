@@ -53,8 +53,9 @@ def cache_dtype_of(model: onnx.ModelProto) -> int:
     return types.pop()
 
 
-def _narrow_gqa(g: GraphEditor, node: onnx.NodeProto, to: int, down: dict[str, str],
-                branch: list[onnx.NodeProto] | None = None) -> None:
+def _narrow_gqa(
+    g: GraphEditor, node: onnx.NodeProto, to: int, down: dict[str, str], branch: list[onnx.NodeProto] | None = None
+) -> None:
     """GQA in the cache's type: its float inputs cast down, its output up.
 
     Outside a branch each tensor is cast once (the bias is every layer's); inside an ``If`` branch
@@ -129,8 +130,10 @@ def retype_caches(model: onnx.ModelProto, dtype: str) -> bool:
     if to == compute:
         return False
     if compute != TensorProto.FLOAT:
-        raise ValueError(f"caches of {onnx.helper.tensor_dtype_to_np_dtype(to)} need a float32 graph, this one "
-                         f"computes in {onnx.helper.tensor_dtype_to_np_dtype(compute)}")
+        raise ValueError(
+            f"caches of {onnx.helper.tensor_dtype_to_np_dtype(to)} need a float32 graph, this one "
+            f"computes in {onnx.helper.tensor_dtype_to_np_dtype(compute)}"
+        )
     inputs, outputs = _cache_tensors(model.graph)
     g = GraphEditor(model)
     down: dict[str, str] = {}

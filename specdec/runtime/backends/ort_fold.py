@@ -62,8 +62,16 @@ class Fold:
     bias: dict[int, str] = field(default_factory=dict)  # dtype -> additive [slots, 1, S_f, L]
 
 
-def fold_prelude(g: GraphEditor, cu_seqlens: str, past_lens: str, slot_ids: str, tree_mask: str, k_cache: str,
-                 heads: int, kv_heads: int) -> Fold:
+def fold_prelude(
+    g: GraphEditor,
+    cu_seqlens: str,
+    past_lens: str,
+    slot_ids: str,
+    tree_mask: str,
+    k_cache: str,
+    heads: int,
+    kv_heads: int,
+) -> Fold:
     """The folded layout's indices, lengths and mask (module docstring), built once per step.
 
     The width is capped at ``FOLD_ROWS // fold`` rows per sequence, so these tensors stay small
@@ -93,16 +101,20 @@ def fold_prelude(g: GraphEditor, cu_seqlens: str, past_lens: str, slot_ids: str,
     s_f = g.add("Mul", width, g.ints(fold))  # [1]
     last = g.add("Max", g.add("Sub", q_len, c1), c0)
     j = g.add("Range", g.add("Squeeze", c0), g.add("Squeeze", width), g.add("Squeeze", c1))  # [S']
-    pad = g.add("Add", g.add("Unsqueeze", start, c1),
-                g.add("Min", g.add("Unsqueeze", j, c0), g.add("Unsqueeze", last, c1)))  # [slots, S'] packed row
-    heads_of = helper.make_tensor(g.name("h"), i64, [fold, kv_heads],
-                                  [jj * fold + gg for gg in range(fold) for jj in range(kv_heads)])
-    q_index = g.add("Add", g.add("Unsqueeze", g.add("Mul", pad, g.ints(heads)), g.ints(2, 3)),
-                    g.add("Constant", value=heads_of))  # [slots, S', fold, KV]
+    pad = g.add(
+        "Add", g.add("Unsqueeze", start, c1), g.add("Min", g.add("Unsqueeze", j, c0), g.add("Unsqueeze", last, c1))
+    )  # [slots, S'] packed row
+    heads_of = helper.make_tensor(
+        g.name("h"), i64, [fold, kv_heads], [jj * fold + gg for gg in range(fold) for jj in range(kv_heads)]
+    )
+    q_index = g.add(
+        "Add", g.add("Unsqueeze", g.add("Mul", pad, g.ints(heads)), g.ints(2, 3)), g.add("Constant", value=heads_of)
+    )  # [slots, S', fold, KV]
     q_index = g.add("Reshape", q_index, g.add("Concat", n_slots, s_f, g.ints(kv_heads), axis=0))
     r = g.add("Range", g.add("Squeeze", c0), g.add("Squeeze", s_f), g.add("Squeeze", c1))  # [S_f]
-    kv_index = g.add("Add", g.add("Unsqueeze", start, c1),
-                     g.add("Min", g.add("Unsqueeze", r, c0), g.add("Unsqueeze", last, c1)))
+    kv_index = g.add(
+        "Add", g.add("Unsqueeze", start, c1), g.add("Min", g.add("Unsqueeze", r, c0), g.add("Unsqueeze", last, c1))
+    )
     q_run = g.add("Mul", q_len, g.ints(fold))
     seq_total = g.add("Add", past_s, q_run)
     seqlens_k = g.add("Where", g.add("Greater", q_len, c0), g.add("Sub", seq_total, c1), c0)
@@ -119,8 +131,11 @@ def fold_prelude(g: GraphEditor, cu_seqlens: str, past_lens: str, slot_ids: str,
     rel_x = g.add("Expand", g.add("Unsqueeze", rel_c, c1), g.add("Concat", n_slots, width, total, axis=0))
     tree_l = g.add("GatherElements", rows, rel_x, axis=2)
     allowed = g.add("Or", g.add("Unsqueeze", in_past, c1), g.add("And", g.add("Unsqueeze", in_new, c1), tree_l))
-    allowed = g.add("Expand", g.add("Unsqueeze", allowed, g.ints(1, 3)),
-                    g.add("Concat", n_slots, c1, width, g.ints(fold), total, axis=0))  # [slots, 1, S', fold, L]
+    allowed = g.add(
+        "Expand",
+        g.add("Unsqueeze", allowed, g.ints(1, 3)),
+        g.add("Concat", n_slots, c1, width, g.ints(fold), total, axis=0),
+    )  # [slots, 1, S', fold, L]
     allowed = g.add("Reshape", allowed, g.add("Concat", n_slots, c1, s_f, total, axis=0))
 
     # packed token t -> its slot's row s -> output row ((slot * S' + s) * fold + g) * KV + j of head j * fold + g
@@ -130,14 +145,23 @@ def fold_prelude(g: GraphEditor, cu_seqlens: str, past_lens: str, slot_ids: str,
     tok_seq = g.add("ReduceSum", after, c1, keepdims=0)
     tok_off = g.add("Sub", tok, g.add("Gather", starts, tok_seq))
     row = g.add("Add", g.add("Mul", g.add("Gather", slots, tok_seq), width), tok_off)
-    head_rows = helper.make_tensor(g.name("hr"), i64, [1, heads],
-                                   [(h % fold) * kv_heads + h // fold for h in range(heads)])
-    out_index = g.add("Add", g.add("Unsqueeze", g.add("Mul", row, g.ints(fold * kv_heads)), c1),
-                      g.add("Constant", value=head_rows))
-    return Fold(cond=cond, q_index=q_index, kv_index=kv_index, q_shape=g.add("Concat", n_slots, s_f, cm1, axis=0),
-                out_index=out_index, seqlens_k=g.add("Cast", seqlens_k, to=i32),
-                query_seqlens=g.add("Cast", q_run, to=i32), total=g.add("Cast", g.add("Squeeze", total), to=i32),
-                allowed=allowed)
+    head_rows = helper.make_tensor(
+        g.name("hr"), i64, [1, heads], [(h % fold) * kv_heads + h // fold for h in range(heads)]
+    )
+    out_index = g.add(
+        "Add", g.add("Unsqueeze", g.add("Mul", row, g.ints(fold * kv_heads)), c1), g.add("Constant", value=head_rows)
+    )
+    return Fold(
+        cond=cond,
+        q_index=q_index,
+        kv_index=kv_index,
+        q_shape=g.add("Concat", n_slots, s_f, cm1, axis=0),
+        out_index=out_index,
+        seqlens_k=g.add("Cast", seqlens_k, to=i32),
+        query_seqlens=g.add("Cast", q_run, to=i32),
+        total=g.add("Cast", g.add("Squeeze", total), to=i32),
+        allowed=allowed,
+    )
 
 
 class Branch:
@@ -147,14 +171,17 @@ class Branch:
         self.g = g
         self.nodes: list[onnx.NodeProto] = []
 
-    def add(self, op: str, *inputs: str, outputs: Sequence[str] | None = None, domain: str = "",
-            **attrs: object) -> str:
+    def add(
+        self, op: str, *inputs: str, outputs: Sequence[str] | None = None, domain: str = "", **attrs: object
+    ) -> str:
         outs = list(outputs) if outputs is not None else [self.g.name(op)]
-        self.nodes.append(helper.make_node(op, list(inputs), outs, name=self.g.name(op + "_node"), domain=domain,
-                                           **attrs))
+        self.nodes.append(
+            helper.make_node(op, list(inputs), outs, name=self.g.name(op + "_node"), domain=domain, **attrs)
+        )
         return outs[0]
 
     def graph(self, outputs: Sequence[str], dtype: int) -> onnx.GraphProto:
         """The branch as a subgraph with ``outputs`` (declared of ``dtype``; it reads everything else from outside)."""
-        return helper.make_graph(self.nodes, self.g.name("branch"), [],
-                                 [helper.make_tensor_value_info(o, dtype, None) for o in outputs])
+        return helper.make_graph(
+            self.nodes, self.g.name("branch"), [], [helper.make_tensor_value_info(o, dtype, None) for o in outputs]
+        )

@@ -90,8 +90,9 @@ def gqa_supported() -> bool:
     return supported("attention")
 
 
-def gqa_groups(past_lens: Sequence[int], new_lens: Sequence[int], max_len: int,
-               num_slots: int, fold: int = 1) -> list[list[int]] | None:
+def gqa_groups(
+    past_lens: Sequence[int], new_lens: Sequence[int], max_len: int, num_slots: int, fold: int = 1
+) -> list[list[int]] | None:
     """Sequences grouped into sub-steps that GQA accepts, ``[all]`` when the whole step does; None if none exists.
 
     ``max_len`` is the cache buffer's length (with its ``SPARE_POSITIONS``). GQA pads every slot's
@@ -207,9 +208,17 @@ def _prelude(g: GraphEditor, cu_seqlens: str, past_lens: str, slot_ids: str, tre
     allowed = g.add("Unsqueeze", allowed, c1)  # [slots, 1, S, L]
     i32 = TensorProto.INT32
     pad_shape = g.add("Concat", n_slots, width, cm1, axis=0)
-    return _Prelude(num_slots=n_slots, width=width, pad_index=pad, pad_shape=pad_shape, unpad_index=unpad,
-                    seqlens_k=g.add("Cast", seqlens_k, to=i32), query_seqlens=g.add("Cast", q_run, to=i32),
-                    total=g.add("Cast", g.add("Squeeze", total), to=i32), allowed=allowed)
+    return _Prelude(
+        num_slots=n_slots,
+        width=width,
+        pad_index=pad,
+        pad_shape=pad_shape,
+        unpad_index=unpad,
+        seqlens_k=g.add("Cast", seqlens_k, to=i32),
+        query_seqlens=g.add("Cast", q_run, to=i32),
+        total=g.add("Cast", g.add("Squeeze", total), to=i32),
+        allowed=allowed,
+    )
 
 
 def _bias(g: GraphEditor, pre: _Prelude, dtype: int) -> str:
@@ -278,13 +287,21 @@ def _match_rope(g: GraphEditor, root: onnx.NodeProto, dims: dict[str, list[int |
                 half = int(shape[2]) // 2
                 c, s = _rope_table(g, cos, "Cos"), _rope_table(g, sin, "Sin")
                 f_dims = dims.get(c[0]) if c else None
-                if (c and s and c == s and f_dims and f_dims[-1] == half and 2 * half == shape[2]
-                        and g.const_value(lo.input[1]) == [0] and g.const_value(lo.input[2]) == [half]
-                        and g.const_value(hi.input[1]) == [half]
-                        and (g.const_value(hi.input[2]) or [0])[0] >= 2 * half
-                        and all(_last_axis(g, n, {x: 3}) for n in (lo, hi))
-                        and all(len(n.input) < 5 or g.const_value(n.input[4]) == [1] for n in (lo, hi))
-                        and int(g.attr(cat, "axis")) in (-1, 2)):
+                if (
+                    c
+                    and s
+                    and c == s
+                    and f_dims
+                    and f_dims[-1] == half
+                    and 2 * half == shape[2]
+                    and g.const_value(lo.input[1]) == [0]
+                    and g.const_value(lo.input[2]) == [half]
+                    and g.const_value(hi.input[1]) == [half]
+                    and (g.const_value(hi.input[2]) or [0])[0] >= 2 * half
+                    and all(_last_axis(g, n, {x: 3}) for n in (lo, hi))
+                    and all(len(n.input) < 5 or g.const_value(n.input[4]) == [1] for n in (lo, hi))
+                    and int(g.attr(cat, "axis")) in (-1, 2)
+                ):
                     return _Rope(root=root, x=x, f=c[0], cast=c[1])
     return None
 
@@ -309,12 +326,23 @@ def _fuse_rotary(g: GraphEditor, ropes: dict[str, _Rope], fused: set[int], repor
             continue  # only fused attention read it, and that applies the rotation itself
         cos, sin = _rope_tables(g, rope)
         if ("positions", rope.f) not in g.shared:
-            tok = g.add("Range", g.add("Squeeze", g.ints(0)), g.add("Squeeze", g.add("Shape", rope.f, start=0, end=1)),
-                        g.add("Squeeze", g.ints(1)))
+            tok = g.add(
+                "Range",
+                g.add("Squeeze", g.ints(0)),
+                g.add("Squeeze", g.add("Shape", rope.f, start=0, end=1)),
+                g.add("Squeeze", g.ints(1)),
+            )
             g.shared[("positions", rope.f)] = g.add("Unsqueeze", tok, g.ints(1))  # [T, 1]: token t uses row t
         axis = g.ints(2)
-        rotated = g.add("RotaryEmbedding", g.add("Unsqueeze", rope.x, axis), g.shared[("positions", rope.f)], cos, sin,
-                        domain=MS_DOMAIN, interleaved=0)
+        rotated = g.add(
+            "RotaryEmbedding",
+            g.add("Unsqueeze", rope.x, axis),
+            g.shared[("positions", rope.f)],
+            cos,
+            sin,
+            domain=MS_DOMAIN,
+            interleaved=0,
+        )
         g.add("Squeeze", rotated, axis, outputs=[name])
         replaced.add(id(rope.root))
         report.counts["rotary"] += 1
@@ -334,17 +362,56 @@ def _rows_2d(g: GraphEditor, x: str, dims: dict[str, list[int | None]]) -> str |
     return node.input[0] if src[1] == out[1] * out[2] else None
 
 
-def _gqa(add: Callable[..., str], q: str, k: str, v: str, caches: Sequence[str], layout: _Prelude | Fold, bias: str,
-         outputs: Sequence[str], heads: int, kv_heads: int, scale: float) -> str:
+def _gqa(
+    add: Callable[..., str],
+    q: str,
+    k: str,
+    v: str,
+    caches: Sequence[str],
+    layout: _Prelude | Fold,
+    bias: str,
+    outputs: Sequence[str],
+    heads: int,
+    kv_heads: int,
+    scale: float,
+) -> str:
     """One GroupQueryAttention node in ``layout`` (its lengths), appending to ``caches`` in place; ``add``: the
     editor's or an ``If`` branch's."""
-    return add("GroupQueryAttention", q, k, v, *caches, layout.seqlens_k, layout.total, "", "", "", bias, "", "", "",
-               "", "", layout.query_seqlens, outputs=list(outputs), domain=MS_DOMAIN, num_heads=heads,
-               kv_num_heads=kv_heads, scale=scale)
+    return add(
+        "GroupQueryAttention",
+        q,
+        k,
+        v,
+        *caches,
+        layout.seqlens_k,
+        layout.total,
+        "",
+        "",
+        "",
+        bias,
+        "",
+        "",
+        "",
+        "",
+        "",
+        layout.query_seqlens,
+        outputs=list(outputs),
+        domain=MS_DOMAIN,
+        num_heads=heads,
+        kv_num_heads=kv_heads,
+        scale=scale,
+    )
 
 
-def _folded_attention(g: GraphEditor, node: onnx.NodeProto, pre: _Prelude, fo: Fold, dtype: int, head_dim: int,
-                      dims: dict[str, list[int | None]]) -> None:
+def _folded_attention(
+    g: GraphEditor,
+    node: onnx.NodeProto,
+    pre: _Prelude,
+    fo: Fold,
+    dtype: int,
+    head_dim: int,
+    dims: dict[str, list[int | None]],
+) -> None:
     """``If``(folded layout | padded layout) in place of ``node`` (``ort_fold``); RoPE runs before, on packed rows."""
     q, k, v, k_cache, v_cache = node.input[:5]
     heads, kv_heads = int(g.attr(node, "num_heads")), int(g.attr(node, "num_kv_heads"))
@@ -359,22 +426,53 @@ def _folded_attention(g: GraphEditor, node: onnx.NodeProto, pre: _Prelude, fo: F
     q2, k2, v2 = rows(q, heads), rows(k, kv_heads), rows(v, kv_heads)
     folded, padded = Branch(g), Branch(g)
     f_out, p_out = [g.name("fold_out") for _ in range(3)], [g.name("pad_out") for _ in range(3)]
-    qf = folded.add("Reshape", folded.add("Gather", g.add("Reshape", q, g.ints(-1, head_dim)), fo.q_index, axis=0),
-                    fo.q_shape)
-    out = _gqa(folded.add, qf, folded.add("Gather", k2, fo.kv_index, axis=0),
-               folded.add("Gather", v2, fo.kv_index, axis=0), (k_cache, v_cache), fo, fo.bias[dtype],
-               (g.name("gqa"), *f_out[1:]), kv_heads, kv_heads, scale)
+    qf = folded.add(
+        "Reshape", folded.add("Gather", g.add("Reshape", q, g.ints(-1, head_dim)), fo.q_index, axis=0), fo.q_shape
+    )
+    out = _gqa(
+        folded.add,
+        qf,
+        folded.add("Gather", k2, fo.kv_index, axis=0),
+        folded.add("Gather", v2, fo.kv_index, axis=0),
+        (k_cache, v_cache),
+        fo,
+        fo.bias[dtype],
+        (g.name("gqa"), *f_out[1:]),
+        kv_heads,
+        kv_heads,
+        scale,
+    )
     folded.add("Gather", folded.add("Reshape", out, g.ints(-1, head_dim)), fo.out_index, axis=0, outputs=[f_out[0]])
-    out = _gqa(padded.add, *(padded.add("Gather", x, pre.pad_index, axis=0) for x in (q2, k2, v2)),
-               (k_cache, v_cache), pre, _bias(g, pre, dtype), (g.name("gqa"), *p_out[1:]), heads, kv_heads, scale)
-    padded.add("Gather", padded.add("Reshape", out, g.ints(-1, heads, head_dim)), pre.unpad_index, axis=0,
-               outputs=[p_out[0]])
-    g.add("If", fo.cond, outputs=list(node.output), then_branch=folded.graph(f_out, dtype),
-          else_branch=padded.graph(p_out, dtype))
+    out = _gqa(
+        padded.add,
+        *(padded.add("Gather", x, pre.pad_index, axis=0) for x in (q2, k2, v2)),
+        (k_cache, v_cache),
+        pre,
+        _bias(g, pre, dtype),
+        (g.name("gqa"), *p_out[1:]),
+        heads,
+        kv_heads,
+        scale,
+    )
+    padded.add(
+        "Gather", padded.add("Reshape", out, g.ints(-1, heads, head_dim)), pre.unpad_index, axis=0, outputs=[p_out[0]]
+    )
+    g.add(
+        "If",
+        fo.cond,
+        outputs=list(node.output),
+        then_branch=folded.graph(f_out, dtype),
+        else_branch=padded.graph(p_out, dtype),
+    )
 
 
-def _fuse_attention(g: GraphEditor, types: dict[str, int], dims: dict[str, list[int | None]],
-                    ropes: dict[str, _Rope], report: FuseReport) -> tuple[set[int], set[int]]:
+def _fuse_attention(
+    g: GraphEditor,
+    types: dict[str, int],
+    dims: dict[str, list[int | None]],
+    ropes: dict[str, _Rope],
+    report: FuseReport,
+) -> tuple[set[int], set[int]]:
     """Replace every RaggedTreeAttention node by the GQA lowering; the ids of the replaced nodes, and of those
     whose replacement applies RoPE itself.
 
@@ -389,8 +487,11 @@ def _fuse_attention(g: GraphEditor, types: dict[str, int], dims: dict[str, list[
     folds: dict[tuple[str, ...], Fold] = {}
     replaced: set[int] = set()
     rope_inside: set[int] = set()
-    slot_dims = {i.name: i.type.tensor_type.shape.dim[0].dim_param for i in g.graph.input
-                 if i.type.tensor_type.shape.dim and i.type.tensor_type.shape.dim[0].dim_param}
+    slot_dims = {
+        i.name: i.type.tensor_type.shape.dim[0].dim_param
+        for i in g.graph.input
+        if i.type.tensor_type.shape.dim and i.type.tensor_type.shape.dim[0].dim_param
+    }
     for node in g.graph.node:
         if node.op_type != onnx_op.OP_TYPE or node.domain != onnx_op.DOMAIN:
             continue
@@ -426,16 +527,30 @@ def _fuse_attention(g: GraphEditor, types: dict[str, int], dims: dict[str, list[
                 out = g.add("Reshape", g.add("Gather", base, pre.pad_index, axis=0), pre.pad_shape)
             if rope:
                 cos, sin = _rope_tables(g, rope)
-                out = g.add("RotaryEmbedding", out, pre.pad_index, cos, sin, domain=MS_DOMAIN, num_heads=heads,
-                            interleaved=0)
+                out = g.add(
+                    "RotaryEmbedding", out, pre.pad_index, cos, sin, domain=MS_DOMAIN, num_heads=heads, interleaved=0
+                )
                 report.counts["rotary"] += 1
             return out
 
-        out = _gqa(g.add, padded(q, num_heads), padded(k, num_kv_heads), padded(v, num_kv_heads), (k_cache, v_cache),
-                   pre, _bias(g, pre, dtype), (g.name("gqa"), *node.output[1:3]), num_heads, num_kv_heads,
-                   float(g.attr(node, "scale")))
-        shape = (g.ints(-1, num_heads, head_dim) if head_dim else
-                 g.add("Concat", g.ints(-1), g.add("Shape", q, start=1, end=3), axis=0))
+        out = _gqa(
+            g.add,
+            padded(q, num_heads),
+            padded(k, num_kv_heads),
+            padded(v, num_kv_heads),
+            (k_cache, v_cache),
+            pre,
+            _bias(g, pre, dtype),
+            (g.name("gqa"), *node.output[1:3]),
+            num_heads,
+            num_kv_heads,
+            float(g.attr(node, "scale")),
+        )
+        shape = (
+            g.ints(-1, num_heads, head_dim)
+            if head_dim
+            else g.add("Concat", g.ints(-1), g.add("Shape", q, start=1, end=3), axis=0)
+        )
         g.add("Gather", g.add("Reshape", out, shape), pre.unpad_index, axis=0, outputs=[node.output[0]])
         replaced.add(id(node))
         rope_inside.add(id(node))
@@ -488,8 +603,15 @@ def _fuse_rmsnorm(g: GraphEditor, types: dict[str, int], ranks: dict[str, int], 
                 eps = g.const_value(eps_name)
                 mean = g.node_of(mean_name, "ReduceMean")
                 power = mean and g.node_of(mean.input[0], "Pow")
-                if not (power and power.input[0] == x32 and _is_const(g, power.input[1], 2.0) and eps
-                        and len(eps) == 1 and int(g.attr(mean, "keepdims", 1)) == 1 and _last_axis(g, mean, ranks)):
+                if not (
+                    power
+                    and power.input[0] == x32
+                    and _is_const(g, power.input[1], 2.0)
+                    and eps
+                    and len(eps) == 1
+                    and int(g.attr(mean, "keepdims", 1)) == 1
+                    and _last_axis(g, mean, ranks)
+                ):
                     continue
                 cast_in = g.node_of(x32, "Cast")
                 if (cast_in is None) != (cast_out is None):
@@ -497,8 +619,15 @@ def _fuse_rmsnorm(g: GraphEditor, types: dict[str, int], ranks: dict[str, int], 
                 x = cast_in.input[0] if cast_in else x32
                 if cast_in and (types.get(x) != types.get(root.output[0]) or types.get(x32) != TensorProto.FLOAT):
                     continue
-                g.add("SimplifiedLayerNormalization", x, w, outputs=[root.output[0]], axis=-1, epsilon=float(eps[0]),
-                      stash_type=1)
+                g.add(
+                    "SimplifiedLayerNormalization",
+                    x,
+                    w,
+                    outputs=[root.output[0]],
+                    axis=-1,
+                    epsilon=float(eps[0]),
+                    stash_type=1,
+                )
                 replaced.add(id(root))
                 report.counts["rmsnorm"] += 1
                 break
@@ -517,8 +646,15 @@ def _fuse_skip(g: GraphEditor, report: FuseReport) -> set[int]:
         if add is None or id(add) in replaced or len(add.input) != 2 or add.input[0] == add.input[1]:
             continue
         eps = float(g.attr(norm, "epsilon"))
-        g.add("SkipSimplifiedLayerNormalization", add.input[0], add.input[1], norm.input[1],
-              outputs=[norm.output[0], "", "", add.output[0]], domain=MS_DOMAIN, epsilon=eps)
+        g.add(
+            "SkipSimplifiedLayerNormalization",
+            add.input[0],
+            add.input[1],
+            norm.input[1],
+            outputs=[norm.output[0], "", "", add.output[0]],
+            domain=MS_DOMAIN,
+            epsilon=eps,
+        )
         replaced |= {id(add), id(norm)}
         report.counts["skip_rmsnorm"] += 1
     return replaced

@@ -42,8 +42,16 @@ from specdec.runtime.graph_io import (
 )
 from specdec.runtime.packed import PackedBatch
 
-_TORCH_TYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT32": torch.int32,
-                "INT64": torch.int64, "INT8": torch.int8, "UINT8": torch.uint8, "BOOL": torch.bool}
+_TORCH_TYPES = {
+    "FLOAT": torch.float32,
+    "HALF": torch.float16,
+    "BF16": torch.bfloat16,
+    "INT32": torch.int32,
+    "INT64": torch.int64,
+    "INT8": torch.int8,
+    "UINT8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 class EngineLoadError(RuntimeError):
@@ -64,8 +72,9 @@ class TensorRTBackend:
     #: the engine has no cache_mask input (``graph_io``): a step with KV holes is refused
     supports_cache_mask = False
 
-    def __init__(self, engine_path: str | os.PathLike, *, device: str | torch.device = "cuda",
-                 name: str | None = None) -> None:
+    def __init__(
+        self, engine_path: str | os.PathLike, *, device: str | torch.device = "cuda", name: str | None = None
+    ) -> None:
         from specdec.plugins import trt_plugin
 
         self.path = Path(engine_path)
@@ -82,8 +91,10 @@ class TensorRTBackend:
             self._runtime = trt.Runtime(self._logger)
             self.engine = self._runtime.deserialize_cuda_engine(self.path.read_bytes())
         if self.engine is None:
-            raise EngineLoadError(f"{self.path} does not deserialise with TensorRT {trt.__version__} on this GPU "
-                                  "(engines are tied to the TensorRT version and GPU they were built with: rebuild)")
+            raise EngineLoadError(
+                f"{self.path} does not deserialise with TensorRT {trt.__version__} on this GPU "
+                "(engines are tied to the TensorRT version and GPU they were built with: rebuild)"
+            )
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         self._inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         outputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
@@ -134,8 +145,9 @@ class TensorRTBackend:
         """Zeroed GPU caches; refused up front when the engine's profile cannot take them."""
         shape = (num_slots, self.num_kv_heads, max_len, self.head_dim)
         self._check_profile(CACHE_INPUT.format(layer=0, kind="key"), shape)
-        return TorchKVStorage(self.num_layers, num_slots, self.num_kv_heads, max_len, self.head_dim, self.dtype,
-                             self.device)
+        return TorchKVStorage(
+            self.num_layers, num_slots, self.num_kv_heads, max_len, self.head_dim, self.dtype, self.device
+        )
 
     def _bind_input(self, name: str, tensor: torch.Tensor) -> None:
         shape = tuple(int(d) for d in tensor.shape)
@@ -163,9 +175,12 @@ class TensorRTBackend:
             stream = torch.cuda.current_stream(self.device)
             if rows == 0:  # the profile starts at one row: compute one and return none
                 feeds["logits_indices"] = np.zeros(1, dtype=np.int32)
-            feeds = {name: torch.from_numpy(np.ascontiguousarray(a)).to(device=self.device,
-                                                                        dtype=self._torch_dtype(name)).contiguous()
-                     for name, a in feeds.items()}
+            feeds = {
+                name: torch.from_numpy(np.ascontiguousarray(a))
+                .to(device=self.device, dtype=self._torch_dtype(name))
+                .contiguous()
+                for name, a in feeds.items()
+            }
             for name, tensor in feeds.items():
                 self._bind_input(name, tensor)
             for in_name, out_name, buf in zip(self._in_names, self._out_names, (*cache.k, *cache.v)):

@@ -46,8 +46,17 @@ class TorchKVStorage(SlotMajorMoves):
     rows, ``ort_fuse.SPARE_POSITIONS``). ``buffer_len`` is both together.
     """
 
-    def __init__(self, num_layers: int, num_slots: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: str | torch.device = "cpu", spare: int = 0) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+        spare: int = 0,
+    ) -> None:
         self.buffer_len = max_len + spare
         shape = (num_slots, kv_heads, self.buffer_len, head_dim)
         self.num_slots, self.max_len = num_slots, max_len
@@ -57,9 +66,13 @@ class TorchKVStorage(SlotMajorMoves):
 
     def read(self, slot: int, length: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """Copies as float32 host arrays (``copy=True``: a CPU fp32 cache would otherwise be returned as a view)."""
-        return [(k[slot, :, :length].to("cpu", torch.float32, copy=True).numpy(),
-                 v[slot, :, :length].to("cpu", torch.float32, copy=True).numpy())
-                for k, v in zip(self.k, self.v)]
+        return [
+            (
+                k[slot, :, :length].to("cpu", torch.float32, copy=True).numpy(),
+                v[slot, :, :length].to("cpu", torch.float32, copy=True).numpy(),
+            )
+            for k, v in zip(self.k, self.v)
+        ]
 
 
 def rope_inv_freq(config: object) -> tuple[torch.Tensor, float]:
@@ -116,8 +129,9 @@ class TorchBackend:
     #: its attention takes ``PackedBatch.cache_mask``, so the padded ``vanilla`` baseline runs here
     supports_cache_mask = True
 
-    def __init__(self, model: LoadedModel, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, model: LoadedModel, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ) -> None:
         cfg = model.config
         self.name = model.name
         self.device, self.dtype = torch.device(device), dtype
@@ -149,34 +163,40 @@ class TorchBackend:
         if model.head_token_ids is not None:
             if self.lm_head is self.embed:
                 raise ValueError(f"{model.name}: a restricted LM head needs its own lm_head.weight (untied)")
-            self.head_token_ids = check_head_token_ids(model.head_token_ids, self.vocab_size, self.head_size,
-                                                       where=f"{model.name}: head_token_ids")
+            self.head_token_ids = check_head_token_ids(
+                model.head_token_ids, self.vocab_size, self.head_size, where=f"{model.name}: head_token_ids"
+            )
         elif self.head_size != self.vocab_size:
-            raise ValueError(f"{model.name}: lm_head has {self.head_size} rows for a vocabulary of {self.vocab_size} "
-                             "but no head_token_ids say which tokens they score")
+            raise ValueError(
+                f"{model.name}: lm_head has {self.head_size} rows for a vocabulary of {self.vocab_size} "
+                "but no head_token_ids say which tokens they score"
+            )
         self.final_norm = w("model.norm.weight")
         self.layers: list[_Layer] = []
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
             attn = [p + f"self_attn.{x}_proj" for x in "qkv"]
-            self.layers.append(_Layer(
-                qkv=torch.cat([w(n + ".weight") for n in attn]),
-                qkv_bias=cat_bias(*(n + ".bias" for n in attn)),
-                o=w(p + "self_attn.o_proj.weight"),
-                o_bias=b(p + "self_attn.o_proj.bias"),
-                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                gate_up_bias=cat_bias(p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"),
-                down=w(p + "mlp.down_proj.weight"),
-                down_bias=b(p + "mlp.down_proj.bias"),
-                attn_norm=w(p + "input_layernorm.weight"),
-                mlp_norm=w(p + "post_attention_layernorm.weight"),
-            ))
+            self.layers.append(
+                _Layer(
+                    qkv=torch.cat([w(n + ".weight") for n in attn]),
+                    qkv_bias=cat_bias(*(n + ".bias" for n in attn)),
+                    o=w(p + "self_attn.o_proj.weight"),
+                    o_bias=b(p + "self_attn.o_proj.bias"),
+                    gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                    gate_up_bias=cat_bias(p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"),
+                    down=w(p + "mlp.down_proj.weight"),
+                    down_bias=b(p + "mlp.down_proj.bias"),
+                    attn_norm=w(p + "input_layernorm.weight"),
+                    mlp_norm=w(p + "post_attention_layernorm.weight"),
+                )
+            )
         inv_freq, self.rope_scaling = rope_inv_freq(cfg)
         self.inv_freq = inv_freq.to(self.device)
 
     def allocate_cache(self, num_slots: int, max_len: int) -> TorchKVStorage:
-        return TorchKVStorage(self.num_layers, num_slots, self.num_kv_heads, max_len, self.head_dim, self.dtype,
-                              self.device)
+        return TorchKVStorage(
+            self.num_layers, num_slots, self.num_kv_heads, max_len, self.head_dim, self.dtype, self.device
+        )
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -186,8 +206,10 @@ class TorchBackend:
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)  # [T, D]
-        return ((emb.cos() * self.rope_scaling).to(self.dtype)[:, None, :],
-                (emb.sin() * self.rope_scaling).to(self.dtype)[:, None, :])
+        return (
+            (emb.cos() * self.rope_scaling).to(self.dtype)[:, None, :],
+            (emb.sin() * self.rope_scaling).to(self.dtype)[:, None, :],
+        )
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -195,8 +217,9 @@ class TorchBackend:
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_indices: torch.Tensor,
-                attend: Attend) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_indices: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
         """The LLaMA computation of one ragged step, attention left to ``attend``.
 
         Only attention needs to know which sequence a token belongs to; everything else
@@ -241,6 +264,7 @@ class TorchBackend:
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return attention(q, k, v, cache.k[layer], cache.v[layer], cu, past, slots, tree, self.scale, cache_mask)
 
-        logits = self.forward(self._tensor(batch.input_ids), self._tensor(batch.position_ids),
-                              self._tensor(batch.logits_indices), attend)
+        logits = self.forward(
+            self._tensor(batch.input_ids), self._tensor(batch.position_ids), self._tensor(batch.logits_indices), attend
+        )
         return logits.cpu().numpy()
