@@ -50,6 +50,7 @@ from specdec.bench.workloads import build_workload
 from specdec.models.drafts import load_pair
 from specdec.models.presets import DEFAULT_TARGET
 from specdec.runtime.backends.torch_backend import TorchBackend
+from specdec.runtime.config import EngineConfig
 from specdec.runtime.costs import calibrate
 from specdec.runtime.draft_length import DraftLength
 from specdec.runtime.drafters import Drafter, ModelDrafter, NgramDrafter
@@ -94,8 +95,10 @@ def measure_cell(
 
     def use(config: Config | None) -> str:
         engine.drafter = None if config is None else drafters[config[0]]
-        engine.num_draft_tokens = 0 if config is None else config[1]
-        engine.draft_length = None if config is None or config[2] == "fixed" else policies[config[2], config[0]]
+        engine.reconfigure(num_draft_tokens=0 if config is None else config[1])
+        engine.reconfigure(
+            draft_length=None if config is None or config[2] == "fixed" else policies[config[2], config[0]]
+        )
         return "ar" if config is None else "ems"
 
     for config in configs:  # untimed warm-up of every loop and drafter
@@ -329,8 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             None,
             tokenizer=target.tokenizer,
             eos_token_ids=target.eos_token_ids,
-            max_batch=batch,
-            max_len=max_len,
+            config=EngineConfig(max_batch=batch, max_len=max_len),
         )
         drafters: dict[str, Drafter] = {
             "draft": ModelDrafter(draft_backend, batch, max_len),

@@ -31,6 +31,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from specdec.runtime.config import EngineConfig
+
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -68,7 +70,7 @@ def percentile(values: list[float], q: float) -> float:
 def run_once(engine: Any, budget: int | None, long_ids: list[int] | None, max_tokens: int) -> dict[str, Any]:
     from specdec.serving.service import EngineService
 
-    engine.prefill_budget = budget
+    engine.reconfigure(prefill_budget=budget)
     service = EngineService(engine, "ems").start()
     events: dict[str, list[float]] = {}
     lock = threading.Lock()
@@ -118,7 +120,7 @@ def run_once(engine: Any, budget: int | None, long_ids: list[int] | None, max_to
         }
     finally:
         service.stop(drain=False, timeout=30)
-        engine.prefill_budget = None
+        engine.reconfigure(prefill_budget=None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from specdec.runtime.engine import Engine
 
-    engine = Engine.from_export(args.export, max_batch=8, threads=args.threads, torch_threads=1)
+    engine = Engine.from_export(args.export, config=EngineConfig(max_batch=8, threads=args.threads, torch_threads=1))
     long_ids = long_prompt(engine, min(args.long_tokens, engine.max_len - 8))
     budgets = [int(b) or None for b in args.budgets.split(",")]
     configs = [(None, False)] + [(b, True) for b in budgets]

@@ -68,6 +68,7 @@ from specdec.models.drafts import load_pair
 from specdec.models.loading import LoadedModel
 from specdec.models.presets import DEFAULT_TARGET
 from specdec.runtime.backends.torch_backend import TorchBackend
+from specdec.runtime.config import EngineConfig
 from specdec.runtime.costs import step_costs
 from specdec.runtime.drafters import Drafter, ModelDrafter, NgramDrafter
 from specdec.runtime.engine import Engine
@@ -183,7 +184,7 @@ def run_name(run: Run) -> str:
 def _use(engine: Engine, drafters: dict[str, Drafter], drafter: str | None, k: int) -> None:
     """Point the engine at a drafter and k; a run's context resets the drafter's state."""
     engine.drafter = None if drafter is None else drafters[drafter]
-    engine.num_draft_tokens = k
+    engine.reconfigure(num_draft_tokens=k)
 
 
 def _mismatches(tokens: list[list[int]], reference: list[list[int]]) -> list[dict[str, int]]:
@@ -290,9 +291,7 @@ def run_grid(
             None,
             tokenizer=target.tokenizer,
             eos_token_ids=target.eos_token_ids,
-            max_batch=batch,
-            max_len=max_len,
-            num_draft_tokens=0,
+            config=EngineConfig(max_batch=batch, max_len=max_len, num_draft_tokens=0),
         )
         drafters: dict[str, Drafter] = {
             "draft": ModelDrafter(draft_backend, batch, max_len),

@@ -94,6 +94,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from specdec.runtime.config import EngineConfig
+
 #: GGML's CPU options and the /proc/cpuinfo flag each needs (AMX left out: see the module docstring)
 LLAMA_ISA_OPTIONS = (
     ("GGML_AVX", "avx"),
@@ -366,14 +368,16 @@ def run_specdec(spec: dict[str, Any]) -> dict[str, Any]:
     drafter = {"ngram": "ngram", "draft": None, "hybrid": "hybrid"}.get(spec["drafter"], "none")
     engine = Engine.from_export(
         root,
-        max_batch=spec["batch"],
-        max_len=spec["max_len"],
-        num_draft_tokens=spec["k"] if speculative else 0,
-        drafter=drafter,
-        threads=spec["threads"],
-        torch_threads=1,
-        kv_cache_dtype=spec.get("kv_cache"),
-        draft_length=draft_length_from(adaptive, measured) if speculative else None,
+        config=EngineConfig(
+            max_batch=spec["batch"],
+            max_len=spec["max_len"],
+            num_draft_tokens=spec["k"] if speculative else 0,
+            drafter=drafter,
+            threads=spec["threads"],
+            torch_threads=1,
+            kv_cache_dtype=spec.get("kv_cache"),
+            draft_length=draft_length_from(adaptive, measured) if speculative else None,
+        ),
     )
     load_seconds = time.perf_counter() - start
     eos = set(spec["eos"])
@@ -429,7 +433,7 @@ def run_specdec(spec: dict[str, Any]) -> dict[str, Any]:
     return {
         "workloads": workloads,
         "load_seconds": load_seconds,
-        "draft_length": None if engine.draft_length is None else asdict(engine.draft_length),
+        "draft_length": None if engine.config.draft_length is None else asdict(engine.config.draft_length),
         "versions": {"onnxruntime": onnxruntime.__version__},
     }
 
@@ -518,12 +522,14 @@ def run_forced(spec: dict[str, Any]) -> dict[str, Any]:
 
         engine = Engine.from_export(
             Path(spec["export"]),
-            max_batch=1,
-            max_len=spec["max_len"],
-            num_draft_tokens=0,
-            drafter="none",
-            threads=spec["threads"],
-            torch_threads=1,
+            config=EngineConfig(
+                max_batch=1,
+                max_len=spec["max_len"],
+                num_draft_tokens=0,
+                drafter="none",
+                threads=spec["threads"],
+                torch_threads=1,
+            ),
         )
 
         def top_rows(tokens: list[int], first: int) -> list[tuple[int, float]]:

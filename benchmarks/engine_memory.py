@@ -25,6 +25,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from specdec.runtime.config import EngineConfig
+
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 FILLS = ("written at allocation", "lazy pages (calloc)")
 
@@ -40,7 +42,8 @@ def child(export: str, fill: str, max_batch: int, max_len: int, kv_cache: str) -
         }
 
     engine = Engine.from_export(
-        export, max_batch=max_batch, max_len=max_len, drafter="ngram", threads=2, kv_cache_dtype=kv_cache
+        export,
+        config=EngineConfig(max_batch=max_batch, max_len=max_len, drafter="ngram", threads=2, kv_cache_dtype=kv_cache),
     )
     if fill == FILLS[0]:  # every page of every cache written, as an allocation that fills its memory would
         for cache in (*engine.storage.k, *engine.storage.v):
@@ -99,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; command: "
         f"`python benchmarks/engine_memory.py {' '.join(args.exports)} --kv-cache {args.kv_cache}`",
-        f"- Each row a fresh process: `Engine.from_export(max_batch={args.max_batch}, max_len={args.max_len})` "
+        "- Each row a fresh process: "
+        f"`Engine.from_export(config=EngineConfig(max_batch={args.max_batch}, max_len={args.max_len}))` "
         "(the main job's served size), then one 32-token chat request with ar",
         "",
         "| export | KV cache type | KV cache allocation | RSS after open (MB) | RSS after one request (MB) | "

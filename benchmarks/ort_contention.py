@@ -43,6 +43,7 @@ from specdec.bench.report import write_report
 from specdec.export.cli import export
 from specdec.models.manifest import read_manifest
 from specdec.runtime.backends.onnxruntime import OrtBackend
+from specdec.runtime.config import EngineConfig
 from specdec.runtime.drafters import ModelDrafter
 from specdec.runtime.engine import Engine
 
@@ -71,7 +72,7 @@ def measure(
         _, (method, k), (spins, threads) = cell
         torch.set_num_threads(threads)
         engine.drafter = drafters[spins] if k else None
-        engine.num_draft_tokens = k
+        engine.reconfigure(num_draft_tokens=k)
         return method
 
     for cell in cells:  # untimed warm-up of every setting
@@ -174,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not (args.export / "manifest.json").is_file():
         export("smollm2-135m", args.draft, args.export, force=True, max_batch=args.prompts, max_len=1024)
     manifest = read_manifest(args.export)
-    engine = Engine.from_export(args.export, max_batch=args.prompts, max_len=1024)
+    engine = Engine.from_export(args.export, config=EngineConfig(max_batch=args.prompts, max_len=1024))
     graph = args.export / manifest["draft"]["graph"]
     drafters = {spins: ModelDrafter(OrtBackend(graph, spin=spins), args.prompts, 1024) for spins in (True, False)}
     prompts = [CHAT_PROMPTS[i % len(CHAT_PROMPTS)] for i in range(args.prompts)]

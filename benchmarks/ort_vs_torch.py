@@ -33,6 +33,7 @@ from specdec.export.validate import random_forest
 from specdec.models.loading import load_model
 from specdec.plugins import onnx_op
 from specdec.plugins.reference import ragged_tree_attention
+from specdec.runtime.config import EngineConfig
 from specdec.runtime.engine import Engine
 from specdec.runtime.packed import SeqWork, pack
 
@@ -143,9 +144,12 @@ def main(argv: list[str] | None = None) -> int:
         deploy = export("smollm2-135m", None, Path(tmp) / "deploy", max_batch=max(batches), max_len=2048)
         engines = {
             "torch": Engine.from_models(
-                target, "ngram", max_batch=max(batches), max_len=2048, num_draft_tokens=args.num_draft_tokens
+                target,
+                config=EngineConfig(max_batch=max(batches), max_len=2048, num_draft_tokens=args.num_draft_tokens),
             ),
-            "onnxruntime": Engine.from_export(deploy, num_draft_tokens=args.num_draft_tokens, threads=args.threads),
+            "onnxruntime": Engine.from_export(
+                deploy, config=EngineConfig(num_draft_tokens=args.num_draft_tokens, threads=args.threads)
+            ),
         }
         prompts = build_workload(max(batches))
         results: dict = {}

@@ -49,6 +49,7 @@ from specdec.export.validate import max_logit_error
 from specdec.models.loading import load_model
 from specdec.runtime.backends.onnxruntime import OrtBackend
 from specdec.runtime.backends.torch_backend import TorchBackend
+from specdec.runtime.config import EngineConfig
 from specdec.runtime.engine import Engine
 from specdec.runtime.packed import SeqWork, pack
 
@@ -176,7 +177,11 @@ def step_times(backends: dict[str, OrtBackend], repeats: int, bar: tqdm) -> dict
 
 def greedy(backend: OrtBackend, model, prompts: list[str]) -> list[list[int]]:
     engine = Engine(
-        backend, None, tokenizer=model.tokenizer, eos_token_ids=model.eos_token_ids, max_batch=len(prompts), max_len=512
+        backend,
+        None,
+        tokenizer=model.tokenizer,
+        eos_token_ids=model.eos_token_ids,
+        config=EngineConfig(max_batch=len(prompts), max_len=512),
     )
     requests = [engine.request(p, chat=True, max_tokens=MAX_NEW) for p in prompts]
     return [o.token_ids for o in engine.generate(requests, "ar").outputs]

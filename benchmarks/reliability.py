@@ -55,6 +55,7 @@ from tqdm.auto import tqdm
 
 from specdec.bench.harness import machine_info
 from specdec.models.manifest import read_manifest
+from specdec.runtime.config import EngineConfig
 from specdec.runtime.costs import DraftCosts
 from specdec.runtime.engine import Engine
 from specdec.serving.client import Answer, ClientError, SpecdecClient
@@ -172,7 +173,7 @@ def wait_for(condition: Any, timeout: float = 600.0, poll_s: float = 0.02) -> fl
 
 
 def references(export: Path) -> dict[tuple[str, int], list[int]]:
-    engine = Engine.from_export(export, threads=2)
+    engine = Engine.from_export(export, config=EngineConfig(threads=2))
     keys = [(p, n) for p in PROMPTS for n in LENGTHS]
     outputs = engine.generate([engine.request(p, chat=True, max_tokens=n) for p, n in keys], "ems").outputs
     return {key: out.token_ids for key, out in zip(keys, outputs)}

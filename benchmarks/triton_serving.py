@@ -51,9 +51,9 @@ from tqdm.auto import tqdm
 from specdec.bench.harness import machine_info
 from specdec.runtime.engine import Engine
 from specdec.serving.client import Answer, ClientError, SpecdecClient, run_concurrent
+from specdec.serving.engine_model import served_engine
 from specdec.serving.repository import REPOSITORY_DIR, read_parameters
 from specdec.serving.server import TritonServer, free_ports
-from specdec.serving.triton_models import served_engine
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_EXPORT = ROOT / "benchmarks" / ".cache" / "serving-export"

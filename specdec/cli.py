@@ -12,9 +12,16 @@ from typing import Any
 
 from specdec.models.errors import DraftLoadError, DraftMismatchError, ModelResolutionError
 from specdec.models.presets import DEFAULT_TARGET
+from specdec.runtime.config import (
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_LEN,
+    DEFAULT_NUM_DRAFT_TOKENS,
+    DrafterKind,
+    EngineConfig,
+)
+from specdec.runtime.config import NAMES as DRAFTER_NAMES
 from specdec.runtime.costs import calibrate_engine
 from specdec.runtime.draft_length import add_draft_length_args, check_draft_length_args, draft_length_from
-from specdec.runtime.drafters import DRAFTER_NAMES
 from specdec.runtime.engine import Engine, GenerationResult
 from specdec.runtime.methods import BASELINE_METHOD, DEFAULT_METHOD, METHOD_NAMES, METHODS, Method, get_method
 from specdec.runtime.prompts import read_prompts
@@ -26,13 +33,27 @@ def build_engine(args: argparse.Namespace) -> Engine:
     engine = _open_engine(args)
     if args.calibrate:  # price the adaptive draft length on this machine's backends
         costs = calibrate_engine(engine)
-        engine.draft_length = draft_length_from(args, costs.as_dict())
+        engine.reconfigure(draft_length=draft_length_from(args, costs.as_dict()))
         print(
             f"calibrated: a draft token costs {costs.draft_cost} and a verified row {costs.verify_cost} "
-            f"of a target step; the policy uses {engine.draft_length}",
+            f"of a target step; the policy uses {engine.config.draft_length}",
             file=sys.stderr,
         )
     return engine
+
+
+def engine_config(args: argparse.Namespace, measured: dict[str, Any] | None = None) -> EngineConfig:
+    """The engine settings ``specdec generate``'s options ask for (``measured``: costs an export calibrated)."""
+    method = get_method(args.method)
+    drafter = DrafterKind.parse(args.drafter) if method.uses_drafter else DrafterKind.NONE
+    return EngineConfig(
+        max_batch=args.max_batch,
+        max_len=args.max_len,
+        num_draft_tokens=args.num_draft_tokens,
+        draft_length=draft_length_from(args, measured),
+        drafter=drafter,
+        torch_threads=1,
+    )
 
 
 def _open_engine(args: argparse.Namespace) -> Engine:
@@ -42,52 +63,35 @@ def _open_engine(args: argparse.Namespace) -> Engine:
         try:
             # an export calibrated at export time (--calibrate) carries the costs measured there
             measured = read_manifest(Path(args.target), verify=False).get("calibration")
-            return Engine.from_export(
-                args.target,
-                max_batch=args.max_batch,
-                max_len=args.max_len,
-                num_draft_tokens=args.num_draft_tokens,
-                draft_length=draft_length_from(args, measured),
-                drafter=args.drafter if get_method(args.method).uses_drafter else "none",
-                torch_threads=1,
-            )
+            return Engine.from_export(args.target, engine_config(args, measured))
         except ExportDirError as exc:
             raise ModelResolutionError(str(exc)) from exc
-    from specdec.models.loading import LoadedModel, load_model  # the torch side: only a model that is not an export
+    from specdec.models.loading import load_model  # the torch side: only a model that is not an export
 
     target = load_model(args.target)
-    if args.draft and args.drafter not in (None, "model", "hybrid"):
+    config = engine_config(args)
+    if args.draft and DrafterKind.parse(args.drafter) not in (None, *DrafterKind.with_model()):
         raise SystemExit("error: --draft PATH goes with no --drafter or --drafter hybrid, not ngram|none")
-    draft = _draft_for(get_method(args.method), target, args)
-    return Engine.from_models(
-        target,
-        draft,
-        max_batch=args.max_batch or 16,
-        max_len=args.max_len or 1024,
-        num_draft_tokens=args.num_draft_tokens,
-        draft_length=draft_length_from(args),
-        hybrid=args.drafter == "hybrid" and isinstance(draft, LoadedModel),
-    )
+    return Engine.from_models(target, _draft_model(get_method(args.method), target, args, config), config)
 
 
-def _draft_for(method: Method, target: Any, args: argparse.Namespace) -> Any:
-    """The drafter ``method`` runs with: ``--draft``, else the target's shipped draft where a model is needed
-    (dsbd's forests, the hybrid drafter), else ``--drafter`` (prompt lookup by default); nothing for a method that
-    does not draft."""
+def _draft_model(method: Method, target: Any, args: argparse.Namespace, config: EngineConfig) -> Any:
+    """The draft model ``method`` runs with: ``--draft``, else the target's shipped draft where a model is needed
+    (dsbd's forests, the hybrid drafter); None for a method that does not draft or drafts by prompt lookup."""
     from specdec.models.drafts import resolve_draft, shipped_draft_for
 
     if not method.uses_drafter:
         return None
     if args.draft:
         return resolve_draft(args.draft, target)
-    hybrid = args.drafter == "hybrid"
-    if not method.needs_draft_model and not hybrid:
-        return args.drafter or "ngram"
-    shipped = shipped_draft_for(target) if args.drafter in (None, "hybrid") else None
+    wants_model = config.drafter is not None and config.drafter.needs_model
+    if not method.needs_draft_model and not wants_model:
+        return None
+    shipped = shipped_draft_for(target) if config.drafter in (None, *DrafterKind.with_model()) else None
     if shipped is None:
         needs = (
-            "the hybrid drafter needs a draft model"
-            if hybrid
+            f"the {config.drafter.value} drafter needs a draft model"
+            if wants_model and config.drafter is not None
             else f"{method.name} needs a draft model that samples the forest"
         )
         raise ValueError(
@@ -233,7 +237,12 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="JSON list of strings, or one prompt per line")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--num-draft-tokens", type=int, default=4, help="draft length k (with --adaptive-draft: the most)")
+    p.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=DEFAULT_NUM_DRAFT_TOKENS,
+        help="draft length k (with --adaptive-draft: the most)",
+    )
     add_draft_length_args(p)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)
@@ -271,8 +280,14 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     )
     beam.add_argument("--num-return-sequences", type=int, default=1)
     beam.add_argument("--length-penalty", type=float, default=1.0, help="candidates ranked by logprob / length ** this")
-    p.add_argument("--max-batch", type=int, help="sequences decoded together (default 16, or the export's)")
-    p.add_argument("--max-len", type=int, help="KV-cache length per sequence (default 1024, or the export's)")
+    p.add_argument(
+        "--max-batch", type=int, help=f"sequences decoded together (default the export's, else {DEFAULT_MAX_BATCH})"
+    )
+    p.add_argument(
+        "--max-len",
+        type=int,
+        help=f"KV-cache length per sequence (default the export's, else {DEFAULT_MAX_LEN} within the model's context)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,3 +16,15 @@ def fail_marked(seq: Any, point: str) -> None:
     """Fail a marked request at its own verification, after its first few tokens (mid-stream)."""
     if point == "verify" and seq.request.sampling.seed == FAULT_SEED and seq.num_generated >= 3:
         raise RuntimeError(MESSAGE)
+
+
+SLOW_SEED = 4343
+SLOW_STEP_S = 0.05
+
+
+def slow_marked(seq: Any, point: str) -> None:
+    """Slow a marked request's steps (``seed=SLOW_SEED``), so a test can act on it while it decodes."""
+    if point == "step" and seq.request.sampling.seed == SLOW_SEED:
+        import time
+
+        time.sleep(SLOW_STEP_S)

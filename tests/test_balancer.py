@@ -42,6 +42,7 @@ from specdec.deploy.balancer import (
     find_haproxy,
     render_config,
 )
+from specdec.runtime.config import EngineConfig
 from specdec.runtime.engine import Engine
 from specdec.serving.client import Answer, ClientError, SpecdecClient
 from specdec.serving.control import alive, children, inflight_from_metrics, remove_shm
@@ -89,7 +90,7 @@ REQUESTS = "specdec_requests_total"  # {outcome=...}, summed over any other labe
 @pytest.fixture(scope="module")
 def reference(smollm2_export: Path) -> dict[str, list[int]]:
     """The local runtime's greedy answers, before any server runs."""
-    engine = Engine.from_export(smollm2_export, threads=1)
+    engine = Engine.from_export(smollm2_export, config=EngineConfig(threads=1))
     outputs = engine.generate([engine.request(p, chat=True, max_tokens=MAX_TOKENS) for p in PROMPTS], "ems").outputs
     return {p: o.token_ids for p, o in zip(PROMPTS, outputs)}
 

@@ -20,6 +20,8 @@ from dsbd_reference import dsbd_round
 from specdec.models.loading import LoadedModel, tiny_random
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.beams import BeamDecoder, continuation_logprob
+from specdec.runtime.config import EngineConfig
+from specdec.runtime.context import LoopHooks
 from specdec.runtime.draft_length import DraftLength
 from specdec.runtime.drafters import ModelDrafter
 from specdec.runtime.engine import Engine
@@ -59,10 +61,7 @@ def engine(
         drafter,
         tokenizer=None,
         eos_token_ids=eos,
-        max_batch=max_batch,
-        max_len=max_len,
-        num_draft_tokens=gamma,
-        draft_length=draft_length,
+        config=EngineConfig(max_batch=max_batch, max_len=max_len, num_draft_tokens=gamma, draft_length=draft_length),
     )
 
 
@@ -369,10 +368,12 @@ def test_tokens_stream_as_soon_as_every_candidate_shares_them_and_the_answer_is_
     finished: dict[str, int] = {}
     ctx = eng.context(
         scheduler,
-        on_tokens=lambda seq, toks: chunks.setdefault(seq.request.request_id, []).append(
-            (len(ctx.run.steps), list(toks))
+        LoopHooks(
+            on_tokens=lambda seq, toks: chunks.setdefault(seq.request.request_id, []).append(
+                (len(ctx.run.steps), list(toks))
+            ),
+            on_finish=lambda seq: finished.__setitem__(seq.request.request_id, len(ctx.run.steps)),
         ),
-        on_finish=lambda seq: finished.__setitem__(seq.request.request_id, len(ctx.run.steps)),
     )
     decoder = BeamDecoder(ctx, speculative=method == "dsbd")
     ctx.run.method = method

@@ -12,9 +12,10 @@ import pytest
 
 from specdec.models.loading import tiny_random
 from specdec.runtime.backends.torch_backend import TorchBackend
+from specdec.runtime.config import EngineConfig
+from specdec.runtime.context import MIN_PREFILL_CHUNK
 from specdec.runtime.drafters import ModelDrafter, NgramDrafter
 from specdec.runtime.engine import Engine
-from specdec.runtime.loops import MIN_PREFILL_CHUNK
 from specdec.runtime.request import BeamParams, Request
 from specdec.runtime.sampling import SamplingParams
 
@@ -24,11 +25,13 @@ LONG = [(7 * i) % 50 + 3 for i in range(64)]
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine(TorchBackend(tiny_random(seed=9, num_layers=2)), NgramDrafter(), max_batch=6, max_len=160)
+    return Engine(
+        TorchBackend(tiny_random(seed=9, num_layers=2)), NgramDrafter(), config=EngineConfig(max_batch=6, max_len=160)
+    )
 
 
 def _run(engine: Engine, budget: int | None, method: str, temperature: float = 0.0):
-    engine.prefill_budget = budget
+    engine.reconfigure(prefill_budget=budget)
     try:
         requests = [
             Request(p, max_tokens=12, sampling=SamplingParams(temperature, seed=i), request_id=f"r{i}")
@@ -36,7 +39,7 @@ def _run(engine: Engine, budget: int | None, method: str, temperature: float = 0
         ]
         return engine.generate(requests, method)
     finally:
-        engine.prefill_budget = None
+        engine.reconfigure(prefill_budget=None)
 
 
 @pytest.mark.parametrize("method", ["ar", "ems"])
@@ -67,12 +70,14 @@ def beam_engine() -> Engine:
     """A target and a different draft model, for ``beam`` and DSBD (whose forests come from a draft model)."""
     drafter = ModelDrafter(TorchBackend(tiny_random(seed=10, num_layers=1)), 16, 160)
     return Engine(
-        TorchBackend(tiny_random(seed=9, num_layers=2)), drafter, max_batch=16, max_len=160, num_draft_tokens=2
+        TorchBackend(tiny_random(seed=9, num_layers=2)),
+        drafter,
+        config=EngineConfig(max_batch=16, max_len=160, num_draft_tokens=2),
     )
 
 
 def _run_beams(engine: Engine, budget: int | None, method: str, temperature: float):
-    engine.prefill_budget = budget
+    engine.reconfigure(prefill_budget=budget)
     try:
         requests = [
             Request(
@@ -86,7 +91,7 @@ def _run_beams(engine: Engine, budget: int | None, method: str, temperature: flo
         ]
         return engine.generate(requests, method)
     finally:
-        engine.prefill_budget = None
+        engine.reconfigure(prefill_budget=None)
 
 
 @pytest.mark.parametrize("method", ["beam", "dsbd"])

@@ -13,11 +13,12 @@ import torch
 from specdec.cli import _open_engine, add_generate_args, build_engine, main
 from specdec.export.cli import main as export_main
 from specdec.runtime.backends.torch_backend import TorchBackend
+from specdec.runtime.config import EngineConfig
 from specdec.runtime.costs import DraftCosts, calibrate, calibrate_engine, draft_costs, loop_costs, step_costs
 from specdec.runtime.draft_length import DraftLength, batch_prices, prices_text
 from specdec.runtime.engine import Engine
+from specdec.serving.engine_model import served_engine
 from specdec.serving.repository import ServingOptions, read_parameters, render_configs
-from specdec.serving.triton_models import served_engine
 
 
 @pytest.fixture(autouse=True)
@@ -89,11 +90,11 @@ def test_step_costs_times_every_shape_on_real_backends(tiny_pair) -> None:
 
 def test_a_prompt_lookup_engine_has_no_draft_step_to_price(tiny_pair) -> None:
     target, draft = tiny_pair
-    ngram = Engine.from_models(target, "ngram", max_batch=2, max_len=64)
+    ngram = Engine.from_models(target, config=EngineConfig(max_batch=2, max_len=64))
     costs = calibrate_engine(ngram, batch_sizes=(1, 4), context=16, steps=2)
     assert costs.draft_cost is None  # the policy then uses the drafter's own price: 0 for a lookup
     assert [r["batch_size"] for r in costs.records] == [1, 2]  # never above the engine's max_batch
-    model = Engine.from_models(target, draft, max_batch=4, max_len=64)
+    model = Engine.from_models(target, draft, config=EngineConfig(max_batch=4, max_len=64))
     assert calibrate_engine(model, batch_sizes=(2,), context=16, steps=2).draft_cost is not None
 
 
@@ -165,14 +166,14 @@ def test_an_export_calibrated_on_this_machine_serves_and_generates_with_its_pric
     )
     # the engine the server builds from that config (Triton's EngineModel, or a benchmark's local twin)
     served = served_engine(out, read_parameters(out / "triton_repo"))
-    assert served.draft_length == calibrated
+    assert served.config.draft_length == calibrated
     # `specdec generate` over the export prices its policy the same way, unless told otherwise
     parser = argparse.ArgumentParser()
     add_generate_args(parser)
     engine = _open_engine(parser.parse_args(["--target", str(out), "--adaptive-draft"]))
-    assert engine.draft_length == calibrated
+    assert engine.config.draft_length == calibrated
     pinned = _open_engine(parser.parse_args(["--target", str(out), "--adaptive-draft", "--verify-cost", "0"]))
-    assert pinned.draft_length == DraftLength(
+    assert pinned.config.draft_length == DraftLength(
         verify_cost=0.0, draft_cost=measured["draft_cost"], draft_by_batch=draft_by_batch
     )
     # an explicit price is kept over the measured one in the served config too
@@ -245,4 +246,4 @@ def test_build_engine_without_calibrate_keeps_the_defaults(tiny_dir) -> None:
     parser = argparse.ArgumentParser()
     add_generate_args(parser)
     engine = build_engine(parser.parse_args(["--target", str(tiny_dir), "--adaptive-draft"]))
-    assert engine.draft_length == DraftLength()
+    assert engine.config.draft_length == DraftLength()

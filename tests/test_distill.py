@@ -18,6 +18,7 @@ from specdec.distill.train import distill
 from specdec.models.drafts import is_draft_dir, load_draft
 from specdec.models.errors import DraftLoadError
 from specdec.models.loading import LoadedModel, load_model, save_model, tiny_random
+from specdec.runtime.config import EngineConfig
 from specdec.runtime.engine import Engine
 
 
@@ -114,7 +115,7 @@ def test_distillation_lowers_held_out_kl_and_writes_a_loadable_draft(
     draft = load_draft(out, target)
     assert draft.head_token_ids is not None and len(draft.head_token_ids) == 600
     # a restricted-head draft keeps greedy speculation exact
-    engine = Engine.from_models(target, draft, max_batch=4, max_len=256, num_draft_tokens=3)
+    engine = Engine.from_models(target, draft, config=EngineConfig(max_batch=4, max_len=256, num_draft_tokens=3))
     reqs = [engine.request(p, chat=True, max_tokens=12) for p in ("Hi there", "Tell me about bees", "2+2?")]
     want = engine.generate(reqs, "ar").outputs
     got = engine.generate(reqs, "ems")
@@ -490,7 +491,7 @@ def test_a_grown_draft_starts_as_its_source_and_a_shared_head_is_not_stored(
         assert "lm_head.weight" not in set(f.keys()) and "model.layers.2.mlp.down_proj.weight" in set(f.keys())
     draft = load_draft(out, target)
     assert torch.equal(draft.state_dict["lm_head.weight"], target.state_dict["lm_head.weight"][draft.head_token_ids])
-    engine = Engine.from_models(target, draft, max_batch=4, max_len=256, num_draft_tokens=3)
+    engine = Engine.from_models(target, draft, config=EngineConfig(max_batch=4, max_len=256, num_draft_tokens=3))
     reqs = [engine.request(p, chat=True, max_tokens=12) for p in ("Hi there", "Tell me about bees")]
     got = engine.generate(reqs, "ems")
     assert [o.token_ids for o in got.outputs] == [o.token_ids for o in engine.generate(reqs, "ar").outputs]
@@ -520,7 +521,7 @@ def test_a_fresh_draft_with_a_shared_head_trains_its_layers_only(
     target = load_model(tiny_target)
     draft = load_draft(out, target)
     assert torch.equal(draft.state_dict["lm_head.weight"], target.state_dict["lm_head.weight"][draft.head_token_ids])
-    engine = Engine.from_models(target, draft, max_batch=2, max_len=256, num_draft_tokens=3)
+    engine = Engine.from_models(target, draft, config=EngineConfig(max_batch=2, max_len=256, num_draft_tokens=3))
     reqs = [engine.request(p, chat=True, max_tokens=12) for p in ("Hi there", "2+2?")]
     assert [o.token_ids for o in engine.generate(reqs, "ems").outputs] == [
         o.token_ids for o in engine.generate(reqs, "ar").outputs
@@ -555,7 +556,7 @@ def test_the_shipped_smollm2_draft_is_small_sound_and_made_for_its_target(smollm
         assert 0 < after["expected_acceptance"] <= 1
     target, draft = load_pair("smollm2-135m", "smollm2-135m-draft")
     assert draft.head_token_ids is not None and set(target.eos_token_ids) <= set(draft.head_token_ids.tolist())
-    engine = Engine.from_models(target, draft, max_batch=2, max_len=256, num_draft_tokens=3)
+    engine = Engine.from_models(target, draft, config=EngineConfig(max_batch=2, max_len=256, num_draft_tokens=3))
     requests = [engine.request(p, chat=True, max_tokens=16) for p in ("Write a haiku about tea.", "What is DNA?")]
     got = engine.generate(requests, "ems")
     assert [o.token_ids for o in got.outputs] == [o.token_ids for o in engine.generate(requests, "ar").outputs]

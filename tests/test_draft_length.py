@@ -12,6 +12,8 @@ import pytest
 
 from specdec.models.loading import tiny_random
 from specdec.runtime.backends.torch_backend import TorchBackend
+from specdec.runtime.config import EngineConfig
+from specdec.runtime.context import LoopHooks
 from specdec.runtime.draft_length import (
     Candidate,
     DraftLength,
@@ -21,6 +23,7 @@ from specdec.runtime.draft_length import (
     price_at,
     prices_text,
 )
+from specdec.runtime.draft_planner import AdaptiveDraftLength
 from specdec.runtime.drafters import ModelDrafter, NgramDrafter
 from specdec.runtime.engine import Engine
 from specdec.runtime.request import Request
@@ -175,7 +178,9 @@ def test_adaptive_ems_equals_ar_while_k_follows_acceptance(tiny_target, draft_ki
         "ngram": NgramDrafter,
     }[draft_kind]()
     engine = Engine(
-        backend, draft, max_batch=4, max_len=256, num_draft_tokens=5, draft_length=DraftLength(verify_cost=0.2)
+        backend,
+        draft,
+        config=EngineConfig(max_batch=4, max_len=256, num_draft_tokens=5, draft_length=DraftLength(verify_cost=0.2)),
     )
     prompts = [[5, 6, 7], [9] * 20, [1, 2, 3, 4] * 6, [40]]
     requests = [Request(p, max_tokens=40) for p in prompts]
@@ -239,10 +244,7 @@ def test_the_loop_prices_greedy_requests_by_the_batch_and_sampled_ones_alone(tin
     engine = Engine(
         backend,
         ModelDrafter(TorchBackend(tiny_target), 4, 256),
-        max_batch=4,
-        max_len=256,
-        num_draft_tokens=3,
-        draft_length=policy,
+        config=EngineConfig(max_batch=4, max_len=256, num_draft_tokens=3, draft_length=policy),
     )
     prompts = [[5, 6, 7], [9] * 20, [1, 2, 3, 4] * 6, [40]]
     greedy = [Request(p, max_tokens=24) for p in prompts]
@@ -269,16 +271,17 @@ def test_a_greedy_request_starts_from_the_pooled_acceptance_a_sampled_one_from_t
         return Engine(
             TorchBackend(tiny_target),
             unrelated,
-            max_batch=4,
-            max_len=256,
-            num_draft_tokens=3,
-            draft_length=DraftLength(verify_cost=0.2, draft_cost=0.1),
+            config=EngineConfig(
+                max_batch=4, max_len=256, num_draft_tokens=3, draft_length=DraftLength(verify_cost=0.2, draft_cost=0.1)
+            ),
         )
 
     seasoned, fresh = engine(), engine()
     history = seasoned.generate([Request([3, 1, 4, 1, 5][: 1 + i], max_tokens=30) for i in range(4)], "ems")
     assert history.run.summary()["acceptance_rate"] < 0.2
-    assert seasoned.draft_length.pooled_prior(seasoned.pooled_drafts[""]) < 0.3  # one draft's break-even: 0.1 + 0.2
+    planner = seasoned.planner
+    assert isinstance(planner, AdaptiveDraftLength)
+    assert planner.policy.pooled_prior(planner.pooled[""]) < 0.3  # one draft's break-even: 0.1 + 0.2
     greedy = Request([9, 2, 6, 5], max_tokens=12)
     first_drafts = [e.generate([greedy], "ems").run.steps[1].draft_tokens for e in (seasoned, fresh)]
     assert first_drafts[0] == 0 and first_drafts[1] > 0
@@ -369,10 +372,7 @@ def test_the_loop_plans_a_batch_nobody_waits_to_join() -> None:
         engine = Engine(
             target,
             NgramDrafter(max_ngram=3, min_ngram=2),
-            max_batch=max_batch,
-            max_len=96,
-            num_draft_tokens=4,
-            draft_length=policy,
+            config=EngineConfig(max_batch=max_batch, max_len=96, num_draft_tokens=4, draft_length=policy),
         )
         prompts = [[1, 2, 3, 4, 1, 2, 3, 4], [40, 41, 42], [2, 3, 4, 5, 2, 3, 4, 5]][: len(lengths)]
         requests = [Request(p, max_tokens=n) for p, n in zip(prompts, lengths)]
@@ -404,10 +404,9 @@ def test_a_server_loop_prices_each_sequence_alone(monkeypatch) -> None:
     engine = Engine(
         target,
         NgramDrafter(),
-        max_batch=2,
-        max_len=64,
-        num_draft_tokens=4,
-        draft_length=DraftLength(verify_by_batch=((1, 0.1), (2, 0.2))),
+        config=EngineConfig(
+            max_batch=2, max_len=64, num_draft_tokens=4, draft_length=DraftLength(verify_by_batch=((1, 0.1), (2, 0.2)))
+        ),
     )
     requests = [Request([1, 2, 3, 4, 1, 2, 3, 4], max_tokens=12), Request([5, 6, 7, 8, 5, 6], max_tokens=12)]
     engine.generate(requests, "ems")
@@ -417,7 +416,8 @@ def test_a_server_loop_prices_each_sequence_alone(monkeypatch) -> None:
     for request in requests:
         scheduler.submit(request)
     done: list[int] = []
-    ctx = engine.context(scheduler, keep_running=lambda: len(done) < 2, on_finish=lambda s: done.append(1))
+    hooks = LoopHooks(keep_running=lambda: len(done) < 2, on_finish=lambda s: done.append(1))
+    ctx = engine.context(scheduler, hooks)
     loops.ems(ctx)
     assert len(done) == 2 and ctx.run.summary()["draft_tokens"] > 0 and planned == []
 
@@ -434,10 +434,9 @@ def test_a_plan_that_fails_prices_each_sequence_alone(monkeypatch, caplog) -> No
     engine = Engine(
         target,
         NgramDrafter(),
-        max_batch=2,
-        max_len=64,
-        num_draft_tokens=4,
-        draft_length=DraftLength(verify_by_batch=((1, 0.1), (2, 0.2))),
+        config=EngineConfig(
+            max_batch=2, max_len=64, num_draft_tokens=4, draft_length=DraftLength(verify_by_batch=((1, 0.1), (2, 0.2)))
+        ),
     )
     requests = [Request([1, 2, 3, 4, 1, 2, 3, 4], max_tokens=12), Request([5, 6, 7, 8, 5, 6], max_tokens=12)]
     ems = engine.generate(requests, "ems")

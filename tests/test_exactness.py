@@ -14,6 +14,7 @@ import torch
 
 from specdec.models.loading import load_model, tiny_random
 from specdec.runtime.backends.torch_backend import TorchBackend
+from specdec.runtime.config import EngineConfig
 from specdec.runtime.drafters import ModelDrafter, NgramDrafter
 from specdec.runtime.engine import Engine
 from specdec.runtime.packed import SeqWork, pack
@@ -77,7 +78,9 @@ def test_tiny_ems_and_vanilla_equal_ar(tiny_target, batch: int, drafter_kind: st
     else:
         drafter = NgramDrafter()
     # token 3 ends a sequence, so some samples stop on EOS and others on max_tokens
-    engine = Engine(backend, drafter, eos_token_ids=[3], max_batch=batch, max_len=512, num_draft_tokens=4)
+    engine = Engine(
+        backend, drafter, eos_token_ids=[3], config=EngineConfig(max_batch=batch, max_len=512, num_draft_tokens=4)
+    )
     count = 4 if batch == 1 else 8  # batch 1 decodes them one after another
     requests = [Request(p, max_tokens=m) for p, m in zip(make_prompts(96)[:count], MAX_TOKENS)]
     reference = engine.generate(requests, "ar")
@@ -97,7 +100,9 @@ def test_tiny_identical_draft_accepts_k_plus_one(tiny_target) -> None:
     """Draft == target: every draft accepted, K + 1 tokens per target call, identical output."""
     backend = TorchBackend(tiny_target)
     engine = Engine(
-        backend, ModelDrafter(TorchBackend(tiny_target), 2, 256), max_batch=2, max_len=256, num_draft_tokens=3
+        backend,
+        ModelDrafter(TorchBackend(tiny_target), 2, 256),
+        config=EngineConfig(max_batch=2, max_len=256, num_draft_tokens=3),
     )
     requests = [Request([5, 6, 7], max_tokens=21), Request([9] * 20, max_tokens=21)]
     ems = engine.generate(requests, "ems")
@@ -129,7 +134,7 @@ SMOL_TEXTS = (
 @pytest.mark.real_model
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_smollm2_ngram_ems_and_vanilla_equal_ar(smollm2, batch: int) -> None:
-    engine = Engine.from_models(smollm2, "ngram", max_batch=batch, max_len=1024, num_draft_tokens=5)
+    engine = Engine.from_models(smollm2, config=EngineConfig(max_batch=batch, max_len=1024, num_draft_tokens=5))
     requests = [engine.request(SMOL_TEXTS[0], max_tokens=12)]  # a 1-token prompt, no chat template
     requests += [engine.request(t, chat=True, max_tokens=m) for t, m in zip(SMOL_TEXTS[1:batch], MAX_TOKENS[1:])]
     lengths = [len(r.prompt_ids) for r in requests]

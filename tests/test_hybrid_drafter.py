@@ -12,6 +12,7 @@ from fakes import ScriptedBackend, counting
 from test_cli import run_json
 
 from specdec.models.loading import tiny_random
+from specdec.runtime.config import DrafterKind, EngineConfig
 from specdec.runtime.drafters import HybridDrafter, ModelDrafter, NgramDrafter, make_drafter
 from specdec.runtime.engine import Engine
 from specdec.runtime.request import BeamParams, Request, SeqState
@@ -40,7 +41,7 @@ def test_greedy_hybrid_ems_equals_ar_and_uses_both_drafters() -> None:
     target = ScriptedBackend(lambda c: c[-3] if len(c) >= 3 and c[-1] == c[-2] else (c[-1] + 1) % VOCAB, VOCAB)
     draft = ScriptedBackend(counting(VOCAB), VOCAB)
     hybrid = make_drafter("hybrid", max_batch=4, max_len=96, ngram=2, min_ngram=2, model=draft)
-    engine = Engine(target, hybrid, max_batch=4, max_len=96, num_draft_tokens=4)
+    engine = Engine(target, hybrid, config=EngineConfig(max_batch=4, max_len=96, num_draft_tokens=4))
     prompts = [[5, 6, 7, 5, 6], [40, 41], [9, 9, 1, 2, 9, 9]]
     requests = [engine.request(p, max_tokens=20) for p in prompts]
     ar = engine.generate(requests, "ar").outputs
@@ -65,7 +66,9 @@ def test_seeded_hybrid_answers_do_not_depend_on_the_batch(temperature: float) ->
     batch (greedy, and seeded sampling on a tiny torch model)."""
     target, draft = tiny_random(seed=1, vocab_size=64), tiny_random(seed=2, vocab_size=64)
     torch.manual_seed(0)
-    engine = Engine.from_models(target, draft, max_batch=4, max_len=96, num_draft_tokens=3, hybrid=True)
+    engine = Engine.from_models(
+        target, draft, config=EngineConfig(max_batch=4, max_len=96, num_draft_tokens=3, drafter=DrafterKind.HYBRID)
+    )
     assert isinstance(engine.drafter, HybridDrafter)
     prompts = [[3, 4, 5, 3, 4], [10, 11, 12], [7, 7, 7, 7]]
     together = engine.generate(
@@ -102,8 +105,8 @@ def test_a_hybrid_export_serves_dsbd_with_its_draft_model(tiny_dir, tmp_path) ->
     from specdec.export.cli import main as export_main
     from specdec.runtime.drafters import ForestDrafter
     from specdec.runtime.methods import beam_method
+    from specdec.serving.engine_model import served_engine
     from specdec.serving.repository import read_parameters
-    from specdec.serving.triton_models import served_engine
 
     out = tmp_path / "deploy"
     assert (
@@ -147,7 +150,7 @@ def test_the_adaptive_length_prices_and_counts_each_proposer_on_its_own() -> Non
     draft = ScriptedBackend(counting(VOCAB), VOCAB)
     hybrid = make_drafter("hybrid", max_batch=4, max_len=96, ngram=2, min_ngram=2, model=draft)
     dear = DraftLength(draft_cost=1.0, verify_cost=0.05, probe_every=1000)  # a model draft: a whole target step
-    engine = Engine(target, hybrid, max_batch=4, max_len=96, num_draft_tokens=4, draft_length=dear)
+    engine = Engine(target, hybrid, config=EngineConfig(max_batch=4, max_len=96, num_draft_tokens=4, draft_length=dear))
     prompts = [[5, 6, 7, 5, 6], [40, 41], [9, 9, 1, 2, 9, 9]]
     # the answer that copies its prompt is the longest: the batch is its to shorten (``DraftLength.plan``)
     requests = [engine.request(p, max_tokens=n) for p, n in zip(prompts, (30, 12, 12))]
@@ -155,18 +158,15 @@ def test_the_adaptive_length_prices_and_counts_each_proposer_on_its_own() -> Non
     ems = engine.generate(requests, "ems")
     assert [o.token_ids for o in ems.outputs] == [o.token_ids for o in ar]
     assert ems.run.summary()["draft_tokens"] > 0 and draft.calls == 0
-    assert set(engine.pooled_drafts) <= {HybridDrafter.LOOKUP, HybridDrafter.MODEL, ""}
-    assert engine.pooled_drafts[HybridDrafter.LOOKUP].reached[0] > 0  # lookups verified, counted as lookups
-    model = engine.pooled_drafts.get(HybridDrafter.MODEL)
+    assert set(engine.planner.pooled) <= {HybridDrafter.LOOKUP, HybridDrafter.MODEL, ""}
+    assert engine.planner.pooled[HybridDrafter.LOOKUP].reached[0] > 0  # lookups verified, counted as lookups
+    model = engine.planner.pooled.get(HybridDrafter.MODEL)
     assert model is None or not model.reached  # the model drafted nothing, so nothing was counted for it
     # the negative control: the same hybrid seen as one drafter (the model's price for every token) drafts nothing
     single = Engine(
         target,
         _OnePrice(make_drafter("hybrid", max_batch=4, max_len=96, ngram=2, min_ngram=2, model=draft)),
-        max_batch=4,
-        max_len=96,
-        num_draft_tokens=4,
-        draft_length=dear,
+        config=EngineConfig(max_batch=4, max_len=96, num_draft_tokens=4, draft_length=dear),
     )
     assert single.generate(requests, "ems").run.summary()["draft_tokens"] == 0
 
@@ -203,9 +203,11 @@ def test_a_drafter_that_cannot_tell_its_proposer_costs_only_speed(caplog) -> Non
         raise RuntimeError("no index")
 
     hybrid.source = broken  # type: ignore[method-assign]
-    engine = Engine(target, hybrid, max_batch=4, max_len=96, num_draft_tokens=4, draft_length=DraftLength())
+    engine = Engine(
+        target, hybrid, config=EngineConfig(max_batch=4, max_len=96, num_draft_tokens=4, draft_length=DraftLength())
+    )
     requests = [engine.request(p, max_tokens=20) for p in ([5, 6, 7, 5, 6], [40, 41])]
     ar = engine.generate(requests, "ar").outputs
     ems = engine.generate(requests, "ems")
     assert [o.token_ids for o in ems.outputs] == [o.token_ids for o in ar] and not any(o.error for o in ems.outputs)
-    assert "could not tell the proposer" in caplog.text and set(engine.pooled_drafts) == {""}
+    assert "could not tell the proposer" in caplog.text and set(engine.planner.pooled) == {""}

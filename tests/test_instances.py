@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from servers import eventually, free_ports, processes_mentioning, samples
 
+from specdec.runtime.config import EngineConfig
 from specdec.serving import protocol
 from specdec.serving.repository import ServingOptions, render_configs
 
@@ -100,7 +101,7 @@ def test_two_engine_instances_share_the_load_and_answer_as_one(smollm2_export: P
         find_tritonserver()
     except TritonNotFoundError as exc:  # pragma: no cover - depends on the machine
         pytest.skip(f"no tritonserver available: {exc}")
-    engine = Engine.from_export(smollm2_export, threads=1)
+    engine = Engine.from_export(smollm2_export, config=EngineConfig(threads=1))
     reference = {
         p: o.token_ids
         for p, o in zip(

@@ -13,6 +13,7 @@ import pytest
 
 from specdec.models.loading import tiny_random
 from specdec.runtime.backends.torch_backend import TorchBackend
+from specdec.runtime.config import EngineConfig
 from specdec.runtime.drafters import NgramDrafter
 from specdec.runtime.engine import Engine
 from specdec.runtime.request import Request, SeqState
@@ -36,7 +37,9 @@ def hook(point: str, after: int = 0):
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine(TorchBackend(tiny_random(seed=9, num_layers=2)), NgramDrafter(), max_batch=8, max_len=96)
+    return Engine(
+        TorchBackend(tiny_random(seed=9, num_layers=2)), NgramDrafter(), config=EngineConfig(max_batch=8, max_len=96)
+    )
 
 
 def _requests(bad: int) -> list[Request]:

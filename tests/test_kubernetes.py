@@ -32,7 +32,7 @@ from specdec.deploy.kubernetes import DeployError, ExportSource, KubernetesOptio
 from specdec.deploy.kubernetes_cli import kubernetes_main
 from specdec.export.cli import main as export_main
 from specdec.models.manifest import read_manifest
-from specdec.serving import control, protocol, triton_metrics
+from specdec.serving import control, pb, protocol, triton_metrics
 from specdec.serving.serve import add_serve_args
 from specdec.serving.server import TritonServer
 
@@ -233,7 +233,7 @@ class _Family:
 
 
 def test_the_autoscaler_reads_a_metric_the_entry_points_export(export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(triton_metrics, "pb_utils", type("pb_utils", (), {"MetricFamily": _Family}))
+    monkeypatch.setattr(pb, "utils", type("pb_utils", (), {"MetricFamily": _Family}))
     _Family.made.clear()
     triton_metrics.InflightGauge(protocol.STREAM_MODEL).set(3)
     rendered = render(export, KubernetesOptions())

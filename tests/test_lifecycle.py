@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 from servers import ask, eventually, free_ports, needs_tritonserver, processes_mentioning, samples
 
+from specdec.runtime.config import EngineConfig
 from specdec.runtime.engine import Engine
 from specdec.runtime.request import BeamParams
 from specdec.serving.client import Answer, ClientError, SpecdecClient
@@ -49,7 +50,7 @@ BEAM = dict(method="beam", beam_width=2, temperature=1.0, seed=3)
 @pytest.fixture(scope="module")
 def reference(smollm2_export: Path) -> dict[str, list[int]]:
     """The local runtime's answers (greedy ems; the beam request with its seed), before any server runs."""
-    engine = Engine.from_export(smollm2_export, threads=1)
+    engine = Engine.from_export(smollm2_export, config=EngineConfig(threads=1))
     greedy = engine.generate([engine.request(p, chat=True, max_tokens=MAX_TOKENS) for p in PROMPTS], "ems").outputs
     beam = engine.request(
         PROMPTS[0], chat=True, max_tokens=MAX_TOKENS, temperature=1.0, seed=3, beam=BeamParams(width=2)
@@ -349,14 +350,13 @@ def test_a_fault_in_one_request_fails_it_alone_with_internal(
         # observation 7: the internal models refuse clients (raw ids, another client's cancel, garbage ids)
         raw = grpcclient.InferenceServerClient(url)
         from specdec.runtime.request import RequestMetrics
-        from specdec.serving import protocol
+        from specdec.serving import protocol, responses
 
-        garbage = protocol.engine_response([1, 10**9], 0, True, (), "stop", RequestMetrics())
+        garbage = responses.engine_response([1, 10**9], 0, True, (), "stop", RequestMetrics())
         wire = {s.name: s.dtype.removeprefix("TYPE_").replace("STRING", "BYTES") for s in protocol.ENGINE_OUTPUTS}
         for model, tensors in (
             ("postprocessing", {name: (wire[name], value) for name, value in garbage.items()}),
             ("specdec_engine", {"input_ids": ("INT32", np.array([1, 2, 3], np.int32))}),
-            ("specdec_engine", {"cancel_request_id": ("BYTES", np.array([b"x"], object))}),
             ("preprocessing", {"text_input": ("BYTES", np.array([b"hi"], object))}),
         ):
             inputs = []

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import pytest
 from fakes import ScriptedBackend, counting, wrong_where
 
+from specdec.runtime.config import EngineConfig
 from specdec.runtime.drafters import ModelDrafter
 from specdec.runtime.engine import Engine, GenerationResult
 from specdec.runtime.request import BeamParams
@@ -31,9 +32,7 @@ def make_engine(
         target,
         ModelDrafter(draft, max_batch, max_len),
         eos_token_ids=eos,
-        max_batch=max_batch,
-        max_len=max_len,
-        num_draft_tokens=k,
+        config=EngineConfig(max_batch=max_batch, max_len=max_len, num_draft_tokens=k),
     )
     return engine, target, draft
 

@@ -36,7 +36,8 @@ import torch
 from scipy.stats import chisquare
 
 from specdec.models.loading import LoadedModel, tiny_random
-from specdec.runtime import loops
+from specdec.runtime import context
+from specdec.runtime.config import DrafterKind, EngineConfig
 from specdec.runtime.draft_length import DraftLength, DraftStats
 from specdec.runtime.engine import Engine
 from specdec.runtime.request import Request
@@ -151,12 +152,14 @@ def generate_samples(
     """(counts of the first NUM_TOKENS outputs, acceptance rate, seconds) over ``n`` seeded requests."""
     engine = Engine.from_models(
         target,
-        draft,
-        max_batch=MAX_BATCH,
-        max_len=32,
-        num_draft_tokens=num_draft_tokens,
-        draft_length=draft_length,
-        hybrid=hybrid,
+        None if isinstance(draft, str) else draft,
+        config=EngineConfig(
+            max_batch=MAX_BATCH,
+            max_len=32,
+            num_draft_tokens=num_draft_tokens,
+            draft_length=draft_length,
+            drafter=DrafterKind.HYBRID if hybrid else DrafterKind.parse(draft) if isinstance(draft, str) else None,
+        ),
     )
     requests = [
         Request(
@@ -358,7 +361,7 @@ def test_check_rejects_a_subtly_wrong_verifier(
             return [*out, sample(target_probs[j], generator)]
         return [*out, sample(target_probs[len(drafts)], generator)]
 
-    monkeypatch.setattr(loops, "verify_sampling", resample_from_p)
+    monkeypatch.setattr(context, "verify_sampling", resample_from_p)
     counts, _, _ = generate_samples(target, draft, "ems", PLAIN, NUM_SAMPLES // 4, seed0=4 * 10**6)
     pvalues = [
         chi_square_pvalue(marginal_counts(counts, keep), plain_law.sum(axis=axis))
@@ -377,7 +380,7 @@ def rng_engine() -> Engine:
     kw = dict(vocab_size=128, num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64)
     target = tiny_random(seed=5, init_std=0.2, name="rng-target", **kw)
     draft = tiny_random(seed=6, init_std=0.2, name="rng-draft", **kw)
-    return Engine.from_models(target, draft, max_batch=4, max_len=96, num_draft_tokens=3)
+    return Engine.from_models(target, draft, config=EngineConfig(max_batch=4, max_len=96, num_draft_tokens=3))
 
 
 NEEDLE_PROMPT = (5, 17, 99, 3, 42, 8)
@@ -416,13 +419,15 @@ def rng_engine_k(rng_engine: Engine, request: pytest.FixtureRequest):
     from specdec.runtime.drafters import HybridDrafter, NgramDrafter
 
     model = rng_engine.drafter
-    rng_engine.draft_length = None if request.param == "fixed k" else DraftLength(verify_cost=0.1)
     if request.param.endswith("prompt lookup"):
         rng_engine.drafter = NgramDrafter(max_ngram=2, min_ngram=1)
     elif request.param.endswith("hybrid"):
         rng_engine.drafter = HybridDrafter(NgramDrafter(max_ngram=2, min_ngram=1), model)
+    # the planner learns what the drafter can tell it when it is made: after the drafter
+    rng_engine.reconfigure(draft_length=None if request.param == "fixed k" else DraftLength(verify_cost=0.1))
     yield rng_engine
-    rng_engine.draft_length, rng_engine.drafter = None, model
+    rng_engine.drafter = model
+    rng_engine.reconfigure(draft_length=None)
 
 
 def test_seeded_request_output_does_not_depend_on_its_batch(rng_engine_k: Engine) -> None:

@@ -19,6 +19,7 @@ from specdec.models.manifest import ExportDirError, read_manifest
 from specdec.plugins import onnx_op
 from specdec.runtime.backends.onnxruntime import OnnxModelError, OrtBackend
 from specdec.runtime.backends.torch_backend import TorchBackend
+from specdec.runtime.config import DrafterKind, EngineConfig
 from specdec.runtime.engine import Engine
 from specdec.runtime.graph_io import CacheMaskUnsupportedError, expected_io_names
 from specdec.runtime.packed import SeqWork, pack
@@ -106,7 +107,7 @@ def test_ems_on_ort_equals_ar_on_torch_tiny(tmp_path) -> None:
     ort_engine = Engine.from_export(out)
     assert ort_engine.max_batch == 4 and ort_engine.max_len == 128
     assert ort_engine.target.fuse_report.attention  # the ORT lowering (ort_fuse) is what runs
-    torch_engine = Engine.from_models(model, draft, max_batch=4, max_len=128)
+    torch_engine = Engine.from_models(model, draft, config=EngineConfig(max_batch=4, max_len=128))
     g = torch.Generator().manual_seed(1)
     requests = [
         Request(torch.randint(0, 128, (n,), generator=g).tolist(), max_tokens=m)
@@ -118,7 +119,7 @@ def test_ems_on_ort_equals_ar_on_torch_tiny(tmp_path) -> None:
     assert got.run.summary()["draft_tokens"] > 0 and ort_engine.target.inplace_ok
     # two slots: in-flight admission puts the 90-token prefill beside a sequence past 100 of 128, a step GQA's
     # right padding cannot hold (past + 90 > 128 + the spare positions), so the backend splits it; exact answers
-    narrow = Engine.from_export(out, max_batch=2)
+    narrow = Engine.from_export(out, config=EngineConfig(max_batch=2))
     assert [o.token_ids for o in narrow.generate(requests, "ems").outputs] == [o.token_ids for o in want]
     assert [o.token_ids for o in narrow.generate(requests, "ar").outputs] == [o.token_ids for o in want]
     assert narrow.target.split_steps > 0
@@ -213,8 +214,10 @@ def test_smollm2_export_offline_matches_torch(smollm2_export) -> None:
 
 @pytest.mark.real_model
 def test_smollm2_ems_on_ort_equals_ar_on_torch(smollm2_export) -> None:
-    ort_engine = Engine.from_export(smollm2_export, num_draft_tokens=5)
-    torch_engine = Engine.from_models(load_model("smollm2-135m"), None, max_batch=8, max_len=1024)
+    ort_engine = Engine.from_export(smollm2_export, config=EngineConfig(num_draft_tokens=5))
+    torch_engine = Engine.from_models(
+        load_model("smollm2-135m"), config=EngineConfig(max_batch=8, max_len=1024, drafter=DrafterKind.NONE)
+    )
     texts = [
         "Hi",
         "Repeat exactly: red, green, blue, red, green, blue.",

@@ -16,6 +16,7 @@ from specdec.export.onnx import export_onnx
 from specdec.export.validate import random_packs
 from specdec.models.loading import tiny_random
 from specdec.runtime.backends.onnxruntime import OnnxModelError, OrtBackend, cache_device, default_providers
+from specdec.runtime.config import EngineConfig
 from specdec.runtime.drafters import NgramDrafter
 from specdec.runtime.engine import Engine
 from specdec.runtime.packed import pack
@@ -100,7 +101,7 @@ def test_cuda_caches_live_on_the_device_and_are_written_in_place(tiny_graph) -> 
 def test_greedy_ems_on_cuda_equals_ar_on_cuda(tiny_graph) -> None:
     _, path = tiny_graph
 
-    engine = Engine(OrtBackend(path), NgramDrafter(), max_batch=4, max_len=64)
+    engine = Engine(OrtBackend(path), NgramDrafter(), config=EngineConfig(max_batch=4, max_len=64))
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7], [9, 9, 9, 9]]
     requests = [engine.request(p, max_tokens=24, request_id=f"r{i}") for i, p in enumerate(prompts)]
     ar = engine.generate(requests, "ar").outputs

@@ -48,6 +48,7 @@ from specdec.models.loading import LoadedModel, load_model, tiny_random
 from specdec.models.manifest import read_manifest
 from specdec.runtime.backends.onnxruntime import OrtBackend
 from specdec.runtime.backends.torch_backend import TorchBackend
+from specdec.runtime.config import EngineConfig
 from specdec.runtime.drafters import make_drafter
 from specdec.runtime.engine import Engine
 from specdec.runtime.packed import SeqWork, pack
@@ -434,9 +435,7 @@ def test_real_smollm2_int4_greedy_ems_equals_ar_on_the_same_graph(
         make_drafter("ngram", max_batch=4, max_len=512, ngram=2, min_ngram=2),
         tokenizer=smollm2.tokenizer,
         eos_token_ids=smollm2.eos_token_ids,
-        max_batch=4,
-        max_len=512,
-        num_draft_tokens=5,
+        config=EngineConfig(max_batch=4, max_len=512, num_draft_tokens=5),
     )
     prompts = [
         "Name three rivers in Europe and one fact about each.",
@@ -551,9 +550,7 @@ def test_greedy_ems_equals_ar_on_the_quantized_graphs(quantized_export: tuple[st
     itself = Engine(
         engine.target,
         ModelDrafter(OrtBackend(out / "target" / "model.onnx", cache_dtype="float16"), 4, engine.max_len),
-        max_batch=4,
-        max_len=engine.max_len,
-        num_draft_tokens=4,
+        config=EngineConfig(max_batch=4, max_len=engine.max_len, num_draft_tokens=4),
     )
     selfdrafted = itself.generate(requests, "ems")
     assert [o.token_ids for o in selfdrafted.outputs] == [o.token_ids for o in want]
@@ -611,10 +608,8 @@ def test_ems_sampling_on_a_quantized_target_is_lossless(tmp_path: Path, one_thre
     law = exact_joint(GraphLaw(backend), PLAIN)
     engine = Engine(
         backend,
-        make_drafter(TorchBackend(draft), max_batch=MAX_BATCH, max_len=32),
-        max_batch=MAX_BATCH,
-        max_len=32,
-        num_draft_tokens=2,
+        make_drafter("model", model=TorchBackend(draft), max_batch=MAX_BATCH, max_len=32),
+        config=EngineConfig(max_batch=MAX_BATCH, max_len=32, num_draft_tokens=2),
     )
     requests = [
         Request(PROMPT, max_tokens=NUM_TOKENS, sampling=SamplingParams(1.0, seed=7 * 10**6 + i))

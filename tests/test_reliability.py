@@ -22,6 +22,7 @@ from servers import ask, eventually, free_ports, needs_tritonserver, processes_m
 needs_tritonserver()
 import tritonclient.grpc as grpcclient  # noqa: E402
 
+from specdec.runtime.config import EngineConfig  # noqa: E402
 from specdec.runtime.engine import Engine  # noqa: E402
 from specdec.serving import protocol  # noqa: E402
 from specdec.serving.client import Answer, ClientError, SpecdecClient, make_inputs  # noqa: E402
@@ -49,7 +50,7 @@ WAIT_S = 240.0
 
 
 def _reference(export: Path) -> dict[tuple[str, int], list[int]]:
-    engine = Engine.from_export(export, threads=1)
+    engine = Engine.from_export(export, config=EngineConfig(threads=1))
     keys = [(p, MAX_TOKENS) for p in PROMPTS] + [(PROMPTS[0], LONG_TOKENS), (CONTEXT_PROMPT, CONTEXT_TOKENS)]
     result = engine.generate([engine.request(p, chat=True, max_tokens=m) for p, m in keys], "ems")
     answers = {key: out.token_ids for key, out in zip(keys, result.outputs)}

@@ -35,6 +35,7 @@ from specdec.models.loading import LoadedModel, load_model, restrict_head, save_
 from specdec.models.manifest import read_manifest
 from specdec.runtime.backends.onnxruntime import OrtBackend
 from specdec.runtime.backends.torch_backend import TorchBackend
+from specdec.runtime.config import DrafterKind, EngineConfig
 from specdec.runtime.drafters import ModelDrafter
 from specdec.runtime.engine import Engine
 from specdec.runtime.request import Request, SeqState
@@ -124,7 +125,7 @@ def greedy_target() -> LoadedModel:
 def test_greedy_ems_and_vanilla_with_a_restricted_draft_equal_ar(greedy_target: LoadedModel) -> None:
     # the target's own body with half its head: drafts agree wherever the target's argmax is in the head
     draft = restrict_head(greedy_target, EVEN)
-    engine = Engine.from_models(greedy_target, draft, max_batch=4, max_len=256, num_draft_tokens=4)
+    engine = Engine.from_models(greedy_target, draft, config=EngineConfig(max_batch=4, max_len=256, num_draft_tokens=4))
     proposed: list[int] = []
     propose = engine.drafter.propose
 
@@ -289,7 +290,7 @@ def test_engine_from_export_with_a_restricted_draft_equals_torch_ar(restricted_e
     ort_engine = Engine.from_export(out)
     assert isinstance(ort_engine.drafter, ModelDrafter)
     assert np.array_equal(ort_engine.drafter.head_token_ids, draft.head_token_ids.numpy())
-    torch_engine = Engine.from_models(target, None, max_batch=4, max_len=128)
+    torch_engine = Engine.from_models(target, config=EngineConfig(max_batch=4, max_len=128, drafter=DrafterKind.NONE))
     g = torch.Generator().manual_seed(1)
     requests = [
         Request(torch.randint(0, 128, (n,), generator=g).tolist(), max_tokens=m)

@@ -9,6 +9,7 @@ import pytest
 from specdec.models.errors import DraftMismatchError, ModelResolutionError
 from specdec.models.loading import load_model, tiny_random
 from specdec.runtime.backends.torch_backend import TorchBackend
+from specdec.runtime.config import EngineConfig
 from specdec.runtime.drafters import Draft, NgramDrafter
 from specdec.runtime.engine import Engine
 from specdec.runtime.kv import KVCacheManager
@@ -44,7 +45,7 @@ def _repetitive_prompts() -> list[list[int]]:
 def test_ems_processes_exactly_the_real_rows_and_vanilla_pads(target) -> None:
     for method in ("ems", "vanilla"):
         spy = SpyDrafter()
-        engine = Engine(TorchBackend(target), spy, max_batch=4, max_len=512, num_draft_tokens=5)
+        engine = Engine(TorchBackend(target), spy, config=EngineConfig(max_batch=4, max_len=512, num_draft_tokens=5))
         run = engine.generate([Request(p, max_tokens=24) for p in _repetitive_prompts()], method).run
         decode_steps = [s for s in run.steps if s.prefill_rows == 0]
         assert len(decode_steps) == len(spy.calls) > 3
@@ -67,8 +68,8 @@ def test_in_flight_admission_and_capacity_backpressure(target) -> None:
     """More requests than slots: the scheduler waits for free slots; outputs do not change."""
     prompts = [[i + 1, i + 2, i + 3] for i in range(7)]
     requests = [Request(p, max_tokens=5 + 3 * i) for i, p in enumerate(prompts)]
-    small = Engine(TorchBackend(target), NgramDrafter(), max_batch=2, max_len=128)
-    big = Engine(TorchBackend(target), NgramDrafter(), max_batch=8, max_len=128)
+    small = Engine(TorchBackend(target), NgramDrafter(), config=EngineConfig(max_batch=2, max_len=128))
+    big = Engine(TorchBackend(target), NgramDrafter(), config=EngineConfig(max_batch=8, max_len=128))
     for method in ("ar", "ems"):
         got = small.generate(requests, method)
         want = big.generate(requests, method)
@@ -93,7 +94,7 @@ def test_scheduler_waits_when_cache_is_full(target) -> None:
 
 
 def test_stop_conditions(target) -> None:
-    engine = Engine(TorchBackend(target), NgramDrafter(), max_batch=2, max_len=40)
+    engine = Engine(TorchBackend(target), NgramDrafter(), config=EngineConfig(max_batch=2, max_len=40))
     free = engine.generate([Request([1, 2, 3], max_tokens=30)], "ar").outputs[0]
     eos = free.token_ids[4]
     engine.eos_token_ids = (eos,)
@@ -144,7 +145,7 @@ def test_bad_sampling_params(bad, message) -> None:
 
 
 def test_prompt_longer_than_context_and_bad_ids(target) -> None:
-    engine = Engine(TorchBackend(target), None, max_batch=2, max_len=16)
+    engine = Engine(TorchBackend(target), None, config=EngineConfig(max_batch=2, max_len=16))
     with pytest.raises(InvalidRequestError, match="context"):
         engine.request(list(range(1, 17)))
     with pytest.raises(InvalidRequestError, match="vocabulary"):
@@ -156,7 +157,7 @@ def test_prompt_longer_than_context_and_bad_ids(target) -> None:
 
 
 def test_one_bad_request_does_not_lose_the_others(target) -> None:
-    engine = Engine(TorchBackend(target), NgramDrafter(), max_batch=4, max_len=32)
+    engine = Engine(TorchBackend(target), NgramDrafter(), config=EngineConfig(max_batch=4, max_len=32))
     good = [Request([1, 2, 3], max_tokens=6), Request([4, 5], max_tokens=9)]
     alone = engine.generate(good, "ems").outputs
     items = [
@@ -196,7 +197,7 @@ def test_draft_with_other_vocabulary_is_refused(target) -> None:
 
 def test_identical_results_across_repeated_runs(target) -> None:
     """A run leaves no state behind: the KV manager and drafters start fresh each time."""
-    engine = Engine(TorchBackend(target), NgramDrafter(), max_batch=3, max_len=64)
+    engine = Engine(TorchBackend(target), NgramDrafter(), config=EngineConfig(max_batch=3, max_len=64))
     requests = [
         Request([1, 2, 1, 2, 1], max_tokens=12, sampling=SamplingParams(0.8, seed=7)),
         Request([3, 4], max_tokens=12),

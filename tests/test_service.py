@@ -10,6 +10,7 @@ import torch
 
 from specdec.models.loading import LoadedModel, load_model, tiny_random
 from specdec.runtime.backends.torch_backend import TorchBackend
+from specdec.runtime.config import EngineConfig
 from specdec.runtime.drafters import NgramDrafter
 from specdec.runtime.engine import Engine
 from specdec.runtime.request import Request, RequestOutput
@@ -35,7 +36,11 @@ def model() -> LoadedModel:
 
 def make_engine(model: LoadedModel, **kwargs) -> Engine:
     return Engine(
-        TorchBackend(model), NgramDrafter(), eos_token_ids=[EOS], max_batch=MAX_BATCH, max_len=MAX_LEN, **kwargs
+        TorchBackend(model),
+        NgramDrafter(),
+        eos_token_ids=[EOS],
+        **kwargs,
+        config=EngineConfig(max_batch=MAX_BATCH, max_len=MAX_LEN),
     )
 
 
@@ -307,8 +312,7 @@ def text_engine() -> Engine:
         NgramDrafter(),
         tokenizer=tokenizer,
         eos_token_ids=[tokenizer.eos_token_id],
-        max_batch=MAX_BATCH,
-        max_len=MAX_LEN,
+        config=EngineConfig(max_batch=MAX_BATCH, max_len=MAX_LEN),
     )
 
 
@@ -424,9 +428,7 @@ def test_a_beam_request_cancelled_mid_run_ends_cancelled_and_frees_its_beams(mod
             TorchBackend(model),
             ModelDrafter(TorchBackend(model), 8, MAX_LEN),
             eos_token_ids=[EOS],
-            max_batch=8,
-            max_len=MAX_LEN,
-            num_draft_tokens=2,
+            config=EngineConfig(max_batch=8, max_len=MAX_LEN, num_draft_tokens=2),
         )
 
     victim = Request((5, 6, 7, 8), max_tokens=100, request_id="victim", beam=BeamParams(width=4))

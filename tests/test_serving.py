@@ -27,6 +27,7 @@ from specdec.serving.server import TritonServer
 needs_tritonserver()
 import tritonclient.grpc as grpcclient  # noqa: E402
 
+from specdec.runtime.config import EngineConfig  # noqa: E402
 from specdec.runtime.draft_length import DraftLength  # noqa: E402
 from specdec.runtime.engine import Engine  # noqa: E402
 from specdec.serving.client import Answer, ClientError, SpecdecClient  # noqa: E402
@@ -73,7 +74,7 @@ EXIT_S = 120
 
 def _local_reference(export: Path) -> dict[tuple[int, int], list[int]]:
     """(prompt index, max_tokens) -> greedy output ids of the local runtime on the same export."""
-    engine = Engine.from_export(export, threads=1)
+    engine = Engine.from_export(export, config=EngineConfig(threads=1))
     keys = [(i, m) for i, m in enumerate(CONCURRENT_MAX_TOKENS)] + [(i, LOAD_MAX_TOKENS) for i in range(len(PROMPTS))]
     keys = list(dict.fromkeys(keys))
     requests = [engine.request(PROMPTS[i][0], chat=PROMPTS[i][1], max_tokens=m) for i, m in keys]
@@ -482,7 +483,7 @@ def test_beam_requests_equal_local_and_run_beside_ems(
     runtime's answer for the same seed (so one request's output does not depend on its batch); the beam widths
     come back, dsbd really speculates with the exported draft, and a streamed request that keeps one beam per
     round streams its answer round by round."""
-    engine = Engine.from_export(smollm2_export, threads=1)
+    engine = Engine.from_export(smollm2_export, config=EngineConfig(threads=1))
     from specdec.runtime.request import BeamParams
 
     extra = {"dsbd_threshold": 0.5, "num_draft_tokens": 3} if method == "dsbd" else {}
@@ -540,7 +541,7 @@ def test_dsbd_on_a_deployment_without_a_draft_model_is_a_named_error(
     srv.start(shadow, grpc_port=grpc, http_port=http, metrics_port=metrics, exit_timeout_s=EXIT_S)
     try:
         srv.wait_ready(300)
-        engine = Engine.from_export(smollm2_export, threads=1)
+        engine = Engine.from_export(smollm2_export, config=EngineConfig(threads=1))
         from specdec.runtime.request import BeamParams
 
         want = engine.generate(
@@ -581,7 +582,9 @@ def test_an_adaptive_draft_deployment_gives_the_same_answers(
     config = (shadow / "triton_repo" / "specdec_engine" / "config.pbtxt").read_text()
     assert 'key: "adaptive_draft" value: { string_value: "1" }' in config
     assert 'key: "draft_cost" value: { string_value: "0.3" }' in config
-    local = Engine.from_export(smollm2_export, threads=1, draft_length=DraftLength(verify_cost=0.02, draft_cost=0.3))
+    local = Engine.from_export(
+        smollm2_export, config=EngineConfig(threads=1, draft_length=DraftLength(verify_cost=0.02, draft_cost=0.3))
+    )
     sampled = dict(temperature=0.8, seed=3)
     want = local.generate([local.request(PROMPTS[2][0], chat=PROMPTS[2][1], max_tokens=24, **sampled)], "ems").outputs[
         0

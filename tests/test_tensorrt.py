@@ -46,6 +46,7 @@ from specdec.export.tensorrt import (
 )
 from specdec.plugins import onnx_op, trt_plugin
 from specdec.runtime.backends import tensorrt as trt_backend
+from specdec.runtime.config import EngineConfig
 from specdec.runtime.graph_io import CACHE_INPUT, CACHE_OUTPUT, GRAPH_INPUTS, LOGITS, cache_names
 
 REPO = Path(__file__).resolve().parents[1]
@@ -992,8 +993,10 @@ def test_engine_decodes_like_the_torch_backend(tiny_graph, tiny_engine: Path) ->
         Request([9, 10] * 4, max_tokens=9),
         Request([3], max_tokens=15),
     ]
-    trt_engine = Engine(trt_backend.TensorRTBackend(tiny_engine), NgramDrafter(), max_batch=4, max_len=64)
-    torch_engine = Engine(TorchBackend(model), NgramDrafter(), max_batch=4, max_len=64)
+    trt_engine = Engine(
+        trt_backend.TensorRTBackend(tiny_engine), NgramDrafter(), config=EngineConfig(max_batch=4, max_len=64)
+    )
+    torch_engine = Engine(TorchBackend(model), NgramDrafter(), config=EngineConfig(max_batch=4, max_len=64))
     want = [o.token_ids for o in torch_engine.generate(requests, "ar").outputs]
     assert [o.token_ids for o in trt_engine.generate(requests, "ar").outputs] == want
     assert [o.token_ids for o in trt_engine.generate(requests, "ems").outputs] == want

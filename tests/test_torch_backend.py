@@ -12,6 +12,7 @@ import torch
 
 from specdec.models.loading import LoadedModel, tiny_random
 from specdec.runtime.backends.torch_backend import TorchBackend, rope_inv_freq
+from specdec.runtime.config import DrafterKind, EngineConfig
 from specdec.runtime.engine import Engine
 from specdec.runtime.packed import ROOT, SeqWork, pack
 
@@ -294,7 +295,7 @@ def test_smollm2_prefill_matches_hf(smollm2: LoadedModel, smollm2_hf: torch.nn.M
 @pytest.mark.real_model
 def test_smollm2_greedy_ar_equals_hf_generate(smollm2: LoadedModel, smollm2_hf: torch.nn.Module) -> None:
     max_new = 48
-    eng = Engine.from_models(smollm2, None, max_batch=8, max_len=1024)
+    eng = Engine.from_models(smollm2, config=EngineConfig(max_batch=8, max_len=1024, drafter=DrafterKind.NONE))
     reqs = [eng.request(p, chat=True, max_tokens=max_new) for p in CHAT_PROMPTS]
     for req, prompt in zip(reqs, CHAT_PROMPTS):
         assert list(req.prompt_ids) == _chat_ids(smollm2, prompt)

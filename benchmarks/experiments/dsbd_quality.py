@@ -23,6 +23,7 @@ from specdec.bench.workloads import build_workload
 from specdec.models.drafts import load_pair
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.beams import continuation_logprob
+from specdec.runtime.config import EngineConfig
 from specdec.runtime.draft_length import DraftLength
 from specdec.runtime.drafters import ModelDrafter
 from specdec.runtime.engine import Engine
@@ -38,9 +39,7 @@ def main(widths: list[int]) -> None:
         ModelDrafter(TorchBackend(draft), 64, 1024),
         tokenizer=target.tokenizer,
         eos_token_ids=target.eos_token_ids,
-        max_batch=64,
-        max_len=1024,
-        num_draft_tokens=3,
+        config=EngineConfig(max_batch=64, max_len=1024, num_draft_tokens=3),
     )
     prompts = [engine.encode(text, chat=True) for text in build_workload(16)]
     for width in widths:
@@ -49,7 +48,7 @@ def main(widths: list[int]) -> None:
             ("dsbd, γ = 3", "dsbd", None),
             ("dsbd, adaptive γ <= 3", "dsbd", DraftLength()),
         ]:
-            engine.draft_length = policy
+            engine.reconfigure(draft_length=policy)
             per_token = []
             for seed in (0, 100):
                 requests = [

@@ -64,6 +64,7 @@ from specdec.models.drafts import load_pair
 from specdec.models.presets import DEFAULT_TARGET
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.beams import continuation_logprob
+from specdec.runtime.config import EngineConfig
 from specdec.runtime.draft_length import DraftLength
 from specdec.runtime.drafters import ModelDrafter
 from specdec.runtime.engine import Engine
@@ -125,8 +126,7 @@ def run(
     With ``qa`` (one item per prompt) the result also carries the exact-match rate and the QA
     accuracy of the outputs.
     """
-    engine.num_draft_tokens = config.gamma
-    engine.draft_length = DraftLength() if config.adaptive else None
+    engine.reconfigure(num_draft_tokens=config.gamma, draft_length=DraftLength() if config.adaptive else None)
     beam = (
         None
         if not get_method(config.method).beams
@@ -218,8 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ModelDrafter(draft_backend, batch_slots, 1024),
         tokenizer=target.tokenizer,
         eos_token_ids=target.eos_token_ids,
-        max_batch=batch_slots,
-        max_len=1024,
+        config=EngineConfig(max_batch=batch_slots, max_len=1024),
     )
     prompts = [engine.encode(text, chat=True) for text in build_workload(args.prompts)]
     qa = qa_set(args.qa)

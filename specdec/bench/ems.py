@@ -53,6 +53,7 @@ from specdec.bench.workloads import MAX_DOC_CHARS, MIN_DOC_CHARS, build_workload
 from specdec.models.loading import LoadedModel, load_model
 from specdec.models.presets import DEFAULT_TARGET
 from specdec.runtime.backends.torch_backend import TorchBackend
+from specdec.runtime.config import EngineConfig
 from specdec.runtime.drafters import NgramDrafter
 from specdec.runtime.engine import Engine, GenerationResult
 
@@ -77,9 +78,7 @@ def engine_factory(target: LoadedModel, config: BenchConfig) -> EngineFactory:
             drafter,
             tokenizer=target.tokenizer,
             eos_token_ids=target.eos_token_ids,
-            max_batch=max_batch,
-            max_len=max_len,
-            num_draft_tokens=config.num_draft_tokens,
+            config=EngineConfig(max_batch=max_batch, max_len=max_len, num_draft_tokens=config.num_draft_tokens),
         )
 
     return make

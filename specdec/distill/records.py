@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from specdec.models.errors import DraftLoadError
 from specdec.models.loading import LoadedModel
+from specdec.runtime.config import DrafterKind, EngineConfig
 
 
 @dataclass
@@ -56,11 +57,14 @@ def generate_records(
     max_batch: int = 16,
 ) -> list[Record]:
     """Sample continuations with the ``ar`` loop, recording the teacher top-k of each sampled token."""
+    from specdec.runtime.context import LoopHooks
     from specdec.runtime.engine import Engine
     from specdec.runtime.loops import ar
     from specdec.runtime.scheduler import Scheduler
 
-    engine = Engine.from_models(target, None, max_batch=max_batch, max_len=1024)
+    engine = Engine.from_models(
+        target, config=EngineConfig(max_batch=max_batch, max_len=1024, drafter=DrafterKind.NONE)
+    )
     scheduler = Scheduler(engine.max_batch)
     requests = [
         engine.request(
@@ -79,8 +83,10 @@ def generate_records(
         scheduler.submit(request)
     ctx = engine.context(
         scheduler,
-        on_logits=on_logits,
-        on_finish=lambda seq: finished.__setitem__(seq.request.request_id, list(seq.tokens)),
+        LoopHooks(
+            on_logits=on_logits,
+            on_finish=lambda seq: finished.__setitem__(seq.request.request_id, list(seq.tokens)),
+        ),
     )
     ar(ctx)
     records = []

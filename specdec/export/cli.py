@@ -43,6 +43,13 @@ from specdec.models.errors import ModelResolutionError
 from specdec.models.loading import LoadedModel, atomic_directory, load_model, save_model
 from specdec.models.manifest import FORMAT_VERSION, MANIFEST, ExportDirError, checksums, read_manifest
 from specdec.models.presets import DEFAULT_TARGET, PRESETS
+from specdec.runtime.config import (
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_LEN,
+    DEFAULT_NUM_DRAFT_TOKENS,
+    DrafterKind,
+    EngineConfig,
+)
 from specdec.runtime.costs import DraftCosts, calibrate_engine
 from specdec.runtime.draft_length import add_draft_length_args, check_draft_length_args
 from specdec.serving.repository import REPOSITORY_DIR, ServingOptions, write_repository
@@ -145,8 +152,8 @@ def export(
     force: bool = False,
     backend: str = "onnx",
     dtype: str = "float32",
-    max_batch: int = 16,
-    max_len: int = 2048,
+    max_batch: int = DEFAULT_MAX_BATCH,
+    max_len: int = DEFAULT_MAX_LEN,
     serving: ServingOptions | None = None,
     calibrate: bool = False,
     quantize: str | None = None,
@@ -216,7 +223,7 @@ def export(
             "dtype": dtype,
             "max_batch": max_batch,
             "max_len": max_len,
-            "drafter": "model" if draft_model is not None else "ngram",
+            "drafter": (DrafterKind.MODEL if draft_model is not None else DrafterKind.NGRAM).value,
             "quantize": quantize,
             "kv_cache_dtype": kv_cache,
             "target": _export_model(
@@ -355,7 +362,9 @@ def _calibrate(root: Path, max_batch: int, serving: ServingOptions | None) -> Dr
     before = torch.get_num_threads()  # timed as served (torch on one thread), then restored for the caller
     try:
         # room for the batch sizes and the context calibrate_engine times (its defaults: 1, 4, 8 and 256 tokens)
-        engine = Engine.from_export(root, max_batch=min(8, max_batch), max_len=512, threads=threads, torch_threads=1)
+        engine = Engine.from_export(
+            root, config=EngineConfig(max_batch=min(8, max_batch), max_len=512, threads=threads, torch_threads=1)
+        )
         return calibrate_engine(engine)
     finally:
         torch.set_num_threads(before)
@@ -416,12 +425,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--drafter",
-        choices=("ngram", "hybrid"),
+        choices=(DrafterKind.NGRAM.value, DrafterKind.HYBRID.value),
         help="served drafter: ngram (prompt lookup), or hybrid (prompt lookup where the context "
         "matches, the --draft model elsewhere); default: the draft model, or ngram without one",
     )
-    parser.add_argument("--max-batch", type=int, default=16, help="sequences decoded together (KV slots)")
-    parser.add_argument("--max-len", type=int, default=2048, help="KV-cache length per sequence")
+    parser.add_argument(
+        "--max-batch", type=int, default=DEFAULT_MAX_BATCH, help="sequences decoded together (KV slots)"
+    )
+    parser.add_argument("--max-len", type=int, default=DEFAULT_MAX_LEN, help="KV-cache length per sequence")
     parser.add_argument("--out", help="output directory (default: exports/<target name>)")
     parser.add_argument(
         "--offline",
@@ -429,7 +440,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="use only the Hugging Face cache, never the network (as HF_HUB_OFFLINE=1)",
     )
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
-    parser.add_argument("--num-draft-tokens", type=int, default=4, help="served k when a request does not say")
+    parser.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=DEFAULT_NUM_DRAFT_TOKENS,
+        help="served k when a request does not say",
+    )
     add_draft_length_args(parser)
     parser.add_argument(
         "--intra-op-threads", type=int, default=0, help="ONNX Runtime threads of the served engine (0 = all cores)"
@@ -467,12 +483,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             adaptive_draft=args.adaptive_draft,
             verify_cost=args.verify_cost,
             draft_cost=args.draft_cost,
-            drafter=args.drafter or "",
+            drafter=DrafterKind.parse(args.drafter),
             prefill_budget=args.prefill_budget,
             instances=args.instances,
             gpus=tuple(args.gpus),
         )
-        if args.drafter == "hybrid" and draft is None:
+        if serving.drafter is DrafterKind.HYBRID and draft is None:
             raise ExportDirError("--drafter hybrid needs --draft (prompt lookup first, the draft model elsewhere)")
         out = export(
             args.target,

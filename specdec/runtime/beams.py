@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specdec.runtime.backends.base import Backend
+from specdec.runtime.context import DecodeContext
 from specdec.runtime.drafters import ForestDrafter
 from specdec.runtime.dsbd import (
     BeamStep,
@@ -59,10 +60,10 @@ from specdec.runtime.dsbd import (
     verify_layer,
     verify_layer_greedy,
 )
-from specdec.runtime.loops import DecodeContext
+from specdec.runtime.logprobs import TokenLogprob, token_logprob
 from specdec.runtime.metrics import RunMetrics
-from specdec.runtime.packed import ROOT, SeqWork, pack
-from specdec.runtime.request import CONTEXT, BeamCandidate, BeamParams, SeqState
+from specdec.runtime.packed import ROOT, SeqWork, WorkKind, pack
+from specdec.runtime.request import BeamCandidate, BeamParams, SeqState
 from specdec.runtime.sampling import log_softmax
 
 NodeRef = tuple[int, int]  # (root beam index, tree position); position -1 is the root's own last token
@@ -78,6 +79,8 @@ class Hyp:
     slot: int
     draft_slot: int | None = None
     finish_reason: str | None = None
+    #: with the request's ``logprobs``: one per output token, the target's unwarped (``logprobs`` module)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -154,8 +157,7 @@ class BeamDecoder:
             for hyp in group.beams:
                 self._free(hyp)
             if cancelled:
-                if self.ctx.on_finish is not None:
-                    self.ctx.on_finish(group.seq)
+                self.ctx.finished(group.seq)
             else:
                 self._finish(group)
         self.groups = live
@@ -178,14 +180,13 @@ class BeamDecoder:
         best = ranked[0]
         seq.metrics.logprob = best.logprob
         if not seq.finished:  # the rest after the streamed prefix (unless a stop string already ended it there)
-            self.ctx.emit(seq, best.tokens[len(seq.tokens) :])
+            self.ctx.emit(seq, best.tokens[len(seq.tokens) :], logprobs=best.logprobs[seq.num_generated :])
         if not seq.finished:
             seq.finish_reason = best.finish_reason or "length"
         seq.sequences = [
             BeamCandidate(h.tokens[seq.num_prompt :], h.logprob, rank(h), h.finish_reason or "length") for h in ranked
         ]
-        if self.ctx.on_finish is not None:
-            self.ctx.on_finish(seq)
+        self.ctx.finished(seq)
 
     # -- one round for every group ----------------------------------------------------------
     def round(self) -> None:
@@ -210,23 +211,13 @@ class BeamDecoder:
             self._draft_chunks(chunks)
         draft_seconds = time.perf_counter() - start
         work, owners, tails = [], [], []
-        prefill_rows = sum(len(item.token_ids) for item, _ in chunks)
         for gi, group in enumerate(groups):
             tails.append([len(h.tokens) - ctx.kv.length(h.slot) for h in group.beams])
-            for bi, hyp in enumerate(group.beams):
+            for bi in range(len(group.beams)):
                 work.append(self._target_work(group, bi))
                 owners.append((gi, bi))
-                if len(hyp.tokens) == group.seq.num_prompt:
-                    prefill_rows += tails[gi][bi]
-        drafted = sum(len(layer.nodes) for g in groups for layer in g.layers)
         work += [item for item, _ in chunks]  # no logits: zip below leaves them out
-        rows = ctx.target_step(
-            work,
-            real_rows=sum(len(w.token_ids) for w in work),
-            prefill_rows=prefill_rows,
-            draft_tokens=drafted,
-            draft_seconds=draft_seconds,
-        )
+        rows = ctx.target_step(work, draft_seconds=draft_seconds)
         for item, _ in chunks:
             ctx.kv.commit(item.slot_id, len(item.token_ids))
         logits: dict[tuple[int, int], np.ndarray] = dict(zip(owners, rows))
@@ -234,7 +225,7 @@ class BeamDecoder:
             ctx.count_call(group.seq)
             mine = {bi: logits[(gi, bi)] for bi in range(len(group.beams))}
             outputs, accepted, passed = self._verify(group, mine)
-            ctx.record_drafts(group.seq, len(group.layers), passed)
+            ctx.planner.record(group.seq, len(group.layers), passed)
             group.seq.metrics.draft_tokens += sum(len(layer.nodes) for layer in group.layers)
             group.seq.metrics.accepted_draft_tokens += accepted
             ctx.run.steps[-1].accepted_draft_tokens += accepted
@@ -253,7 +244,7 @@ class BeamDecoder:
         ready: set[int] = set()
         chunks: list[tuple[SeqWork, Group]] = []
         for group, item in zip(filling, self.ctx.prefill_chunks([g.seq for g in filling], rows_used)):
-            if item.logits == "none":
+            if item.kind is WorkKind.PREFILL:
                 chunks.append((item, group))
             else:
                 ready.add(id(group))
@@ -294,7 +285,8 @@ class BeamDecoder:
         while settled < end and all(h.tokens[settled] == first[settled] for h in hyps[1:]):
             settled += 1
         if settled > start:
-            self.ctx.emit(seq, first[start:settled])
+            done = seq.num_generated
+            self.ctx.emit(seq, first[start:settled], logprobs=hyps[0].logprobs[done : done + settled - start])
 
     def _gamma(self, group: Group) -> int:
         """Draft layers this round: γ, capped by max_tokens and by the room of every beam's slot, then (adaptive
@@ -310,7 +302,7 @@ class BeamDecoder:
             gamma -= 1
         # a layer passes or not, as a chain's draft is accepted or not: the same policy, over layers, where one
         # layer adds W_S draft and verified rows to the round of the group's live beams
-        return self.ctx.choose_draft_length(seq, gamma, rows=group.params.width / len(group.beams))
+        return self.ctx.planner.forest_layers(seq, gamma, rows=group.params.width / len(group.beams))
 
     # -- draft forest ---------------------------------------------------------------------
     def _draft(self, groups: Sequence[Group], gammas: Sequence[int]) -> None:
@@ -378,21 +370,31 @@ class BeamDecoder:
 
     # -- target call and verification -------------------------------------------------------
     def _target_work(self, group: Group, b: int) -> SeqWork:
-        """Beam ``b``'s uncached tail and its tree; logits at the tail's last row and at every node."""
+        """Beam ``b``'s uncached tail and its tree; logits at the tail's last row and at every node. A tail that is
+        the whole prompt (the group's first round) is its prefill."""
         hyp = group.beams[b]
         past = self.ctx.kv.length(hyp.slot)
         tail = hyp.tokens[past:]
         tree = group.trees[b] if group.trees else []
+        kind = WorkKind.LAST_CHUNK if len(hyp.tokens) == group.seq.num_prompt else WorkKind.VERIFY
         if not tree:
-            return SeqWork(hyp.slot, past, tail, logits="last")
+            return SeqWork(hyp.slot, past, tail, logits="last", kind=kind)
         n = len(tail)
         parents = [ROOT, *range(n - 1)] + [n - 1 if p < 0 else n + p for _, p in tree]
-        return SeqWork(hyp.slot, past, tail + [t for t, _ in tree], parents, logits=[n - 1, *range(n, n + len(tree))])
+        return SeqWork(
+            hyp.slot,
+            past,
+            tail + [t for t, _ in tree],
+            parents,
+            logits=[n - 1, *range(n, n + len(tree))],
+            kind=kind,
+            drafts=len(tree),
+        )
 
     def _verify(self, group: Group, rows: dict[int, np.ndarray]) -> tuple[list[tuple[NodeRef, int, float]], int, int]:
         """The round's output beams as (parent, token, score), the accepted drafts, and the layers that passed."""
         params, gen = group.seq.request.sampling, group.seq.generator
-        eos = self.ctx.stopper.eos_ids
+        eos = self.ctx.stopper.stop_ids(group.seq.request)
 
         def logits_of(ref: NodeRef) -> np.ndarray:
             return rows[ref[0]][ref[1] + 1]
@@ -475,6 +477,20 @@ class BeamDecoder:
                     logprob[ref] = lp((root, parent)) + float(lsm((root, parent))[token])
             return logprob[ref]
 
+        def token_logprobs(ref: NodeRef, steps: list[int], token: int) -> list[TokenLogprob]:
+            """The new beam's output log-probabilities: its root's, then each accepted node's and the output
+            token's, from the target rows they were chosen after (asked for only)."""
+            top = seq.request.logprobs
+            if top is None:
+                return []
+            root = ref[0]
+            chosen = [(p, trees[root][p]) for p in steps]
+            rows_at = [(root, parent) for _, (_, parent) in chosen] + [ref]
+            tokens_at = [t for _, (t, _) in chosen] + [token]
+            return group.beams[root].logprobs + [
+                token_logprob(rows[r][pos + 1], t, None, top) for (r, pos), t in zip(rows_at, tokens_at)
+            ]
+
         def path(ref: NodeRef) -> list[int]:
             root, pos = ref
             out = []
@@ -488,13 +504,8 @@ class BeamDecoder:
             root = ref[0]
             steps = path(ref)
             tokens = group.beams[root].tokens + [trees[root][p][0] for p in steps] + [token]
-            hyp = Hyp(tokens, score, lp(ref) + float(lsm(ref)[token]), -1)
-            if token in ctx.stopper.eos_ids:
-                hyp.finish_reason = "stop"
-            elif len(tokens) - seq.num_prompt >= seq.request.max_tokens:
-                hyp.finish_reason = "length"
-            elif len(tokens) >= ctx.kv.max_len:
-                hyp.finish_reason = CONTEXT
+            hyp = Hyp(tokens, score, lp(ref) + float(lsm(ref)[token]), -1, logprobs=token_logprobs(ref, steps, token))
+            hyp.finish_reason = ctx.stopper.reason(seq.request, tokens[seq.num_prompt :], len(tokens), strings=False)
             new.append((hyp, root, list(range(tails[root])) + [tails[root] + p for p in steps]))
         seq.metrics.beam_widths.append(len(new))
         if group.params.memory_mode == "single":

@@ -28,6 +28,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from specdec.runtime.backends.base import Backend
+from specdec.runtime.config import DrafterKind
 from specdec.runtime.kv import KVCacheManager
 from specdec.runtime.packed import SeqWork, pack
 from specdec.runtime.request import SeqState
@@ -373,12 +374,8 @@ class HybridDrafter:
         return self.model.forest_step(work)
 
 
-#: the drafters ``make_drafter`` builds by name (a draft model's backend builds a ``ModelDrafter``)
-DRAFTER_NAMES = ("ngram", "hybrid", "none")
-
-
 def make_drafter(
-    draft: Backend | str | None,
+    kind: DrafterKind | str,
     *,
     max_batch: int,
     max_len: int,
@@ -386,22 +383,21 @@ def make_drafter(
     min_ngram: int = 2,
     model: Backend | None = None,
 ) -> Drafter | None:
-    """The one place a drafter is built: a draft model's backend, ``"ngram"`` (prompt lookup), ``"hybrid"``
-    (prompt lookup, else the draft ``model``) or ``None``/``"none"``.
+    """The one place a drafter is built, by ``kind`` (``config.DrafterKind``): the draft ``model``'s, prompt
+    lookup, prompt lookup with the model where lookup has nothing, or none.
 
     ``max_batch`` and ``max_len`` size a draft model's own KV cache like the target's, so every
     target sequence has a draft slot as long as its context.
     """
-    if draft is None or draft == "none":
+    kind = DrafterKind.parse(kind) or DrafterKind.NONE
+    if kind is DrafterKind.NONE:
         return None
-    if draft == "ngram":
+    if kind is DrafterKind.NGRAM:
         return NgramDrafter(max_ngram=ngram, min_ngram=min_ngram)
-    if draft == "hybrid":
-        if model is None:
-            raise ValueError("the hybrid drafter needs a draft model (prompt lookup first, the model elsewhere)")
+    if model is None:
+        raise ValueError(f"the {kind.value} drafter needs a draft model")
+    if kind is DrafterKind.HYBRID:
         return HybridDrafter(
             NgramDrafter(max_ngram=ngram, min_ngram=min_ngram), ModelDrafter(model, max_batch, max_len)
         )
-    if isinstance(draft, str):
-        raise ValueError(f"unknown drafter {draft!r}: pass a draft model or one of {', '.join(DRAFTER_NAMES)}")
-    return ModelDrafter(draft, max_batch, max_len)
+    return ModelDrafter(model, max_batch, max_len)

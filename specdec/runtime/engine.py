@@ -18,16 +18,17 @@ from tqdm.auto import tqdm
 
 from specdec.models.errors import DraftMismatchError
 from specdec.runtime.backends.base import Backend
-from specdec.runtime.draft_length import DraftLength, DraftStats
+from specdec.runtime.config import DrafterKind, EngineConfig
+from specdec.runtime.context import DecodeContext, FaultHook, LoopHooks
+from specdec.runtime.draft_planner import make_planner
 from specdec.runtime.drafters import Drafter, make_drafter
 from specdec.runtime.kv import KVCacheManager
-from specdec.runtime.loops import DecodeContext, FaultHook
 from specdec.runtime.methods import DEFAULT_METHOD, get_method
 from specdec.runtime.metrics import RunMetrics
 from specdec.runtime.request import BeamParams, Request, RequestMetrics, RequestOutput, SeqState, StopChecker
 from specdec.runtime.sampling import InvalidRequestError, SamplingParams
 from specdec.runtime.scheduler import Scheduler
-from specdec.runtime.text import cut_at_stop, decode_tokens, encode_text
+from specdec.runtime.text import cut_at_stop, decode_tokens, encode_text, text_ids
 
 
 def _backend_opener(
@@ -60,7 +61,11 @@ class GenerationResult:
 
 
 class Engine:
-    """Runs any method of ``specdec.runtime.methods`` over one target backend and one drafter."""
+    """Runs any method of ``specdec.runtime.methods`` over one target backend and one drafter.
+
+    ``config`` holds every setting (``EngineConfig``); its sizes are resolved here (``max_batch`` 16 and
+    ``max_len`` 2048 where unset) and the KV caches allocated to them.
+    """
 
     def __init__(
         self,
@@ -69,12 +74,10 @@ class Engine:
         *,
         tokenizer: Any = None,
         eos_token_ids: Sequence[int] = (),
-        max_batch: int = 16,
-        max_len: int = 1024,
-        num_draft_tokens: int = 4,
-        draft_length: DraftLength | None = None,
+        config: EngineConfig | None = None,
+        fault_hook: FaultHook | None = None,
     ) -> None:
-        """``num_draft_tokens``: k of every step, or with an adaptive ``draft_length`` the most a sequence drafts."""
+        """``fault_hook``: a test's fault injection, called at each sequence's per-step points."""
         if getattr(target, "head_token_ids", None) is not None:
             raise ValueError(
                 "the target backend has a restricted LM head: the verifier needs logits over the "
@@ -84,166 +87,136 @@ class Engine:
             raise DraftMismatchError(
                 f"draft vocabulary ({drafter.vocab_size}) differs from the target's ({target.vocab_size})"
             )
-        if num_draft_tokens < 0:
-            raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
-        self.max_batch, self.max_len, self.num_draft_tokens = max_batch, max_len, num_draft_tokens
-        self.draft_length = draft_length
-        #: every sequence's verifications, pooled across runs per draft source: a greedy sequence's prior acceptance
-        #: (``draft_length``, ``DecodeContext.pooled_drafts``)
-        self.pooled_drafts: dict[str, DraftStats] = {}
-        #: a test's fault injection, called at each sequence's per-step points (``DecodeContext.fault_hook``)
-        self.fault_hook: FaultHook | None = None
-        #: rows a ragged step may spend on prompt prefills (``DecodeContext.prefill_budget``; None: whole prompts)
-        self.prefill_budget: int | None = None
-        self.storage = target.allocate_cache(max_batch, max_len)
+        self.config = (config or EngineConfig()).resolved()
+        self.fault_hook = fault_hook
+        #: chooses each sequence's draft length and keeps the engine's pooled acceptance across runs
+        self.planner = make_planner(self.config.draft_length, drafter)
+        self.storage = target.allocate_cache(self.max_batch, self.max_len)
+
+    @property
+    def max_batch(self) -> int:
+        return self.config.max_batch_set
+
+    @property
+    def max_len(self) -> int:
+        return self.config.max_len_set
+
+    def reconfigure(self, **changes: Any) -> None:
+        """Run with other settings from the next run on, over the same backends and caches: a calibration that
+        timed this engine's own steps prices its draft length, a benchmark sweeps k. The cache's shape
+        (``max_batch``, ``max_len``, ``kv_cache_dtype``) and the backends' (threads, device) are fixed once built;
+        a new draft-length policy starts its pooled acceptance afresh."""
+        fixed = sorted(
+            set(changes)
+            & {"max_batch", "max_len", "kv_cache_dtype", "threads", "torch_threads", "device_id", "drafter"}
+        )
+        if fixed:
+            raise ValueError(f"{', '.join(fixed)} shape the engine's caches or backends: build another engine")
+        self.config = replace(self.config, **changes)
+        if "draft_length" in changes:
+            self.planner = make_planner(self.config.draft_length, self.drafter)
 
     @classmethod
     def from_models(
         cls,
         target: Any,
-        draft: Any = "ngram",
+        draft: Any = None,
+        config: EngineConfig | None = None,
         *,
-        max_batch: int = 16,
-        max_len: int | None = None,
-        num_draft_tokens: int = 4,
         ngram: int = 3,
         min_ngram: int = 2,
-        draft_length: DraftLength | None = None,
-        hybrid: bool = False,
     ) -> Engine:
-        """Torch backends for ``target`` and ``draft`` (a ``LoadedModel``, ``"ngram"`` or ``None``).
+        """Torch backends for ``target`` and the ``draft`` model (a ``LoadedModel`` or None).
 
-        ``hybrid``: with a draft model, draft by prompt lookup where the context has a match and by
-        the model elsewhere (``HybridDrafter``).
+        ``config.drafter``: None drafts with the model where one is given, else by prompt lookup; ``HYBRID`` drafts
+        by prompt lookup where the context has a match and by the model elsewhere (``HybridDrafter``).
         """
         from specdec.models.drafts import check_draft_compatible
         from specdec.models.loading import LoadedModel
         from specdec.runtime.backends.torch_backend import TorchBackend
 
-        max_len = max_len or min(int(target.config.max_position_embeddings), 2048)
-        backend = TorchBackend(target)
+        if draft is not None and not isinstance(draft, LoadedModel):
+            raise ValueError(f"draft must be a loaded model or None, got {draft!r}")
+        config = (config or EngineConfig()).for_model(getattr(target.config, "max_position_embeddings", None))
         if isinstance(draft, LoadedModel):
             check_draft_compatible(target, draft)
-        elif draft not in (None, "none", "ngram"):
-            raise ValueError(f"draft must be a loaded model, 'ngram' or None, got {draft!r}")
-        if hybrid and not isinstance(draft, LoadedModel):
-            raise ValueError("the hybrid drafter needs a draft model")
-        model = TorchBackend(draft) if isinstance(draft, LoadedModel) else None
+        model = TorchBackend(draft) if draft is not None else None
         drafter = make_drafter(
-            "hybrid" if hybrid else model or draft,
-            max_batch=max_batch,
-            max_len=max_len,
+            config.drafter or (DrafterKind.MODEL if model else DrafterKind.NGRAM),
+            model=model,
+            max_batch=config.max_batch_set,
+            max_len=config.max_len_set,
             ngram=ngram,
             min_ngram=min_ngram,
-            model=model,
         )
         return cls(
-            backend,
+            TorchBackend(target),
             drafter,
             tokenizer=target.tokenizer,
             eos_token_ids=target.eos_token_ids,
-            max_batch=max_batch,
-            max_len=max_len,
-            num_draft_tokens=num_draft_tokens,
-            draft_length=draft_length,
+            config=config,
         )
 
     @classmethod
-    def from_export(
-        cls,
-        directory: str | Path,
-        *,
-        max_batch: int | None = None,
-        max_len: int | None = None,
-        num_draft_tokens: int = 4,
-        drafter: str | None = None,
-        threads: int | None = None,
-        draft_length: DraftLength | None = None,
-        torch_threads: int | None = None,
-        device_id: int = 0,
-        kv_cache_dtype: str | None = None,
-    ) -> Engine:
+    def from_export(cls, directory: str | Path, config: EngineConfig | None = None) -> Engine:
         """An engine over a ``specdec-export`` directory, on the backend it was exported for.
 
-        The manifest's checksums are verified first, so a corrupt graph is refused at load.
-        ``drafter`` overrides the exported choice ("ngram", "hybrid", "none"); ``threads`` sets ONNX
-        Runtime's intra-op threads (default: all cores). ``device_id``: the GPU an ONNX Runtime (CUDA provider)
-        or TensorRT export runs on, so each Triton instance of a multi-GPU node opens its own.
-
-        ``torch_threads``: torch's (process-wide) intra-op threads, set only where an export's backend
-        brings torch (a TensorRT export's caches, ONNX Runtime's CUDA caches). A serving process passes 1:
-        torch's OpenMP workers otherwise contend with the backend's for the cores (measured:
-        ``benchmarks/results/ort_contention.md``). An ONNX Runtime export on the CPU never imports torch:
-        the loops run on numpy (``backends.base``). The KV caches take the type ``kv_cache_dtype`` says,
-        else the manifest's (a quantized export's: fp16), else the graph's own.
+        The manifest's checksums are verified first, so a corrupt graph is refused at load; its sizes and cache
+        type fill what ``config`` leaves unset (``EngineConfig.from_manifest``). An ONNX Runtime export on the CPU
+        never imports torch: the loops run on numpy (``backends.base``); ``config.torch_threads`` applies where a
+        backend brings torch (a TensorRT export's caches), since its OpenMP workers contend with the backend's
+        (``benchmarks/results/ort_contention.md``).
         """
         from specdec.models.export_meta import load_export_metadata
         from specdec.models.manifest import export_path, read_manifest
 
         root = Path(directory)
         manifest = read_manifest(root)
-        max_batch = max_batch or int(manifest.get("max_batch", 16))
-        max_len = max_len or int(manifest.get("max_len", 2048))
-        backend_kind = manifest.get("backend", "torch")
-        if drafter == "hybrid" and "draft" not in manifest:
+        config = (config or EngineConfig()).from_manifest(manifest)
+        has_draft = "draft" in manifest
+        kind = config.drafter or (DrafterKind.MODEL if has_draft else DrafterKind.NGRAM)
+        if kind is DrafterKind.HYBRID and not has_draft:
             raise ValueError(f"{root} has no draft model for the hybrid drafter (export it with --draft)")
-        wants_model = drafter in (None, "model", "hybrid") and "draft" in manifest
+        if kind is DrafterKind.MODEL and not has_draft:
+            kind = DrafterKind.NGRAM  # an export without a draft model drafts by prompt lookup
+        backend_kind = manifest.get("backend", "torch")
         if backend_kind == "torch":
             from specdec.models.loading import load_model
 
-            target = load_model(root)
-            model = load_model(root / "draft") if wants_model else None
-            draft = model if model is not None else "ngram" if drafter in (None, "model") else drafter
-            return cls.from_models(
-                target,
-                draft,
-                max_batch=max_batch,
-                max_len=max_len,
-                num_draft_tokens=num_draft_tokens,
-                draft_length=draft_length,
-                hybrid=drafter == "hybrid",
-            )
+            draft = load_model(root / "draft") if kind.needs_model else None
+            return cls.from_models(load_model(root), draft, replace(config, drafter=kind))
         meta = load_export_metadata(root, "target")
-        cache_dtype = kv_cache_dtype or manifest.get("kv_cache_dtype")
-        open_backend = _backend_opener(backend_kind, threads, device_id, cache_dtype)
+        open_backend = _backend_opener(backend_kind, config.threads, config.device_id, config.kv_cache_dtype)
         target_backend = open_backend(export_path(root, manifest["target"]["graph"]), False)
-        model = open_backend(export_path(root, manifest["draft"]["graph"]), True) if wants_model else None
-        draft: Backend | str | None = drafter if drafter in ("hybrid", "none", "ngram") else model or "ngram"
-        chosen = make_drafter(draft, max_batch=max_batch, max_len=max_len, model=model)
-        if torch_threads and "torch" in sys.modules:  # only where a backend runs torch (TensorRT's caches)
-            sys.modules["torch"].set_num_threads(torch_threads)
+        model = open_backend(export_path(root, manifest["draft"]["graph"]), True) if kind.needs_model else None
+        drafter = make_drafter(kind, model=model, max_batch=config.max_batch_set, max_len=config.max_len_set)
+        if config.torch_threads and "torch" in sys.modules:  # only where a backend runs torch (TensorRT's caches)
+            sys.modules["torch"].set_num_threads(config.torch_threads)
         return cls(
             target_backend,
-            chosen,
+            drafter,
             tokenizer=meta.tokenizer,
             eos_token_ids=meta.eos_token_ids,
-            max_batch=max_batch,
-            max_len=max_len,
-            num_draft_tokens=num_draft_tokens,
-            draft_length=draft_length,
+            config=replace(config, drafter=kind),
         )
 
     def sibling(self) -> Engine:
         """Another engine over the same model backends with its own KV caches (a second decoding loop).
 
-        A server runs its beam loop beside the EMS-SD loop this way: the weights are shared,
-        each loop owns its caches, and both may call the backends from their own threads.
+        A server runs its beam loop beside the EMS-SD loop this way: the weights and the settings are shared,
+        each loop owns its caches (and its drafter's), and both may call the backends from their own threads.
         """
         drafter = None if self.drafter is None else self.drafter.fork()
-        twin = Engine(
+        return Engine(
             self.target,
             drafter,
             tokenizer=self.tokenizer,
             eos_token_ids=self.eos_token_ids,
-            max_batch=self.max_batch,
-            max_len=self.max_len,
-            num_draft_tokens=self.num_draft_tokens,
-            draft_length=self.draft_length,
+            config=self.config,
+            fault_hook=self.fault_hook,
         )
-        twin.fault_hook, twin.prefill_budget = self.fault_hook, self.prefill_budget
-        return twin
 
     # -- requests ---------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
@@ -270,10 +243,14 @@ class Engine:
         stop: Sequence[str] = (),
         request_id: str | None = None,
         beam: BeamParams | None = None,
+        stop_token_ids: Sequence[int] = (),
+        min_tokens: int = 0,
+        logprobs: int | None = None,
     ) -> Request:
         """Build and validate a request; raises ``InvalidRequestError`` naming the problem.
 
-        ``beam`` configures the ``beam`` and ``dsbd`` methods (width, dynamic-width knobs).
+        ``beam`` configures the ``beam`` and ``dsbd`` methods (width, dynamic-width knobs); ``logprobs``: None,
+        or how many alternatives each token's log-probability comes with (``Request.logprobs``).
         """
         ids = self.encode(prompt, chat)
         if not ids:
@@ -286,50 +263,45 @@ class Engine:
             num_draft_tokens,
             tuple(stop),
             beam=beam,
+            stop_token_ids=tuple(stop_token_ids),
+            min_tokens=min_tokens,
+            logprobs=logprobs,
             **kwargs,
         )
         self.check(req)
         return req
 
     def check(self, req: Request) -> None:
-        """What this engine in particular cannot serve: a prompt past the context, a width past the cache."""
+        """What this engine in particular cannot serve: a prompt past the context, a width past the cache, and
+        ``min_tokens`` on a beam request (its stop tokens would have to be kept out of every beam's search)."""
         req.check_fits(self.max_len, self.target.vocab_size)
         if req.beam is not None and req.beam.width > self.max_batch:
             raise InvalidRequestError(
                 f"beam_width {req.beam.width} exceeds the {self.max_batch} KV slots of this engine (one per beam)"
             )
+        if req.beam is not None and req.min_tokens:
+            raise InvalidRequestError(
+                f"min_tokens applies to the chain methods (ar, ems), not to beam search (got {req.min_tokens})"
+            )
 
     # -- running ----------------------------------------------------------------------
-    def context(
-        self,
-        scheduler: Scheduler,
-        *,
-        on_tokens: Callable[[SeqState, list[int]], None] | None = None,
-        on_finish: Callable[[SeqState], None] | None = None,
-        keep_running: Callable[[], bool] | None = None,
-        on_logits: Callable[[SeqState, Any], None] | None = None,
-        is_cancelled: Callable[[SeqState], bool] | None = None,
-    ) -> DecodeContext:
+    def context(self, scheduler: Scheduler, hooks: LoopHooks | None = None) -> DecodeContext:
         """A fresh decoding context over this engine's cache (all slots free)."""
         if self.drafter is not None:
             self.drafter.reset()
+        hooks = hooks or LoopHooks()
+        if hooks.fault_hook is None:
+            hooks.fault_hook = self.fault_hook
         stopper = StopChecker(self.eos_token_ids, self.max_len, self.decode if self.tokenizer else None)
         return DecodeContext(
             self.target,
             KVCacheManager(self.storage),
             scheduler,
             stopper,
+            self.config,
             self.drafter,
-            self.num_draft_tokens,
-            on_tokens,
-            on_finish,
-            keep_running,
-            on_logits,
-            is_cancelled,
-            self.draft_length,
-            fault_hook=self.fault_hook,
-            prefill_budget=self.prefill_budget,
-            pooled_drafts=self.pooled_drafts,
+            self.planner,
+            hooks,
         )
 
     def generate(
@@ -376,7 +348,7 @@ class Engine:
             outputs[position[seq.request.request_id]] = self.output(seq)
             bar.update(seq.request.max_tokens - seq.num_generated)
 
-        ctx = self.context(scheduler, on_tokens=lambda seq, toks: bar.update(len(toks)), on_finish=finish)
+        ctx = self.context(scheduler, LoopHooks(on_tokens=lambda seq, toks: bar.update(len(toks)), on_finish=finish))
         ctx.run.requests = len(position)
         start = time.perf_counter()
         spec.loop(ctx)
@@ -386,7 +358,8 @@ class Engine:
 
     def output(self, seq: SeqState, text: bool = True) -> RequestOutput:
         """A finished sequence as the caller's answer; ``text=False`` skips detokenising (for callers of ids)."""
-        decoded = cut_at_stop(self.decode(seq.output_ids), seq.request.stop) if text and self.tokenizer else None
+        ids = text_ids(seq.output_ids, seq.request.stop_token_ids, finished=True)
+        decoded = cut_at_stop(self.decode(ids), seq.request.stop) if text and self.tokenizer else None
         return RequestOutput(
             seq.request.request_id,
             list(seq.request.prompt_ids),
@@ -396,4 +369,5 @@ class Engine:
             seq.metrics,
             error=seq.error,
             sequences=seq.sequences,
+            logprobs=list(seq.logprobs),
         )

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from specdec.runtime.packed import SeqWork
 
 
 @dataclass
@@ -22,6 +25,31 @@ class StepRecord:
     @property
     def padded_rows(self) -> int:
         return self.rows - self.real_rows
+
+    @classmethod
+    def of(
+        cls,
+        work: Sequence[SeqWork],
+        *,
+        batch_size: int,
+        rows: int,
+        seconds: float,
+        draft_seconds: float = 0.0,
+        active: int | None = None,
+    ) -> StepRecord:
+        """The record of a target call over ``work``, its counts derived from what each item says it is (one
+        derivation, whether the step ran whole or one sequence at a time after a failure)."""
+        return cls(
+            batch_size=batch_size,
+            rows=rows,
+            real_rows=sum(w.real_tokens for w in work),
+            prefill_rows=sum(w.prompt_tokens for w in work),
+            draft_tokens=sum(w.drafts for w in work),
+            accepted_draft_tokens=0,
+            seconds=seconds,
+            draft_seconds=draft_seconds,
+            active=active,
+        )
 
 
 @dataclass

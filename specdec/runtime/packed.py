@@ -7,12 +7,32 @@ that builds one from per-sequence work items.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 ROOT = -1  # parent index of a token attached directly to the committed prefix
+
+
+class WorkKind(enum.Enum):
+    """What a sequence's work item in a target step is; a step's metrics are derived from it (``StepRecord.of``).
+
+    ``DECODE``: the last token alone (``ar``; padding rows of the padded baseline). ``VERIFY``: the last token, or a
+    beam's uncached tail, followed by ``drafts`` draft tokens (a chain or a tree). ``PREFILL``: a chunk of a prompt
+    that is not its last (no logits). ``LAST_CHUNK``: a prompt's last chunk, or all of it, whose last row gives the
+    first token (a beam group's first round also carries its first tree here).
+    """
+
+    DECODE = "decode"
+    VERIFY = "verify"
+    PREFILL = "prefill"
+    LAST_CHUNK = "last_chunk"
+
+    @property
+    def prefills(self) -> bool:
+        return self in (WorkKind.PREFILL, WorkKind.LAST_CHUNK)
 
 
 @dataclass(frozen=True)
@@ -24,6 +44,8 @@ class SeqWork:
     ``position_offset`` is the logical position of depth 0; it equals ``past_len`` unless
     the slot's cache has holes (only the padded baseline makes holes).
     ``logits`` selects the rows that need logits: "all", "last", "none" or explicit offsets.
+    ``kind``: what the item is (``WorkKind``); ``drafts``: how many of its tokens are drafts (the last ones);
+    ``padding``: how many are padding (the padded baseline's).
     """
 
     slot_id: int
@@ -32,6 +54,9 @@ class SeqWork:
     parents: Sequence[int] | None = None
     position_offset: int | None = None
     logits: str | Sequence[int] = "all"
+    kind: WorkKind = WorkKind.DECODE
+    drafts: int = 0
+    padding: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -42,6 +67,18 @@ class SeqWork:
                 raise ValueError(f"logits must be 'all', 'last', 'none' or offsets, got {self.logits!r}")
         elif any(not 0 <= off < n for off in self.logits):
             raise ValueError(f"slot {self.slot_id}: logit offsets {list(self.logits)} outside [0, {n})")
+        if not 0 <= self.drafts + self.padding <= n:
+            raise ValueError(f"slot {self.slot_id}: {self.drafts} drafts and {self.padding} padding in {n} tokens")
+
+    @property
+    def real_tokens(self) -> int:
+        """Tokens that are not padding."""
+        return len(self.token_ids) - self.padding
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens of a prompt being prefilled (0 unless the item prefills)."""
+        return len(self.token_ids) - self.drafts - self.padding if self.kind.prefills else 0
 
     def logit_offsets(self) -> list[int]:
         n = len(self.token_ids)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specdec.runtime.draft_length import DraftStats
+from specdec.runtime.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from specdec.runtime.sampling import InvalidRequestError, SamplingParams
 
 _ids = itertools.count()
@@ -76,6 +77,14 @@ class Request:
     stop: tuple[str, ...] = ()
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     beam: BeamParams | None = None  # set for the beam and dsbd methods
+    #: tokens besides the model's end-of-sequence ones that end the answer ("stop"); kept in ``token_ids``, not
+    #: rendered in its text
+    stop_token_ids: tuple[int, ...] = ()
+    #: no stop (end of sequence, a stop token or string) ends the answer before it has this many tokens: the stop
+    #: tokens are kept out of the target's choices until then (``logprobs.suppress``)
+    min_tokens: int = 0
+    #: None: no log-probabilities; k >= 0: each generated token's, with its k most likely alternatives
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
@@ -90,6 +99,21 @@ class Request:
             raise InvalidRequestError(f"num_draft_tokens must be an integer >= 0, got {self.num_draft_tokens!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be token ids >= 0, got {list(self.stop_token_ids)!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise InvalidRequestError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int)
+            or isinstance(self.logprobs, bool)
+            or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise InvalidRequestError(
+                f"top_logprobs must be an integer between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs!r}"
+            )
 
     def check_fits(self, max_len: int, vocab_size: int) -> None:
         """Refuse prompts the cache cannot hold and token ids the model does not have."""
@@ -101,6 +125,9 @@ class Request:
         bad = [t for t in self.prompt_ids if not 0 <= t < vocab_size]
         if bad:
             raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
 
 
 @dataclass
@@ -120,6 +147,11 @@ class RequestMetrics:
     def mean_batch_size(self) -> float:
         """How many sequences shared this request's target steps on average (1.0 = it ran alone)."""
         return self.batch_size_sum / self.target_calls if self.target_calls else 0.0
+
+    @property
+    def completion_tokens(self) -> int:
+        """``generated_tokens``, as the OpenAI API names it."""
+        return self.generated_tokens
 
     @property
     def acceptance_rate(self) -> float:
@@ -163,6 +195,8 @@ class RequestOutput:
     error: str | None = None
     #: beam / dsbd: the ``num_return_sequences`` best candidates, best first (the first is ``token_ids``)
     sequences: list[BeamCandidate] = field(default_factory=list)
+    #: with ``Request.logprobs``: one per token of ``token_ids``
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 #: the finish reason of a sequence whose caller gave up on it (``DecodeContext.retire_cancelled``)
@@ -186,10 +220,11 @@ class BeamCandidate:
 
 
 class StopChecker:
-    """Appends tokens to a sequence one at a time and decides when it ends.
+    """Appends tokens to a sequence one at a time and decides when it ends: the one stop rule.
 
     Tokens accepted together in one speculative step pass through here in order, so the
-    output is cut exactly where plain autoregressive decoding would have stopped.
+    output is cut exactly where plain autoregressive decoding would have stopped. The beam
+    methods end each beam by ``reason`` too.
     """
 
     def __init__(
@@ -199,29 +234,43 @@ class StopChecker:
         self.max_len = max_len
         self.decode = decode
 
+    def stop_ids(self, request: Request) -> frozenset[int]:
+        """The tokens that end ``request``'s answer: the model's end of sequence and the request's own."""
+        return self.eos_ids.union(request.stop_token_ids) if request.stop_token_ids else self.eos_ids
+
     def append(self, seq: SeqState, tokens: Sequence[int]) -> list[int]:
         """Add ``tokens`` until a stop condition; returns the tokens actually appended."""
         taken: list[int] = []
         for tok in tokens:
             seq.tokens.append(int(tok))
             taken.append(int(tok))
-            reason = self._reason(seq, int(tok))
+            reason = self.reason(seq.request, seq.output_ids, len(seq.tokens), strings=True)
             if reason:
                 seq.finish_reason = reason
                 break
         seq.metrics.generated_tokens = seq.num_generated
         return taken
 
-    def _reason(self, seq: SeqState, tok: int) -> str | None:
-        if tok in self.eos_ids:
-            return "stop"
-        if seq.request.stop and self.decode is not None:
-            text = self.decode(seq.output_ids)
-            if any(s in text for s in seq.request.stop):
+    def reason(
+        self, request: Request, output_ids: Sequence[int], total_tokens: int, strings: bool = True
+    ) -> str | None:
+        """Why an answer whose last token is ``output_ids[-1]`` ends there ("stop", "length", ``CONTEXT``), or None.
+
+        Before ``min_tokens`` nothing stops it but its limits (``max_tokens``, the context). ``strings``: a stop
+        string is looked for in the text of ``output_ids`` where the engine can decode (a beam leaves them to the
+        answer it streams: they cut the chosen answer, not the search).
+        """
+        generated = len(output_ids)
+        if generated >= request.min_tokens:
+            if output_ids[-1] in self.stop_ids(request):
                 return "stop"
-        if seq.num_generated >= seq.request.max_tokens:
+            if strings and request.stop and self.decode is not None:
+                text = self.decode(output_ids)
+                if any(s in text for s in request.stop):
+                    return "stop"
+        if generated >= request.max_tokens:
             return "length"
-        if len(seq.tokens) >= self.max_len:
+        if total_tokens >= self.max_len:
             return CONTEXT
         return None
 
@@ -246,6 +295,8 @@ class SeqState:
     #: (``drafters.SourcedDrafter``; "" for a drafter of one kind), and the proposer this step's k was chosen for
     draft_stats: dict[str, DraftStats] = field(default_factory=dict)
     draft_source: str = ""
+    #: with ``request.logprobs``: one per output token so far
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @classmethod
     def start(cls, request: Request, slot: int) -> SeqState:

@@ -7,42 +7,98 @@ client assembles from a stream is, by construction, the text a unary call return
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 REPLACEMENT = "\ufffd"
-#: stands for the user's text while the chat template is rendered: private-use code points no template holds
-_USER_SLOT = "\ue000specdec-user\ue000"
+#: stands for a message's text while the chat template is rendered: private-use code points no template holds
+_SLOT = "\ue000specdec-{}\ue000"
 
 
 def encode_text(tokenizer: Any, prompt: str, chat: bool = False) -> list[int]:
-    """Prompt token ids; ``chat`` wraps the prompt as one user turn of the tokenizer's chat template.
-
-    The user's text never becomes control tokens: ``<|im_start|>system ...`` typed by a user is encoded as the
-    characters it is (``split_special_tokens``), and only the template's own markup is special. The template
-    is rendered around a placeholder and the user's text encoded on its own; at that boundary (a newline
-    before, a special token after) byte-level BPE splits anyway, so ordinary prompts get exactly the ids of
-    ``apply_chat_template(tokenize=True)`` (checked in the tests).
-    """
+    """Prompt token ids; ``chat`` wraps the prompt as one user turn of the tokenizer's chat template
+    (``encode_messages``)."""
     if not chat:
         return list(tokenizer(prompt, split_special_tokens=True)["input_ids"]) if prompt else []
+    return encode_messages(tokenizer, [{"role": "user", "content": prompt}])
+
+
+def encode_messages(tokenizer: Any, messages: Sequence[Mapping[str, str]], continue_final: bool = False) -> list[int]:
+    """A conversation's prompt ids: the tokenizer's chat template with the assistant's turn opened, or with the last
+    (assistant) message left open to be continued (``continue_final``).
+
+    The messages' text never becomes control tokens: ``<|im_start|>system ...`` typed in a message is encoded as
+    the characters it is (``split_special_tokens``), and only the template's own markup is special. The template
+    is rendered around a placeholder per message and each text encoded on its own; at those boundaries (a newline
+    before, a special token after) byte-level BPE splits anyway, so ordinary conversations get exactly the ids of
+    ``apply_chat_template(tokenize=True)`` (checked in the tests).
+    """
+    slots = [_SLOT.format(i) for i in range(len(messages))]
     rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": _USER_SLOT}], add_generation_prompt=True, tokenize=False
+        [{"role": m["role"], "content": slot} for m, slot in zip(messages, slots)],
+        add_generation_prompt=not continue_final,
+        continue_final_message=continue_final,
+        tokenize=False,
     )
-    before, slot, after = rendered.partition(_USER_SLOT)
-    if not slot or _USER_SLOT in after:
-        raise ValueError("the tokenizer's chat template does not hold the user's text once, verbatim")
 
     def markup(text: str) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
-    user = list(tokenizer(prompt, add_special_tokens=False, split_special_tokens=True)["input_ids"]) if prompt else []
-    return markup(before) + user + markup(after)
+    ids: list[int] = []
+    for slot, message in zip(slots, messages):
+        before, found, rendered = rendered.partition(slot)
+        if not found or slot in rendered:
+            raise ValueError("the tokenizer's chat template does not hold each message's text once, verbatim")
+        ids += markup(before)
+        if message["content"]:
+            ids += tokenizer(message["content"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return ids + markup(rendered)
 
 
 def decode_tokens(tokenizer: Any, token_ids: Sequence[int]) -> str:
     """Answer text of generated ids (special tokens such as EOS are not text)."""
     return tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+
+def text_ids(output_ids: Sequence[int], stop_token_ids: Sequence[int], finished: bool) -> Sequence[int]:
+    """The ids whose text is the answer: a finished answer's final stop token is not text (it ends the answer, as
+    the model's end of sequence does, whose text the tokenizer skips as special)."""
+    if finished and output_ids and stop_token_ids and output_ids[-1] in stop_token_ids:
+        return output_ids[:-1]
+    return output_ids
+
+
+def token_bytes(tokenizer: Any, token_ids: Sequence[int]) -> list[bytes]:
+    """Each token's own bytes, as the model sees it: a byte-level BPE token may hold part of a character, so its
+    text alone would be a replacement character. Byte-level vocabularies (GPT-2 style) map each character back to
+    its byte; SentencePiece ones spell a space ``▁`` and a byte ``<0xNN>``; a special token is its text."""
+    tokens = tokenizer.convert_ids_to_tokens(list(token_ids))
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    byte_of = _byte_decoder() if "ByteLevel" in repr(getattr(tokenizer, "backend_tokenizer", None)) else None
+    out = []
+    for token_id, token in zip(token_ids, tokens):
+        token = token or ""
+        if token_id in special:
+            out.append(token.encode("utf-8"))
+        elif byte_of is not None and all(c in byte_of for c in token):
+            out.append(bytes(byte_of[c] for c in token))
+        elif len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            out.append(bytes([int(token[3:5], 16)]))
+        else:
+            out.append(token.replace("\u2581", " ").encode("utf-8"))
+    return out
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's reversible map of bytes to printable characters, inverted (what its byte-level BPE spells)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
 
 
 def cut_at_stop(text: str, stops: Sequence[str]) -> str:
@@ -79,6 +135,7 @@ def text_delta(
     sent_tokens: int,
     finished: bool,
     stops: Sequence[str],
+    stop_token_ids: Sequence[int] = (),
 ) -> str:
     """The text a response adds, computed from token ids alone (no per-request state).
 
@@ -89,7 +146,7 @@ def text_delta(
     should for byte-level BPE), the already-sent prefix is kept and only the new tail is sent.
     """
     before = streamable(decode(output_ids[:sent_tokens]), stops) if sent_tokens else ""
-    text = decode(output_ids)
+    text = decode(text_ids(output_ids, stop_token_ids, finished))
     now = cut_at_stop(text, stops) if finished else streamable(text, stops)
     if now.startswith(before):
         return now[len(before) :]

@@ -56,6 +56,8 @@ class Answer:
     target_calls: int
     mean_batch_size: float
     beam_widths: list[int] = field(default_factory=list)  # dsbd / beam: output beams of each round
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
     responses: int = 1  # partial responses received (streaming)
     seconds: float = 0.0
     first_response_seconds: float = 0.0

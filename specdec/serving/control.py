@@ -7,15 +7,17 @@ before it lets Triton shut down: it tells the entry points to admit nothing new 
 UNAVAILABLE at once), waits until their in-flight gauge reads 0, and only then signals tritonserver. A
 second signal aborts what is left: the entry points end those requests with UNAVAILABLE.
 
-Cancels go the same way: with several engine instances (each its own stub process, ``--instances``), an
-entry point cannot address the instance that holds its request, since Triton hands a control request to any
-instance. So it leaves a cancel file named by the engine request id, every instance looks for its own ids at each
-poll, and the one holding it cancels it and removes the file.
+Cancels go the same way, the one path a cancellation takes: with several engine instances (each its own stub
+process, ``--instances``), an entry point cannot address the instance that holds its request, since Triton hands a
+request to any instance, and Triton 2.51 passes a client's cancellation on through no BLS call. So the entry point
+leaves a cancel file named by the engine request id, every instance looks for its own ids at each poll, and the
+one holding it cancels it and removes the file.
 
 Why flag files in a private directory: the models run in stub processes that tritonserver starts and
 that inherit its environment, so a directory named by ``SPECDEC_CONTROL_DIR`` is something both sides
 reach without opening an API that clients could call. A server started without ``specdec serve``
-(plain ``tritonserver`` on the repository) has no such directory and simply never drains.
+(plain ``tritonserver`` on the repository) gets a directory of its own, named by the server's process id (every
+stub's parent), so its cancels work the same; nobody raises its drain flags, so it never drains.
 
 Shared memory: each Python-backend stub maps a ``/dev/shm`` region named by the backend's
 ``shm-region-prefix-name``. ``specdec serve`` gives every server its own prefix, so after the server
@@ -26,6 +28,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,8 +59,9 @@ class Control:
 
     @classmethod
     def from_env(cls) -> Control:
+        """The launcher's directory (``SPECDEC_CONTROL_DIR``), else this server's own (``server_directory``)."""
         value = os.environ.get(CONTROL_ENV)
-        return cls(Path(value) if value else None)
+        return cls(Path(value) if value else server_directory())
 
     def _flag(self, name: str) -> bool:
         return self.directory is not None and (self.directory / name).exists()
@@ -77,13 +82,11 @@ class Control:
             raise RuntimeError("this server has no control directory")
         (self.directory / name).touch()
 
-    def cancel(self, request_id: str) -> bool:
-        """The entry point's side: ask whichever engine instance holds ``request_id`` to cancel it; False if
-        there is no directory (then the one instance is told over BLS)."""
+    def cancel(self, request_id: str) -> None:
+        """The entry point's side: ask whichever engine instance holds ``request_id`` to cancel it."""
         if self.directory is None:
-            return False
+            raise RuntimeError("this server has no control directory")
         (self.directory / f"{CANCEL_PREFIX}{request_id.encode().hex()}").touch()
-        return True
 
     def cancels(self) -> set[str]:
         """The engine's side: the request ids whose cancel is asked for (any instance's)."""
@@ -100,6 +103,25 @@ class Control:
         when its request ended anyway."""
         if self.directory is not None:
             (self.directory / f"{CANCEL_PREFIX}{request_id.encode().hex()}").unlink(missing_ok=True)
+
+
+SERVER_DIR_PREFIX = "specdec-server-"
+
+
+def server_directory(server_pid: int | None = None) -> Path:
+    """The control directory of the tritonserver ``server_pid`` (default: this stub's parent), private to this
+    user; directories of servers that are gone are removed on the way (a SIGKILLed server leaves its own)."""
+    pid = os.getppid() if server_pid is None else server_pid
+    root = Path(tempfile.gettempdir())
+    for stale in root.glob(f"{SERVER_DIR_PREFIX}{os.getuid()}-*"):
+        other = stale.name.rsplit("-", 1)[-1]
+        if other.isdigit() and int(other) != pid and not alive(int(other)):
+            shutil.rmtree(stale, ignore_errors=True)
+    directory = root / f"{SERVER_DIR_PREFIX}{os.getuid()}-{pid}"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    if directory.stat().st_uid != os.getuid():
+        raise PermissionError(f"{directory} belongs to another user: refusing its control files")
+    return directory
 
 
 def internal_key() -> str | None:

@@ -26,9 +26,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from specdec.runtime.config import DEFAULT_NUM_DRAFT_TOKENS, DrafterKind
 from specdec.runtime.costs import DraftCosts
 from specdec.runtime.draft_length import BatchPrices, prices_text
 from specdec.serving import protocol
+from specdec.serving.inputs import Limits
 
 REPOSITORY_DIR = "triton_repo"
 MODELS = protocol.MODELS
@@ -47,7 +49,7 @@ class ServingOptions:
     """Settings written into the configs (edit the config.pbtxt ``parameters`` to change them later)."""
 
     intra_op_threads: int = 0  # ONNX Runtime threads of the engine; 0 = all cores
-    num_draft_tokens: int = 4  # k when a request does not say
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS  # k when a request does not say
     adaptive_draft: bool = False  # each sequence drafts the k (γ) its acceptance pays for, at most the k above
     # adaptive draft: a verified row's and a draft token's cost in target steps (None: as calibrated at export,
     # else DraftLength's default verify cost and the drafter's own draft cost)
@@ -57,11 +59,11 @@ class ServingOptions:
     verify_by_batch: BatchPrices = ()
     draft_by_batch: BatchPrices = ()
     default_max_tokens: int = 64
-    drafter: str = ""  # "" = as exported; "ngram", "hybrid" or "none" overrides
+    drafter: DrafterKind | None = None  # None = as exported; a kind overrides
     max_concurrency: int = 64  # requests in flight at once per entry point
     #: requests an entry point holds waiting for one of those places; one more is refused at once (UNAVAILABLE)
     max_queue: int = 256
-    limits: protocol.Limits = field(default_factory=protocol.Limits)
+    limits: Limits = field(default_factory=Limits)
     max_batch: int = 0  # sequences the engine decodes together; 0 = the export's KV slots
     #: rows a ragged step may spend on prompt prefills (chunked prefill); 0 = whole prompts. Why 128: an 1,800-token
     #: prompt arriving mid-stream then stretches the running streams' longest gap to ~0.5 s instead of stalling
@@ -75,6 +77,7 @@ class ServingOptions:
     gpus: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "drafter", DrafterKind.parse(self.drafter))
         if self.instances < 1:
             raise ValueError(f"instances must be >= 1, got {self.instances}")
         if any(g < 0 for g in self.gpus) or len(set(self.gpus)) != len(self.gpus):
@@ -141,7 +144,7 @@ def render_configs(export_dir_from_repo: str, options: ServingOptions) -> dict[s
         "intra_op_threads": options.intra_op_threads,
         "num_draft_tokens": options.num_draft_tokens,
         "default_max_tokens": options.default_max_tokens,
-        "drafter": options.drafter,
+        "drafter": options.drafter.value if options.drafter else "",
         "max_batch": options.max_batch,
         "adaptive_draft": int(options.adaptive_draft),
         "prefill_budget": options.prefill_budget,
@@ -153,22 +156,12 @@ def render_configs(export_dir_from_repo: str, options: ServingOptions) -> dict[s
     entry = {
         "max_concurrency": options.max_concurrency,
         "max_queue": options.max_queue,
-        **{name: getattr(options.limits, name) for name in protocol.Limits.__dataclass_fields__},
+        **{name: getattr(options.limits, name) for name in Limits.__dataclass_fields__},
     }
     models = {
-        protocol.PREPROCESSING_MODEL: (
-            (protocol.TEXT_INPUT, protocol.APPLY_CHAT_TEMPLATE),
-            (protocol.INPUT_IDS,),
-            common,
-            False,
-        ),
-        protocol.ENGINE_MODEL: (
-            (protocol.INPUT_IDS, *protocol.PARAMETERS, protocol.CANCEL_REQUEST_ID),
-            protocol.ENGINE_OUTPUTS,
-            engine,
-            True,
-        ),
-        protocol.POSTPROCESSING_MODEL: (protocol.ENGINE_OUTPUTS, protocol.CLIENT_OUTPUTS, common, False),
+        protocol.PREPROCESSING_MODEL: (protocol.PREPROCESSING_INPUTS, (protocol.INPUT_IDS,), common, False),
+        protocol.ENGINE_MODEL: ((protocol.INPUT_IDS, *protocol.PARAMETERS), protocol.ENGINE_OUTPUTS, engine, True),
+        protocol.POSTPROCESSING_MODEL: (protocol.ENGINE_OUTPUTS, protocol.TEXT_OUTPUTS, common, False),
         protocol.STREAM_MODEL: (protocol.CLIENT_INPUTS, protocol.CLIENT_OUTPUTS, entry, True),
         protocol.UNARY_MODEL: (protocol.CLIENT_INPUTS, protocol.CLIENT_OUTPUTS, entry, False),
     }

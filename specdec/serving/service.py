@@ -33,8 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from specdec.runtime.context import DecodeContext, LoopHooks
 from specdec.runtime.engine import Engine
-from specdec.runtime.loops import DecodeContext
+from specdec.runtime.logprobs import TokenLogprob
 from specdec.runtime.methods import DEFAULT_METHOD, get_method
 from specdec.runtime.metrics import StepRecord
 from specdec.runtime.request import CANCELLED, TIMEOUT, Request, RequestMetrics, RequestOutput, SeqState
@@ -60,6 +61,8 @@ class StreamEvent:
     output: RequestOutput | None = None
     error: str | None = None
     metrics: RequestMetrics | None = None  # a snapshot at this event (the final one's is output.metrics)
+    #: with the request's ``logprobs``: one per token of ``new_token_ids``
+    new_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
 
 
 @dataclass
@@ -285,13 +288,13 @@ class EngineService:
         """Run the loop; if it raises, fail the sequences it held and start it again, fresh."""
         while True:
             try:
-                ctx = self.engine.context(
-                    self.scheduler,
+                hooks = LoopHooks(
                     on_tokens=self._on_tokens,
                     on_finish=self._on_finish,
                     keep_running=lambda: not self._stopping,
                     is_cancelled=self._ends_now,
                 )
+                ctx = self.engine.context(self.scheduler, hooks)
             except Exception:  # cannot even build a loop: refuse the queue rather than hang its callers
                 log.exception("could not start decoding loop %r; failing queued requests", self.method.name)
                 for request in self.scheduler.drain():
@@ -349,9 +352,10 @@ class EngineService:
             if safe.startswith(handle._text_sent):
                 text_delta, handle._text_sent = safe[len(handle._text_sent) :], safe
         handle._streamed = seq.num_generated
-        self._deliver(
-            handle, StreamEvent(request_id, list(tokens), text_delta, metrics=dataclasses.replace(seq.metrics))
-        )
+        event = StreamEvent(request_id, list(tokens), text_delta, metrics=dataclasses.replace(seq.metrics))
+        if seq.request.logprobs is not None:
+            event.new_logprobs = seq.logprobs[seq.num_generated - len(tokens) : seq.num_generated]
+        self._deliver(handle, event)
 
     def _on_finish(self, seq: SeqState) -> None:
         request_id = seq.request.request_id
@@ -367,15 +371,28 @@ class EngineService:
             with self._lock:
                 reason = None if seq.error is not None else self._cancelled.get(request_id, CANCELLED)
             output = RequestOutput(
-                request_id, list(seq.request.prompt_ids), tokens, text, reason, metrics, error=seq.error
+                request_id,
+                list(seq.request.prompt_ids),
+                tokens,
+                text,
+                reason,
+                metrics,
+                error=seq.error,
+                logprobs=seq.logprobs[: len(tokens)],
             )
             new_tokens: list[int] = []
         else:
             new_tokens = seq.output_ids[handle._streamed :]
             output = self.engine.output(seq, text=handle.wants_text)
-        self._finish(handle, output, new_tokens)
+        self._finish(handle, output, new_tokens, output.logprobs[handle._streamed :])
 
-    def _finish(self, handle: RequestHandle, output: RequestOutput, new_tokens: list[int]) -> None:
+    def _finish(
+        self,
+        handle: RequestHandle,
+        output: RequestOutput,
+        new_tokens: list[int],
+        new_logprobs: list[TokenLogprob] | None = None,
+    ) -> None:
         """Send the one final event and forget the request."""
         with self._lock:
             if handle._final_sent:
@@ -391,9 +408,9 @@ class EngineService:
             else:  # the tokenizer re-spelled text already sent: nothing sound to add
                 log.warning("request %r: final text does not extend the streamed text", handle.request_id)
         handle.output = output
-        self._deliver(
-            handle, StreamEvent(handle.request_id, new_tokens, text_delta, True, output, output.error, output.metrics)
-        )
+        event = StreamEvent(handle.request_id, new_tokens, text_delta, True, output, output.error, output.metrics)
+        event.new_logprobs = list(new_logprobs or [])
+        self._deliver(handle, event)
         handle._done.set()
 
     def _finish_unadmitted(self, request: Request, reason: str | None, error: str | None = None) -> None:

@@ -1,39 +1,42 @@
-"""The Triton side of one request: its response sender, safe across threads, and its error responses.
+"""The Triton side of one request: its inputs, its response sender (safe across threads), its error responses,
+and what a model reads of its own configuration.
 
-Shared by the entry points and the engine model of ``specdec.serving.triton_models``.
+Shared by every Python model of the repository (``text_models``, ``engine_model``, ``entry_points``).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
-from specdec.serving.control import INTERNAL_KEY_PARAMETER, internal_key
+import numpy as np
 
-try:  # only inside Triton's Python-backend stub
-    import triton_python_backend_utils as pb_utils
-except ImportError:  # pragma: no cover - imported for documentation or tests without Triton
-    pb_utils = None
+from specdec.serving import pb
+from specdec.serving.control import INTERNAL_KEY_PARAMETER, internal_key
+from specdec.serving.protocol import TensorSpec
 
 
 def error_response(message: str, invalid: bool = True, code: str | int | None = None) -> Any:
     """An error response; bad input is INVALID_ARG (gRPC INVALID_ARGUMENT), the rest INTERNAL unless ``code`` says.
 
-    ``code``: a ``pb_utils.TritonError`` code name (``"UNAVAILABLE"``: draining or aborted; ``"CANCELLED"``)
+    ``code``: a ``pb.utils.TritonError`` code name (``"UNAVAILABLE"``: draining or aborted; ``"CANCELLED"``)
     or the code an inner model's error carried, so a client sees the status the failure really has.
     """
     if code is None:
         code = "INVALID_ARG" if invalid else "INTERNAL"
-    value = getattr(pb_utils.TritonError, code, None) if isinstance(code, str) else code
-    error = pb_utils.TritonError(message) if value is None else pb_utils.TritonError(message, value)
-    return pb_utils.InferenceResponse(output_tensors=[], error=error)
+    value = getattr(pb.utils.TritonError, code, None) if isinstance(code, str) else code
+    error = pb.utils.TritonError(message) if value is None else pb.utils.TritonError(message, value)
+    return pb.utils.InferenceResponse(output_tensors=[], error=error)
 
 
 class ModelError(Exception):
     """An inner model's (BLS) error, with its Triton error code kept for the client's answer."""
 
-    def __init__(self, message: str, code: int | None) -> None:
+    def __init__(self, message: str, code: str | int | None) -> None:
         super().__init__(message)
         self.code = code
 
@@ -75,7 +78,7 @@ class Client:
             if self._done:
                 return False
             self._done = final
-            flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+            flags = pb.utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
             if response is None:
                 self.sender.send(flags=flags)
             else:
@@ -109,3 +112,54 @@ def internal_only(model: str) -> Any:
     return error_response(
         f"{model} is internal to the specdec deployment: send requests to the 'specdec' or 'specdec_stream' model"
     )
+
+
+def read_inputs(request: Any, specs: tuple[TensorSpec, ...]) -> dict[str, np.ndarray]:
+    """The inputs of ``specs`` the client sent, as numpy arrays."""
+    found = {}
+    for spec in specs:
+        tensor = pb.utils.get_input_tensor_by_name(request, spec.name)
+        if tensor is not None:
+            found[spec.name] = tensor.as_numpy()
+    return found
+
+
+def response(tensors: Mapping[str, np.ndarray]) -> Any:
+    """An inference response holding ``tensors``."""
+    return pb.utils.InferenceResponse([pb.utils.Tensor(name, value) for name, value in tensors.items()])
+
+
+def model_parameters(args: Mapping[str, str]) -> dict[str, str]:
+    """The ``parameters`` block of the model's config.pbtxt as plain strings."""
+    config = json.loads(args["model_config"])
+    return {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+
+
+def parameter(params: Mapping[str, str], name: str, convert: Callable[[str], Any], default: Any = None) -> Any:
+    """A config parameter converted (``int``, ``float``); empty or absent means ``default``."""
+    text = params.get(name, "").strip()
+    return convert(text) if text else default
+
+
+def export_dir(args: Mapping[str, str]) -> Path:
+    """The export directory named (relative to the repository root) by the ``export_dir`` parameter."""
+    model_dir = Path(args["model_repository"])  # .../<repository>/<model>
+    return (model_dir.parent / model_parameters(args).get("export_dir", "..")).resolve()
+
+
+def load_tokenizer(args: Mapping[str, str]) -> Any:
+    from specdec.models.export_meta import load_export_metadata
+
+    return load_export_metadata(export_dir(args), "target").tokenizer
+
+
+def release_senders() -> None:
+    """Destroy every response sender that nothing uses any more, before the stub shuts down.
+
+    Why: Triton deletes a decoupled request's response factory only when its Python sender
+    object is destroyed, and the factory holds the model, so one sender still alive when the stub
+    finalizes keeps the model from unloading and ``tritonserver`` fails its exit timeout (seen
+    intermittently for ``specdec_stream``: the watcher's loop variable held the last client).
+    Pollers keep no client past a poll; this collects senders only reachable from cycles.
+    """
+    gc.collect()

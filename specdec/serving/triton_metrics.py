@@ -1,4 +1,4 @@
-"""specdec's custom Prometheus metrics on Triton's metrics endpoint (``pb_utils.MetricFamily``).
+"""specdec's custom Prometheus metrics on Triton's metrics endpoint (the Python backend's ``MetricFamily``).
 
 Only inside a Python-backend stub: the families live in Triton's registry, next to its own
 ``nv_inference_*`` metrics, so one scrape of the metrics port shows both.
@@ -9,16 +9,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from specdec.runtime.request import RequestMetrics
+from specdec.serving import pb
 from specdec.serving.control import INFLIGHT_METRIC
 from specdec.serving.service import OUTCOMES
 
 if TYPE_CHECKING:
     from specdec.serving.service import EngineService
-
-try:  # only inside Triton's Python-backend stub
-    import triton_python_backend_utils as pb_utils
-except ImportError:  # pragma: no cover - imported for documentation or tests without Triton
-    pb_utils = None
 
 
 class EngineMetrics:
@@ -33,13 +29,13 @@ class EngineMetrics:
         self.labels = {"instance": instance}
 
         def family(name: str, kind: Any, description: str) -> Any:
-            self._families.append(pb_utils.MetricFamily(name=name, description=description, kind=kind))
+            self._families.append(pb.utils.MetricFamily(name=name, description=description, kind=kind))
             return self._families[-1]
 
         def metric(name: str, kind: Any, description: str) -> Any:
             return family(name, kind, description).Metric(labels=self.labels)
 
-        counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
+        counter, gauge = pb.utils.MetricFamily.COUNTER, pb.utils.MetricFamily.GAUGE
         requests = family("specdec_requests_total", counter, "requests answered, by outcome")
         self.outcome = {o: requests.Metric(labels={**self.labels, "outcome": o}) for o in OUTCOMES}
         self.tokens = metric("specdec_generated_tokens_total", counter, "tokens generated")
@@ -87,10 +83,10 @@ class InflightGauge:
     def __init__(self, model: str) -> None:
         self.value = 0
         self._family = self._metric = None
-        if pb_utils is not None:  # outside a stub (the watcher tests) it only counts
-            self._family = pb_utils.MetricFamily(
+        if pb.utils is not None:  # outside a stub (the watcher tests) it only counts
+            self._family = pb.utils.MetricFamily(
                 name=INFLIGHT_METRIC,
-                kind=pb_utils.MetricFamily.GAUGE,
+                kind=pb.utils.MetricFamily.GAUGE,
                 description="requests an entry point admitted and has not answered",
             )
             self._metric = self._family.Metric(labels={"model": model})
