@@ -171,14 +171,9 @@ class Branch:
         self.g = g
         self.nodes: list[onnx.NodeProto] = []
 
-    def add(
-        self, op: str, *inputs: str, outputs: Sequence[str] | None = None, domain: str = "", **attrs: object
-    ) -> str:
-        outs = list(outputs) if outputs is not None else [self.g.name(op)]
-        self.nodes.append(
-            helper.make_node(op, list(inputs), outs, name=self.g.name(op + "_node"), domain=domain, **attrs)
-        )
-        return outs[0]
+    def add(self, op: str, *inputs: str, **kwargs: object) -> str:
+        with self.g.emitting_into(self.nodes):
+            return self.g.add(op, *inputs, **kwargs)
 
     def graph(self, outputs: Sequence[str], dtype: int) -> onnx.GraphProto:
         """The branch as a subgraph with ``outputs`` (declared of ``dtype``; it reads everything else from outside)."""
