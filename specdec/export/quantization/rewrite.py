@@ -172,6 +172,7 @@ def one_linear(columns: int, rows: int, emit: Callable[[GraphEditor, Any], objec
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
     g = GraphEditor(model, "one_linear")
+    gemm = model.graph.node[0]  # the graph's copy
     with g.in_place_of(gemm):
         emit(g, gemm)
     g.commit(sort=False)
