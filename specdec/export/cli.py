@@ -13,7 +13,7 @@ and its config/tokenizer instead of safetensors; ``--backend tensorrt`` adds ``m
 ``--quantize int4|int8`` makes every linear layer of both graphs a weight-only block-quantized
 ``MatMulNBits`` (``specdec.export.quantize``; a GGUF source keeps its own blocks); ``--quantize w8a8``
 makes the decoder layers' linears integer GEMMs over per-channel int8 weights and per-token int8
-activations, smoothed on calibration prompts (``specdec.export.w8a8``: faster prefill and batches).
+activations, smoothed on calibration prompts (``specdec.export.quantization.w8a8``: faster prefill and batches).
 Every graph is validated against the torch reference before the export is declared done.
 
 The directory is assembled under a temporary name and renamed into place only when

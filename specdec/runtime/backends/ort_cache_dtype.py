@@ -1,10 +1,10 @@
 """KV caches stored at a narrower float type than the graph computes in (fp16 caches of an fp32 graph).
 
 Why: an edge runtime keeps its caches in fp16 (llama.cpp's default) because at long contexts and
-several sequences they outweigh a quantized model: SmolLM2-135M's int4 graph is 146 MB, its fp32
-caches 45 KiB per token (46 MB per 1,000 positions written); in fp16 they take half. The exported graph keeps
-fp32 caches (TensorRT binds them as they are), so, like ``ort_fuse``, this is a rewrite of the
-in-memory copy an ``OrtBackend`` opens; the caches it binds are then fp16 arrays.
+several sequences they outweigh a quantized model; in fp16 they take half (sizes:
+``benchmarks/results/kv_cache_dtype.md``). The exported graph keeps fp32 caches (TensorRT binds them
+as they are), so, like ``ort_fuse``, this is a rewrite of the in-memory copy an ``OrtBackend``
+opens; the caches it binds are then fp16 arrays.
 
 How, per attention node (after ``ort_fuse``, so on either lowering):
 

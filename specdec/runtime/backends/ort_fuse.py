@@ -31,12 +31,15 @@ measurements: docs/export.md, "The ONNX Runtime lowering"; ``benchmarks/results/
   layouts give a row the same bits.
 * **rmsnorm** -> ``SimplifiedLayerNormalization`` (ORT's own fusion wants ``Div``, the exporter
   emits ``Reciprocal``/``Mul``); **skip_rmsnorm** -> ``SkipSimplifiedLayerNormalization`` for a
-  residual ``Add`` feeding a norm (ORT does not fuse it: the sum has other consumers).
+  residual ``Add`` feeding a norm (ORT does not fuse it: the sum has other consumers): ``ort_norms``.
 * **rotary** -> ``com.microsoft.RotaryEmbedding`` with per-token tables ``Cos(f)``/``Sin(f)`` (the
-  first halves of the graph's own ``Cos/Sin(Concat(f, f))``), on the padded rows of fused attention.
+  first halves of the graph's own ``Cos/Sin(Concat(f, f))``), on the padded rows of fused attention:
+  ``ort_rotary``.
 
-Nothing here touches MatMul/Gemm nodes, so the rewrites compose with weight quantization
-(``MatMulNBits``) whichever runs first.
+This module holds the attention lowering and the driver (``fuse_model``); every rewrite edits the
+graph through ``onnx_edit.GraphEditor``, as the export's quantization does. Nothing here touches
+MatMul/Gemm nodes, so the rewrites compose with weight quantization (``MatMulNBits``) whichever
+runs first.
 """
 
 from __future__ import annotations
