@@ -14,7 +14,7 @@ from onnx import TensorProto
 from specdec.runtime.backends.onnx_edit import MS_DOMAIN, GraphEditor
 
 
-def is_const(g: GraphEditor, name: str, value: float) -> bool:
+def _is_const(g: GraphEditor, name: str, value: float) -> bool:
     values = g.const_value(name)
     return values is not None and len(values) == 1 and float(values[0]) == value
 
@@ -59,7 +59,7 @@ def fuse_rmsnorm(g: GraphEditor, types: dict[str, int], ranks: dict[str, int]) -
                 if not (
                     power
                     and power.input[0] == x32
-                    and is_const(g, power.input[1], 2.0)
+                    and _is_const(g, power.input[1], 2.0)
                     and eps
                     and len(eps) == 1
                     and int(g.attr(mean, "keepdims", 1)) == 1
