@@ -42,11 +42,16 @@ from tqdm.auto import tqdm
 
 from specdec.bench.harness import machine_info
 from specdec.bench.workloads import DOC_SOURCES, QA_MODULES
-from specdec.export import quantize as q
-from specdec.export import w8a8
 from specdec.export.onnx import export_onnx
+from specdec.export.quantization import blocks as q
+from specdec.export.quantization import w8a8
+from specdec.export.quantization.nbits import matmul_nbits
+from specdec.export.quantization.rewrite import one_linear
+from specdec.export.quantization.strategies import strategy_for
+from specdec.export.quantize import quantize_export
 from specdec.export.validate import max_logit_error
 from specdec.models.loading import load_model
+from specdec.runtime.backends.onnx_edit import MS_DOMAIN
 from specdec.runtime.backends.onnxruntime import OrtBackend
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.config import EngineConfig
@@ -218,11 +223,15 @@ def kernel_table(repeats: int) -> list[dict]:
         y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", n])
         model = helper.make_model(
             helper.make_graph(nodes, "k", [x], [y], inits),
-            opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid(q.MS_DOMAIN, 1)],
+            opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid(MS_DOMAIN, 1)],
         )
         options = ort.SessionOptions()
         options.intra_op_num_threads = 1
         return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+    def replaced(emit) -> tuple[list, list]:  # the nodes and initializers the quantizer puts in place of one Gemm
+        model = one_linear(k, n, emit)
+        return list(model.graph.node), list(model.graph.initializer)
 
     gemm = helper.make_node("Gemm", ["x", "w"], ["y"], name="lin", transB=1)
     cases = {"fp32 Gemm": ([gemm], [numpy_helper.from_array(weight, "w")])}
@@ -234,14 +243,10 @@ def kernel_table(repeats: int) -> list[dict]:
     )
     for label, block in forms:
         for level in (0, 4):
-            cases[f"{label} L{level}"] = q._matmul_nbits(gemm, block, [], level)
-    zp_nodes, zero_points = w8a8.row_zero_points("x", "w8a8")
-    chain, tensors = w8a8.integer_nodes(
-        gemm, w8a8.quantize_linear(weight, w8a8.smoothing(np.ones(k), weight)), "w8a8", zero_points, {}
-    )
-    cases["w8a8 (int8 per channel, activations per token)"] = (
-        [*zp_nodes, *chain],
-        [*w8a8.shared_constants("w8a8"), *tensors],
+            cases[f"{label} L{level}"] = replaced(lambda g, node, b=block, lv=level: matmul_nbits(g, node, b, [], lv))
+    linear = w8a8.quantize_linear(weight, w8a8.smoothing(np.ones(k), weight))
+    cases["w8a8 (int8 per channel, activations per token)"] = replaced(
+        lambda g, node: w8a8.integer_chain(g, node, linear, {}, rows="x")
     )
     float_zp = [
         numpy_helper.from_array(q.pack_codes(q41.codes, 4), "b"),
@@ -254,7 +259,7 @@ def kernel_table(repeats: int) -> list[dict]:
                 "MatMulNBits",
                 ["x", "b", "s", "z"],
                 ["y"],
-                domain=q.MS_DOMAIN,
+                domain=MS_DOMAIN,
                 K=k,
                 N=n,
                 bits=4,
@@ -326,7 +331,8 @@ def main() -> None:
             graph.parent.mkdir()
             shutil.copy(fp32, graph)
             shutil.copy(fp32.with_name("model.onnx.data"), graph.with_name("model.onnx.data"))
-            reference, summary = q.quantize_export(model, graph, mode, use_gguf=use_gguf, accuracy_level=level)
+            strategy = strategy_for(mode, {0: "fp32", 4: "int8"}[level], use_gguf)
+            reference, summary = quantize_export(model, graph, strategy)
             graphs[label] = graph
             bar.update()
             backend = OrtBackend(graph, intra_op_threads=2)

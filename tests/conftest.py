@@ -152,11 +152,12 @@ def smollm2_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _smollm2_quantized(smollm2: LoadedModel, smollm2_export: Path, folder: Path, mode: str) -> Path:
     """A copy of ``smollm2_export``'s target graph quantized as ``--quantize mode`` ships it (not re-validated)."""
-    from specdec.export import quantize
+    from specdec.export.quantization.strategies import strategy_for
+    from specdec.export.quantize import quantize_export
 
     for name in ("model.onnx", "model.onnx.data", "config.json"):
         shutil.copy(smollm2_export / "target" / name, folder / name)
-    quantize.quantize_export(smollm2, folder / "model.onnx", mode)
+    quantize_export(smollm2, folder / "model.onnx", strategy_for(mode))
     return folder / "model.onnx"
 
 

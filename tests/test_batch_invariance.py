@@ -22,8 +22,9 @@ import numpy as np
 import pytest
 from invariance import MAX_LEN, differing_positions, one_token_per_step, random_steps, sequences_to_the_end
 
-from specdec.export import quantize as q
 from specdec.export.onnx import export_onnx
+from specdec.export.quantization.strategies import strategy_for
+from specdec.export.quantize import quantize_and_validate
 from specdec.models.loading import tiny_random
 from specdec.runtime.backends.onnxruntime import OrtBackend
 from specdec.runtime.packed import ROOT, SeqWork, pack
@@ -33,7 +34,7 @@ from specdec.runtime.packed import ROOT, SeqWork, pack
 def quantized_graph(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     model = tiny_random(seed=9, num_layers=2, vocab_size=160)
     graph = export_onnx(model, tmp_path_factory.mktemp(request.param) / "model.onnx")
-    q.quantize_and_validate(model, graph, request.param, tolerance=1e-4)  # the shipped level: int8 activations
+    quantize_and_validate(model, graph, strategy_for(request.param), tolerance=1e-4)  # shipped: int8 activations
     return graph
 
 
@@ -100,7 +101,7 @@ def test_fp32_activations_are_not_batch_invariant(tmp_path: Path) -> None:
     comparison above sees it."""
     model = tiny_random(seed=9, num_layers=2, vocab_size=160)
     graph = export_onnx(model, tmp_path / "model.onnx")
-    q.quantize_and_validate(model, graph, "int4", tolerance=1e-4, accuracy_level=q.FP32_ACTIVATIONS)
+    quantize_and_validate(model, graph, strategy_for("int4", "fp32"), tolerance=1e-4)
     backend = OrtBackend(graph)
     rng = random.Random(0)
     sequences = sequences_to_the_end(rng, 160)

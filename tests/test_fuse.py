@@ -263,10 +263,12 @@ def test_fp16_fused_graph_runs_close_to_fp32(tmp_path) -> None:
 
 
 def test_rewrites_compose_with_quantized_matmuls(tmp_path) -> None:
-    quantize = pytest.importorskip("specdec.export.quantize")
+    from specdec.export.quantization.strategies import strategy_for
+    from specdec.export.quantize import quantize_export
+
     model = tiny_random(seed=1, num_layers=2)
     path = export_onnx(model, tmp_path / "model.onnx")
-    quantize.quantize_export(model, path, "int8")
+    quantize_export(model, path, strategy_for("int8"))
     assert _ops(onnx.load(str(path), load_external_data=False))[("com.microsoft", "MatMulNBits")] > 0
     fused, plain = OrtBackend(path), OrtBackend(path, fuse=False)
     assert fused.fuse_report.attention and fused.fuse_report.counts["rmsnorm"] == 5

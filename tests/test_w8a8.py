@@ -1,4 +1,4 @@
-"""``--quantize w8a8``: the integer chain, its smoothing, its calibration and its check (``specdec.export.w8a8``).
+"""``--quantize w8a8``: the integer chain, its smoothing, its calibration and its check (``quantization.w8a8``).
 
 The graph-level properties (greedy ems = ar, row independence in any step, the manifest) run with
 the other quantized exports in ``test_quantize.py`` and ``test_batch_invariance.py``.
@@ -14,37 +14,25 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
-from specdec.export import w8a8
 from specdec.export.cli import main as export_main
+from specdec.export.quantization import calibration, w8a8
+from specdec.export.quantization.rewrite import one_linear
 from specdec.models.loading import tiny_random
 from specdec.runtime.backends import onnxruntime as ort_backend
+from specdec.runtime.backends.onnx_edit import GraphEditor
 
 K, N = 96, 40
 
 
 def _chain_session(linear: w8a8.IntegerLinear) -> ort.InferenceSession:
-    """One Gemm ``y = x @ W^T`` rewritten as a chain, rows ``x [T, K]`` and the step's ``input_ids [T]``."""
-    gemm = helper.make_node("Gemm", ["x", "w"], ["y"], name="lin", transB=1)
-    nodes, tensors = w8a8.integer_nodes(gemm, linear, "w8a8", "w8a8.zero_points", {})
-    zp_nodes, _ = w8a8.row_zero_points("input_ids", "w8a8")
-    graph = helper.make_graph(
-        [*zp_nodes, *nodes],
-        "g",
-        [
-            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", K]),
-            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["T"]),
-        ],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", N])],
-        [*w8a8.shared_constants("w8a8"), *tensors],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    """One Gemm ``y = x @ W^T`` rewritten as a chain over rows ``x [T, K]``."""
+    model = one_linear(K, N, lambda g, node: w8a8.integer_chain(g, node, linear, {}, rows="x"))
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
 def _run(session: ort.InferenceSession, x: np.ndarray) -> np.ndarray:
-    return session.run(None, {"x": x, "input_ids": np.zeros(len(x), np.int64)})[0]
+    return session.run(None, {"x": x})[0]
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +100,8 @@ def test_smoothing_survives_a_channel_never_seen_and_a_zero_column() -> None:
 
 
 def test_calibration_without_a_tokenizer_is_seeded_ids_in_the_vocabulary() -> None:
-    first, again = w8a8.calibration_ids(None, 50), w8a8.calibration_ids(None, 50)
-    assert first == again and len(first) == w8a8.CALIBRATION_PROMPTS
+    first, again = calibration.calibration_ids(None, 50), calibration.calibration_ids(None, 50)
+    assert first == again and len(first) == calibration.CALIBRATION_PROMPTS
     assert all(0 <= i < 50 for ids in first for i in ids)
 
 
@@ -125,7 +113,7 @@ def test_calibration_uses_the_chat_template_of_the_tokenizer() -> None:
         return {"input_ids": [1, 2, len(seen)]}
 
     tokenizer = SimpleNamespace(chat_template="x", apply_chat_template=template)
-    ids = w8a8.calibration_ids(tokenizer, 100, n=3)
+    ids = calibration.calibration_ids(tokenizer, 100, n=3)
     assert ids == [[1, 2, 1], [1, 2, 2], [1, 2, 3]] and len(set(seen)) == 3
 
 
@@ -133,12 +121,12 @@ def test_activation_maxima_are_the_largest_input_of_each_channel() -> None:
     model = tiny_random(seed=4, num_layers=1, vocab_size=64)
     names = [f"model.layers.0.{p}.weight" for p in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj")]
     sequences = [[1, 2, 3, 4], [5, 6]]
-    maxima = w8a8.activation_maxima(model, sequences, names)
+    maxima = calibration.activation_maxima(model, sequences, names)
     assert np.array_equal(maxima[names[0]], maxima[names[1]])  # q and k read the same normed input
     hidden = model.config.hidden_size
     assert maxima[names[0]].shape == (hidden,) and maxima[names[2]].shape == (model.config.intermediate_size,)
     # one sequence alone sees no more than both
-    alone = w8a8.activation_maxima(model, sequences[:1], names)
+    alone = calibration.activation_maxima(model, sequences[:1], names)
     assert (alone[names[2]] <= maxima[names[2]]).all() and (maxima[names[0]] > 0).all()
 
 
@@ -163,15 +151,14 @@ def test_the_check_copy_multiplies_by_the_effective_weights(tmp_path: Path) -> N
     )
     graph = out / "target" / "model.onnx"
     shipped = onnx.load(str(graph))
-    weights = w8a8.integer_weights(shipped.graph)
+    weights = w8a8.integer_weights(GraphEditor(shipped, "read"))
     assert len(weights) == 4
-    with w8a8.fp32_product_copy(graph, lambda proto: None) as checked:
-        proto = onnx.load(str(checked))
-        ops = Counter(n.op_type for n in proto.graph.node)
+    with w8a8.fp32_product_copy(graph, lambda g: None) as checked:
+        g = GraphEditor(onnx.load(str(checked)), "read")
+        ops = Counter(n.op_type for n in g.graph.node)
         assert ops["MatMulInteger"] == 0 and ops["QuantizeLinear"] == 0 and ops["Gemm"] == 4
-        inits = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
         for name, linear in weights.items():
-            assert np.array_equal(inits[f"{name}.effective"], linear.effective())
+            assert np.array_equal(g.array(f"{name}.effective"), linear.effective())
     assert not checked.exists()
 
 

@@ -13,7 +13,7 @@ and its config/tokenizer instead of safetensors; ``--backend tensorrt`` adds ``m
 ``--quantize int4|int8`` makes every linear layer of both graphs a weight-only block-quantized
 ``MatMulNBits`` (``specdec.export.quantize``; a GGUF source keeps its own blocks); ``--quantize w8a8``
 makes the decoder layers' linears integer GEMMs over per-channel int8 weights and per-token int8
-activations, smoothed on calibration prompts (``specdec.export.w8a8``: faster prefill and batches).
+activations, smoothed on calibration prompts (``specdec.export.quantization.w8a8``: faster prefill and batches).
 Every graph is validated against the torch reference before the export is declared done.
 
 The directory is assembled under a temporary name and renamed into place only when
@@ -38,6 +38,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from specdec.export.quantization.nbits import ACTIVATIONS
+from specdec.export.quantization.strategies import STRATEGIES, QuantizationStrategy, strategy_for
 from specdec.models.drafts import check_draft_compatible, resolve_draft
 from specdec.models.errors import ModelResolutionError
 from specdec.models.loading import LoadedModel, atomic_directory, load_model, save_model
@@ -87,9 +89,7 @@ def _export_model(
     stages: tqdm,
     max_batch: int,
     max_len: int,
-    quantize: str | None = None,
-    activations: str = "int8",
-    calibration: list[list[int]] | None = None,
+    quantize: QuantizationStrategy | None = None,
 ) -> dict:
     """Write one model under ``tmp/sub`` and check the graph against the torch reference.
 
@@ -108,17 +108,10 @@ def _export_model(
         graph = export_onnx(model, tmp / sub / "model.onnx", torch_dtype(dtype))
         stages.update()
         if quantize:
-            from specdec.export.quantize import ACTIVATIONS, quantize_and_validate
+            from specdec.export.quantize import quantize_and_validate
 
-            stages.set_postfix_str(f"{sub}: {quantize} quantization, validating on random ragged forests")
-            quantized = quantize_and_validate(
-                model,
-                graph,
-                quantize,
-                VALIDATION_TOLERANCE[dtype],
-                accuracy_level=ACTIVATIONS[activations],
-                calibration=calibration,
-            )
+            stages.set_postfix_str(f"{sub}: {quantize.name} quantization, validating on random ragged forests")
+            quantized = quantize_and_validate(model, graph, quantize, VALIDATION_TOLERANCE[dtype])
             error = quantized["validation_max_abs_logit_error_fp32_activations"]
             stages.update()
         else:
@@ -156,18 +149,15 @@ def export(
     max_len: int = DEFAULT_MAX_LEN,
     serving: ServingOptions | None = None,
     calibrate: bool = False,
-    quantize: str | None = None,
-    activations: str = "int8",
+    quantize: QuantizationStrategy | None = None,
     offline: bool = False,
     command: Sequence[str] | None = None,
     kv_cache: str | None = None,
 ) -> Path:
     """Write ``out`` (see module docstring); refuses an existing directory unless ``force``.
 
-    ``quantize`` ("int4", "int8"): weight-only block quantization of the target and draft graphs,
-    ONNX Runtime only (``MatMulNBits`` is an ORT contrib op) and an fp32 graph only.
-    ``activations``: "int8" (default: ORT's int8 kernels, row-independent, so greedy ems equals greedy ar
-    bit for bit) or "fp32" (the stored weights in fp32 arithmetic: the fp32 export's answers, slower steps).
+    ``quantize``: the quantization of the target and draft graphs (``strategy_for`` builds it from the
+    flags), ONNX Runtime only (its ops are ORT contrib ops) and an fp32 graph only.
     ``kv_cache``: the type the served KV caches are stored in ("float16" halves an fp32 graph's, ONNX
     Runtime only: ``specdec.runtime.backends.ort_cache_dtype``); default: float16 for a quantized
     export (an edge runtime's caches), the graph's dtype otherwise.
@@ -185,7 +175,7 @@ def export(
     if dtype not in VALIDATION_TOLERANCE:
         raise ExportDirError(f"unsupported dtype {dtype!r}: choose float32 or float16")
     if quantize is not None:
-        _check_quantize(quantize, backend, dtype, activations)
+        _check_quantize(quantize.name, backend, dtype)
     kv_cache = _kv_cache_dtype(kv_cache, backend, dtype, quantize)
     if out.exists() and not force:
         raise ExportDirError(f"{out} already exists: pass --force to overwrite it")
@@ -204,13 +194,8 @@ def export(
             draft_model = resolve_draft(draft, target_model) if draft else None
         if draft_model is not None:
             check_draft_compatible(target_model, draft_model)
-        calibration = None
-        from specdec.export.quantize import INTEGER_MODES
-
-        if quantize in INTEGER_MODES:  # both graphs calibrate on the target's tokenizer: a draft ships none
-            from specdec.export.w8a8 import calibration_ids
-
-            calibration = calibration_ids(target_model.tokenizer, target_model.vocab_size)
+        if quantize is not None:
+            quantize = quantize.bind(target_model)  # what the target settles for both graphs (w8a8: calibration)
         stages.update()
         manifest = {
             "specdec_export": FORMAT_VERSION,
@@ -224,7 +209,7 @@ def export(
             "max_batch": max_batch,
             "max_len": max_len,
             "drafter": (DrafterKind.MODEL if draft_model is not None else DrafterKind.NGRAM).value,
-            "quantize": quantize,
+            "quantize": quantize.name if quantize else None,
             "kv_cache_dtype": kv_cache,
             "target": _export_model(
                 target_model,
@@ -236,8 +221,6 @@ def export(
                 max_batch,
                 max_len,
                 quantize,
-                activations,
-                calibration,
             ),
         }
         if draft_model is not None:
@@ -251,8 +234,6 @@ def export(
                 max_batch,
                 max_len,
                 quantize,
-                activations,
-                calibration,
             )
         manifest["versions"] = _versions()
         for part in ("target", "draft"):
@@ -314,17 +295,8 @@ def peak_rss_bytes() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
-def _check_quantize(quantize: str, backend: str, dtype: str, activations: str = "int8") -> None:
+def _check_quantize(quantize: str, backend: str, dtype: str) -> None:
     """Refuse what ``--quantize`` cannot make: a graph only ONNX Runtime runs, with fp32 activations."""
-    from specdec.export.quantize import INTEGER_MODES, MODES
-
-    if quantize not in MODES:
-        raise ExportDirError(f"unknown --quantize {quantize!r}: choose one of {', '.join(MODES)}")
-    if quantize in INTEGER_MODES and activations != "int8":
-        raise ExportDirError(
-            f"--quantize {quantize} rounds its activations to int8 by definition: "
-            f"--quantize-activations {activations} does not apply"
-        )
     if backend != "onnx":
         raise ExportDirError(
             f"--quantize {quantize} needs --backend onnx: MatMulNBits is an ONNX Runtime contrib op "
@@ -337,7 +309,7 @@ def _check_quantize(quantize: str, backend: str, dtype: str, activations: str = 
         )
 
 
-def _kv_cache_dtype(kv_cache: str | None, backend: str, dtype: str, quantize: str | None) -> str:
+def _kv_cache_dtype(kv_cache: str | None, backend: str, dtype: str, quantize: QuantizationStrategy | None) -> str:
     """The served caches' type: ``kv_cache``, else fp16 for a quantized export and the graph's dtype otherwise."""
     chosen = kv_cache or ("float16" if quantize else dtype)
     if chosen not in VALIDATION_TOLERANCE:
@@ -404,14 +376,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(VALIDATION_TOLERANCE), default="float32")
     parser.add_argument(
         "--quantize",
-        choices=("int4", "int8", "w8a8"),
+        choices=STRATEGIES,
         help="int4/int8: weight-only block-quantized linear layers (MatMulNBits; a GGUF source keeps "
         "its blocks); w8a8: int8 weights per channel and int8 activations per token in the decoder "
         "layers (ORT's integer GEMM: faster prefill and batches, a second rounding of the weights)",
     )
     parser.add_argument(
         "--quantize-activations",
-        choices=("fp32", "int8"),
+        choices=sorted(ACTIVATIONS),
         default="int8",
         help="with --quantize: int8 (default) runs ORT's int8 kernels, fast and row-independent "
         "(greedy ems = ar bit for bit); fp32 computes the stored weights in fp32 (answers equal the "
@@ -490,6 +462,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if serving.drafter is DrafterKind.HYBRID and draft is None:
             raise ExportDirError("--drafter hybrid needs --draft (prompt lookup first, the draft model elsewhere)")
+        quantize = strategy_for(args.quantize, args.quantize_activations) if args.quantize else None
         out = export(
             args.target,
             draft,
@@ -501,8 +474,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.max_len,
             serving,
             calibrate=args.calibrate,
-            quantize=args.quantize,
-            activations=args.quantize_activations,
+            quantize=quantize,
             offline=args.offline,
             command=list(argv) if argv is not None else None,
             kv_cache=args.kv_cache,

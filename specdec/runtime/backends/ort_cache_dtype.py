@@ -1,10 +1,10 @@
 """KV caches stored at a narrower float type than the graph computes in (fp16 caches of an fp32 graph).
 
 Why: an edge runtime keeps its caches in fp16 (llama.cpp's default) because at long contexts and
-several sequences they outweigh a quantized model: SmolLM2-135M's int4 graph is 146 MB, its fp32
-caches 45 KiB per token (46 MB per 1,000 positions written); in fp16 they take half. The exported graph keeps
-fp32 caches (TensorRT binds them as they are), so, like ``ort_fuse``, this is a rewrite of the
-in-memory copy an ``OrtBackend`` opens; the caches it binds are then fp16 arrays.
+several sequences they outweigh a quantized model; in fp16 they take half (sizes:
+``benchmarks/results/kv_cache_dtype.md``). The exported graph keeps fp32 caches (TensorRT binds them
+as they are), so, like ``ort_fuse``, this is a rewrite of the in-memory copy an ``OrtBackend``
+opens; the caches it binds are then fp16 arrays.
 
 How, per attention node (after ``ort_fuse``, so on either lowering):
 
@@ -25,11 +25,10 @@ reported by ``benchmarks/edge_cpu.py``.
 from __future__ import annotations
 
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
 from specdec.plugins import onnx_op
-from specdec.runtime.backends.onnx_edit import GraphEditor, live_sorted
-from specdec.runtime.backends.ort_fuse import MS_DOMAIN
+from specdec.runtime.backends.onnx_edit import MS_DOMAIN, GraphEditor
 from specdec.runtime.graph_io import CACHE_INPUT, CACHE_OUTPUT, cache_layers, cache_names
 
 #: cache types this rewrite stores, by the name the options and manifests use
@@ -69,7 +68,8 @@ def _narrow_gqa(
             continue
         if branch is not None and name in made:
             node.input[i] = g.name("low")
-            branch.append(helper.make_node("Cast", [name], [node.input[i]], name=g.name("Cast_node"), to=to))
+            with g.emitting_into(branch):
+                g.add("Cast", name, outputs=[node.input[i]], to=to)
         else:
             if name not in down:
                 down[name] = g.add("Cast", name, to=to)
@@ -80,7 +80,8 @@ def _narrow_gqa(
         g.add("Cast", node.output[0], outputs=[result], to=TensorProto.FLOAT)
         return
     branch.append(node)
-    branch.append(helper.make_node("Cast", [node.output[0]], [result], name=g.name("Cast_node"), to=TensorProto.FLOAT))
+    with g.emitting_into(branch):
+        g.add("Cast", node.output[0], outputs=[result], to=TensorProto.FLOAT)
 
 
 def _narrow_branches(g: GraphEditor, node: onnx.NodeProto, inputs: set[str], to: int, down: dict[str, str]) -> None:
@@ -135,7 +136,7 @@ def retype_caches(model: onnx.ModelProto, dtype: str) -> bool:
             f"computes in {onnx.helper.tensor_dtype_to_np_dtype(compute)}"
         )
     inputs, outputs = _cache_tensors(model.graph)
-    g = GraphEditor(model)
+    g = GraphEditor(model, "ort_fuse")  # the names of the lowering it follows
     down: dict[str, str] = {}
     for node in model.graph.node:
         kind = (node.domain, node.op_type)
@@ -150,7 +151,5 @@ def retype_caches(model: onnx.ModelProto, dtype: str) -> bool:
     for value in (*model.graph.input, *model.graph.output):
         if value.name in inputs or value.name in outputs:
             value.type.tensor_type.elem_type = to
-    nodes = live_sorted(model.graph, [*model.graph.node, *g.new_nodes])
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
+    g.commit(sort=True)
     return True

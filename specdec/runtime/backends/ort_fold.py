@@ -2,13 +2,11 @@
 
 Why: on ONNX Runtime's CPU GQA, a slot's rows are multiplied by its keys per *query* head, and
 MLAS packs (and, over fp16 caches, converts) the slot's K and V for every one of those calls. At
-several decoding sequences that packing, not the arithmetic, is the attention's cost (at 8
-sequences x 1 row, context 300, GQA took ~18 ms of a ~48 ms SmolLM2 step). Folding runs GQA with
-``num_heads = kv_num_heads``: the ``fold = heads / kv_heads`` query heads of a kv group become
-*rows* of one call, so K and V are packed once per kv head, and every GEMM has at least ``fold``
-rows (never MLAS's one-row path, so no discarded copy row is needed for invariance either).
-Measured (``benchmarks/experiments/attention_lowerings/README.md``): GQA time in steps of several
-decoding sequences 24-31% lower; a whole SmolLM2 step at 8 x 1, context 1000, 122.6 -> 97.1 ms.
+several decoding sequences that packing, not the arithmetic, is the attention's cost. Folding runs
+GQA with ``num_heads = kv_num_heads``: the ``fold = heads / kv_heads`` query heads of a kv group
+become *rows* of one call, so K and V are packed once per kv head, and every GEMM has at least
+``fold`` rows (never MLAS's one-row path, so no discarded copy row is needed for invariance either).
+Measured: ``benchmarks/experiments/attention_lowerings/README.md``.
 
 The layout: slot e runs ``fold * n_e`` query rows; row ``s * fold + g`` holds query head
 ``j * fold + g`` of its token s in GQA's head j (which reads kv head j). GQA places that row at
@@ -171,14 +169,9 @@ class Branch:
         self.g = g
         self.nodes: list[onnx.NodeProto] = []
 
-    def add(
-        self, op: str, *inputs: str, outputs: Sequence[str] | None = None, domain: str = "", **attrs: object
-    ) -> str:
-        outs = list(outputs) if outputs is not None else [self.g.name(op)]
-        self.nodes.append(
-            helper.make_node(op, list(inputs), outs, name=self.g.name(op + "_node"), domain=domain, **attrs)
-        )
-        return outs[0]
+    def add(self, op: str, *inputs: str, **kwargs: object) -> str:
+        with self.g.emitting_into(self.nodes):
+            return self.g.add(op, *inputs, **kwargs)
 
     def graph(self, outputs: Sequence[str], dtype: int) -> onnx.GraphProto:
         """The branch as a subgraph with ``outputs`` (declared of ``dtype``; it reads everything else from outside)."""

@@ -31,12 +31,15 @@ measurements: docs/export.md, "The ONNX Runtime lowering"; ``benchmarks/results/
   layouts give a row the same bits.
 * **rmsnorm** -> ``SimplifiedLayerNormalization`` (ORT's own fusion wants ``Div``, the exporter
   emits ``Reciprocal``/``Mul``); **skip_rmsnorm** -> ``SkipSimplifiedLayerNormalization`` for a
-  residual ``Add`` feeding a norm (ORT does not fuse it: the sum has other consumers).
+  residual ``Add`` feeding a norm (ORT does not fuse it: the sum has other consumers): ``ort_norms``.
 * **rotary** -> ``com.microsoft.RotaryEmbedding`` with per-token tables ``Cos(f)``/``Sin(f)`` (the
-  first halves of the graph's own ``Cos/Sin(Concat(f, f))``), on the padded rows of fused attention.
+  first halves of the graph's own ``Cos/Sin(Concat(f, f))``), on the padded rows of fused attention:
+  ``ort_rotary``.
 
-Nothing here touches MatMul/Gemm nodes, so the rewrites compose with weight quantization
-(``MatMulNBits``) whichever runs first.
+This module holds the attention lowering and the driver (``fuse_model``); every rewrite edits the
+graph through ``onnx_edit.GraphEditor``, as the export's quantization does. Nothing here touches
+MatMul/Gemm nodes, so the rewrites compose with weight quantization (``MatMulNBits``) whichever
+runs first.
 """
 
 from __future__ import annotations
@@ -49,10 +52,11 @@ import onnx
 from onnx import TensorProto, helper
 
 from specdec.plugins import onnx_op
-from specdec.runtime.backends.onnx_edit import GraphEditor, live_sorted, outer_inputs
+from specdec.runtime.backends.onnx_edit import MS_DOMAIN, GraphEditor
 from specdec.runtime.backends.ort_fold import FOLD_ROWS, Branch, Fold, fold_prelude, gqa_width
+from specdec.runtime.backends.ort_norms import fuse_rmsnorm, fuse_skip
+from specdec.runtime.backends.ort_rotary import Rope, fuse_rotary, match_ropes, rope_tables
 
-MS_DOMAIN = "com.microsoft"
 REWRITES = ("attention", "rmsnorm", "skip_rmsnorm", "rotary")
 #: cache positions past ``max_len`` the fused attention needs: the folded layout writes ``fold * n`` K/V rows for a
 #: sequence's n (at most FOLD_ROWS), the padded one an odd-length sequence's discarded copy row (module docstring)
@@ -227,128 +231,6 @@ def _bias(g: GraphEditor, pre: _Prelude, dtype: int) -> str:
     return pre.bias[dtype]
 
 
-# --------------------------------------------------------------------------------------------- rotary
-
-
-@dataclass
-class _Rope:
-    """A matched ``x * cos + rotate_half(x) * sin`` whose tables are ``Cos/Sin(Concat(f, f))`` (+ Cast)."""
-
-    root: onnx.NodeProto  # the final Add
-    x: str  # [T, H, D]
-    f: str  # [T, D/2] position * inv_freq
-    cast: int | None  # dtype the tables are cast to (fp16 graphs)
-
-
-def _rope_table(g: GraphEditor, table: str, kind: str) -> tuple[str, int | None] | None:
-    """(f, cast dtype) when ``table`` is ``Unsqueeze(Cast?(kind(Concat(f, f))), [1])``, else None."""
-    unsq = g.node_of(table, "Unsqueeze")
-    if unsq is None or len(unsq.input) < 2 or g.const_value(unsq.input[1]) != [1]:
-        return None
-    cast = g.node_of(unsq.input[0], "Cast")
-    trig = g.node_of(cast.input[0] if cast else unsq.input[0], kind)
-    cat = trig and g.node_of(trig.input[0], "Concat")
-    if not cat or len(cat.input) != 2 or cat.input[0] != cat.input[1] or int(g.attr(cat, "axis")) != -1:
-        return None
-    return cat.input[0], (int(g.attr(cast, "to")) if cast else None)
-
-
-def _rope_tables(g: GraphEditor, rope: _Rope) -> tuple[str, str]:
-    """The per-token tables ``Cos(f)``, ``Sin(f)`` (the first halves of the graph's own), one row longer.
-
-    ``RotaryEmbedding`` refuses an input with more padded rows than its tables have rows, and a
-    step of one decoding sequence has one token but two padded rows (its discarded second query
-    row): the extra row (a copy of the first, never indexed) makes ``T + 1 >= S`` hold always.
-    """
-    key = ("rope", rope.f, rope.cast)
-    if key not in g.shared:
-        f = g.add("Concat", rope.f, g.add("Slice", rope.f, g.ints(0), g.ints(1), g.ints(0)), axis=0)  # [T + 1, D/2]
-        cos, sin = g.add("Cos", f), g.add("Sin", f)
-        if rope.cast is not None:
-            cos, sin = g.add("Cast", cos, to=rope.cast), g.add("Cast", sin, to=rope.cast)
-        g.shared[key] = (cos, sin)
-    return g.shared[key]
-
-
-def _match_rope(g: GraphEditor, root: onnx.NodeProto, dims: dict[str, list[int | None]]) -> _Rope | None:
-    for a, b in (root.input, reversed(root.input)):
-        m1, m2 = g.node_of(a, "Mul"), g.node_of(b, "Mul")
-        if not (m1 and m2):
-            continue
-        for x, cos in (m1.input, reversed(m1.input)):
-            for rot, sin in (m2.input, reversed(m2.input)):
-                cat = g.node_of(rot, "Concat")
-                neg = cat and len(cat.input) == 2 and g.node_of(cat.input[0], "Neg")
-                hi = neg and g.node_of(neg.input[0], "Slice")
-                lo = hi and g.node_of(cat.input[1], "Slice")
-                shape = dims.get(x)
-                if not (lo and hi.input[0] == x and lo.input[0] == x and shape and len(shape) == 3 and shape[2]):
-                    continue
-                half = int(shape[2]) // 2
-                c, s = _rope_table(g, cos, "Cos"), _rope_table(g, sin, "Sin")
-                f_dims = dims.get(c[0]) if c else None
-                if (
-                    c
-                    and s
-                    and c == s
-                    and f_dims
-                    and f_dims[-1] == half
-                    and 2 * half == shape[2]
-                    and g.const_value(lo.input[1]) == [0]
-                    and g.const_value(lo.input[2]) == [half]
-                    and g.const_value(hi.input[1]) == [half]
-                    and (g.const_value(hi.input[2]) or [0])[0] >= 2 * half
-                    and all(_last_axis(g, n, {x: 3}) for n in (lo, hi))
-                    and all(len(n.input) < 5 or g.const_value(n.input[4]) == [1] for n in (lo, hi))
-                    and int(g.attr(cat, "axis")) in (-1, 2)
-                ):
-                    return _Rope(root=root, x=x, f=c[0], cast=c[1])
-    return None
-
-
-def _match_ropes(g: GraphEditor, dims: dict[str, list[int | None]]) -> dict[str, _Rope]:
-    """Every RoPE of the graph, by the name of its output."""
-    ropes = {}
-    for root in g.graph.node:
-        if root.op_type == "Add" and root.domain == "" and len(root.input) == 2:
-            rope = _match_rope(g, root, dims)
-            if rope is not None:
-                ropes[root.output[0]] = rope
-    return ropes
-
-
-def _fuse_rotary(g: GraphEditor, ropes: dict[str, _Rope], fused: set[int], report: FuseReport) -> set[int]:
-    """The RoPEs still needed outside fused attention -> RotaryEmbedding over ``[T, H, 1, D]`` (batch T)."""
-    outputs = {o.name for o in g.graph.output}
-    replaced: set[int] = set()
-    for name, rope in ropes.items():
-        if name not in outputs and all(id(n) in fused for n in g.consumers.get(name, [])):
-            continue  # only fused attention read it, and that applies the rotation itself
-        cos, sin = _rope_tables(g, rope)
-        if ("positions", rope.f) not in g.shared:
-            tok = g.add(
-                "Range",
-                g.add("Squeeze", g.ints(0)),
-                g.add("Squeeze", g.add("Shape", rope.f, start=0, end=1)),
-                g.add("Squeeze", g.ints(1)),
-            )
-            g.shared[("positions", rope.f)] = g.add("Unsqueeze", tok, g.ints(1))  # [T, 1]: token t uses row t
-        axis = g.ints(2)
-        rotated = g.add(
-            "RotaryEmbedding",
-            g.add("Unsqueeze", rope.x, axis),
-            g.shared[("positions", rope.f)],
-            cos,
-            sin,
-            domain=MS_DOMAIN,
-            interleaved=0,
-        )
-        g.add("Squeeze", rotated, axis, outputs=[name])
-        replaced.add(id(rope.root))
-        report.counts["rotary"] += 1
-    return replaced
-
-
 # --------------------------------------------------------------------------------------------- attention + rotary
 
 
@@ -470,7 +352,7 @@ def _fuse_attention(
     g: GraphEditor,
     types: dict[str, int],
     dims: dict[str, list[int | None]],
-    ropes: dict[str, _Rope],
+    ropes: dict[str, Rope],
     report: FuseReport,
 ) -> tuple[set[int], set[int]]:
     """Replace every RaggedTreeAttention node by the GQA lowering; the ids of the replaced nodes, and of those
@@ -478,7 +360,7 @@ def _fuse_attention(
 
     Grouped-query attention (``fold`` = heads / kv heads >= 2): an ``If`` per layer runs the folded
     layout (``ort_fold``: decoding and verification steps) or the padded one (prefill chunks),
-    which give the same bits for a row; RoPE runs on the packed rows before (``_fuse_rotary``).
+    which give the same bits for a row; RoPE runs on the packed rows before (``ort_rotary.fuse_rotary``).
     Otherwise q, k, v are gathered into the padded layout from the 2-D projection outputs they are
     views of, and a matched RoPE on q/k runs on the padded rows (``RotaryEmbedding`` with the padded
     row index as position into the per-token tables), so a layer needs no reshapes around GQA.
@@ -526,7 +408,7 @@ def _fuse_attention(
             else:
                 out = g.add("Reshape", g.add("Gather", base, pre.pad_index, axis=0), pre.pad_shape)
             if rope:
-                cos, sin = _rope_tables(g, rope)
+                cos, sin = rope_tables(g, rope)
                 out = g.add(
                     "RotaryEmbedding", out, pre.pad_index, cos, sin, domain=MS_DOMAIN, num_heads=heads, interleaved=0
                 )
@@ -556,108 +438,6 @@ def _fuse_attention(
         rope_inside.add(id(node))
         report.counts["attention"] += 1
     return replaced, rope_inside
-
-
-# --------------------------------------------------------------------------------------------- rmsnorm
-
-
-def _is_const(g: GraphEditor, name: str, value: float) -> bool:
-    values = g.const_value(name)
-    return values is not None and len(values) == 1 and float(values[0]) == value
-
-
-def _last_axis(g: GraphEditor, node: onnx.NodeProto, ranks: dict[str, int]) -> bool:
-    """ReduceMean/Slice/Concat over the last axis only (axes as input or attribute)."""
-    rank = ranks.get(node.input[0])
-    if node.op_type == "ReduceMean":
-        axes = g.const_value(node.input[1]) if len(node.input) > 1 and node.input[1] else g.attr(node, "axes")
-    elif node.op_type == "Slice":
-        axes = g.const_value(node.input[3]) if len(node.input) > 3 and node.input[3] else None
-    else:
-        axes = [g.attr(node, "axis")]
-    if axes is None or len(axes) != 1:
-        return False
-    return int(axes[0]) == -1 or (rank is not None and int(axes[0]) == rank - 1)
-
-
-def _fuse_rmsnorm(g: GraphEditor, types: dict[str, int], ranks: dict[str, int], report: FuseReport) -> set[int]:
-    """``w * (x * 1 / Sqrt(ReduceMean(x ** 2) + eps))`` (fp16: casts around it) -> SimplifiedLayerNormalization."""
-    replaced: set[int] = set()
-    for root in g.graph.node:
-        if root.op_type != "Mul" or root.domain != "":
-            continue
-        for w, y in (root.input, reversed(root.input)):
-            if w not in g.consts or len(g.consts[w].dims) != 1:
-                continue
-            cast_out = g.node_of(y, "Cast")
-            prod = g.node_of(cast_out.input[0] if cast_out else y, "Mul")
-            if prod is None:
-                continue
-            for x32, r in (prod.input, reversed(prod.input)):
-                recip = g.node_of(r, "Reciprocal")
-                sqrt = recip and g.node_of(recip.input[0], "Sqrt")
-                add = sqrt and g.node_of(sqrt.input[0], "Add")
-                if not add:
-                    continue
-                mean_name, eps_name = add.input if g.const_value(add.input[1]) is not None else reversed(add.input)
-                eps = g.const_value(eps_name)
-                mean = g.node_of(mean_name, "ReduceMean")
-                power = mean and g.node_of(mean.input[0], "Pow")
-                if not (
-                    power
-                    and power.input[0] == x32
-                    and _is_const(g, power.input[1], 2.0)
-                    and eps
-                    and len(eps) == 1
-                    and int(g.attr(mean, "keepdims", 1)) == 1
-                    and _last_axis(g, mean, ranks)
-                ):
-                    continue
-                cast_in = g.node_of(x32, "Cast")
-                if (cast_in is None) != (cast_out is None):
-                    continue
-                x = cast_in.input[0] if cast_in else x32
-                if cast_in and (types.get(x) != types.get(root.output[0]) or types.get(x32) != TensorProto.FLOAT):
-                    continue
-                g.add(
-                    "SimplifiedLayerNormalization",
-                    x,
-                    w,
-                    outputs=[root.output[0]],
-                    axis=-1,
-                    epsilon=float(eps[0]),
-                    stash_type=1,
-                )
-                replaced.add(id(root))
-                report.counts["rmsnorm"] += 1
-                break
-            if id(root) in replaced:
-                break
-    return replaced
-
-
-def _fuse_skip(g: GraphEditor, report: FuseReport) -> set[int]:
-    """``n = SimplifiedLayerNormalization(a + b, w)`` -> ``SkipSimplifiedLayerNormalization(a, b, w)`` (n and a + b)."""
-    replaced: set[int] = set()
-    for norm in list(g.new_nodes):
-        if norm.op_type != "SimplifiedLayerNormalization":
-            continue
-        add = g.node_of(norm.input[0], "Add")
-        if add is None or id(add) in replaced or len(add.input) != 2 or add.input[0] == add.input[1]:
-            continue
-        eps = float(g.attr(norm, "epsilon"))
-        g.add(
-            "SkipSimplifiedLayerNormalization",
-            add.input[0],
-            add.input[1],
-            norm.input[1],
-            outputs=[norm.output[0], "", "", add.output[0]],
-            domain=MS_DOMAIN,
-            epsilon=eps,
-        )
-        replaced |= {id(add), id(norm)}
-        report.counts["skip_rmsnorm"] += 1
-    return replaced
 
 
 # --------------------------------------------------------------------------------------------- driver
@@ -697,28 +477,25 @@ def fuse_model(model: onnx.ModelProto, rewrites: Sequence[str] = REWRITES) -> Fu
     rewrites = [r for r in rewrites if r not in missing]
     types, dims = _tensor_info(model)
     ranks = {name: len(d) for name, d in dims.items()}
-    g = GraphEditor(model)
-    removed: set[int] = set()
-    ropes = _match_ropes(g, dims) if "rotary" in rewrites else {}
+    g = GraphEditor(model, "ort_fuse")
+    ropes = match_ropes(g, dims) if "rotary" in rewrites else {}
     rope_inside: set[int] = set()
     if "attention" in rewrites:
         attention, rope_inside = _fuse_attention(g, types, dims, ropes, report)
-        removed |= attention
-    removed |= _fuse_rotary(g, ropes, rope_inside, report)
+        g.removed |= attention
+    rotary = fuse_rotary(g, ropes, rope_inside)
+    report.counts["rotary"] += len(rotary)
+    g.removed |= rotary
     if "rmsnorm" in rewrites:
-        removed |= _fuse_rmsnorm(g, types, ranks, report)
+        norms = fuse_rmsnorm(g, types, ranks)
+        report.counts["rmsnorm"] += len(norms)
+        g.removed |= norms
         if "skip_rmsnorm" in rewrites:
-            removed |= _fuse_skip(g, report)
-    nodes = [n for n in (*model.graph.node, *g.new_nodes) if id(n) not in removed]
-    kept = live_sorted(model.graph, nodes)
-    del model.graph.node[:]
-    model.graph.node.extend(kept)
-    used = {name for n in kept for name in (*n.input, *outer_inputs(n))} | {o.name for o in model.graph.output}
-    initializers = [i for i in model.graph.initializer if i.name in used]  # the rewritten patterns' constants
-    del model.graph.initializer[:]
-    model.graph.initializer.extend(initializers)
-    if any(n.domain == MS_DOMAIN for n in kept) and not any(i.domain == MS_DOMAIN for i in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+            skips = fuse_skip(g)
+            report.counts["skip_rmsnorm"] += len(skips) // 2  # the Add and the norm of each
+            g.removed |= skips
+    g.commit(sort=True)  # drops the rewritten patterns' constants too
+    kept = g.graph.node
     if not any(n.domain == onnx_op.DOMAIN and n.op_type == onnx_op.OP_TYPE for n in kept):
         kept_functions = [f for f in model.functions if (f.domain, f.name) != (onnx_op.DOMAIN, onnx_op.OP_TYPE)]
         del model.functions[:]

@@ -1,8 +1,21 @@
 """Weight blocks in the form ONNX Runtime's ``MatMulNBits`` and ``GatherBlockQuantized`` read them.
 
-One representation (``BlockQuant``) for every source: round-to-nearest from fp32, and the GGUF
-formats converted bit for bit (Q4_0, Q4_1, Q8_0), with the packing both ops share (two 4-bit codes
-per byte, low nibble first). Why and which formats: ``specdec.export.quantize``'s docstring.
+One representation (``BlockQuant``, blocks of 32 along K, ``w = scale * (code - zero_point) + offset``)
+for every source, with the packing both ops share (two 4-bit codes per byte, low nibble first).
+Formats, and why:
+
+* a generic source (a Hugging Face directory, tiny-random): round to nearest. int4 is asymmetric
+  (the block's range, widened to hold 0, in 16 steps; an integer uint8 zero point), which gives a
+  skewed block its full 16 levels. int8 is symmetric (``scale = max|w| / 127``, the op's default zero
+  point 128, no zero-point tensor): at 8 bits an asymmetric range gains under one bit on skewed
+  blocks, and it is Q8_0's own format, so RTN int8 and a GGUF Q8_0 tensor are one layout.
+* a block-quantized GGUF (Q4_0 / Q4_1 / Q8_0): the file's own blocks, converted bit for bit, no
+  second rounding: Q4_0 ``w = d*(q-8)`` is 4-bit with the default zero point 8; Q8_0 ``w = d*q`` is
+  8-bit with ``q+128`` and the default 128; Q4_1 ``w = d*q + m`` is 4-bit as ``d*(q - z) + m'``, a
+  per-block integer zero point z and offsets ``m' = m + z*d`` that the graph adds beside the op
+  (``nbits``); z makes ``m'`` as small as it can be exactly in fp32 (``centred_offsets``). A tensor
+  keeps its source's bits when those are more than asked (``widened``: fewer bits are held exactly
+  in 8-bit codes).
 """
 
 from __future__ import annotations

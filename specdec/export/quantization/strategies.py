@@ -1,0 +1,229 @@
+"""Quantization schemes as strategies: one object per scheme, one interface, built from the flags in one place.
+
+A strategy holds its own settings and answers the same four questions: what each source tensor
+becomes (``plan``), which nodes compute a linear layer of the graph (``linear``), which graph the
+export's tight check runs (``checked``) and what the manifest records (``describe``). The graph
+rewrite (``rewrite.rewrite_graph``) and the export step (``specdec.export.quantize``) are the same
+for every scheme. The schemes:
+
+* ``WeightBlocks(4)``, ``WeightBlocks(8)`` (``--quantize int4|int8``): weight-only blocks of 32 in
+  ``MatMulNBits`` (``nbits``), a block-quantized GGUF's own blocks bit for bit or round to nearest
+  (``blocks``), at the activation level the flags ask for. int4 and int8 are one scheme at two widths.
+* ``W8A8`` (``--quantize w8a8``): the decoder layers' linears as integer-GEMM chains smoothed on
+  calibration prompts (``w8a8``, ``calibration``); the LM head and the embedding table are what
+  ``WeightBlocks(8)`` makes them (the head multiplies only the rows that need logits, the table is
+  gathered).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from specdec.export.quantization.blocks import BlockQuant, QuantizeError, concat_rows
+from specdec.export.quantization.calibration import activation_maxima, calibration_ids
+from specdec.export.quantization.nbits import (
+    ACTIVATIONS,
+    CHECK_LEVEL,
+    FP32_ACTIVATIONS,
+    INT8_ACTIVATIONS,
+    matmul_nbits,
+    set_accuracy_level,
+    set_level,
+)
+from specdec.export.quantization.sources import (
+    EMBEDDING,
+    Runs,
+    embedding_block,
+    fp32,
+    linear_names,
+    node_metadata,
+    source_blocks,
+)
+from specdec.export.quantization.w8a8 import (
+    SMOOTH_ALPHA,
+    fp32_product_copy,
+    integer_chain,
+    quantize_linear,
+    smoothing,
+)
+from specdec.runtime.backends.onnx_edit import GraphEditor
+
+#: ``--quantize`` choices (``strategy_for``)
+STRATEGIES = ("int4", "int8", "w8a8")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What each source tensor of a model becomes, decided before the graph is read."""
+
+    blocks: dict[str, BlockQuant]  # MatMulNBits, by source tensor
+    kept: dict[str, np.ndarray]  # left fp32 on purpose: their values
+    reference: dict[str, np.ndarray]  # the fp32 values of the replaced tensors, which graph rows are matched against
+    embedding: BlockQuant | None  # the table gathered from blocks; None: it stays fp32
+    table: np.ndarray | None  # its fp32 values (to find the gather that reads it)
+    integer: dict[str, np.ndarray] = field(default_factory=dict)  # w8a8 chains: their inputs' calibrated maxima
+
+
+@dataclass(frozen=True)
+class Linear:
+    """What a strategy put in place of one linear node: the format it records, and the fp32 weight ``[N, K]`` its
+    nodes compute where the plan cannot tell it beforehand (a chain's smoothing depends on the graph's fused weight)."""
+
+    source_format: str
+    computed: np.ndarray | None = None
+
+
+class QuantizationStrategy(ABC):
+    """One quantization scheme with its settings; see the module docstring."""
+
+    name: str  # the manifest's ``mode`` and the ``--quantize`` choice
+    bits: int  # the width of its weight blocks
+    accuracy_level: int  # MatMulNBits' activation level in the shipped graph
+
+    def bind(self, target: Any) -> QuantizationStrategy:
+        """This strategy with what the target settles for every graph of its export (``W8A8``: the calibration
+        prompts, in the target's tokenizer, since a draft ships none)."""
+        return self
+
+    @abstractmethod
+    def plan(self, model: Any) -> Plan:
+        """What each linear weight (and the embedding table) of ``model`` becomes."""
+
+    @abstractmethod
+    def linear(self, g: GraphEditor, node: Any, weight: np.ndarray, runs: Runs, plan: Plan) -> Linear:
+        """Emit into ``g`` the nodes computing the linear ``node`` by ``weight [N, K]``, which holds the source rows
+        ``runs`` (none of them kept fp32)."""
+
+    @abstractmethod
+    def checked(self, graph: Path) -> AbstractContextManager[Path]:
+        """The graph as the export's tight check runs it: its stored weights computed exactly (no activation
+        rounding), so the check tests the graph and not the rounding."""
+
+    def describe(self, plan: Plan) -> dict:
+        """The manifest's summary of the scheme (the rewrite adds what it found in the graph)."""
+        return {"mode": self.name, "bits": self.bits, "fp32_tensors": sorted(plan.kept)}
+
+
+@dataclass(frozen=True)
+class WeightBlocks(QuantizationStrategy):
+    """Weight-only blocks: every linear layer a MatMulNBits, the embedding gathered from blocks (``nbits``).
+
+    ``use_gguf=False`` rounds the fp32 weights even when the model came from a block-quantized GGUF
+    (what a second rounding costs: ``benchmarks/quantize_quality.py``).
+    """
+
+    bits: int
+    accuracy_level: int = INT8_ACTIVATIONS
+    use_gguf: bool = True
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise QuantizeError(f"weight blocks are 4 or 8 bits, not {self.bits}")
+
+    @property
+    def name(self) -> str:
+        return f"int{self.bits}"
+
+    def plan(self, model: Any, names: Sequence[str] | None = None) -> Plan:
+        """The blocks of ``names`` (default: every linear weight) and of the table, less ``fp32_tensors``."""
+        blocks = source_blocks(model, self.bits, self.use_gguf, linear_names(model) if names is None else names)
+        table = embedding_block(model, self.bits, blocks, self.use_gguf)
+        kept = self.fp32_tensors(blocks)
+        return Plan(
+            blocks={name: block for name, block in blocks.items() if name not in kept},
+            kept={name: fp32(model, name) for name in blocks if name in kept},
+            reference={name: fp32(model, name) for name in blocks if name not in kept},
+            embedding=table,
+            table=None if table is None else fp32(model, EMBEDDING),
+        )
+
+    def fp32_tensors(self, blocks: Mapping[str, BlockQuant]) -> set[str]:
+        """The tensors left as fp32 Gemms: at fp32 activations, those wider than asked (8-bit under ``int4``), for
+        which MLAS has no fp32-activation kernel (``nbits``). The table is gathered from blocks all the same: a
+        gather de-quantizes rows, it multiplies nothing."""
+        if self.accuracy_level != FP32_ACTIVATIONS:
+            return set()
+        return {name for name, block in blocks.items() if block.bits > self.bits}
+
+    def linear(self, g: GraphEditor, node: Any, weight: np.ndarray, runs: Runs, plan: Plan) -> Linear:
+        block = concat_rows([plan.blocks[name].take(start, stop) for name, start, stop in runs])
+        matmul_nbits(g, node, block, runs, self.accuracy_level)
+        return Linear(block.source)
+
+    @contextmanager
+    def checked(self, graph: Path) -> Iterator[Path]:
+        """The graph itself at fp32 activations, switched back to its level afterwards."""
+        set_accuracy_level(graph, CHECK_LEVEL)
+        try:
+            yield Path(graph)
+        finally:
+            set_accuracy_level(graph, self.accuracy_level)
+
+
+@dataclass(frozen=True)
+class W8A8(QuantizationStrategy):
+    """The decoder layers' linears as integer-GEMM chains (``w8a8``); the head and the table as ``WeightBlocks(8)``.
+
+    ``strength``: SmoothQuant's migration strength. ``calibration``: the token sequences whose
+    activations set the smoothing (default: ``calibration.calibration_ids`` in the model's own tokenizer).
+    """
+
+    strength: float = SMOOTH_ALPHA
+    calibration: tuple[tuple[int, ...], ...] | None = None
+    use_gguf: bool = True
+    name: ClassVar[str] = "w8a8"
+    bits: ClassVar[int] = 8
+    accuracy_level: ClassVar[int] = INT8_ACTIVATIONS  # the head's: the chains round their activations by definition
+
+    @property
+    def head(self) -> WeightBlocks:
+        return WeightBlocks(self.bits, self.accuracy_level, self.use_gguf)
+
+    def bind(self, target: Any) -> W8A8:
+        if self.calibration is not None:
+            return self
+        sequences = calibration_ids(target.tokenizer, target.vocab_size)
+        return replace(self, calibration=tuple(tuple(ids) for ids in sequences))
+
+    def plan(self, model: Any) -> Plan:
+        names = linear_names(model)
+        sequences = self.calibration or calibration_ids(model.tokenizer, model.vocab_size)
+        maxima = activation_maxima(model, sequences, names[:-1])
+        head = self.head.plan(model, [name for name in names if name not in maxima])
+        return replace(head, integer=maxima, reference={**head.reference, **{n: fp32(model, n) for n in maxima}})
+
+    def linear(self, g: GraphEditor, node: Any, weight: np.ndarray, runs: Runs, plan: Plan) -> Linear:
+        if not all(name in plan.integer for name, _, _ in runs):
+            return self.head.linear(g, node, weight, runs, plan)
+        seen = np.max([plan.integer[name] for name, _, _ in runs], axis=0)  # q|k|v, gate|up read one input
+        linear = quantize_linear(weight, smoothing(seen, weight, self.strength))
+        integer_chain(g, node, linear, node_metadata(runs, self.name))
+        return Linear(self.name, linear.effective())
+
+    def checked(self, graph: Path) -> AbstractContextManager[Path]:
+        """A copy whose chains are Gemms by their effective weights (they have no fp32-activation level to switch
+        to), its head at fp32 activations."""
+        return fp32_product_copy(graph, lambda g: set_level(g, CHECK_LEVEL))
+
+
+def strategy_for(name: str, activations: str = "int8", use_gguf: bool = True) -> QuantizationStrategy:
+    """The strategy ``--quantize name --quantize-activations activations`` asks for: the one place flags become one."""
+    if activations not in ACTIVATIONS:
+        raise QuantizeError(f"unknown --quantize-activations {activations!r}: choose one of {', '.join(ACTIVATIONS)}")
+    if name == W8A8.name:
+        if activations != "int8":
+            raise QuantizeError(
+                f"--quantize {name} rounds its activations to int8 by definition: "
+                f"--quantize-activations {activations} does not apply"
+            )
+        return W8A8(use_gguf=use_gguf)
+    if name in ("int4", "int8"):
+        return WeightBlocks(int(name.removeprefix("int")), ACTIVATIONS[activations], use_gguf)
+    raise QuantizeError(f"unknown --quantize {name!r}: choose one of {', '.join(STRATEGIES)}")
