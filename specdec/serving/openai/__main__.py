@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -91,6 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         lifespan="on",
     )
     server = Server(config)
+    # uvicorn re-raises the shutdown signal once it has shut down, into the handler that was there before it: this
+    # one lets the process end with 0 after a graceful shutdown, instead of being killed by its own signal
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda _sig, _frame: None)
     server.run()
     return 0 if server.started else 1
 

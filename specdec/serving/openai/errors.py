@@ -29,7 +29,7 @@ INTERNAL_PREFIXES = ("internal error", "postprocessing failed")
 VALIDATION_WORDS = frozenset({"input", "prompt", "unknown", "method", "stop", "beam"})
 CONTEXT_CODE = "context_length_exceeded"
 _INPUT = re.compile(r"input '(?P<name>[A-Za-z_]+)'")
-_FIRST_WORD = re.compile(r"^(?P<word>[A-Za-z_=]+)\b")
+_FIRST_WORD = re.compile(r"^(unknown )?(?P<word>[A-Za-z_=]+)\b")
 
 
 @dataclass
@@ -131,7 +131,7 @@ def from_triton(message: str, status: str | None, params: Mapping[str, str]) -> 
     if status == "INVALID_ARGUMENT" or (not status and _is_validation(message, params)):
         name = _named_input(message, params)
         param = params.get(name, name) if name else None
-        code = CONTEXT_CODE if "context holds" in message else "invalid_value"
+        code = CONTEXT_CODE if message.startswith("prompt has") and "context holds" in message else "invalid_value"
         return bad_request(message, param=param, code=code)
     return internal(message or "the inference server failed without a message")
 

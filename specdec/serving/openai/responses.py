@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdec.runtime.methods import DEFAULT_METHOD
 from specdec.serving.openai.errors import internal
 from specdec.serving.openai.schema import (
     ChatChoice,
@@ -103,7 +104,7 @@ class Answer:
         """The ``specdec`` extension of a choice."""
         m = choice.metrics
         return SpecdecStats(
-            method=self.translation.method,
+            method=self.translation.method or DEFAULT_METHOD,
             finish_reason=choice.finish_reason or None,
             draft_tokens=int(m.get("draft_tokens") or 0),
             accepted_draft_tokens=int(m.get("accepted_draft_tokens") or 0),

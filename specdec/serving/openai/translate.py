@@ -114,7 +114,7 @@ def chat_inputs(req: ChatRequest) -> Translation:
     if req.logprobs:
         values["logprobs"] = True
         values["top_logprobs"] = req.top_logprobs or 0
-    params = dict(OPENAI_FIELD, prompt="messages")
+    params = dict(OPENAI_FIELD, prompt="messages", text_input="messages", prompt_ids="messages")
     if req.max_completion_tokens is not None:
         params["max_tokens"] = "max_completion_tokens"
     return Translation(_tensors(values), params, req.choices, bool(req.logprobs), req.top_logprobs or 0, req.method)
@@ -192,6 +192,10 @@ def _one(outputs: Mapping[str, np.ndarray], name: str) -> Any:
     return values[0] if values else None
 
 
+def _float32(value: float) -> float:
+    return float(np.format_float_positional(np.float32(value), unique=True, trim="-"))
+
+
 def _text(value: Any) -> str:
     return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
 
@@ -211,8 +215,8 @@ def _logprobs(outputs: Mapping[str, np.ndarray]) -> list[TokenLogprob]:
     return [
         TokenLogprob(
             tokens[i] if i < len(tokens) else b"",
-            float(values[i]),
-            tuple((bytes(top_t[i, j]), float(top_v[i, j])) for j in range(k)) if k else (),  # type: ignore[index]
+            _float32(values[i]),
+            tuple((bytes(top_t[i, j]), _float32(top_v[i, j])) for j in range(k)) if k else (),  # type: ignore[index]
         )
         for i in range(rows)
     ]
@@ -221,6 +225,9 @@ def _logprobs(outputs: Mapping[str, np.ndarray]) -> list[TokenLogprob]:
 def piece_of(outputs: Mapping[str, np.ndarray]) -> Piece:
     """One response's tensors (by name) as a ``Piece``."""
     metrics = {spec.name: _one(outputs, spec.name) for spec in protocol.REQUEST_METRICS if spec.dims == (1,)}
+    for spec in protocol.REQUEST_METRICS:  # a float32 as the number it is (0.22222222, not 0.2222222238779068)
+        if spec.dtype == "TYPE_FP32" and metrics.get(spec.name) is not None:
+            metrics[spec.name] = _float32(metrics[spec.name])
     metrics["beam_widths"] = [int(w) for w in _values(outputs.get("beam_widths"))]
     index = _one(outputs, INDEX)
     prompt_tokens, completion_tokens = _one(outputs, PROMPT_TOKENS), _one(outputs, COMPLETION_TOKENS)
