@@ -41,6 +41,7 @@ STORY = "Write a long story about a lighthouse keeper and the sea."
 _DECLARED = {spec.name for spec in protocol.CLIENT_INPUTS}
 needs_messages = pytest.mark.skipif("messages" not in _DECLARED, reason="the entry models take no 'messages' yet")
 needs_n = pytest.mark.skipif("n" not in _DECLARED, reason="the entry models take no 'n' yet")
+needs_prompt_ids = pytest.mark.skipif("prompt_ids" not in _DECLARED, reason="the entry models take no 'prompt_ids' yet")
 needs_logprobs = pytest.mark.skipif("logprobs" not in _DECLARED, reason="the entry models give no logprobs yet")
 
 
@@ -136,9 +137,6 @@ def test_sdk_completions_sync_async_unary_and_streamed_equal_the_grpc_client(ser
     )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == reference.text
     assert chunks[-1].usage.completion_tokens == len(reference.output_ids) and not chunks[-1].choices
-    ids = [list(range(5))]  # token ids as the prompt: no template, the ids as they are
-    by_ids = client.completions.create(model=served.model, prompt=ids, max_tokens=4, temperature=0)
-    assert by_ids.choices[0].finish_reason in ("stop", "length")
 
     async def both() -> tuple[Any, str]:
         async_client = openai.AsyncOpenAI(base_url=f"{served.openai}/v1", api_key="unused", max_retries=0)
@@ -288,6 +286,19 @@ def test_chat_multi_turn_with_a_system_prompt(served: Served) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     assert answer.choices[0].message.content and text == answer.choices[0].message.content
     assert answer.usage.prompt_tokens > one_turn.usage.prompt_tokens > 0
+
+
+@needs_prompt_ids
+def test_a_prompt_of_token_ids_is_the_prompt_of_its_text(served: Served, smollm2_export: Path) -> None:
+    from specdec.models.export_meta import load_export_metadata
+
+    tokenizer = load_export_metadata(smollm2_export, "target").tokenizer
+    ids = list(tokenizer(PROMPT)["input_ids"])
+    client = served.sdk()
+    by_text = client.completions.create(model=served.model, prompt=PROMPT, max_tokens=16, temperature=0)
+    by_ids = client.completions.create(model=served.model, prompt=ids, max_tokens=16, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids) == by_text.usage.prompt_tokens
 
 
 @needs_n
