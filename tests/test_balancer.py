@@ -123,6 +123,8 @@ class Served:
                 str(self.replica.http_port),
                 "--metrics-port",
                 str(self.metrics_port),
+                "--openai-port",
+                str(self.replica.openai_port),
                 "--log-file",
                 str(self.log_dir / f"{self.replica.name}-triton-{self.starts}.log"),
                 "--ready-timeout",
@@ -210,10 +212,9 @@ def cluster(smollm2_export: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     logs = tmp_path_factory.mktemp("balancer")
     replicas = []
     for index in range(2):
-        grpc, http, metrics = free_ports()
-        replicas.append(
-            Served(smollm2_export / "triton_repo", Replica("127.0.0.1", grpc, http, f"r{index}"), metrics, logs)
-        )
+        grpc, http, metrics, openai_port = free_ports(4)
+        replica = Replica("127.0.0.1", grpc, http, f"r{index}", openai_port)
+        replicas.append(Served(smollm2_export / "triton_repo", replica, metrics, logs))
     lb_grpc, lb_http = free_ports(2)
     balancer = Balancer([s.replica for s in replicas], grpc_port=lb_grpc, http_port=lb_http, workdir=logs / "haproxy")
     try:

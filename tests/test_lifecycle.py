@@ -70,7 +70,7 @@ class Served:
 
 def _serve(export: Path, log: Path) -> Served:
     """``specdec serve`` in its own process, ready."""
-    grpc, http, metrics = free_ports()
+    grpc, http, metrics, openai_port = free_ports(4)
     code = "import sys; from specdec.serving.serve import serve_main; sys.exit(serve_main(sys.argv[1:]))"
     proc = subprocess.Popen(
         [
@@ -84,6 +84,8 @@ def _serve(export: Path, log: Path) -> Served:
             str(http),
             "--metrics-port",
             str(metrics),
+            "--openai-port",
+            str(openai_port),
             "--log-file",
             str(log),
             "--ready-timeout",

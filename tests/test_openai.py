@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+pytest.importorskip("starlette", reason="starlette (the `serve` extra) is not installed")
 from starlette.testclient import TestClient
 
 from specdec.serving.openai import errors

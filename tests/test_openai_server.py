@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.server, pytest.mark.real_model]
 
 WAIT_S = 240.0  # what a loaded CI machine may need; a passing run waits for events, never for this
 PROMPT = "The three primary colors are"
-STORY = "Write a long story about a lighthouse keeper and the sea."
+STORY = "Once upon a time, a lighthouse keeper lived alone by the sea. Every night he"
 #: the conversation surface of the entry models (messages, n, logprobs): its tests run once the protocol declares it
 _DECLARED = {spec.name for spec in protocol.CLIENT_INPUTS}
 needs_messages = pytest.mark.skipif("messages" not in _DECLARED, reason="the entry models take no 'messages' yet")

@@ -18,7 +18,14 @@ from types import FrameType
 from specdec.serving.control import ADMIN_HEADER, GRPC_ADMIN_HEADER
 from specdec.serving.install import TritonError
 from specdec.serving.openai.process import API_KEY_ENV, DEFAULT_PORT, OpenAIFrontend, model_name
-from specdec.serving.server import PortInUseError, TritonServer, TritonStartError, error_summary, port_free
+from specdec.serving.server import (
+    PortInUseError,
+    TritonServer,
+    TritonStartError,
+    error_summary,
+    port_free,
+    validate_repository,
+)
 
 SUPERVISE_POLL_S = 0.2  # how often `specdec serve` checks that tritonserver and the engine's stub are alive
 
@@ -149,6 +156,7 @@ def _check_frontend_port(args: argparse.Namespace) -> None:
 def _start(args: argparse.Namespace, server: TritonServer, frontend: OpenAIFrontend | None, signals: list[int]) -> None:
     """Start tritonserver, wait until its models are ready, then the frontend (``TritonError`` if one fails)."""
     if frontend is not None:
+        validate_repository(args.model_repository)  # a bad repository is named first, as ``server.start`` would
         _check_frontend_port(args)
     if not _loopback(args.host):
         print(
