@@ -23,15 +23,12 @@ from specdec.serving.server import (
     TritonServer,
     TritonStartError,
     error_summary,
+    loopback,
     port_free,
     validate_repository,
 )
 
 SUPERVISE_POLL_S = 0.2  # how often `specdec serve` checks that tritonserver and the engine's stub are alive
-
-
-def _loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -158,7 +155,7 @@ def _start(args: argparse.Namespace, server: TritonServer, frontend: OpenAIFront
     if frontend is not None:
         validate_repository(args.model_repository)  # a bad repository is named first, as ``server.start`` would
         _check_frontend_port(args)
-    if not _loopback(args.host):
+    if not loopback(args.host):
         print(
             f"warning: --host {args.host} serves every network this machine is on; inference has no "
             "authentication (put it behind a gateway that has), management APIs need the admin key"

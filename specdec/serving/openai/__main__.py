@@ -16,10 +16,7 @@ from pathlib import Path
 from types import FrameType
 
 from specdec.serving.openai.process import API_KEY_ENV, DEFAULT_PORT, model_name
-
-
-def _loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
+from specdec.serving.server import loopback
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -57,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from specdec.serving.openai.app import Frontend, Settings, create_app
 
     api_key = os.environ.get(API_KEY_ENV) or None
-    if not _loopback(args.host) and not api_key:
+    if not loopback(args.host) and not api_key:
         print(
             f"warning: --host {args.host} serves every network this machine is on without an API key: set "
             f"${API_KEY_ENV}",

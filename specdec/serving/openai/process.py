@@ -28,6 +28,7 @@ from pathlib import Path
 
 from specdec.serving.control import CONTROL_ENV, DRAIN, Control
 from specdec.serving.install import TritonError
+from specdec.serving.server import client_host, read_log
 
 DEFAULT_PORT = 8003
 #: the frontend's health endpoints: live (the process answers) and ready (Triton serves and no drain is under way)
@@ -90,7 +91,7 @@ class OpenAIFrontend:
 
     @property
     def url(self) -> str:
-        host = "127.0.0.1" if self.host in ("", "0.0.0.0", "::") else self.host
+        host = client_host(self.host)
         return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
     def command(self) -> list[str]:
@@ -141,9 +142,7 @@ class OpenAIFrontend:
         return self.process is not None and self.process.poll() is None
 
     def read_log(self) -> str:
-        if self.log_file is None or not self.log_file.exists():
-            return ""
-        return self.log_file.read_text(encoding="utf-8", errors="replace")
+        return read_log(self.log_file)
 
     def wait_ready(self, timeout_s: float = 60.0, poll_s: float = 0.1) -> None:
         """Until it answers ``LIVE_PATH``; ``FrontendError`` with its log if it exits or the time runs out."""
