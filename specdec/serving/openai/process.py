@@ -130,8 +130,15 @@ class OpenAIFrontend:
         handle = open(self.log_file, "ab")
         self._log_handle = handle
         try:
+            # a session of its own, as tritonserver's: a terminal's Ctrl-C reaches ``specdec serve`` alone, which
+            # drains the frontend in its turn (``drain``, then ``stop``) instead of having it stop at the same time
             self.process = subprocess.Popen(
-                self.command(), stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.STDOUT, env=env
+                self.command(),
+                stdin=subprocess.DEVNULL,
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
             )
         except OSError as exc:
             handle.close()
