@@ -420,3 +420,43 @@ def test_an_unforeseen_failure_is_a_500_without_traceback(app: tuple[TestClient,
     scripted.generate = broken  # type: ignore[method-assign]
     error = error_of(client.post("/v1/chat/completions", json=chat()), 500)
     assert error["type"] == "server_error" and "ZeroDivisionError" in error["message"]
+
+
+def test_the_frontend_process_drains_and_exits_zero(tmp_path: Any) -> None:
+    """``OpenAIFrontend`` (what ``specdec serve`` runs): listens, takes its key from the environment, refuses new
+    requests and reports not ready once drained, exits 0 on SIGTERM and leaves nothing behind."""
+    import urllib.request
+
+    from specdec.serving.openai.process import OpenAIFrontend, http_status
+    from specdec.serving.server import free_ports, port_free
+
+    (port, nowhere) = free_ports(2)
+    frontend = OpenAIFrontend(f"127.0.0.1:{nowhere}", MODEL, port=port, api_key="sekret", graceful_s=5)
+    try:
+        frontend.start().wait_ready(timeout_s=120)
+        assert frontend.api_key not in " ".join(frontend.command())  # the key travels in the environment only
+        assert http_status(f"{frontend.url}/health/live") == 200
+        assert http_status(f"{frontend.url}/health/ready") == 503  # nothing serves the models
+        assert http_status(f"{frontend.url}/v1/models") == 401
+        request = urllib.request.Request(f"{frontend.url}/v1/models", headers={"Authorization": "Bearer sekret"})
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            assert json.loads(resp.read())["data"][0]["id"] == MODEL
+        request = urllib.request.Request(
+            f"{frontend.url}/v1/completions",
+            data=json.dumps({"model": MODEL, "prompt": "x"}).encode(),
+            headers={"Authorization": "Bearer sekret", "Content-Type": "application/json"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as unreachable:
+            urllib.request.urlopen(request, timeout=60)
+        assert unreachable.value.code == 503 and json.loads(unreachable.value.read())["error"]["code"] == "unavailable"
+        frontend.drain()
+        with pytest.raises(urllib.error.HTTPError) as draining:
+            urllib.request.urlopen(request, timeout=60)
+        assert draining.value.code == 503
+        assert json.loads(draining.value.read())["error"]["code"] == "server_draining"
+        control, log = frontend.control.directory, frontend.log_file
+    finally:
+        code = frontend.stop()
+    assert code == 0, frontend.read_log()
+    assert control is not None and not control.exists() and log is not None and not log.exists()
+    assert port_free("127.0.0.1", port)
