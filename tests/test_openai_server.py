@@ -27,6 +27,7 @@ from servers import eventually, free_ports, needs_tritonserver, processes_mentio
 
 from specdec.serving import protocol
 from specdec.serving.client import SpecdecClient
+from specdec.serving.control import shm_regions
 from specdec.serving.server import port_free
 
 needs_tritonserver()
@@ -93,6 +94,7 @@ def served(smollm2_export: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         assert proc.wait(WAIT_S) == 0, proc.stderr.read()  # type: ignore[union-attr]
     assert eventually(lambda: processes_mentioning(str(repo)) == [] and not _frontends(grpc))
     assert eventually(lambda: all(port_free("127.0.0.1", p) for p in ports)), "a port is still held"
+    assert eventually(lambda: not shm_regions(f"specdec_{proc.pid}_")), "a /dev/shm region of the server remains"
 
 
 def _frontends(grpc_port: int) -> list[int]:
