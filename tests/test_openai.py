@@ -29,6 +29,7 @@ from specdec.serving.openai.translate import (
     piece_of,
     prompt_of,
 )
+from specdec.serving.triton_models import ABORTED, DRAINING
 
 MODEL = "smol-test"
 METRICS = {"acceptance_rate": 0.5, "accepted_draft_tokens": 2, "draft_tokens": 4, "target_calls": 3}
@@ -142,8 +143,8 @@ PARAMS = chat_inputs(ChatRequest.model_validate(chat(max_completion_tokens=5))).
 @pytest.mark.parametrize(
     ("message", "status", "http", "param"),
     [
-        ("the server is draining (shutting down) and admits no new requests", None, 503, None),
-        ("the server is shutting down: this request was aborted before it finished", None, 503, None),
+        (DRAINING, None, 503, None),
+        (ABORTED, None, 503, None),
         ("the server is overloaded (300 requests in flight): retry later", None, 429, None),
         ("input 'max_tokens' must be between 1 and 1023", None, 400, "max_completion_tokens"),
         ("max_tokens must be between 1 and 1023 (the context holds 1024 tokens), got 5000", None, 400, None),

@@ -55,11 +55,11 @@ from specdec.serving.openai.schema import (
 )
 from specdec.serving.openai.translate import Piece, Translation, chat_inputs, completion_inputs
 from specdec.serving.openai.triton import Triton
+from specdec.serving.triton_models import DRAINING
 
 log = logging.getLogger("specdec.openai")
 #: a request body above this is refused with 413 (a prompt the server takes is at most 64 KiB: ``protocol.Limits``)
 DEFAULT_MAX_BODY_BYTES = 1 << 20
-DRAINING = "the server is draining (shutting down) and admits no new requests: retry on another replica"
 Parsed = TypeVar("Parsed", bound=BaseModel)
 
 

@@ -19,9 +19,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-#: the entry points' refusals for capacity (``specdec.serving.triton_models``), by the start of their message
-DRAINING_PREFIX = "the server is draining"
-ABORTED_PREFIX = "the server is shutting down"
+from specdec.serving.triton_models import ABORTED, DRAINING
+
+#: the entry points' refusals for capacity, by their message (the overload one counts the requests in flight)
 OVERLOADED_PREFIX = "the server is overloaded"
 #: how a failure inside the server starts its message (``triton_models``, ``runtime.loops``)
 INTERNAL_PREFIXES = ("internal error", "postprocessing failed")
@@ -122,7 +122,7 @@ def from_triton(message: str, status: str | None, params: Mapping[str, str]) -> 
     status = (status or "").removeprefix("StatusCode.")
     if message.startswith(OVERLOADED_PREFIX):
         return overloaded(message)
-    if message.startswith((DRAINING_PREFIX, ABORTED_PREFIX)):
+    if message.startswith((DRAINING, ABORTED)):
         return unavailable(message, code="server_draining")
     if status == "UNAVAILABLE":
         return unavailable(f"the inference server is not reachable: {message or status}")
