@@ -128,6 +128,7 @@ def start_serve(repo: Path, log: Path) -> Serve:
             str(http),
             "--metrics-port",
             str(metrics),
+            "--no-openai",  # Triton's endpoints are what this measures
             "--log-file",
             str(log),
             "--drain-timeout",

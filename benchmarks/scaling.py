@@ -89,6 +89,7 @@ def _serve(repo: Path, log: Path) -> tuple[subprocess.Popen[str], str, int]:
             str(http),
             "--metrics-port",
             str(metrics),
+            "--no-openai",  # Triton's endpoints are what this measures
             "--log-file",
             str(log),
         ],

@@ -34,6 +34,8 @@ from servers import eventually, free_ports, processes_mentioning
 from specdec.deploy.balancer import (
     HTTP_BACKEND,
     INSTALL_HINT,
+    OPENAI_BACKEND,
+    OPENAI_READY_PATH,
     READY_PATH,
     Balancer,
     BalancerError,
@@ -122,6 +124,8 @@ class Served:
                 str(self.replica.http_port),
                 "--metrics-port",
                 str(self.metrics_port),
+                "--openai-port",
+                str(self.replica.openai_port),
                 "--log-file",
                 str(self.log_dir / f"{self.replica.name}-triton-{self.starts}.log"),
                 "--ready-timeout",
@@ -209,10 +213,9 @@ def cluster(smollm2_export: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     logs = tmp_path_factory.mktemp("balancer")
     replicas = []
     for index in range(2):
-        grpc, http, metrics = free_ports()
-        replicas.append(
-            Served(smollm2_export / "triton_repo", Replica("127.0.0.1", grpc, http, f"r{index}"), metrics, logs)
-        )
+        grpc, http, metrics, openai_port = free_ports(4)
+        replica = Replica("127.0.0.1", grpc, http, f"r{index}", openai_port)
+        replicas.append(Served(smollm2_export / "triton_repo", replica, metrics, logs))
     lb_grpc, lb_http = free_ports(2)
     balancer = Balancer([s.replica for s in replicas], grpc_port=lb_grpc, http_port=lb_http, workdir=logs / "haproxy")
     try:
@@ -424,13 +427,35 @@ def test_the_config_is_valid_and_resends_only_what_never_reached_a_replica(tmp_p
         render_config([Replica("a", 1, 2, "x"), Replica("b", 3, 4, "x")], ("127.0.0.1", 8001))
 
 
+@needs_haproxy
+def test_the_openai_api_is_balanced_on_each_frontends_own_readiness(tmp_path: Path) -> None:
+    replicas = [Replica("127.0.0.1", 9001, 9000, openai_port=9003), Replica("::1", 9011, 9010, "b", 9013)]
+    config = render_config(replicas, ("0.0.0.0", 8001), None, openai_listen=("0.0.0.0", 8003))
+    (tmp_path / "haproxy.cfg").write_text(config)
+    checked = subprocess.run(
+        [str(find_haproxy()), "-c", "-f", str(tmp_path / "haproxy.cfg")], capture_output=True, text=True
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    section = config.split(f"\nbackend {OPENAI_BACKEND}\n")[1].split("\n\n")[0].splitlines()
+    assert f"    http-check send meth GET uri {OPENAI_READY_PATH}" in section
+    servers = [line.split()[2] for line in section if line.strip().startswith("server")]
+    assert servers == ["127.0.0.1:9003", "[::1]:9013"]
+    assert all(" check " in line for line in section if line.strip().startswith("server"))
+    assert "bind 0.0.0.0:8003" in config.split("frontend specdec_openai_in")[1].splitlines()[1]
+    assert Replica.parse("10.0.0.5:8001:8000:8003") == Replica("10.0.0.5", 8001, 8000, openai_port=8003)
+    assert Replica.parse("[::1]:8001:8000:8003") == Replica("::1", 8001, 8000, openai_port=8003)
+    with pytest.raises(ValueError, match="OpenAI port"):
+        render_config([Replica("a", 1, 2)], ("127.0.0.1", 8001), openai_listen=("127.0.0.1", 8003))
+
+
 class _Readiness(http.server.BaseHTTPRequestHandler):
     """A replica's readiness endpoint and nothing else (HTTP/1.x only, as Triton's is): 200 while ``ready``."""
 
     ready = threading.Event()
+    path_checked = READY_PATH
 
     def do_GET(self) -> None:
-        ok = self.path == READY_PATH and self.ready.is_set()
+        ok = self.path == self.path_checked and self.ready.is_set()
         self.send_response(200 if ok else 400)
         self.send_header("Content-Length", "0")
         self.end_headers()
@@ -467,6 +492,36 @@ def test_a_replica_is_checked_on_its_http_port_and_taken_out_when_not_ready(tmp_
         assert not balancer.running()
     finally:
         readiness.server_close()
+
+
+class _FrontendReadiness(_Readiness):
+    """An OpenAI frontend's readiness: 503 while it drains."""
+
+    ready = threading.Event()
+    path_checked = OPENAI_READY_PATH
+
+
+@needs_haproxy
+def test_a_draining_openai_frontend_is_taken_out(tmp_path: Path) -> None:
+    """The OpenAI backend asks each frontend's own ``/health/ready``, which turns 503 when ``specdec serve`` drains:
+    the balancer stops sending it requests without the admin socket."""
+    grpc, http_port, lb, lb_openai = free_ports(4)
+    frontend = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FrontendReadiness)
+    threading.Thread(target=frontend.serve_forever, daemon=True).start()
+    _FrontendReadiness.ready.set()
+    replica = Replica("127.0.0.1", grpc, http_port, openai_port=frontend.server_address[1])
+    try:
+        with Balancer([replica], grpc_port=lb, openai_port=lb_openai, workdir=tmp_path) as balancer:
+            assert balancer.openai_url == f"http://127.0.0.1:{lb_openai}"
+            up = lambda: balancer.server_states(OPENAI_BACKEND) == {"r0": "UP"}  # noqa: E731
+            assert eventually(up, timeout=30), balancer.read_log()
+            _FrontendReadiness.ready.clear()  # draining
+            assert eventually(lambda: balancer.server_states(OPENAI_BACKEND) == {"r0": "DOWN"}, timeout=30)
+            _FrontendReadiness.ready.set()
+            assert eventually(up, timeout=30)
+    finally:
+        frontend.shutdown()
+        frontend.server_close()
 
 
 @needs_haproxy

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from specdec.serving import control
-from specdec.serving.serve import _loopback
+from specdec.serving.server import loopback
 
 
 def test_flags_drain_then_abort(tmp_path: Path) -> None:
@@ -56,4 +56,4 @@ def test_this_process_is_alive_and_its_stubs_are_found_by_parent_and_model() -> 
     [("127.0.0.1", True), ("localhost", True), ("::1", True), ("0.0.0.0", False), ("::", False), ("10.1.2.3", False)],
 )
 def test_a_public_bind_is_told_apart(host: str, local: bool) -> None:
-    assert _loopback(host) is local
+    assert loopback(host) is local

@@ -33,6 +33,8 @@ from specdec.deploy.kubernetes_cli import kubernetes_main
 from specdec.export.cli import main as export_main
 from specdec.models.manifest import read_manifest
 from specdec.serving import control, pb, protocol, triton_metrics
+from specdec.serving.openai.process import API_KEY_ENV
+from specdec.serving.openai.process import READY_PATH as OPENAI_READY_PATH
 from specdec.serving.serve import add_serve_args
 from specdec.serving.server import TritonServer
 
@@ -50,6 +52,7 @@ OPTIONS = {
         cpu="4",
         memory="8Gi",
         admin_key_secret="specdec-admin",
+        openai_key_secret="specdec-openai",
         monitor_labels=(("release", "prometheus"),),
     ),
 }
@@ -175,12 +178,21 @@ def test_ports_timeouts_and_grace_agree_with_specdec_serve(export: Path) -> None
     served = add_serve_args(argparse.ArgumentParser()).parse_args(container["args"])  # serve's own parser
     assert Path(served.model_repository) == Path(k8s.MODELS_MOUNT) / "exports/smol"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": served.grpc_port, "http": served.http_port, "metrics": served.metrics_port}
+    assert ports == {
+        "grpc": served.grpc_port,
+        "http": served.http_port,
+        "metrics": served.metrics_port,
+        "openai": served.openai_port,
+    }
+    assert not served.no_openai
+    secrets = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in container["env"]}
+    assert secrets == {"SPECDEC_ADMIN_KEY": "specdec-admin", API_KEY_ENV: "specdec-openai"}
     defaults = add_serve_args(argparse.ArgumentParser()).parse_args(["repo"])
-    assert (served.grpc_port, served.http_port, served.metrics_port) == (
+    assert (served.grpc_port, served.http_port, served.metrics_port, served.openai_port) == (
         defaults.grpc_port,
         defaults.http_port,
         defaults.metrics_port,
+        defaults.openai_port,
     )
     service = {p["name"]: p for p in objects["Service"]["spec"]["ports"]}
     assert {name: (p["port"], p["targetPort"]) for name, p in service.items()} == {n: (v, n) for n, v in ports.items()}
@@ -201,7 +213,8 @@ def test_ports_timeouts_and_grace_agree_with_specdec_serve(export: Path) -> None
 
 
 def test_probe_paths_are_the_ones_specdec_serve_waits_on(export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The readiness probe asks what ``TritonServer.is_ready`` asks, on the port the container names http."""
+    """Startup and liveness ask Triton's live endpoint; the Deployment's readiness asks the OpenAI frontend's (ready
+    only while Triton is, and not while draining), KServe's (one port) what ``TritonServer.is_ready`` asks."""
     asked = []
 
     def urlopen(url: str, timeout: float) -> None:
@@ -211,8 +224,13 @@ def test_probe_paths_are_the_ones_specdec_serve_waits_on(export: Path, monkeypat
     monkeypatch.setattr("urllib.request.urlopen", urlopen)
     server = TritonServer()
     assert not server.is_ready()
-    container = _container(_objects(export, KubernetesOptions()))
-    assert container["readinessProbe"]["httpGet"] == {"path": k8s.READY_PATH, "port": "http"}
+    objects = _objects(export, KubernetesOptions())
+    container = _container(objects)
+    assert container["readinessProbe"]["httpGet"] == {"path": OPENAI_READY_PATH, "port": "openai"}
+    assert objects["ServingRuntime"]["spec"]["containers"][0]["readinessProbe"]["httpGet"] == {
+        "path": k8s.READY_PATH,
+        "port": server.http_port,
+    }
     assert asked == [f"{server.http_url}{k8s.READY_PATH}"]
     assert container["livenessProbe"]["httpGet"]["path"] == k8s.LIVE_PATH == "/v2/health/live"
     assert server.metrics_url.endswith(k8s.METRICS_PATH)

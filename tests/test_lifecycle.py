@@ -71,7 +71,7 @@ class Served:
 
 def _serve(export: Path, log: Path) -> Served:
     """``specdec serve`` in its own process, ready."""
-    grpc, http, metrics = free_ports()
+    grpc, http, metrics, openai_port = free_ports(4)
     code = "import sys; from specdec.serving.serve import serve_main; sys.exit(serve_main(sys.argv[1:]))"
     proc = subprocess.Popen(
         [
@@ -85,6 +85,8 @@ def _serve(export: Path, log: Path) -> Served:
             str(http),
             "--metrics-port",
             str(metrics),
+            "--openai-port",
+            str(openai_port),
             "--log-file",
             str(log),
             "--ready-timeout",
@@ -121,7 +123,10 @@ def _served(export: Path, tmp_path: Path) -> Iterator[Served]:
             served.proc.kill()
             served.proc.wait()
     assert eventually(lambda: processes_mentioning(str(export / "triton_repo")) == [])
-    assert eventually(lambda: not {n for n in _shm() - shm_before if n.startswith("specdec_")}), _shm() - shm_before
+    # its own regions only (``new_shm_prefix``: specdec_<pid of specdec serve>_...): other servers on the machine
+    # (another test run) make and remove theirs meanwhile
+    mine = f"specdec_{served.proc.pid}_"
+    assert eventually(lambda: not {n for n in _shm() - shm_before if n.startswith(mine)}), _shm() - shm_before
 
 
 def _loaded(served: Served, prompt: str) -> tuple[list[Future], ThreadPoolExecutor, Iterator]:

@@ -186,12 +186,23 @@ def test_busy_port_is_named_before_start(tmp_path: Path) -> None:
         with pytest.raises(PortInUseError, match=rf"port {ports[0]} .*--grpc-port"):
             server.start(repo, **start_kwargs(ports))
         assert server.process is None
-        assert (
-            serve_main(
-                [str(repo), "--grpc-port", str(ports[0]), "--http-port", str(ports[1]), "--metrics-port", str(ports[2])]
-            )
-            == 1
-        )
+        (openai_port,) = free_ports(1)
+        flags = ["--grpc-port", str(ports[0]), "--http-port", str(ports[1]), "--metrics-port", str(ports[2])]
+        assert serve_main([str(repo), *flags, "--openai-port", str(openai_port)]) == 1
+
+
+def test_a_busy_openai_port_is_named_before_start(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    repo = make_repo(tmp_path / "repo")
+    grpc, http, metrics, openai_port = free_ports(4)
+    flags = ["--grpc-port", str(grpc), "--http-port", str(http), "--metrics-port", str(metrics)]
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as blocker:
+        blocker.bind(("127.0.0.1", openai_port))
+        blocker.listen(1)
+        assert serve_main([str(repo), *flags, "--openai-port", str(openai_port)]) == 1
+    assert f"port {openai_port} on 127.0.0.1 (--openai-port) is already in use" in capsys.readouterr().err
+    assert serve_main([str(repo), *flags, "--openai-port", str(http)]) == 1
+    assert f"--openai-port {http} is also --http-port" in capsys.readouterr().err
+    assert processes_mentioning(str(repo.resolve())) == []  # refused before anything started
 
 
 def test_invalid_repositories(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -238,7 +249,7 @@ def test_model_failing_at_import_reports_the_server_error(tmp_path: Path) -> Non
 def test_serve_cli_forwards_sigint(tmp_path: Path) -> None:
     """``specdec serve`` in a child process: prints the endpoints, and SIGINT stops it with exit code 0."""
     repo = make_repo(tmp_path / "repo")
-    grpc, http, metrics = free_ports()
+    grpc, http, metrics, openai_port = free_ports(4)
     code = "import sys; from specdec.serving.serve import serve_main; sys.exit(serve_main(sys.argv[1:]))"
     proc = subprocess.Popen(
         [
@@ -252,6 +263,8 @@ def test_serve_cli_forwards_sigint(tmp_path: Path) -> None:
             str(http),
             "--metrics-port",
             str(metrics),
+            "--openai-port",
+            str(openai_port),
             "--log-file",
             str(tmp_path / "server.log"),
             "--ready-timeout",
@@ -273,6 +286,7 @@ def test_serve_cli_forwards_sigint(tmp_path: Path) -> None:
                 break
         out = "".join(lines)
         assert "ready" in out and f"127.0.0.1:{grpc}" in out, out + proc.stderr.read() if proc.poll() else out
+        assert f"OpenAI  http://127.0.0.1:{openai_port}/v1" in out
         proc.send_signal(signal.SIGINT)
         assert proc.wait(120) == 0  # well past the 30 s exit timeout `specdec serve` gives tritonserver
     finally:

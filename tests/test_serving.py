@@ -418,7 +418,7 @@ def _shadow_export(export: Path, root: Path, options: ServingOptions | None = No
 
 
 def _serve(repo: Path) -> int:
-    grpc, http, metrics = free_ports()
+    grpc, http, metrics, openai_port = free_ports(4)
     return serve_main(
         [
             str(repo),
@@ -428,6 +428,8 @@ def _serve(repo: Path) -> int:
             str(http),
             "--metrics-port",
             str(metrics),
+            "--openai-port",
+            str(openai_port),
             "--ready-timeout",
             "240",
         ]

@@ -47,10 +47,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType, TracebackType
 
+from specdec.serving.openai.process import READY_PATH as OPENAI_READY_PATH
 from specdec.serving.server import READY_PATH
 
 GRPC_BACKEND = "specdec_grpc"
 HTTP_BACKEND = "specdec_http"
+OPENAI_BACKEND = "specdec_openai"
 #: where Debian puts the binary; /usr/sbin is not on a non-root PATH
 DEBIAN_BINARY = Path("/usr/sbin/haproxy")
 INSTALL_HINT = "install Debian's haproxy package (as root: apt-get install -y haproxy; scripts/setup_env.sh does it)"
@@ -62,21 +64,33 @@ class BalancerError(RuntimeError):
 
 @dataclass(frozen=True)
 class Replica:
-    """One ``specdec serve``: where its gRPC traffic goes and where its readiness is checked (its HTTP port)."""
+    """One ``specdec serve``: where its gRPC traffic goes and where its readiness is checked (its HTTP port), and
+    where its OpenAI-compatible API listens (None: not balanced)."""
 
     host: str
     grpc_port: int
     http_port: int
     name: str = ""  # its HAProxy server name; default r<index>
+    openai_port: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> Replica:
-        """``HOST:GRPC_PORT:HTTP_PORT`` (what ``--replica`` takes)."""
-        host, sep, ports = text.rpartition(":")
-        host, sep2, grpc = host.rpartition(":")
-        if not (sep and sep2 and host and grpc.isdigit() and ports.isdigit()):
-            raise ValueError(f"replica {text!r}: expected HOST:GRPC_PORT:HTTP_PORT, e.g. 10.0.0.5:8001:8000")
-        return cls(host, int(grpc), int(ports))
+        """``HOST:GRPC_PORT:HTTP_PORT[:OPENAI_PORT]`` (what ``--replica`` takes; IPv6 hosts in brackets)."""
+        parts = text.rsplit(":", 3)
+        bracketed = text.startswith("[")
+        plain_host = parts[0].endswith("]") if bracketed else ":" not in parts[0]  # a bare IPv6 host: 3 ports
+        if len(parts) == 4 and plain_host and all(p.isdigit() for p in parts[1:]):
+            host, ports = parts[0], parts[1:]
+        else:
+            host, _, rest = text.rpartition(":")
+            host, _, grpc = host.rpartition(":")
+            ports = [grpc, rest]
+        host = host.strip("[]") if bracketed else host
+        if not (host and all(p.isdigit() for p in ports)):
+            raise ValueError(
+                f"replica {text!r}: expected HOST:GRPC_PORT:HTTP_PORT[:OPENAI_PORT], e.g. 10.0.0.5:8001:8000:8003"
+            )
+        return cls(host, int(ports[0]), int(ports[1]), openai_port=int(ports[2]) if len(ports) == 3 else None)
 
 
 @dataclass(frozen=True)
@@ -120,11 +134,16 @@ def render_config(
     check: HealthCheck = HealthCheck(),
     timeouts: Timeouts = Timeouts(),
     admin_socket: Path | None = None,
+    openai_listen: tuple[str, int] | None = None,
 ) -> str:
     """The ``haproxy.cfg`` for ``replicas``: gRPC (h2c) on ``grpc_listen``, optionally Triton's HTTP API on
-    ``http_listen``; every replica health-checked on ``READY_PATH`` of its HTTP port."""
+    ``http_listen`` and the OpenAI-compatible API on ``openai_listen``; every replica health-checked on
+    ``READY_PATH`` of its HTTP port, and its OpenAI frontend on the frontend's own readiness (which also turns
+    503 while the replica drains, so the balancer stops sending it new requests by itself)."""
     if not replicas:
         raise ValueError("a balancer needs at least one replica")
+    if openai_listen is not None and any(r.openai_port is None for r in replicas):
+        raise ValueError("balancing the OpenAI API needs every replica's OpenAI port (HOST:GRPC:HTTP:OPENAI)")
     names = [r.name or f"r{i}" for i, r in enumerate(replicas)]
     if len(set(names)) != len(names):
         raise ValueError(f"replica names must differ: {names}")
@@ -181,6 +200,22 @@ def render_config(
             "    balance leastconn",
         ]
         lines += [f"    server {name} {_address(r.host, r.http_port)} {check_args}" for name, r in zip(names, replicas)]
+    if openai_listen is not None:
+        lines += [
+            "",
+            "frontend specdec_openai_in",
+            f"    bind {_address(*openai_listen)}",
+            f"    default_backend {OPENAI_BACKEND}",
+            "",
+            f"backend {OPENAI_BACKEND}",
+            "    balance leastconn  # SSE streams, like gRPC ones, differ in length by orders of magnitude",
+            f"    http-check send meth GET uri {OPENAI_READY_PATH}",
+            "    http-check expect status 200",
+        ]
+        lines += [
+            f"    server {name} {_address(r.host, r.openai_port)} {check_args}"  # type: ignore[arg-type]
+            for name, r in zip(names, replicas)
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -210,6 +245,7 @@ class Balancer:
     host: str = "127.0.0.1"
     grpc_port: int = 8001
     http_port: int | None = None
+    openai_port: int | None = None
     check: HealthCheck = HealthCheck()
     timeouts: Timeouts = Timeouts()
     binary: Path | None = None
@@ -224,6 +260,10 @@ class Balancer:
     @property
     def http_url(self) -> str | None:
         return None if self.http_port is None else f"http://{_address(self.host, self.http_port)}"
+
+    @property
+    def openai_url(self) -> str | None:
+        return None if self.openai_port is None else f"http://{_address(self.host, self.openai_port)}"
 
     @property
     def config_path(self) -> Path:
@@ -250,6 +290,7 @@ class Balancer:
                 self.check,
                 self.timeouts,
                 self.directory / "admin.sock",
+                None if self.openai_port is None else (self.host, self.openai_port),
             )
         )
         checked = subprocess.run([str(binary), "-c", "-f", str(self.config_path)], capture_output=True, text=True)
@@ -320,7 +361,12 @@ class Balancer:
     def set_state(self, name: str, state: str) -> None:
         """``ready``, ``drain`` (no new requests; before stopping that replica's ``specdec serve``) or ``maint``,
         in every backend."""
-        for backend in (GRPC_BACKEND, *((HTTP_BACKEND,) if self.http_port is not None else ())):
+        backends = (
+            GRPC_BACKEND,
+            *((HTTP_BACKEND,) if self.http_port is not None else ()),
+            *((OPENAI_BACKEND,) if self.openai_port is not None else ()),
+        )
+        for backend in backends:
             answer = self.admin(f"set server {backend}/{name} state {state}").strip()
             if answer:
                 raise BalancerError(f"haproxy: {answer}")
@@ -361,9 +407,9 @@ def add_balancer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         action="append",
         type=_replica,
         required=True,
-        metavar="HOST:GRPC:HTTP",
+        metavar="HOST:GRPC:HTTP[:OPENAI]",
         help="a `specdec serve` replica: its host, gRPC port and HTTP port (readiness is checked "
-        "there); repeat for each",
+        "there), and its OpenAI port to balance that API too; repeat for each",
     )
     parser.add_argument(
         "--listen",
@@ -377,6 +423,12 @@ def add_balancer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         type=_listen,
         metavar="HOST:PORT",
         help="also balance Triton's HTTP API here (default: gRPC only)",
+    )
+    parser.add_argument(
+        "--openai-listen",
+        type=_listen,
+        metavar="HOST:PORT",
+        help="also balance the OpenAI-compatible API here (every --replica then names its OpenAI port)",
     )
     parser.add_argument(
         "--check-interval-ms",
@@ -400,16 +452,23 @@ def balancer_main(args: argparse.Namespace | Sequence[str] | None = None) -> int
         args = parser.parse_args(None if args is None else list(args))
     check = HealthCheck(interval_ms=args.check_interval_ms)
     if args.print_config:
-        print(render_config(args.replica, args.listen, args.http_listen, check), end="")
+        print(
+            render_config(args.replica, args.listen, args.http_listen, check, openai_listen=args.openai_listen), end=""
+        )
         return 0
-    if args.http_listen is not None and args.http_listen[0] != args.listen[0]:
-        print("error: --http-listen must use the host of --listen", file=sys.stderr)
+    for flag, listen in (("--http-listen", args.http_listen), ("--openai-listen", args.openai_listen)):
+        if listen is not None and listen[0] != args.listen[0]:
+            print(f"error: {flag} must use the host of --listen", file=sys.stderr)
+            return 2
+    if args.openai_listen is not None and any(r.openai_port is None for r in args.replica):
+        print("error: --openai-listen needs every --replica as HOST:GRPC:HTTP:OPENAI", file=sys.stderr)
         return 2
     balancer = Balancer(
         args.replica,
         host=args.listen[0],
         grpc_port=args.listen[1],
         http_port=None if args.http_listen is None else args.http_listen[1],
+        openai_port=None if args.openai_listen is None else args.openai_listen[1],
         check=check,
     )
     signals: list[int] = []
@@ -423,6 +482,7 @@ def balancer_main(args: argparse.Namespace | Sequence[str] | None = None) -> int
             print(
                 f"specdec deploy balancer: gRPC {balancer.grpc_url}"
                 + (f", HTTP {balancer.http_url}" if balancer.http_url else "")
+                + (f", OpenAI {balancer.openai_url}/v1" if balancer.openai_url else "")
                 + f" -> {len(args.replica)} replica(s); config {balancer.config_path}, log {balancer.log_path}",
                 flush=True,
             )

@@ -104,6 +104,9 @@ def add_kubernetes_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--shm-size", default=d.shm_size, help=f"size of the pod's /dev/shm (default {d.shm_size})")
     parser.add_argument("--admin-key-secret", help="a Secret whose key admin-key holds the management APIs' key")
     parser.add_argument(
+        "--openai-key-secret", help="a Secret whose key openai-api-key holds the OpenAI API's key (default: no key)"
+    )
+    parser.add_argument(
         "--monitor-label",
         action="append",
         type=_label,
@@ -140,6 +143,7 @@ def options_from(args: argparse.Namespace) -> KubernetesOptions:
         cpu=args.cpu,
         memory=args.memory,
         admin_key_secret=args.admin_key_secret,
+        openai_key_secret=args.openai_key_secret,
         monitor_labels=tuple(args.monitor_label),
     )
 

@@ -36,9 +36,13 @@ class ClientError(RuntimeError):
 
 
 def _client_error(exc: Any) -> ClientError:
-    """A tritonclient error (``InferenceServerException``) as a ``ClientError`` with its status."""
+    """A tritonclient error (``InferenceServerException``) as a ``ClientError`` with its status: the transport's,
+    or for a stream's error the one its message leads with (``protocol.coded``)."""
     message = exc.message() if callable(getattr(exc, "message", None)) else str(exc)
     status = exc.status() if callable(getattr(exc, "status", None)) else None
+    in_band, text = protocol.split_coded(message or str(exc))
+    if status is None and in_band is not None:
+        return ClientError(text, f"StatusCode.{in_band}")
     return ClientError(message or str(exc), None if status is None else str(status))
 
 

@@ -48,11 +48,13 @@ from specdec.serving.protocol import (
     N,
     TensorSpec,
     array,
+    coded,
 )
 from specdec.serving.responses import engine_error, parse_engine_response
 from specdec.serving.triton_io import (
     Client,
     ModelError,
+    code_name,
     error_response,
     internal_parameters,
     model_parameters,
@@ -115,16 +117,21 @@ class _EntryPoint:
         for request in requests:
             client = Client(request, request.get_response_sender())
             if self._control.draining():  # refused at once, so a client retries elsewhere while the rest finish
-                client.send(error_response(DRAINING, code="UNAVAILABLE"), final=True)
+                client.send(self._error(DRAINING, "UNAVAILABLE"), final=True)
                 continue
             if self._inflight.value >= self._capacity:  # back-pressure: no unbounded queue of waiting threads
                 message = f"{OVERLOADED} ({self._inflight.value} requests in flight): retry later"
-                client.send(error_response(message, code="UNAVAILABLE"), final=True)
+                client.send(self._error(message, "UNAVAILABLE"), final=True)
                 continue
             self._count(+1)  # here, not in the thread: a drain that reads 0 has really seen this request
             # daemon threads: a request thread that never returns must not keep the stub alive past unload
             threading.Thread(target=self._answer_in_slot, args=(client,), name=self._thread_name, daemon=True).start()
         return None
+
+    def _error(self, message: str, code: str) -> Any:
+        """An error response with Triton code ``code``; a stream's message is led by its gRPC status
+        (``protocol.coded``), the only way a stream client learns it."""
+        return error_response(coded(message, code) if self.streaming else message, code=code)
 
     def _count(self, delta: int) -> None:
         with self._lock:
@@ -135,7 +142,7 @@ class _EntryPoint:
         try:
             with self._slots:
                 if self._closing.is_set() or self._control.aborting():
-                    client.send(error_response(ABORTED, code="UNAVAILABLE"), final=True)
+                    client.send(self._error(ABORTED, "UNAVAILABLE"), final=True)
                     return
                 self._answer(client)
         finally:
@@ -159,7 +166,7 @@ class _EntryPoint:
             inputs = read_inputs(client.request, CLIENT_INPUTS)
             stream, choices = self.checked(inputs)
         except InvalidRequestError as exc:
-            client.send(error_response(str(exc)), final=True)
+            client.send(self._error(str(exc), "INVALID_ARG"), final=True)
             return
         request = _Request(client, choices)
         with self._lock:
@@ -213,12 +220,12 @@ class _EntryPoint:
     def _fail(self, client: Client, exc: Exception) -> None:
         """End the client's request with ``exc``'s code (a no-op if it already ended); never a traceback to it."""
         if isinstance(exc, InvalidRequestError):
-            client.send(error_response(str(exc)), final=True)
+            client.send(self._error(str(exc), "INVALID_ARG"), final=True)
         elif isinstance(exc, ModelError):
-            client.send(error_response(str(exc), code=exc.code), final=True)
+            client.send(self._error(str(exc), code_name(exc.code)), final=True)
         else:  # the traceback goes to the log only
             log.exception("request failed", exc_info=exc)
-            client.send(error_response(f"internal error: {type(exc).__name__}: {exc}", invalid=False), final=True)
+            client.send(self._error(f"internal error: {type(exc).__name__}: {exc}", "INTERNAL"), final=True)
 
     def _prompt_ids(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The engine's ``input_ids``: the client's token ids, or what preprocessing makes of its text."""
@@ -266,7 +273,7 @@ class _EntryPoint:
         with self._lock:
             active = [(engine_id, client) for engine_id, client in self._active.items() if not client.done]
         for engine_id, client in active:
-            client.send(error_response(ABORTED, code="UNAVAILABLE"), final=True)
+            client.send(self._error(ABORTED, "UNAVAILABLE"), final=True)
             self._control.cancel(engine_id)
 
     def _poll_clients(self, cancelled: set[str]) -> None:

@@ -180,6 +180,22 @@ DRAINING = "the server is draining (shutting down) and admits no new requests: r
 OVERLOADED = "the server is overloaded"
 ABORTED = "the server is shutting down: this request was aborted before it finished"
 
+#: the gRPC status each refusal or failure of the entry points has (Triton's error code names -> gRPC's). A stream's
+#: error reaches a client without its status (tritonserver 2.51 crashes on the header that would add it), so
+#: ``specdec_stream`` writes it first in the message: "INVALID_ARGUMENT: input 'max_tokens' must be ..."
+GRPC_STATUS = {"INVALID_ARG": "INVALID_ARGUMENT", "UNAVAILABLE": "UNAVAILABLE", "INTERNAL": "INTERNAL"}
+
+
+def coded(message: str, code: str) -> str:
+    """``message`` led by the gRPC status of Triton error code ``code`` (a stream's error: ``GRPC_STATUS``)."""
+    return f"{GRPC_STATUS.get(code, code)}: {message}"
+
+
+def split_coded(message: str) -> tuple[str | None, str]:
+    """(gRPC status, message) of a stream error ``coded`` wrote; (None, message) for any other message."""
+    status, sep, rest = message.partition(": ")
+    return (status, rest) if sep and status in GRPC_STATUS.values() else (None, message)
+
 
 def as_bytes(text: str) -> np.ndarray:
     """A BYTES tensor of shape [1]."""

@@ -17,13 +17,18 @@ from types import FrameType
 
 from specdec.serving.control import ADMIN_HEADER, GRPC_ADMIN_HEADER
 from specdec.serving.install import TritonError
-from specdec.serving.server import TritonServer, TritonStartError, error_summary
+from specdec.serving.openai.process import API_KEY_ENV, DEFAULT_PORT, OpenAIFrontend, model_name
+from specdec.serving.server import (
+    PortInUseError,
+    TritonServer,
+    TritonStartError,
+    error_summary,
+    loopback,
+    port_free,
+    validate_repository,
+)
 
 SUPERVISE_POLL_S = 0.2  # how often `specdec serve` checks that tritonserver and the engine's stub are alive
-
-
-def _loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -44,6 +49,22 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (default 8001)")
     parser.add_argument("--http-port", type=int, default=8000, help="HTTP port (default 8000)")
     parser.add_argument("--metrics-port", type=int, default=8002, help="Prometheus metrics port (default 8002)")
+    parser.add_argument(
+        "--openai-port",
+        type=int,
+        default=DEFAULT_PORT,
+        help=f"port of the OpenAI-compatible HTTP API (/v1/chat/completions, ...; default {DEFAULT_PORT})",
+    )
+    parser.add_argument("--no-openai", action="store_true", help="do not start the OpenAI-compatible API")
+    parser.add_argument(
+        "--openai-model-name",
+        help="the model name OpenAI clients send (default: the export's target name, from its manifest)",
+    )
+    parser.add_argument(
+        "--openai-api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' on the OpenAI API (default ${API_KEY_ENV}; none: open)",
+    )
     parser.add_argument(
         "--log-file",
         type=Path,
@@ -88,6 +109,7 @@ def serve_main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
         parser = add_serve_args(argparse.ArgumentParser(prog="specdec serve", description=__doc__))
         args = parser.parse_args(None if args is None else list(args))
     server = TritonServer(log_file=args.log_file)
+    frontend = None if args.no_openai else _frontend(args)
     signals: list[int] = []
 
     def remember(signum: int, _frame: FrameType | None) -> None:
@@ -95,77 +117,144 @@ def serve_main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
 
     previous = {sig: signal.signal(sig, remember) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        try:
-            if not _loopback(args.host):
-                print(
-                    f"warning: --host {args.host} serves every network this machine is on; inference has no "
-                    "authentication (put it behind a gateway that has), management APIs need the admin key",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            server.start(
-                args.model_repository,
-                host=args.host,
-                grpc_port=args.grpc_port,
-                http_port=args.http_port,
-                metrics_port=args.metrics_port,
-                log_verbose=args.log_verbose,
-                exit_timeout_s=args.exit_timeout,
-                admin_key=args.admin_key,
-            )
-            if not args.admin_key:
-                print(
-                    f"specdec serve: management APIs need header {ADMIN_HEADER} (HTTP) / {GRPC_ADMIN_HEADER} "
-                    f"(gRPC): its value is in {server.write_admin_key()}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            print(
-                f"specdec serve: starting {server.install.binary} ({server.install.source}); "  # type: ignore[union-attr]
-                f"log: {server.log_file}",
-                file=sys.stderr,
-                flush=True,
-            )
-            _wait_ready_unless_signalled(server, args.ready_timeout, signals)
-        except TritonError as exc:
-            server.stop()
-            if signals:
-                return 128 + signals[0]
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-        if signals:  # stopped while loading: nothing was admitted yet, so there is nothing to drain
-            server.stop()
-            return 0
-        print(
-            f"specdec serve: ready\n  gRPC    {server.grpc_url}\n  HTTP    {server.http_url}\n"
-            f"  metrics {server.metrics_url}\n(Ctrl-C to stop: in-flight requests finish first)",
-            flush=True,
-        )
-        server.watch_engine()
-        if not _supervise(server, signals, args.max_restarts, args.ready_timeout):
-            return 1
-        if signals:
-            print(
-                f"specdec serve: {signal.Signals(signals[0]).name}: draining, admitting no new requests "
-                f"({server.inflight() or 0} in flight; signal again to abort them)",
-                file=sys.stderr,
-                flush=True,
-            )
-            aborted = server.drain(args.drain_timeout, abort=lambda: len(signals) > 1)
-            if aborted:
-                print(f"specdec serve: aborted {aborted} request(s) still in flight", file=sys.stderr, flush=True)
-        code = server.stop()
-        assert code is not None
-        if code < 0:  # killed by a signal: report it the way a shell would
-            code = 128 - code
-        if code != 0:
-            print(f"error: tritonserver exited with code {code}\n{error_summary(server.read_log())}", file=sys.stderr)
-        elif signals:
-            print("specdec serve: stopped", file=sys.stderr, flush=True)
-        return code
+        return _serve(args, server, frontend, signals)
     finally:
+        if frontend is not None and frontend.running():  # every way out stops it (a clean one already has)
+            frontend.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _frontend(args: argparse.Namespace) -> OpenAIFrontend:
+    """The OpenAI frontend ``specdec serve`` runs beside tritonserver (started once the models are ready)."""
+    return OpenAIFrontend(
+        triton_url="",  # the server's gRPC address, set once it has started (``_start``)
+        model=args.openai_model_name or model_name(Path(args.model_repository)),
+        host=args.host,
+        port=args.openai_port,
+        api_key=args.openai_api_key or None,
+        graceful_s=args.drain_timeout,
+    )
+
+
+def _check_frontend_port(args: argparse.Namespace) -> None:
+    """The OpenAI port must be free and differ from the others, checked before anything starts."""
+    others = {"--grpc-port": args.grpc_port, "--http-port": args.http_port, "--metrics-port": args.metrics_port}
+    clash = [flag for flag, port in others.items() if port == args.openai_port]
+    if clash:
+        raise PortInUseError(f"--openai-port {args.openai_port} is also {clash[0]}: the ports must differ")
+    if not port_free(args.host, args.openai_port):
+        raise PortInUseError(
+            f"port {args.openai_port} on {args.host} (--openai-port) is already in use; pick another with "
+            "--openai-port (or --no-openai)"
+        )
+
+
+def _start(args: argparse.Namespace, server: TritonServer, frontend: OpenAIFrontend | None, signals: list[int]) -> None:
+    """Start tritonserver, wait until its models are ready, then the frontend (``TritonError`` if one fails)."""
+    if frontend is not None:
+        validate_repository(args.model_repository)  # a bad repository is named first, as ``server.start`` would
+        _check_frontend_port(args)
+    if not loopback(args.host):
+        print(
+            f"warning: --host {args.host} serves every network this machine is on; inference has no "
+            "authentication (put it behind a gateway that has), management APIs need the admin key"
+            + ("" if frontend is None or frontend.api_key else f", the OpenAI API none unless ${API_KEY_ENV}"),
+            file=sys.stderr,
+            flush=True,
+        )
+    server.start(
+        args.model_repository,
+        host=args.host,
+        grpc_port=args.grpc_port,
+        http_port=args.http_port,
+        metrics_port=args.metrics_port,
+        log_verbose=args.log_verbose,
+        exit_timeout_s=args.exit_timeout,
+        admin_key=args.admin_key,
+    )
+    if not args.admin_key:
+        print(
+            f"specdec serve: management APIs need header {ADMIN_HEADER} (HTTP) / {GRPC_ADMIN_HEADER} "
+            f"(gRPC): its value is in {server.write_admin_key()}",
+            file=sys.stderr,
+            flush=True,
+        )
+    print(
+        f"specdec serve: starting {server.install.binary} ({server.install.source}); "  # type: ignore[union-attr]
+        f"log: {server.log_file}",
+        file=sys.stderr,
+        flush=True,
+    )
+    _wait_ready_unless_signalled(server, args.ready_timeout, signals)
+    if frontend is not None and not signals:
+        frontend.triton_url = server.grpc_url
+        frontend.start()
+        frontend.wait_ready()
+
+
+def _serve(args: argparse.Namespace, server: TritonServer, frontend: OpenAIFrontend | None, signals: list[int]) -> int:
+    try:
+        _start(args, server, frontend, signals)
+    except TritonError as exc:
+        if frontend is not None:
+            frontend.stop()
+        server.stop()
+        if signals:
+            return 128 + signals[0]
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if signals:  # stopped while loading: nothing was admitted yet, so there is nothing to drain
+        if frontend is not None:
+            frontend.stop()
+        server.stop()
+        return 0
+    openai = "" if frontend is None else f"  OpenAI  {frontend.url}/v1 (model {frontend.model!r})\n"
+    print(
+        f"specdec serve: ready\n  gRPC    {server.grpc_url}\n  HTTP    {server.http_url}\n"
+        f"  metrics {server.metrics_url}\n{openai}(Ctrl-C to stop: in-flight requests finish first)",
+        flush=True,
+    )
+    server.watch_engine()
+    if not _supervise(server, signals, args.max_restarts, args.ready_timeout):
+        return 1
+    if signals:
+        print(
+            f"specdec serve: {signal.Signals(signals[0]).name}: draining, admitting no new requests "
+            f"({server.inflight() or 0} in flight; signal again to abort them)",
+            file=sys.stderr,
+            flush=True,
+        )
+        if frontend is not None:
+            frontend.drain()
+        aborted = server.drain(args.drain_timeout, abort=lambda: len(signals) > 1)
+        if aborted:
+            print(f"specdec serve: aborted {aborted} request(s) still in flight", file=sys.stderr, flush=True)
+    return _stop(server, frontend, signals)
+
+
+def _stop(server: TritonServer, frontend: OpenAIFrontend | None, signals: list[int]) -> int:
+    """Stop the frontend, then tritonserver; the exit code of ``specdec serve`` (0: both stopped cleanly).
+
+    The frontend first: its open streams have had their last responses from Triton and finish writing them.
+    """
+    frontend_code = None if frontend is None else frontend.stop()
+    code = server.stop()
+    assert code is not None
+    if code < 0:  # killed by a signal: report it the way a shell would
+        code = 128 - code
+    if code != 0:
+        print(f"error: tritonserver exited with code {code}\n{error_summary(server.read_log())}", file=sys.stderr)
+    elif frontend_code not in (None, 0):
+        assert frontend is not None
+        print(
+            f"error: the OpenAI frontend exited with code {frontend_code}\n{frontend.read_log()[-3000:]}",
+            file=sys.stderr,
+        )
+        code = 1
+    elif signals:
+        print("specdec serve: stopped", file=sys.stderr, flush=True)
+    return code
 
 
 def _supervise(server: TritonServer, signals: list[int], max_restarts: int, ready_timeout: float) -> bool:

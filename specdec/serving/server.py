@@ -134,8 +134,21 @@ def validate_repository(path: str | os.PathLike[str]) -> Path:
 # --------------------------------------------------------------------------- the server process
 
 
-def _client_host(host: str) -> str:
+def client_host(host: str) -> str:
+    """Where a client on this machine reaches a server listening on ``host`` (a wildcard: loopback)."""
     return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+
+
+def loopback(host: str) -> bool:
+    """Whether ``host`` is this machine only."""
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def read_log(path: Path | None) -> str:
+    """A server's log as text ('' when there is none yet)."""
+    if path is None or not path.exists():
+        return ""
+    return path.read_text(encoding="utf-8", errors="replace")
 
 
 def error_summary(log_text: str, tail_lines: int = 30) -> str:
@@ -314,23 +327,21 @@ class TritonServer:
 
     @property
     def grpc_url(self) -> str:
-        return f"{_client_host(self.host)}:{self.grpc_port}"
+        return f"{client_host(self.host)}:{self.grpc_port}"
 
     @property
     def http_url(self) -> str:
-        return f"http://{_client_host(self.host)}:{self.http_port}"
+        return f"http://{client_host(self.host)}:{self.http_port}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://{_client_host(self.host)}:{self.metrics_port}/metrics"
+        return f"http://{client_host(self.host)}:{self.metrics_port}/metrics"
 
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
     def read_log(self) -> str:
-        if self.log_file is None or not self.log_file.exists():
-            return ""
-        return self.log_file.read_text(encoding="utf-8", errors="replace")
+        return read_log(self.log_file)
 
     def is_ready(self) -> bool:
         return http_ready(self.http_url)

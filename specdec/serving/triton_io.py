@@ -33,6 +33,14 @@ def error_response(message: str, invalid: bool = True, code: str | int | None = 
     return pb.utils.InferenceResponse(output_tensors=[], error=error)
 
 
+def code_name(code: str | int | None) -> str:
+    """The name of a Triton error code (an inner model's error carries a number); INTERNAL when unknown."""
+    if isinstance(code, str):
+        return code
+    names = {v: k for k, v in vars(pb.utils.TritonError).items() if k.isupper() and isinstance(v, int)}
+    return names.get(code, "INTERNAL") if code is not None else "INTERNAL"
+
+
 class ModelError(Exception):
     """An inner model's (BLS) error, with its Triton error code kept for the client's answer."""
 
