@@ -368,7 +368,7 @@ def report(result: dict) -> str:
     lines = [
         "# `specdec-export --quantize` on SmolLM2-135M-Instruct (target)",
         "",
-        "Produced by `python benchmarks/quantize_quality.py` (raw numbers: `quantize.json`). Machine: "
+        "Produced by `python -m benchmarks.quantize_quality` (raw numbers: `quantize.json`). Machine: "
         f"{result['machine']['processor']}, ORT on 2 threads, shared with other jobs (timings are medians and noisy).",
         "",
         f"Greedy: {result['prompts']} held-out chat prompts, {result['max_new_tokens']} new tokens, `ar` at batch "

@@ -184,7 +184,7 @@ def quantize_export(
     ``w8a8.calibration_ids`` with the model's own tokenizer; a draft has none, so the export passes the target's).
 
     ``use_gguf=False`` rounds the fp32 weights even when the model came from a block-quantized GGUF
-    (what a second rounding costs: ``benchmarks/quantize_quality.py``). ``accuracy_level`` is the
+    (what a second rounding costs: ``python -m benchmarks.quantize_quality``). ``accuracy_level`` is the
     level the graph is written at; it decides which tensors stay fp32 (``fp32_at_level``).
     The embedding table is gathered from blocks too (``embedding_block``), whatever the level: a
     gather de-quantizes rows, it multiplies nothing.

@@ -7,7 +7,7 @@ sequences x 1 row, context 300, GQA took ~18 ms of a ~48 ms SmolLM2 step). Foldi
 ``num_heads = kv_num_heads``: the ``fold = heads / kv_heads`` query heads of a kv group become
 *rows* of one call, so K and V are packed once per kv head, and every GEMM has at least ``fold``
 rows (never MLAS's one-row path, so no discarded copy row is needed for invariance either).
-Measured (``benchmarks/experiments/attention_lowerings/README.md``): GQA time in steps of several
+Measured (``benchmarks/results/attention_lowerings.md``): GQA time in steps of several
 decoding sequences 24-31% lower; a whole SmolLM2 step at 8 x 1, context 1000, 122.6 -> 97.1 ms.
 
 The layout: slot e runs ``fold * n_e`` query rows; row ``s * fold + g`` holds query head
