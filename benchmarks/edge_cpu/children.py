@@ -1,95 +1,22 @@
-"""One contestant, one process: the runners that decode a workload in a fresh interpreter, and the parent's
-side that starts them."""
+"""One contestant, one process: HF and specdec runners that decode the workloads in a fresh interpreter of the
+project's venv (``python -m benchmarks.edge_cpu.children``, ``benchmarks.peers.protocol``'s JSON files), and the
+parent's side that starts them."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from benchmarks.edge_cpu import CHILD_TIMEOUT_S
 from benchmarks.edge_cpu.forced import run_forced
+from benchmarks.peers.protocol import answer, child_main, chunks, run_peer
 
 # -- children: one contestant, one process ---------------------------------------------------
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident set (``VmHWM``), in MB; ``ru_maxrss`` where /proc is absent."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        pass
-    import resource
-
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-
-
-def _chunks(items: Sequence[Any], size: int) -> list[list[Any]]:
-    return [list(items[i : i + size]) for i in range(0, len(items), size)]
-
-
-def _answer(ids: Sequence[int], eos: set[int]) -> list[int]:
-    """The answer's tokens: up to the first EOS, which is not counted (llama.cpp does not return it)."""
-    out = []
-    for t in ids:
-        if int(t) in eos:
-            break
-        out.append(int(t))
-    return out
-
-
-def run_llama(spec: dict[str, Any]) -> dict[str, Any]:
-    """llama.cpp on the GGUF: one prompt at a time (llama-cpp-python has one sequence per context)."""
-    from llama_cpp import Llama, __version__, llama_print_system_info
-
-    start = time.perf_counter()
-    llm = Llama(
-        model_path=spec["gguf"],
-        n_ctx=spec["max_len"],
-        n_batch=512,
-        n_threads=spec["threads"],
-        n_threads_batch=spec["threads"],
-        seed=0,
-        verbose=False,
-    )
-    load_seconds = time.perf_counter() - start
-    greedy = {"temperature": 0.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0}
-    first = spec["prompts"]["chat"][0]
-    llm.reset()
-    llm.create_completion(prompt=first, max_tokens=4, **greedy)  # warm-up, untimed
-    workloads = {}
-    for name, prompts in spec["prompts"].items():
-        ttft, texts, tokens, seconds = [], [], 0, 0.0
-        for ids in prompts:
-            llm.reset()  # no prompt-prefix reuse from the previous call: every contestant prefills in full
-            t0 = time.perf_counter()
-            stream = llm.create_completion(prompt=ids, max_tokens=spec["max_tokens"], stream=True, **greedy)
-            next(iter(stream))
-            ttft.append(time.perf_counter() - t0)
-            stream.close()
-            llm.reset()
-            t0 = time.perf_counter()
-            out = llm.create_completion(prompt=ids, max_tokens=spec["max_tokens"], **greedy)
-            seconds += time.perf_counter() - t0
-            tokens += int(out["usage"]["completion_tokens"])
-            texts.append(out["choices"][0]["text"])
-        workloads[name] = {"tokens": tokens, "seconds": seconds, "ttft": ttft, "texts": texts, "ids": None}
-    return {
-        "workloads": workloads,
-        "load_seconds": load_seconds,
-        "versions": {"llama_cpp_python": __version__},
-        "system_info": llama_print_system_info().decode(errors="replace").strip(),
-    }
 
 
 def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
@@ -122,15 +49,16 @@ def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
                 pad_token_id=pad,
                 **extra,
             )
-        answers = [_answer(row[width:].tolist(), eos) for row in out]
+        answers = [answer(row[width:].tolist(), eos) for row in out]
         tokenizer.batch_decode(answers, skip_special_tokens=True)  # timed like the others' detokenisation
         return answers, time.perf_counter() - t0
 
     generate([spec["prompts"]["chat"][0]], 4)  # warm-up, untimed
     workloads = {}
     for name, prompts in spec["prompts"].items():
-        ttft, ids_out, seconds = [], [], 0.0
-        for batch in _chunks(prompts, spec["batch"]):
+        ttft, ids_out, seconds, seen = [], [], 0.0, []
+        for batch in chunks(prompts, spec["batch"]):
+            seen += batch
             ttft.append(generate(batch, 1)[1])
             answers, elapsed = generate(batch, spec["max_tokens"])
             seconds += elapsed
@@ -141,6 +69,7 @@ def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
             "ttft": ttft,
             "ids": ids_out,
             "texts": tokenizer.batch_decode(ids_out, skip_special_tokens=True),
+            "prompt_ids": seen,
         }
     return {
         "workloads": workloads,
@@ -208,12 +137,13 @@ def run_specdec(spec: dict[str, Any]) -> dict[str, Any]:
     generate([spec["prompts"]["chat"][0]], 4)  # warm-up, untimed
     workloads = {}
     for name, prompts in spec["prompts"].items():
-        ttft, ids_out, texts, seconds, drafted, accepted = [], [], [], 0.0, 0, 0
-        for batch in _chunks(prompts, spec["batch"]):
+        ttft, ids_out, texts, seconds, drafted, accepted, seen = [], [], [], 0.0, 0, 0, []
+        for batch in chunks(prompts, spec["batch"]):
             result, elapsed, first = generate(batch, spec["max_tokens"])
+            seen += [list(r.prompt_ids) for r in result.outputs]
             seconds += elapsed
             ttft.append(first)
-            ids_out += [_answer(o.token_ids, eos) for o in result.outputs]
+            ids_out += [answer(o.token_ids, eos) for o in result.outputs]
             texts += [o.text for o in result.outputs]
             summary = result.run.summary()
             drafted += summary["draft_tokens"]
@@ -226,6 +156,7 @@ def run_specdec(spec: dict[str, Any]) -> dict[str, Any]:
             "texts": texts,
             "draft_tokens": drafted,
             "accepted_draft_tokens": accepted,
+            "prompt_ids": seen,
         }
     return {
         "workloads": workloads,
@@ -235,57 +166,16 @@ def run_specdec(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def child_main(spec_path: Path, result_path: Path) -> int:
-    """Run one contestant from its spec file and write what it measured, with its own peak RSS."""
-    spec = json.loads(spec_path.read_text(encoding="utf-8"))
-    runner = {"llama": run_llama, "hf": run_hf, "specdec": run_specdec, "forced": run_forced}[spec["kind"]]
-    result = runner(spec)
-    result["peak_rss_mb"] = peak_rss_mb()
-    result_path.write_text(json.dumps(result), encoding="utf-8")
-    return 0
-
-
-def _child_path() -> str:
-    """PYTHONPATH for a child: the repository root first, so ``-m benchmarks.edge_cpu`` imports this checkout."""
-    root = str(Path(__file__).resolve().parents[2])
-    return os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
+def generate(spec: dict[str, Any]) -> dict[str, Any]:
+    """One contestant's timed workloads: transformers or a specdec export (``spec["kind"]``)."""
+    return {"hf": run_hf, "specdec": run_specdec}[spec["kind"]](spec)
 
 
 def run_child(spec: dict[str, Any], work: Path, name: str) -> dict[str, Any]:
-    """One contestant in a fresh interpreter; its output goes to a log, its failure to the result's ``error``."""
-    work.mkdir(parents=True, exist_ok=True)
-    spec_path, result_path, log_path = (work / f"{name}.{ext}" for ext in ("spec.json", "result.json", "log"))
-    spec_path.write_text(json.dumps(spec), encoding="utf-8")
-    result_path.unlink(missing_ok=True)
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": _child_path()}
-    with log_path.open("w", encoding="utf-8") as log:
-        try:
-            proc = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "benchmarks.edge_cpu",
-                    "--child",
-                    str(spec_path),
-                    "--result",
-                    str(result_path),
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                timeout=CHILD_TIMEOUT_S,
-                check=False,
-            )
-            rc: int | str = proc.returncode
-        except subprocess.TimeoutExpired:
-            rc = f"timeout after {CHILD_TIMEOUT_S} s"
-    if rc == 0 and result_path.is_file():
-        return json.loads(result_path.read_text(encoding="utf-8"))
-    tail = log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-3:]
-    why = f"killed by signal {-rc}" if isinstance(rc, int) and rc < 0 else f"exit {rc}"
-    if spec["kind"] == "llama" and rc == -11:
-        why += (
-            " (a segfault: llama.cpp built with AMX crashes in ggml_backend_amx_mul_mat on Q4_1 here; "
-            "reinstall it with the command in this benchmark's --help)"
-        )
-    return {"error": f"{why}: {' | '.join(tail) or 'no output'} (log: {log_path})"}
+    """One contestant (or one export's forced scoring) in a fresh interpreter of this venv, so its peak RSS and
+    its start-up are its own; its failure comes back as the result's ``error``."""
+    return run_peer(sys.executable, "benchmarks.edge_cpu.children", spec, work, name, CHILD_TIMEOUT_S)
+
+
+if __name__ == "__main__":
+    sys.exit(child_main({"generate": generate, "score": run_forced}))

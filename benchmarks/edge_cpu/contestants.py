@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from benchmarks.edge_cpu import DRAFTER_LABELS, PRECISIONS, SPECDEC_METHODS
+from benchmarks.peers.catalog import PeerRow, peer_rows
 
 # -- contestants ---------------------------------------------------------------------------
 
@@ -15,7 +16,7 @@ class Contestant:
     """One row of the table: who decodes, how, at which batch size; ``tags`` are what ``--skip`` matches."""
 
     label: str
-    kind: str  # "llama", "hf" or "specdec"
+    kind: str  # "peer", "hf" or "specdec"
     batch: int
     tags: tuple[str, ...]
     precision: str | None = None  # specdec: fp32 / int8 / int4 / w8a8
@@ -23,15 +24,26 @@ class Contestant:
     drafter: str | None = None  # specdec ems: "ngram", "draft" or "hybrid" (n-gram where the context matches)
     lookup: bool = False  # hf: prompt lookup decoding
     kv_cache: str | None = None  # specdec: the KV caches' type when not the export's own (fp16 for int8/int4)
+    peer: PeerRow | None = None  # peer: its model, mode and batch (``benchmarks.peers.catalog``)
 
     @property
     def key(self) -> str:
         return f"{self.label} B={self.batch}"
 
+    @property
+    def plain_key(self) -> str | None:
+        """The row whose answers this greedy speculation must repeat: the same export's ``ar``, the same peer
+        model without its speculation, at the same batch size (None for a row that does not speculate)."""
+        if self.method == "ems":
+            return f"specdec {self.precision} ar B={self.batch}"
+        if self.peer is not None and self.peer.plain_label is not None:
+            return f"{self.peer.plain_label} B={self.batch}"
+        return None
 
-def contestants(batches: Sequence[int]) -> list[Contestant]:
-    """Every contestant of the comparison, in table order."""
-    rows = [Contestant("llama.cpp Q4_1", "llama", 1, ("llama",))]
+
+def contestants(batches: Sequence[int], peers: Sequence[str] = ()) -> list[Contestant]:
+    """Every contestant of the comparison, in table order: the peers (``--peers``), HF, specdec's exports."""
+    rows = [Contestant(p.label, "peer", p.batch, ("peer", p.model), peer=p) for p in peer_rows(peers, batches)]
     rows += [Contestant("HF fp32", "hf", b, ("hf",)) for b in sorted({1, 8} & set(batches)) or [1]]
     rows.append(Contestant("HF fp32 prompt lookup", "hf", 1, ("hf", "hf-lookup"), lookup=True))
     for precision in PRECISIONS:

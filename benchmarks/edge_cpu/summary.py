@@ -26,26 +26,38 @@ def _prefix_share(got: Sequence[Any], want: Sequence[Any]) -> float:
 
 
 def agreement(run: dict[str, Any], reference: dict[str, Any] | None) -> dict[str, float] | None:
-    """Identical answers and mean common-prefix share against the reference, by ids or (llama.cpp) by text."""
+    """Identical answers and mean common-prefix share against the reference, by token ids (every contestant
+    runs the same tokenizer's ids)."""
     if reference is None:
         return None
-    if run["ids"] is not None:
-        pairs = list(zip(run["ids"], reference["ids"]))
-    else:
-        pairs = [(a.strip(), b.strip()) for a, b in zip(run["texts"], reference["texts"])]
+    pairs = list(zip(run["ids"], reference["ids"]))
     return {
         "identical": sum(a == b for a, b in pairs) / len(pairs),
         "prefix": statistics.mean(_prefix_share(a, b) for a, b in pairs),
     }
 
 
+def prompt_ids_differ(runs: list[dict[str, Any]], prompts: dict[str, list[list[int]]]) -> int:
+    """How many prompts, over every run of a contestant, the engine reports having seen as other token ids than
+    the ones it was given (0: every engine decoded the same prompts; a template or tokenizer difference would
+    otherwise look like speed)."""
+    return sum(
+        int(seen != want)
+        for run in runs
+        for name, want_ids in prompts.items()
+        for seen, want in zip(run["workloads"][name]["prompt_ids"], want_ids, strict=True)
+    )
+
+
 def summarise(
     contestant: Contestant,
     runs: list[dict[str, Any]],
     reference: dict[str, Any] | None,
-    own_ar: dict[str, Any] | None = None,
+    own_plain: dict[str, Any] | None = None,
+    prompts: dict[str, list[list[int]]] | None = None,
 ) -> dict[str, Any]:
-    """One contestant over its repeats: median tokens/s per workload and mixed, TTFT, peak RSS, agreement."""
+    """One contestant over its repeats: median tokens/s per workload and mixed, TTFT, peak RSS, agreement with
+    the reference, with its own row without speculation (``own_plain``), and whether it saw ``prompts``."""
     good = [r for r in runs if "error" not in r]
     row: dict[str, Any] = {
         "label": contestant.label,
@@ -76,22 +88,29 @@ def summarise(
     row["agreement"] = {
         name: agreement(good[0]["workloads"][name], reference and reference[name]) for name in WORKLOADS
     }
-    if contestant.method == "ems":
-        # greedy ems must answer what ar of the same export and batch answers: the exactness check
+    if prompts is not None:
+        row["prompt_ids_differ"] = prompt_ids_differ(good, prompts)
+    if contestant.plain_key:
+        # greedy speculation must answer what the same model answers without it: the exactness check
         row["identical_to_own_ar"] = {
-            name: agreement(good[0]["workloads"][name], own_ar and own_ar[name]) for name in WORKLOADS
+            name: agreement(good[0]["workloads"][name], own_plain and own_plain[name]) for name in WORKLOADS
         }
+    if contestant.method == "ems":
         drafted = sum(good[0]["workloads"][n]["draft_tokens"] for n in WORKLOADS)
         accepted = sum(good[0]["workloads"][n]["accepted_draft_tokens"] for n in WORKLOADS)
         row["acceptance_rate"] = round(accepted / drafted, 3) if drafted else None
         row["draft_length"] = good[0].get("draft_length")
+    elif good[0].get("draft_tokens"):  # llama-server's n-gram speculation reports its drafts
+        row["acceptance_rate"] = round(good[0]["accepted_draft_tokens"] / good[0]["draft_tokens"], 3)
+    if "command" in good[0]:
+        row["command"] = good[0]["command"]
     row["versions"] = good[0].get("versions", {})
     row["answers"] = {name: good[0]["workloads"][name]["texts"] for name in WORKLOADS}
     return row
 
 
 def add_ratios(rows: dict[str, dict[str, Any]], baseline_key: str) -> None:
-    """Each row's tokens/s over llama.cpp batch 1's, per workload (None where either is missing)."""
+    """Each row's tokens/s over llama-server batch 1's, per workload (None where either is missing)."""
     base = rows.get(baseline_key, {}).get("tokens_per_second")
     for row in rows.values():
         tps = row.get("tokens_per_second")
@@ -125,14 +144,15 @@ def auto_notes(rows: dict[str, dict[str, Any]], baseline_key: str) -> list[str]:
         fastest = max(ok, key=lambda k: ok[k]["tokens_per_second"]["mix"])
         ones = {k: r for k, r in ok.items() if r["batch"] == 1 and r["kind"] == "specdec"}
         notes.append(
-            f"llama.cpp batch 1: {base['tokens_per_second']['mix']:.1f} tokens/s on the mix. Fastest: "
+            f"llama-server Q4_1 batch 1: {base['tokens_per_second']['mix']:.1f} tokens/s on the mix. Fastest: "
             f"{fastest} at {ok[fastest]['tokens_per_second']['mix']:.1f} tokens/s "
-            f"({ok[fastest]['over_llama']['mix']:.2f}× llama.cpp)."
+            f"({ok[fastest]['over_llama']['mix']:.2f}× llama-server batch 1)."
         )
+        notes += peer_notes(ok)
         if ones:
             best = max(ones, key=lambda k: ones[k]["tokens_per_second"]["mix"])
             notes.append(
-                f"Fastest specdec contestant at batch 1 (one stream, llama.cpp's own setting): {best}, "
+                f"Fastest specdec contestant at batch 1 (one stream): {best}, "
                 f"{ones[best]['over_llama']['mix']:.2f}× llama.cpp on the mix "
                 f"({ones[best]['over_llama']['chat']:.2f}× on chat, "
                 f"{ones[best]['over_llama']['extractive']:.2f}× on extractive)."
@@ -147,7 +167,7 @@ def auto_notes(rows: dict[str, dict[str, Any]], baseline_key: str) -> list[str]:
         ]
         notes.append(
             f"{len(beating)} of {sum(r['kind'] == 'specdec' for r in ok.values())} specdec contestants "
-            "beat llama.cpp batch 1 on the mix" + (f" ({', '.join(beating)})." if beating else ".")
+            "beat llama-server batch 1 on the mix" + (f" ({', '.join(beating)})." if beating else ".")
         )
     differ = [
         k
@@ -162,15 +182,23 @@ def auto_notes(rows: dict[str, dict[str, Any]], baseline_key: str) -> list[str]:
             + ", ".join(differ)
             + ". int8 and int4 run int8 activations (their weights are the GGUF's own blocks) and w8a8 "
             "also rounds its weights again, so their logits differ from fp32's and some greedy answers part "
-            "from fp32's after a near-tie, as llama.cpp's do."
+            "from fp32's after a near-tie, as the peers' do."
         )
     inexact = [
         k
         for k, r in ok.items()
-        if r.get("identical_to_own_ar", {}).get("chat")
+        if r["kind"] == "specdec"
+        and r.get("identical_to_own_ar", {}).get("chat")
         and any(r["identical_to_own_ar"][n]["identical"] < 1.0 for n in WORKLOADS)
     ]
-    checked = [k for k, r in ok.items() if r.get("identical_to_own_ar", {}).get("chat")]
+    checked = [k for k, r in ok.items() if r["kind"] == "specdec" and r.get("identical_to_own_ar", {}).get("chat")]
+    unseen = [f"{k} ({r['prompt_ids_differ']})" for k, r in ok.items() if r.get("prompt_ids_differ")]
+    notes.append(
+        "PROMPT IDS DIFFER from the ones given (prompts, over all repeats): " + ", ".join(unseen) + "."
+        if unseen
+        else "Every contestant reports having decoded exactly the prompt token ids it was given (specdec's chat "
+        "template, applied once)."
+    )
     if inexact:
         notes.append(
             "GREEDY EMS DIFFERS from ar of the same export and batch on some prompt: "
@@ -191,6 +219,32 @@ def auto_notes(rows: dict[str, dict[str, Any]], baseline_key: str) -> list[str]:
     return notes
 
 
+def peer_notes(ok: dict[str, dict[str, Any]]) -> list[str]:
+    """The best peer and the best specdec row at batch 1 and at the largest batch, and the peers' speculation
+    against their own plain decoding (which a greedy speculation must repeat)."""
+    notes = []
+    for batch in sorted({1, max(r["batch"] for r in ok.values())}):
+        best = {}
+        for kind in ("peer", "specdec"):
+            rows = {k: r for k, r in ok.items() if r["kind"] == kind and r["batch"] == batch}
+            if rows:
+                best[kind] = max(rows, key=lambda k: rows[k]["tokens_per_second"]["mix"] or 0)
+        if len(best) == 2:
+            p, s = (ok[best[k]]["tokens_per_second"]["mix"] for k in ("peer", "specdec"))
+            notes.append(
+                f"Batch {batch}: best peer {best['peer']} {p:.1f} tokens/s, best specdec {best['specdec']} "
+                f"{s:.1f} ({s / p:.2f}×)."
+            )
+    for k, r in ok.items():
+        own = r.get("identical_to_own_ar", {})
+        if r["kind"] == "peer" and own.get("chat"):
+            notes.append(
+                f"{k}: {identical_cell(own)} of its answers (chat / extractive) equal the same model's "
+                "without speculation."
+            )
+    return notes
+
+
 def acceptance_note(ok: dict[str, dict[str, Any]], base: dict[str, Any]) -> str | None:
     """Issue 21's four speed and memory lines, from this run's rows (None without the int4 and batch-8 rows)."""
     int4 = ok.get("specdec int4 ar B=1")
@@ -202,8 +256,8 @@ def acceptance_note(ok: dict[str, dict[str, Any]], base: dict[str, Any]) -> str 
     best8 = max(eights, key=lambda k: eights[k]["over_llama"]["mix"] or 0)
     rss = int4["peak_rss_mb"]
     return (
-        f"Acceptance lines (mix, ratios to llama.cpp batch 1): int4 ar B=1 {int4['over_llama']['mix']:.2f}x "
+        f"Acceptance lines (mix, ratios to llama-server batch 1): int4 ar B=1 {int4['over_llama']['mix']:.2f}x "
         f"(>= 0.8); best B=1 {ones[best1]['over_llama']['mix']:.2f}x, {best1} (>= 1.2); best B=8 "
         f"{eights[best8]['over_llama']['mix']:.2f}x, {best8} (>= 3); int4 peak RSS at B=1 {rss:.0f} MB, "
-        f"{rss / base['peak_rss_mb']:.2f}x llama.cpp's {base['peak_rss_mb']:.0f} MB (<= 2)."
+        f"{rss / base['peak_rss_mb']:.2f}x llama-server's {base['peak_rss_mb']:.0f} MB (<= 2)."
     )

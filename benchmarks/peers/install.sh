@@ -18,7 +18,10 @@ BASE_PYTHON=${PEERS_BASE_PYTHON:-python3}
 PROJECT_PYTHON=${PROJECT_PYTHON:-python}
 JOBS=${PEERS_BUILD_JOBS:-2}
 # the pins: what the benchmark was written and smoke-tested against
-TORCH_PIN="torch==2.13.0"  # the local CPU wheel; any other torch would pull a CUDA build of several GB
+TORCH_PIN="torch==2.13.0"  # the project's CPU build; an open range would pull a CUDA build of several GB
+# optimum-intel requires torchvision, and PyPI's torchvision needs torch >= 2.14: the pair that installs together
+# (the CUDA build, about 6 GB in that venv; only its CPU code runs)
+OPENVINO_TORCH_PINS=("torch==2.14.1" "torchvision==0.29.1")
 ORT_GENAI_PIN="onnxruntime-genai==0.18.0"
 OPENVINO_PINS=("openvino-genai==2026.4.1.0" "optimum-intel[openvino]==2.2.0" "nncf==3.4.0")
 LLAMA_CPP_PYTHON_PIN="llama-cpp-python==0.3.36"
@@ -51,7 +54,7 @@ install_ortgenai() {
   make_venv "$dir"
   # the model builder imports torch and transformers to read the HF checkpoint
   "$dir/bin/pip" install --quiet "$TORCH_PIN"
-  "$dir/bin/pip" install --quiet "$ORT_GENAI_PIN" transformers onnx
+  "$dir/bin/pip" install --quiet "$ORT_GENAI_PIN" transformers onnx onnx-ir
   "$dir/bin/pip" freeze > "$dir/.installed"
 }
 
@@ -60,7 +63,7 @@ install_openvino() {
   if done_already "$dir"; then echo "openvino: installed ($dir)"; return; fi
   echo "openvino: creating $dir"
   make_venv "$dir"
-  "$dir/bin/pip" install --quiet "$TORCH_PIN"
+  "$dir/bin/pip" install --quiet "${OPENVINO_TORCH_PINS[@]}"
   "$dir/bin/pip" install --quiet "${OPENVINO_PINS[@]}"
   "$dir/bin/pip" freeze > "$dir/.installed"
 }

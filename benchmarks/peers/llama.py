@@ -44,14 +44,6 @@ def llama_cmake_args(flags: set[str]) -> str:
     )
 
 
-def llama_install_command(flags: set[str]) -> str:
-    """The shell command that builds llama-cpp-python for a CPU with ``flags`` into .venv."""
-    return (
-        f'CMAKE_ARGS="{llama_cmake_args(flags)}" .venv/bin/pip install --no-cache-dir --force-reinstall --no-deps '
-        "llama-cpp-python==0.3.36 && .venv/bin/pip install diskcache"
-    )
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cmake-args", action="store_true", help="print llama.cpp's CMake options for this CPU")

@@ -321,3 +321,53 @@ SHORT_PROMPTS = (
     "What is bread made of?",
     "Why do birds sing?",
 )
+
+
+#: standard-library modules whose docstrings are held-out text for perplexity: none feeds a workload
+HELD_OUT_MODULES = (
+    "asyncio",
+    "decimal",
+    "enum",
+    "hashlib",
+    "hmac",
+    "ipaddress",
+    "locale",
+    "mailbox",
+    "pdb",
+    "pickletools",
+    "plistlib",
+    "secrets",
+    "selectors",
+    "smtplib",
+    "socket",
+    "threading",
+    "wave",
+    "weakref",
+    "calendar",
+    "gettext",
+    "numbers",
+    "abc",
+    "base64",
+    "doctest",
+)
+
+
+def held_out_texts() -> list[str]:
+    """The module docstrings (``inspect.getdoc``, the text ``pydoc`` shows) of ``HELD_OUT_MODULES`` that have
+    200+ characters; refused if a module also feeds a workload (the text would not be held out)."""
+    used = {name.split(".")[0] for name in DOC_SOURCES} | set(QA_MODULES)
+    clash = used & set(HELD_OUT_MODULES)
+    if clash:
+        raise RuntimeError(f"held-out modules also feed a workload: {sorted(clash)}")
+    texts = []
+    for name in HELD_OUT_MODULES:
+        doc = inspect.getdoc(__import__(name)) or ""
+        if len(doc) > 200:
+            texts.append(doc)
+    return texts
+
+
+def held_out_documents(tokenizer: Any, max_tokens: int = 256) -> list[list[int]]:
+    """The held-out texts as token ids (no chat template), ``max_tokens`` at most each: what the quantization
+    and edge benchmarks score perplexity on."""
+    return [tokenizer(text)["input_ids"][:max_tokens] for text in held_out_texts()]
