@@ -153,7 +153,7 @@ def auto_notes(rows: dict[str, dict[str, Any]], baseline_key: str) -> list[str]:
             best = max(ones, key=lambda k: ones[k]["tokens_per_second"]["mix"])
             notes.append(
                 f"Fastest specdec contestant at batch 1 (one stream): {best}, "
-                f"{ones[best]['over_llama']['mix']:.2f}× llama.cpp on the mix "
+                f"{ones[best]['over_llama']['mix']:.2f}× llama-server batch 1 on the mix "
                 f"({ones[best]['over_llama']['chat']:.2f}× on chat, "
                 f"{ones[best]['over_llama']['extractive']:.2f}× on extractive)."
             )
