@@ -22,9 +22,9 @@ their law is the target's (``tests/test_lossless_sampling.py``), not ar's draw.
 
 Run::
 
-    python benchmarks/adaptive_k.py                      # about 12 minutes on a 2-core CPU
-    python benchmarks/adaptive_k.py --quick --out-dir /tmp/adaptive
-    python benchmarks/adaptive_k.py --temperature 1 --calibrate --stem adaptive_k_sampled
+    python -m benchmarks.adaptive_k                      # about 12 minutes on a 2-core CPU
+    python -m benchmarks.adaptive_k --quick --out-dir /tmp/adaptive
+    python -m benchmarks.adaptive_k --temperature 1 --calibrate --stem adaptive_k_sampled
 
 Writes ``<out-dir>/<stem>.{json,md,png}`` (default ``benchmarks/results/adaptive_k``).
 """
@@ -32,9 +32,7 @@ Writes ``<out-dir>/<stem>.{json,md,png}`` (default ``benchmarks/results/adaptive
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gc
-import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -44,9 +42,20 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from specdec.bench.harness import BenchConfig, MethodRuns, int_list, machine_info, required_max_len, run_once
+# a sibling script, not a package
+from benchmarks.draft_pair import DEFAULT_DRAFT, DRAFTER_LABELS, DRAFTERS
+from specdec.bench.harness import (
+    BenchConfig,
+    MethodRuns,
+    int_list,
+    machine_info,
+    required_max_len,
+    run_command,
+    run_once,
+    utc_stamp,
+)
 from specdec.bench.report import write_report
-from specdec.bench.workloads import build_workload
+from specdec.bench.workloads import CHAT_PROMPTS, batch_of, build_workload
 from specdec.models.drafts import load_pair
 from specdec.models.presets import DEFAULT_TARGET
 from specdec.runtime.backends.torch_backend import TorchBackend
@@ -56,10 +65,6 @@ from specdec.runtime.draft_length import DraftLength
 from specdec.runtime.drafters import Drafter, ModelDrafter, NgramDrafter
 from specdec.runtime.engine import Engine
 from specdec.runtime.text import encode_text
-
-# a sibling script, not a package
-sys.path.insert(0, str(Path(__file__).parent))
-from draft_pair import CHAT_PROMPTS, DEFAULT_DRAFT, DRAFTER_LABELS, DRAFTERS, batch_of
 
 Config = tuple[str, int, str]  # (drafter, k or cap, "fixed" | "adaptive" | "calibrated")
 MODE_LABELS = {"fixed": "k=", "adaptive": "adaptive k<=", "calibrated": "calibrated adaptive k<="}
@@ -300,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         args.batch_sizes, args.ks, args.cap, args.max_tokens = (1, 2), (1, 2), 2, 8
     torch.set_num_threads(args.threads)
-    command = shlex.join(["python", "benchmarks/adaptive_k.py", *(sys.argv[1:] if argv is None else argv)])
+    command = run_command("benchmarks.adaptive_k", argv)
     load_before, start = machine_info().get("load_average"), time.perf_counter()
     target, draft = load_pair(args.target, args.draft)
     target_backend, draft_backend = TorchBackend(target), TorchBackend(draft)
@@ -357,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     info = machine_info()
     doc = {
         "meta": {
-            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "date": utc_stamp(),
             "command": command,
             "target": target.name,
             "draft": args.draft,

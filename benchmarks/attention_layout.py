@@ -12,8 +12,8 @@ prefill chunk, at contexts 300 and 1,000; all interleaved in rounds, medians
 (``specdec.bench.steps``). Before timing, every shape's logits of the two layouts are compared
 bit for bit.
 
-    python benchmarks/edge_cpu.py ...   # makes the export under benchmarks/.cache/edge
-    python benchmarks/attention_layout.py
+    python -m benchmarks.edge_cpu ...   # makes the export under benchmarks/.cache/edge
+    python -m benchmarks.attention_layout
 
 Results: ``benchmarks/results/attention_layout.{md,json,png}``.
 """
@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from specdec.bench.harness import run_command, utc_stamp
 from specdec.bench.report import step_bars, write_report
 from specdec.bench.steps import BLOCK, interleaved_step_ms
 from specdec.runtime.backends import ort_fold
@@ -90,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     work, differ = build_work(args.int4 / "target" / "model.onnx", args.threads)
     medians = interleaved_step_ms(work, args.rounds, desc="layouts")
     doc = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": f"python benchmarks/attention_layout.py {' '.join(argv or sys.argv[1:])}".strip(),
+        "date": utc_stamp(),
+        "command": run_command("benchmarks.attention_layout", argv),
         "threads": args.threads,
         "rounds": args.rounds,
         "fold_rows": ort_fold.FOLD_ROWS,

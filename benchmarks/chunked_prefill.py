@@ -12,7 +12,7 @@ budget the prompt is prefilled in chunks that share steps with the running strea
 
 Run::
 
-    python benchmarks/chunked_prefill.py --export benchmarks/.cache/edge/fp32
+    python -m benchmarks.chunked_prefill --export benchmarks/.cache/edge/fp32
 
 (writes benchmarks/results/chunked_prefill.md, .json and .png)
 """
@@ -23,7 +23,6 @@ import argparse
 import itertools
 import json
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
@@ -32,10 +31,6 @@ from typing import Any
 from tqdm import tqdm
 
 from specdec.runtime.config import EngineConfig
-
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 STREAM_PROMPTS = [
     "Write a short story about a lighthouse keeper.",
@@ -131,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
 
     from specdec.runtime.engine import Engine
@@ -170,7 +165,7 @@ def write(summary: list[dict], args: argparse.Namespace, long_tokens: int) -> No
     lines = [
         "# Chunked prefill: a long prompt arriving mid-stream",
         "",
-        f"Command: `python benchmarks/chunked_prefill.py --export {args.export} --budgets {args.budgets} "
+        f"Command: `python -m benchmarks.chunked_prefill --export {args.export} --budgets {args.budgets} "
         f"--long-tokens {args.long_tokens} --repeats {args.repeats}`. Engine service (the served loop), `ems`, "
         f"{len(STREAM_PROMPTS)} chat streams of {args.max_tokens} tokens; the long prompt ({long_tokens} tokens) "
         "arrives once every stream has streamed 5 events. Gaps: time between a stream's consecutive events "

@@ -17,7 +17,7 @@ greedy agreement (argmax q = argmax p, what greedy speculation accepts) and expe
 
 Run::
 
-    python benchmarks/draft_agreement.py --draft shipped=smollm2-135m-draft --draft old=/path/to/draft
+    python -m benchmarks.draft_agreement --draft shipped=smollm2-135m-draft --draft old=/path/to/draft
 
 Writes ``<out-dir>/draft_agreement.{json,md,png}`` (default ``benchmarks/results``).
 """
@@ -25,9 +25,6 @@ Writes ``<out-dir>/draft_agreement.{json,md,png}`` (default ``benchmarks/results
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import shlex
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,18 +32,16 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from specdec.bench.harness import machine_info
+from specdec.bench.harness import machine_info, run_command, utc_stamp
 from specdec.bench.report import write_report
-from specdec.bench.workloads import build_workload
+
+# a sibling script, not a package
+from specdec.bench.workloads import CHAT_PROMPTS, build_workload
 from specdec.distill.net import DraftNet
 from specdec.distill.records import generate_records
 from specdec.models.drafts import resolve_draft
 from specdec.models.loading import load_model
 from specdec.models.presets import DEFAULT_TARGET
-
-# a sibling script, not a package
-sys.path.insert(0, str(Path(__file__).parent))
-from draft_pair import CHAT_PROMPTS
 
 ANSWERS = {"greedy": 0.0, "sampled": 1.0}
 
@@ -184,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         progress=not args.no_progress,
     )
     doc["meta"] = {
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": shlex.join(["python", "benchmarks/draft_agreement.py", *(argv or sys.argv[1:])]),
+        "date": utc_stamp(),
+        "command": run_command("benchmarks.draft_agreement", argv),
         "target": args.target,
         "prompts": args.prompts,
         "max_tokens": args.max_tokens,

@@ -24,8 +24,8 @@ says so per arm.
 
 Run::
 
-    python benchmarks/edge_cpu.py --skip llama,hf     # once, if benchmarks/.cache/edge has no exports
-    python benchmarks/ems_vs_ar.py                    # int4, B = 1, 4, 8, 5 repeats: ~15 min on 2 cores
+    python -m benchmarks.edge_cpu --skip llama,hf     # once, if benchmarks/.cache/edge has no exports
+    python -m benchmarks.ems_vs_ar                    # int4, B = 1, 4, 8, 5 repeats: ~15 min on 2 cores
 
 Writes ``benchmarks/results/ems_vs_ar.{json,md,png}``.
 """
@@ -33,8 +33,6 @@ Writes ``benchmarks/results/ems_vs_ar.{json,md,png}``.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -42,8 +40,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).parent))
-import edge_cpu  # the sibling benchmark: its workloads, exports and specdec runner
+from benchmarks.edge_cpu import DEFAULT_EXPORT_DIR, PRECISIONS
+from benchmarks.edge_cpu.__main__ import build_parser
+from benchmarks.edge_cpu.children import run_specdec
+from benchmarks.edge_cpu.exports import ensure_exports, ensure_hf_dir
+from benchmarks.edge_cpu.parent import workload_prompts
 
 #: arm name -> drafter (None: ar); "ar, control" repeats the base arm to measure the noise floor
 ARMS = {"ar": None, "ar, control": None, "ems n-gram": "ngram", "ems draft": "draft", "ems hybrid": "hybrid"}
@@ -90,7 +91,7 @@ def measure(
                         "method": "ar" if drafter is None else "ems",
                         "k": ks.get(drafter or "", 4),
                     }
-                    run = edge_cpu.run_specdec(spec)
+                    run = run_specdec(spec)
                     cell = runs.setdefault(f"{b}", {}).setdefault(name, [])
                     cell.append(
                         {
@@ -237,35 +238,35 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--precision", default="int4", choices=edge_cpu.PRECISIONS, help="which edge export")
+    p.add_argument("--precision", default="int4", choices=PRECISIONS, help="which edge export")
     p.add_argument("--batch-sizes", default="1,4,8")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--prompts", type=int, default=8, help="prompts per workload")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--export-dir", type=Path, default=edge_cpu.DEFAULT_EXPORT_DIR)
+    p.add_argument("--export-dir", type=Path, default=DEFAULT_EXPORT_DIR)
     p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--stem", default="ems_vs_ar")
     args = p.parse_args(argv)
     if args.repeats < 2:
         p.error("--repeats must be at least 2: one pair has no spread to tell a difference from noise")
 
-    from specdec.bench.harness import int_list, machine_info
+    from specdec.bench.harness import int_list, machine_info, run_command, utc_stamp
     from specdec.bench.report import write_report
     from specdec.models.loading import load_metadata
 
-    command = shlex.join(["python", "benchmarks/ems_vs_ar.py", *(sys.argv[1:] if argv is None else argv)])
+    command = run_command("benchmarks.ems_vs_ar", argv)
     load_before = machine_info().get("load_average")
     start = time.perf_counter()
     batches = list(int_list(args.batch_sizes))
-    edge = edge_cpu.build_parser().parse_args([])  # the edge benchmark's draft lengths, not a second copy
+    edge = build_parser().parse_args([])  # the edge benchmark's draft lengths, not a second copy
     ks = {"ngram": edge.ngram_k, "hybrid": edge.ngram_k, "draft": edge.draft_k}
-    export = edge_cpu.ensure_exports([args.precision], args.export_dir, ks["draft"], max(8, *batches))[args.precision]
+    export = ensure_exports([args.precision], args.export_dir, ks["draft"], max(8, *batches))[args.precision]
     if "error" in export:
         print(f"error: {export['error']}", file=sys.stderr)
         return 2
-    meta_model = load_metadata(edge_cpu.ensure_hf_dir(args.export_dir))
-    _, prompts, max_len = edge_cpu.workload_prompts(args.prompts, meta_model.tokenizer, args.max_tokens)
+    meta_model = load_metadata(ensure_hf_dir(args.export_dir))
+    _, prompts, max_len = workload_prompts(args.prompts, meta_model.tokenizer, args.max_tokens)
     common = {
         "prompts": prompts,
         "max_tokens": args.max_tokens,
@@ -279,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info()
     doc = {
         "meta": {
-            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "date": utc_stamp(),
             "command": command,
             "export": export["dir"],
             "export_name": args.precision,

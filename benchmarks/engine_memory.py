@@ -7,8 +7,8 @@ Each row runs in a fresh process: open the export as ``specdec serve`` sizes it 
 ``--max-len``), then answer one short chat request with ``ar``; VmHWM is the peak, VmRSS what stays.
 The process imports no torch (the runtime is numpy); the report says so per row.
 
-    python benchmarks/served_configs.py   # makes the exports under benchmarks/.cache/served
-    python benchmarks/engine_memory.py benchmarks/.cache/served/int4-hybrid benchmarks/.cache/served/fp32-n-gram
+    python -m benchmarks.served_configs   # makes the exports under benchmarks/.cache/served
+    python -m benchmarks.engine_memory benchmarks/.cache/served/int4-hybrid benchmarks/.cache/served/fp32-n-gram
 
 Results: ``benchmarks/results/engine_memory.{md,json,png}``.
 """
@@ -19,12 +19,12 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
+from specdec.bench.harness import utc_stamp
 from specdec.runtime.config import EngineConfig
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -100,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "# Engine memory: KV caches filled at allocation or mapped as used",
         "",
-        f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; command: "
-        f"`python benchmarks/engine_memory.py {' '.join(args.exports)} --kv-cache {args.kv_cache}`",
+        f"- Date: {utc_stamp()}; command: "
+        f"`python -m benchmarks.engine_memory {' '.join(args.exports)} --kv-cache {args.kv_cache}`",
         "- Each row a fresh process: "
         f"`Engine.from_export(config=EngineConfig(max_batch={args.max_batch}, max_len={args.max_len}))` "
         "(the main job's served size), then one 32-token chat request with ar",

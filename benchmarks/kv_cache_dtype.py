@@ -9,8 +9,8 @@ positions whose argmax equals the fp32 export's with fp32 caches. Step times: 1 
 rows at context 300 in cache buffers of 320 and 2,048 positions per slot, in blocks of back-to-back
 steps, the cache types and shapes interleaved, medians.
 
-    python benchmarks/edge_cpu.py ...   # makes the exports under benchmarks/.cache/edge
-    python benchmarks/kv_cache_dtype.py
+    python -m benchmarks.edge_cpu ...   # makes the exports under benchmarks/.cache/edge
+    python -m benchmarks.kv_cache_dtype
 
 Results: ``benchmarks/results/kv_cache_dtype.{md,json,png}``.
 """
@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from specdec.bench.harness import run_command, utc_stamp
 from specdec.bench.report import step_bars, write_report
 from specdec.bench.steps import BLOCK, interleaved_step_ms
 from specdec.models.export_meta import load_export_metadata
@@ -106,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     width = 2 * b.num_layers * int(b.num_kv_heads) * int(b.head_dim)  # K and V values per token, all layers
     per_token_kib = {d: width * np.dtype(d).itemsize / 1024 for d in DTYPES}
     doc = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": f"python benchmarks/kv_cache_dtype.py {' '.join(argv or sys.argv[1:])}".strip(),
+        "date": utc_stamp(),
+        "command": run_command("benchmarks.kv_cache_dtype", argv),
         "threads": args.threads,
         "rounds": args.rounds,
         "positions": len(ids),

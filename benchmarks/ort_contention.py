@@ -18,7 +18,7 @@ two cores. Greedy outputs are compared with ar's token for token (exit status 1 
 
 Run::
 
-    python benchmarks/ort_contention.py            # about 3 minutes on a 2-core CPU (+1 min export once)
+    python -m benchmarks.ort_contention            # about 3 minutes on a 2-core CPU (+1 min export once)
 
 Writes ``<out-dir>/ort_contention.{json,md,png}`` (default ``benchmarks/results``).
 """
@@ -26,8 +26,6 @@ Writes ``<out-dir>/ort_contention.{json,md,png}`` (default ``benchmarks/results`
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import shlex
 import statistics
 import sys
 import time
@@ -38,17 +36,16 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from specdec.bench.harness import machine_info, run_once
+from benchmarks.draft_pair import DEFAULT_DRAFT
+from specdec.bench.harness import machine_info, run_command, run_once, utc_stamp
 from specdec.bench.report import write_report
+from specdec.bench.workloads import CHAT_PROMPTS
 from specdec.export.cli import export
 from specdec.models.manifest import read_manifest
 from specdec.runtime.backends.onnxruntime import OrtBackend
 from specdec.runtime.config import EngineConfig
 from specdec.runtime.drafters import ModelDrafter
 from specdec.runtime.engine import Engine
-
-sys.path.insert(0, str(Path(__file__).parent))  # a sibling script, not a package
-from draft_pair import CHAT_PROMPTS, DEFAULT_DRAFT
 
 DEFAULT_EXPORT = Path(__file__).parent / ".cache" / "ort-pair-export"
 SETTINGS = ((True, 2), (False, 2), (True, 1), (False, 1))  # (draft spins, torch threads); first = before, last = now
@@ -170,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    command = shlex.join(["python", "benchmarks/ort_contention.py", *(sys.argv[1:] if argv is None else argv)])
+    command = run_command("benchmarks.ort_contention", argv)
     load_before, start = machine_info().get("load_average"), time.perf_counter()
     if not (args.export / "manifest.json").is_file():
         export("smollm2-135m", args.draft, args.export, force=True, max_batch=args.prompts, max_len=1024)
@@ -187,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     info = machine_info()
     doc = {
         "meta": {
-            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "date": utc_stamp(),
             "command": command,
             "export": str(args.export),
             "draft": args.draft,

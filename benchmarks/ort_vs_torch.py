@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from specdec.bench.harness import machine_info
+from specdec.bench.harness import machine_info, run_command
 from specdec.bench.workloads import build_workload
 from specdec.export.cli import export
 from specdec.export.validate import random_forest
@@ -164,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         "decode_tokens_per_second": results,
         "attention_layer_ms": layer,
         "machine": machine_info(),
-        "command": " ".join(["python", "benchmarks/ort_vs_torch.py", *(argv or sys.argv[1:])]),
+        "command": run_command("benchmarks.ort_vs_torch", argv),
     }
     (out / "ort_vs_torch.json").write_text(json.dumps(doc, indent=2))
     lines = [

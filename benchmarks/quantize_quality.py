@@ -27,7 +27,6 @@ model, eight quantizations, the greedy runs).
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import shutil
@@ -41,7 +40,7 @@ import torch
 from tqdm.auto import tqdm
 
 from specdec.bench.harness import machine_info
-from specdec.bench.workloads import DOC_SOURCES, QA_MODULES
+from specdec.bench.workloads import held_out_documents
 from specdec.export.onnx import export_onnx
 from specdec.export.quantization import blocks as q
 from specdec.export.quantization import w8a8
@@ -76,32 +75,6 @@ CHAT_PROMPTS = (
     "Compare tea and coffee in terms of caffeine and taste.",
     "What are the rules of tic-tac-toe?",
 )
-HELD_OUT_MODULES = (
-    "asyncio",
-    "decimal",
-    "enum",
-    "hashlib",
-    "hmac",
-    "ipaddress",
-    "locale",
-    "mailbox",
-    "pdb",
-    "pickletools",
-    "plistlib",
-    "secrets",
-    "selectors",
-    "smtplib",
-    "socket",
-    "threading",
-    "wave",
-    "weakref",
-    "calendar",
-    "gettext",
-    "numbers",
-    "abc",
-    "base64",
-    "doctest",
-)
 MAX_NEW, PPL_TOKENS = 64, 256
 #: (label, mode, the GGUF's own blocks, accuracy_level)
 VARIANTS = (
@@ -114,19 +87,6 @@ VARIANTS = (
     ("int8 rtn L0", "int8", False, 0),
     ("w8a8", "w8a8", True, 4),
 )
-
-
-def held_out_texts() -> list[str]:
-    used = {name.split(".")[0] for name in DOC_SOURCES} | set(QA_MODULES)
-    clash = used & set(HELD_OUT_MODULES)
-    if clash:
-        raise RuntimeError(f"held-out modules also feed a workload: {sorted(clash)}")
-    texts = []
-    for name in HELD_OUT_MODULES:
-        doc = inspect.getdoc(__import__(name)) or ""
-        if len(doc) > 200:
-            texts.append(doc)
-    return texts
 
 
 def perplexity(backend: OrtBackend, documents: list[list[int]]) -> float:
@@ -305,7 +265,7 @@ def main() -> None:
     torch.set_num_threads(1)  # the graphs run on ORT's threads; torch only samples
     model = load_model("smollm2-135m")
     prompts = list(CHAT_PROMPTS)
-    documents = [model.tokenizer(t)["input_ids"][:PPL_TOKENS] for t in held_out_texts()]
+    documents = held_out_documents(model.tokenizer, PPL_TOKENS)
     bar = tqdm(total=2 + 2 * len(VARIANTS) + len(SHAPES) + 1, desc="quantize quality", unit="stage")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -379,7 +339,7 @@ def report(result: dict) -> str:
     lines = [
         "# `specdec-export --quantize` on SmolLM2-135M-Instruct (target)",
         "",
-        "Produced by `python benchmarks/quantize_quality.py` (raw numbers: `quantize.json`). Machine: "
+        "Produced by `python -m benchmarks.quantize_quality` (raw numbers: `quantize.json`). Machine: "
         f"{result['machine']['processor']}, ORT on 2 threads, shared with other jobs (timings are medians and noisy).",
         "",
         f"Greedy: {result['prompts']} held-out chat prompts, {result['max_new_tokens']} new tokens, `ar` at batch "

@@ -19,7 +19,7 @@ ports over an existing export, with tritonclient over gRPC:
 
 How to run it (from the repository root, on an otherwise idle machine)::
 
-    python benchmarks/reliability.py --export benchmarks/.cache/edge/fp32 [--requests 1000]
+    python -m benchmarks.reliability --export benchmarks/.cache/edge/fp32 [--requests 1000]
 
 The export must hold a Triton repository (``specdec-export ... --out DIR`` writes one). Results:
 ``benchmarks/results/reliability.{md,json,png}``.
@@ -32,7 +32,6 @@ on a 2-core machine shared with other jobs can check that recovery happens, not 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import random
@@ -53,7 +52,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from specdec.bench.harness import machine_info
+from specdec.bench.harness import machine_info, run_command, utc_stamp
+from specdec.bench.workloads import SHORT_PROMPTS
 from specdec.models.manifest import read_manifest
 from specdec.runtime.config import EngineConfig
 from specdec.runtime.costs import DraftCosts
@@ -65,20 +65,7 @@ from specdec.serving.server import free_ports, http_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results"
-PROMPTS = [
-    "Name three colours.",
-    "What is a river?",
-    "Write one sentence about tea.",
-    "Count from one to five.",
-    "Why is the sky blue?",
-    "Give me a word that rhymes with cat.",
-    "Describe a cat in two sentences.",
-    "What do bees make?",
-    "Write a haiku about snow.",
-    "List four fruits.",
-    "What is the capital of Italy?",
-    "Explain what a map is.",
-]
+PROMPTS = SHORT_PROMPTS[:12]
 LENGTHS = (8, 16, 32)
 SHM = Path("/dev/shm")
 
@@ -433,8 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     serve = start_serve(write_repository(args.export, work / "triton_repo", options), log)
     try:
         result = {
-            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": "python benchmarks/reliability.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "date": utc_stamp(),
+            "command": run_command("benchmarks.reliability", argv),
             "machine": machine_info(),
             "cold_start_s": serve.started_s,
             "load_before": load_before,

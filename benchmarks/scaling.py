@@ -15,7 +15,7 @@ started); the client counts inside each are interleaved over ``--repeats`` and t
 
 How to run it (from the repository root, on an otherwise idle machine; haproxy from Debian's package)::
 
-    python benchmarks/scaling.py --export benchmarks/.cache/edge/fp32 [--repeats 2] [--max-tokens 32]
+    python -m benchmarks.scaling --export benchmarks/.cache/edge/fp32 [--repeats 2] [--max-tokens 32]
 
 Results: ``benchmarks/results/scaling.{md,json,png}``.
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import json
 import os
 import statistics
@@ -42,7 +41,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from specdec.bench.harness import machine_info
+from specdec.bench.harness import machine_info, run_command, utc_stamp
+from specdec.bench.workloads import SHORT_PROMPTS
 from specdec.deploy.balancer import Balancer, Replica
 from specdec.models.manifest import read_manifest
 from specdec.runtime.engine import Engine
@@ -52,24 +52,7 @@ from specdec.serving.server import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results"
-PROMPTS = [
-    "Name three colours.",
-    "What is a river?",
-    "Write one sentence about tea.",
-    "Count from one to five.",
-    "Why is the sky blue?",
-    "Give me a word that rhymes with cat.",
-    "Describe a cat in two sentences.",
-    "What do bees make?",
-    "Write a haiku about snow.",
-    "List four fruits.",
-    "What is the capital of Italy?",
-    "Explain what a map is.",
-    "Tell me about the sea.",
-    "Name a famous painter.",
-    "What is bread made of?",
-    "Why do birds sing?",
-]
+PROMPTS = SHORT_PROMPTS
 CLIENTS = (1, 4, 16)
 
 
@@ -257,8 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     row["mismatches"] = sum(m["mismatches"] for m in measured)
                     rows.append({"config": config, "clients": clients, **row})
     result = {
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "python benchmarks/scaling.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": utc_stamp(),
+        "command": run_command("benchmarks.scaling", argv),
         "machine": machine_info(),
         "load_before": load_before,
         "load_after": [round(x, 2) for x in os.getloadavg()],

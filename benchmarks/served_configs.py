@@ -10,7 +10,7 @@ of ``--repeats``), checks that ems answers equal ar's token for token, and write
 ``benchmarks/results/served_configs.{md,json,png}``; the main job serves the fastest exact one that serves DSBD
 (``choose``: ems answers equal ar's, the draft model in its drafter, the highest ``estimates``).
 
-    python benchmarks/served_configs.py            # ~20 min on 2 cores (9 exports, 9 servers)
+    python -m benchmarks.served_configs            # ~20 min on 2 cores (9 exports, 9 servers)
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from specdec.bench.harness import machine_info
+from specdec.bench.harness import machine_info, run_command, utc_stamp
 from specdec.runtime.prompts import DEFAULT_PROMPTS
 from specdec.serving.client import Answer, run_concurrent
 from specdec.serving.server import TritonServer, free_ports
@@ -254,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
     meta = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": shlex.join(["python", "benchmarks/served_configs.py", *(argv or sys.argv[1:])]),
+        "date": utc_stamp(),
+        "command": run_command("benchmarks.served_configs", argv),
         "total_seconds": time.perf_counter() - start,
         "prompts": len(DEFAULT_PROMPTS),
         "max_tokens": args.max_tokens,

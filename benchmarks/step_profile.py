@@ -31,11 +31,11 @@ batch-invariant one (``--quantize int4``), written to ``--stem`` (``step_profile
 
 Run::
 
-    python benchmarks/step_profile.py            # ~6 minutes on a 2-core CPU (+1 min export once)
-    python benchmarks/step_profile.py --graph deploy/target/model.onnx --rounds 3
-    python benchmarks/step_profile.py --before int4-fp32act/target/model.onnx --after int4/target/model.onnx \
+    python -m benchmarks.step_profile            # ~6 minutes on a 2-core CPU (+1 min export once)
+    python -m benchmarks.step_profile --graph deploy/target/model.onnx --rounds 3
+    python -m benchmarks.step_profile --before int4-fp32act/target/model.onnx --after int4/target/model.onnx \
         --stem step_profile_int4
-    python benchmarks/step_profile.py --before benchmarks/.cache/edge/int4/target/model.onnx \
+    python -m benchmarks.step_profile --before benchmarks/.cache/edge/int4/target/model.onnx \
         --after benchmarks/.cache/edge/int8/target/model.onnx --stem step_profile_edge --prefill --rounds 3 --steps 3
 
 Writes ``<out-dir>/<stem>.{json,md,png}`` (default ``benchmarks/results/step_profile``).
@@ -47,7 +47,6 @@ import argparse
 import bisect
 import datetime as dt
 import json
-import shlex
 import statistics
 import sys
 import tempfile
@@ -60,7 +59,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from specdec.bench.harness import machine_info
+from specdec.bench.harness import machine_info, run_command
 from specdec.export.onnx import export_onnx
 from specdec.models.loading import load_model
 from specdec.runtime.backends.base import KVStorage
@@ -345,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         profile = profile_steps(variants, steps, args.steps, args.threads, Path(tmp))
     doc = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join(["python", "benchmarks/step_profile.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": run_command("benchmarks.step_profile", argv),
         "title": title,
         "description": DESCRIPTIONS[mode].format(before=args.before, after=args.after),
         "machine": machine_info(),

@@ -19,7 +19,7 @@ greedy, chat template applied on the server, the served default draft length k):
 
 How to run it (from the repository root)::
 
-    python benchmarks/triton_serving.py [--export DIR] [--reps 2] [--max-tokens 64]
+    python -m benchmarks.triton_serving [--export DIR] [--reps 2] [--max-tokens 64]
 
 Without ``--export`` it exports SmolLM2-135M (``--max-batch 16 --max-len 1024``, ~45 s) into
 ``benchmarks/.cache/serving-export`` the first time and reuses it afterwards (``--force-export``
@@ -35,10 +35,8 @@ pipeline (preprocessing -> engine -> postprocessing over BLS) adds to one reques
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -48,7 +46,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from specdec.bench.harness import machine_info
+from specdec.bench.harness import machine_info, run_command, utc_stamp
 from specdec.runtime.engine import Engine
 from specdec.serving.client import Answer, ClientError, SpecdecClient, run_concurrent
 from specdec.serving.engine_model import served_engine
@@ -418,9 +416,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
-    command = shlex.join(["python", "benchmarks/triton_serving.py", *(sys.argv[1:] if argv is None else argv)])
+    command = run_command("benchmarks.triton_serving", argv)
     machine = {**machine_info(), "cpu_count": os.cpu_count()}
-    date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    date = utc_stamp()
     export_dir = ensure_export(args.export, args.force_export).resolve()
     manifest = json.loads((export_dir / "manifest.json").read_text())
     server = TritonServer()

@@ -1,74 +1,33 @@
 """Pure helpers of the benchmark scripts (logic only, fast tier): the edge benchmark's next-token agreement and
-the reference's margins where a model parts from it, the step profile's own-time accounting of control-flow nodes,
+perplexity per model, the reference's margins where a model parts from it, its rows and notes, the step profile's
+own-time accounting of control-flow nodes,
 and the rule that picks the main job's export from the served candidates."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
 
-
-def _script(name: str) -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"{name}_under_test", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from benchmarks import served_configs as served
+from benchmarks import step_profile
+from benchmarks.edge_cpu import contestants as edge_contestants
+from benchmarks.edge_cpu import forced, parent, report, summary
 
 
-@pytest.fixture(scope="module")
-def edge_cpu() -> ModuleType:
-    return _script("edge_cpu")
-
-
-def test_forced_judges_each_position_on_the_references_context(edge_cpu: ModuleType) -> None:
-    # a "model" that predicts token + 1 with margin 2.0, except after token 7, where it predicts 0 with margin 0.25
-    def top_rows(tokens: list[int], first: int) -> list[tuple[int, float]]:
-        return [(0, 0.25) if t == 7 else (t + 1, 2.0) for t in tokens[first:]]
-
-    seen: list[tuple[list[int], int]] = []
-
-    def recording(tokens: list[int], first: int) -> list[tuple[int, float]]:
-        seen.append((list(tokens), first))
-        return top_rows(tokens, first)
-
-    pairs = [
-        ([1, 2, 3], [4, 5, 6, 7, 8]),  # 4 5 6 7 follow; after 7 the model says 0, not 8: 4 of 5
-        ([5], [6, 9]),  # 6 agrees; after 6 it says 7, not 9: a miss that does not cascade
-        ([3], []),
-    ]  # an empty answer has no position
-    got = edge_cpu._forced(pairs, recording)
-    assert (got["positions"], got["agree"]) == (7, 5)
-    assert got["picks"] == [[4, 5, 6, 7, 0], [6, 7], []]
-    assert got["margins"] == [[2.0, 2.0, 2.0, 2.0, 0.25], [2.0, 2.0], []]
-    # the model reads the prompt and the reference answer but its last token, and is asked from the prompt's end
-    assert seen == [([1, 2, 3, 4, 5, 6, 7], 2), ([5, 6], 0)]
-
-
-def test_top2_gives_each_rows_choice_and_its_lead(edge_cpu: ModuleType) -> None:
-    rows = edge_cpu.top2(np.array([[0.0, 3.0, 1.0], [5.0, 5.0, -1.0], [-2.0, -7.0, -2.5]], np.float32))
-    assert rows == [(1, 2.0), (0, 0.0), (0, 0.5)]  # a tie has no lead; the first of the tied is greedy's
-
-
-def test_miss_margins_reads_the_references_margin_where_the_model_parts(edge_cpu: ModuleType) -> None:
+def test_miss_margins_reads_the_references_margin_where_the_model_parts() -> None:
     answers = [[4, 5, 6], [8, 9]]
     reference = {"picks": [[4, 5, 6], [8, 9]], "margins": [[3.0, 0.1, 5.0], [0.3, 7.0]]}
     model = {"picks": [[4, 1, 6], [2, 9]], "margins": [[1.0, 1.0, 1.0], [1.0, 1.0]]}  # its own margins: not read
-    got = edge_cpu.miss_margins(model, reference, answers)
+    got = forced.miss_margins(model, reference, answers)
     assert got["misses"] == 2 and got["median"] == pytest.approx(0.2) and got["max"] == 0.3
     assert got["median_all"] == 3.0
-    assert edge_cpu.miss_margins(reference, reference, answers)["misses"] == 0  # the reference never misses itself
-    assert edge_cpu.miss_margins(reference, reference, answers)["median"] is None
+    assert forced.miss_margins(reference, reference, answers)["misses"] == 0  # the reference never misses itself
+    assert forced.miss_margins(reference, reference, answers)["median"] is None
 
 
-def test_forced_table_reports_rates_margins_and_errors(edge_cpu: ModuleType) -> None:
+def test_forced_table_reports_rates_margins_and_errors() -> None:
     ties = {"misses": 4, "median": 0.12, "p90": 0.5, "max": 0.9, "median_all": 4.2}
     forced = {
         "specdec int4": {
@@ -80,12 +39,13 @@ def test_forced_table_reports_rates_margins_and_errors(edge_cpu: ModuleType) -> 
                 "near_ties": {**ties, "misses": 0, "median_all": 3.0},
             },
         },
-        "llama.cpp Q4_1": {"error": "exit 1: no llama"},
+        "llama-server Q4_1": {"error": "exit 1: no server"},
     }
-    text = "\n".join(edge_cpu.forced_table(forced))
-    assert "| specdec int4 | 98.0% | 97.0% | 200 / 100 | 4: 0.12 / 0.50 / 0.90 | 0 | 4.20 / 3.00 |" in text
-    assert "| llama.cpp Q4_1 | exit 1: no llama |" in text
-    assert edge_cpu.forced_table({}) == []
+    forced["specdec int4"]["perplexity"] = 21.3761
+    text = "\n".join(report.forced_table(forced))
+    assert "| specdec int4 | 98.0% | 97.0% | 200 / 100 | 21.376 | 4: 0.12 / 0.50 / 0.90 | 0 | 4.20 / 3.00 |" in text
+    assert "| llama-server Q4_1 | exit 1: no server |" in text
+    assert report.forced_table({}) == []
 
 
 def _event(op: str, ts: int, dur: int) -> dict:
@@ -93,7 +53,6 @@ def _event(op: str, ts: int, dur: int) -> dict:
 
 
 def test_a_control_flow_node_keeps_only_its_own_time() -> None:
-    step_profile = _script("step_profile")
     events = [
         _event("MatMulNBits", 0, 50),
         _event("If", 60, 40),  # its branch: the two nodes inside its window
@@ -118,7 +77,6 @@ def _served(name: str, ems: tuple[float, float], ar: tuple[float, float], identi
 
 
 def test_served_configs_pools_a_graphs_ar_and_keeps_each_drafters_own_ratio() -> None:
-    served = _script("served_configs")
     rows = [
         _served("int4, n-gram", (132.0, 90.0), (132.0, 90.0)),  # ratio 1, on a fast server
         _served("int4, hybrid", (110.0, 75.0), (100.0, 75.0)),  # ratio 1.1 all at once, on a slow one
@@ -139,69 +97,97 @@ def test_served_configs_pools_a_graphs_ar_and_keeps_each_drafters_own_ratio() ->
 
 
 def test_forced_agreement_judges_misses_by_the_fp32_graphs_margins(
-    edge_cpu: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     answers = {"chat": [[4, 5]], "extractive": [[6]]}
-    # each child's forced result: fp32 repeats its answers; int4 misses chat's second token; llama.cpp failed
+    # each child's score: fp32 repeats its answers; int4 misses chat's second token; the peer failed
     results = {
         "specdec fp32": {"chat": ([[4, 5]], [[2.0, 0.1]]), "extractive": ([[6]], [[3.0]])},
         "specdec int4": {"chat": ([[4, 9]], [[1.0, 1.0]]), "extractive": ([[6]], [[1.0]])},
     }
+    specs: list[dict] = []
 
-    def run_child(spec: dict, work: Path, name: str) -> dict:
-        if spec["model"] == "llama":
-            return {"error": "exit 1: no llama"}
-        label = f"specdec {spec['export']}"
-        return {
-            "workloads": {
-                n: {
-                    "positions": len(answers[n][0]),
-                    "agree": sum(a == b for a, b in zip(picks[0], answers[n][0], strict=True)),
-                    "picks": picks,
-                    "margins": margins,
-                }
-                for n, (picks, margins) in results[label].items()
+    def run_peer(python: str, module: str, spec: dict, work: Path, name: str, timeout_s: float) -> dict:
+        specs.append(spec)
+        if module != "benchmarks.edge_cpu.children":
+            return {"error": "exit 1: no server"}
+        forced = {
+            n: {
+                "positions": len(answers[n][0]),
+                "agree": sum(a == b for a, b in zip(picks[0], answers[n][0], strict=True)),
+                "picks": picks,
+                "margins": margins,
             }
+            for n, (picks, margins) in results[f"specdec {spec['export']}"].items()
         }
+        return {"forced": forced, "nll": 2.0 * len(spec["documents"][0]), "predicted": len(spec["documents"][0])}
 
-    monkeypatch.setattr(edge_cpu, "run_child", run_child)
-    common = {"prompts": {"chat": [[1]], "extractive": [[2]]}}
+    monkeypatch.setattr(parent, "run_peer", run_peer)
+    common = {"prompts": {"chat": [[1]], "extractive": [[2]]}, "max_len": 64}
     reference = {n: {"ids": a} for n, a in answers.items()}
-    exports = {"fp32": {"dir": "fp32"}, "int4": {"dir": "int4"}, "int8": {"error": "not made"}}
-    out = edge_cpu.forced_agreement(common, reference, exports, True, tmp_path)
-    assert out["llama.cpp Q4_1"] == {"error": "exit 1: no llama"}
-    assert set(out) == {"llama.cpp Q4_1", "specdec fp32", "specdec int4"}  # no row for an export that failed
+    models = [
+        ("specdec fp32", "python", "benchmarks.edge_cpu.children", {"export": "fp32"}),
+        ("specdec int4", "python", "benchmarks.edge_cpu.children", {"export": "int4"}),
+        ("llama-server Q4_1", "python", "benchmarks.peers.llama_server", {}),
+    ]
+    documents = [list(range(100))]
+    out = parent.forced_agreement(common, reference, models, documents, tmp_path)
+    assert out["llama-server Q4_1"] == {"error": "exit 1: no server"}
     chat = out["specdec int4"]["chat"]
     assert chat["rate"] == 0.5 and chat["near_ties"]["misses"] == 1
     assert chat["near_ties"]["median"] == 0.1  # fp32's margin where int4 parted, not int4's own 1.0
     assert out["specdec fp32"]["chat"]["near_ties"]["misses"] == 0
+    assert out["specdec int4"]["perplexity"] == pytest.approx(np.exp(2.0))
     assert "picks" not in chat and "margins" not in chat  # the report keeps the summary only
+    # every model is given the same pairs and documents, and a cache long enough for the longest document
+    assert all(s["pairs"] == specs[0]["pairs"] and s["documents"] == documents for s in specs)
+    assert specs[0]["pairs"]["chat"] == [[[1], [4, 5]]] and specs[0]["max_len"] == 128
     # without the fp32 row there is nothing to judge the misses by: rates stay, no margins
-    del results["specdec fp32"]
-    out = edge_cpu.forced_agreement(common, reference, {"int4": {"dir": "int4"}}, False, tmp_path)
+    out = parent.forced_agreement(common, reference, models[1:2], documents, tmp_path)
     assert out["specdec int4"]["chat"]["rate"] == 0.5 and "near_ties" not in out["specdec int4"]["chat"]
 
 
-def test_acceptance_note_states_the_issue_lines_from_the_rows(edge_cpu: ModuleType) -> None:
+def test_acceptance_note_states_the_issue_lines_from_the_rows() -> None:
     def row(batch: int, mix: float, rss: float = 300.0, kind: str = "specdec") -> dict:
         return {"kind": kind, "batch": batch, "over_llama": {"mix": mix}, "peak_rss_mb": rss}
 
-    base = row(1, 1.0, 200.0, "llama")
+    base = row(1, 1.0, 200.0, "peer")
     ok = {
-        "llama.cpp Q4_1 B=1": base,
+        "llama-server Q4_1 B=1": base,
         "specdec int4 ar B=1": row(1, 1.1, 370.0),
         "specdec w8a8 ar B=1": row(1, 1.5),
         "specdec int4 ar B=8": row(8, 2.5),
         "specdec w8a8 ar B=8": row(8, 3.6),
     }
-    note = edge_cpu.acceptance_note(ok, base)
+    note = summary.acceptance_note(ok, base)
     assert "int4 ar B=1 1.10x" in note and "best B=1 1.50x, specdec w8a8 ar B=1" in note
-    assert "best B=8 3.60x, specdec w8a8 ar B=8" in note and "370 MB, 1.85x llama.cpp's 200 MB" in note
-    assert edge_cpu.acceptance_note({k: v for k, v in ok.items() if "B=8" not in k}, base) is None
+    assert "best B=8 3.60x, specdec w8a8 ar B=8" in note and "370 MB, 1.85x llama-server's 200 MB" in note
+    assert summary.acceptance_note({k: v for k, v in ok.items() if "B=8" not in k}, base) is None
 
 
-def test_w8a8_runs_every_method_and_only_the_block_exports_add_fp32_cache_rows(edge_cpu: ModuleType) -> None:
-    rows = edge_cpu.contestants((1, 8))
+def test_w8a8_runs_every_method_and_only_the_block_exports_add_fp32_cache_rows() -> None:
+    rows = edge_contestants.contestants((1, 8))
     w8a8 = {c.label for c in rows if c.precision == "w8a8"}
     assert w8a8 == {"specdec w8a8 ar", "specdec w8a8 ems n-gram", "specdec w8a8 ems draft", "specdec w8a8 ems hybrid"}
     assert {c.precision for c in rows if c.kv_cache == "float32"} == {"int8", "int4"}
+
+
+def test_peer_rows_run_the_deployed_model_at_every_batch_and_the_faithful_one_at_batch_1() -> None:
+    rows = edge_contestants.contestants((1, 8), ("llama.cpp", "ortgenai", "openvino"))
+    peers = {(c.label, c.batch) for c in rows if c.kind == "peer"}
+    assert ("llama-server Q4_1", 8) in peers and ("llama-server Q4_1 n-gram", 1) in peers
+    assert ("OpenVINO int4 continuous batching", 8) in peers and ("OpenVINO int4", 8) not in peers
+    assert ("OpenVINO int4 prompt lookup", 1) in peers and ("ORT GenAI int4", 8) in peers
+    assert {b for label, b in peers if "fp32" in label or "F32" in label or "f32" in label} == {1}
+    speculating = {c.key: c.plain_key for c in rows if c.kind == "peer" and c.plain_key}
+    assert speculating["llama-server Q4_1 n-gram B=8"] == "llama-server Q4_1 B=8"
+    assert speculating["OpenVINO int4 prompt lookup B=1"] == "OpenVINO int4 B=1"
+    assert edge_contestants.contestants((1,), ()) == [c for c in edge_contestants.contestants((1,)) if c.kind != "peer"]
+
+
+def test_a_row_that_saw_other_prompt_ids_is_counted_and_named() -> None:
+    prompts = {"chat": [[1, 2], [3]], "extractive": [[4]]}
+    seen = {"chat": {"prompt_ids": [[1, 2], [3]]}, "extractive": {"prompt_ids": [[4]]}}
+    assert summary.prompt_ids_differ([{"workloads": seen}], prompts) == 0
+    templated = {**seen, "chat": {"prompt_ids": [[1, 2], [9, 3]]}}  # e.g. a template the engine applied again
+    assert summary.prompt_ids_differ([{"workloads": seen}, {"workloads": templated}], prompts) == 1

@@ -284,7 +284,7 @@ def test_a_dead_engine_or_server_is_replaced_and_serves_the_same_answers(
             back_s = time.monotonic() - killed
             answer = SpecdecClient(url).generate(PROMPTS[1], max_tokens=MAX_TOKENS, apply_chat_template=True)
             assert answer.output_ids == reference[PROMPTS[1]]
-            # how soon (a cold start + 20 % on an idle machine) is measured by benchmarks/reliability.py, not asserted
+            # how soon (a cold start + 20 % on an idle machine) is measured by benchmarks.reliability, not asserted
             # here: a restart that competes with other jobs for 2 cores is slower than the cold start it is compared to
             print(f"{victim} {signal.Signals(sig).name}: ready again after {back_s:.1f} s (cold start {cold_s:.1f} s)")
             assert eventually(lambda stubs=stubs: not any(alive(pid) for pid in stubs)), "a dead server's stub lives"

@@ -35,7 +35,7 @@ included), one process, one torch thread, the runs interleaved and rotated over 
 
 Run::
 
-    specdec bench beams                                   # or python benchmarks/dsbd_pareto.py
+    specdec bench beams                                   # or python -m benchmarks.dsbd_pareto
     specdec bench beams --quick --out-dir /tmp/dsbd       # smoke run
 
 Writes ``<out-dir>/dsbd_pareto.{json,md,png}`` (default ``benchmarks/results``).

@@ -1,6 +1,6 @@
 """EMS-SD vs the padded ("vanilla") multi-sample baseline vs plain greedy decoding.
 
-``specdec bench`` (and ``benchmarks/ems_vs_vanilla.py``) runs the three decoding loops of
+``specdec bench`` (and ``python -m benchmarks.ems_vs_vanilla``) runs the three decoding loops of
 ``specdec.runtime.loops`` side by side on one target and one prompt-lookup drafter, at
 several batch sizes, and writes ``ems_vs_vanilla.{json,md,png}``.
 

@@ -10,15 +10,20 @@ The benchmark programs (``specdec bench``, ``specdec bench beams``) and the scri
   interleaved between methods, so a machine whose load drifts favours none of them.
 * **The machine** (``machine_info``): CPU, threads, library versions and load average, which
   every report records because the numbers depend on them.
+* **The record** (``utc_stamp``, ``run_command``): when a result was made and the command line that makes
+  it again, which every committed result names.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import gc
 import os
 import platform
+import shlex
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -166,3 +171,14 @@ def int_list(text: str) -> tuple[int, ...]:
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
+
+
+def utc_stamp() -> str:
+    """The date every report records, in UTC (the zone of a shared machine says nothing to a reader)."""
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def run_command(module: str, argv: Sequence[str] | None = None) -> str:
+    """The command line that makes a result again, as its report records it: ``python -m <module> <args>``,
+    ``argv`` or, when None, this process's own arguments."""
+    return shlex.join(["python", "-m", module, *(sys.argv[1:] if argv is None else argv)])

@@ -67,7 +67,7 @@ def write_json(results: dict[str, dict[str, Any]], path: Path) -> None:
     path.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
 
 
-def _fmt(x: float | None, digits: int = 2, suffix: str = "") -> str:
+def fmt_cell(x: float | None, digits: int = 2, suffix: str = "") -> str:
     """A number for a table cell, or a dash where a method did not run (so every row has every column)."""
     return "–" if x is None else f"{x:.{digits}f}{suffix}"
 
@@ -85,9 +85,10 @@ def throughput_table(results: dict[str, dict[str, Any]], tps_key: str | None, pr
         tps = r if tps_key is None else r[tps_key]
         sp = r[f"{prefix}speedup_over_ar"]
         lines.append(
-            f"| {batch} | {_fmt(tps.get('ar'), 1)} | {_fmt(tps.get('vanilla'), 1)} | {_fmt(tps.get('ems'), 1)} | "
-            f"{_fmt(sp.get('vanilla'), 2, '×')} | {_fmt(sp.get('ems'), 2, '×')} | "
-            f"{_fmt(r[f'{prefix}ems_over_vanilla'], 2, '×')} |"
+            f"| {batch} | {fmt_cell(tps.get('ar'), 1)} | {fmt_cell(tps.get('vanilla'), 1)} | "
+            f"{fmt_cell(tps.get('ems'), 1)} | "
+            f"{fmt_cell(sp.get('vanilla'), 2, '×')} | {fmt_cell(sp.get('ems'), 2, '×')} | "
+            f"{fmt_cell(r[f'{prefix}ems_over_vanilla'], 2, '×')} |"
         )
     return lines
 
@@ -103,12 +104,14 @@ def _work_table(results: dict[str, dict[str, Any]]) -> list[str]:
         acc, rate, rows, calls = (r["mean_accepted_length"], r["acceptance_rate"], r["target_rows"], r["target_calls"])
         # vanilla and ems verify the same drafts greedily, so their acceptance is the same
         same = acc.get("vanilla") == acc.get("ems") and rate.get("vanilla") == rate.get("ems")
-        acc_text = _fmt(acc.get("ems")) if same else f"{_fmt(acc.get('vanilla'))} / {_fmt(acc.get('ems'))}"
-        rate_text = _fmt(rate.get("ems")) if same else f"{_fmt(rate.get('vanilla'))} / {_fmt(rate.get('ems'))}"
+        acc_text = fmt_cell(acc.get("ems")) if same else f"{fmt_cell(acc.get('vanilla'))} / {fmt_cell(acc.get('ems'))}"
+        rate_text = (
+            fmt_cell(rate.get("ems")) if same else f"{fmt_cell(rate.get('vanilla'))} / {fmt_cell(rate.get('ems'))}"
+        )
         identical = {True: "yes", False: "NO", None: "–"}[r["identical_to_ar"]]
         lines.append(
-            f"| {batch} | {acc_text} | {rate_text} | {_fmt(r['padded_fraction'].get('vanilla'), 3)} / "
-            f"{_fmt(r['decode_padded_fraction'].get('vanilla'), 3)} | "
+            f"| {batch} | {acc_text} | {rate_text} | {fmt_cell(r['padded_fraction'].get('vanilla'), 3)} / "
+            f"{fmt_cell(r['decode_padded_fraction'].get('vanilla'), 3)} | "
             f"{rows.get('ar', '–')} / {rows.get('vanilla', '–')} / {rows.get('ems', '–')} | "
             f"{calls.get('ar', '–')} / {calls.get('vanilla', '–')} / {calls.get('ems', '–')} | {identical} |"
         )

@@ -1,6 +1,6 @@
 """Timing single backend steps against each other: interleaved rounds of back-to-back steps, medians.
 
-Why one helper: the step benchmarks (``benchmarks/kv_cache_dtype.py``, ``benchmarks/attention_layout.py``)
+Why one helper: the step benchmarks (``benchmarks.kv_cache_dtype``, ``benchmarks.attention_layout``)
 compare variants of one step on a shared 2-core machine whose speed drifts by ±10% within minutes,
 so every variant must be timed in the same rounds, in a rotating order, and each block of steps
 must start with an untimed step: after another session's steps a step costs more (idle worker

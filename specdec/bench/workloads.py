@@ -17,7 +17,7 @@ import importlib
 import inspect
 import re
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 # Standard-library objects whose docstrings form the workload, in the order prompts are
 # taken (a batch of B uses the first B). Modules and functions are mixed so that every
@@ -260,3 +260,114 @@ def first_choice(text: str, choices: Sequence[str]) -> str | None:
         if (m := re.search(rf"(?<![\w.]){re.escape(c)}(?!\w)", text, flags=re.IGNORECASE))
     ]
     return min(found)[1] if found else None
+
+
+#: general questions and instructions, deliberately not in the shapes or topics of the
+#: prompts the draft was distilled on (``specdec.distill.prompts._TEMPLATES`` x ``_TOPICS``).
+CHAT_PROMPTS = (
+    "Explain why the sky looks blue during the day and red at sunset.",
+    "Write a short email to a colleague asking to move tomorrow's meeting to Friday afternoon.",
+    "Give three tips for staying focused while working from home.",
+    "What is the difference between a list and a tuple in Python?",
+    "Describe how to make a simple tomato pasta sauce, step by step.",
+    "Why do cats purr? Keep the answer brief.",
+    "Write a polite message declining an invitation to a birthday party.",
+    "Give me five ideas for a rainy weekend with children.",
+    "Explain what a mortgage is and how the interest rate affects the monthly payment.",
+    "How can I improve my handwriting? Give practical advice.",
+    "Write a thank-you note to a teacher at the end of the school year.",
+    "What should I pack for a three-day hiking trip?",
+    "Explain the difference between weather and climate.",
+    "Suggest a name for a small bakery and explain your choice.",
+    "Give three reasons why regular exercise is good for mental health.",
+    "How does a refrigerator keep food cold?",
+    "Write a short product description for a reusable water bottle.",
+    "What are the main steps to repot a houseplant?",
+    "Explain what an API is to someone who is just starting to learn programming.",
+    "Write a short apology email for missing a project deadline.",
+    "Give four tips for doing well in a job interview.",
+    "Why do leaves change colour in autumn?",
+    "Compare travelling by train and by plane for a 500 km trip.",
+    "Write a to-do list for preparing a dinner party for six people.",
+)
+
+
+def chat_workload(n: int) -> list[str]:
+    """``n`` chat prompts, ``CHAT_PROMPTS`` in order (cycled past 24)."""
+    return [CHAT_PROMPTS[i % len(CHAT_PROMPTS)] for i in range(n)]
+
+
+def batch_of(items: Sequence[Any], batch: int) -> list[Any]:
+    """The first ``batch`` items, cycling when there are fewer (``--prompts`` below the batch size)."""
+    return [items[i % len(items)] for i in range(batch)]
+
+
+#: short chat requests of a few words, for serving benchmarks that time the server, not long answers
+SHORT_PROMPTS = (
+    "Name three colours.",
+    "What is a river?",
+    "Write one sentence about tea.",
+    "Count from one to five.",
+    "Why is the sky blue?",
+    "Give me a word that rhymes with cat.",
+    "Describe a cat in two sentences.",
+    "What do bees make?",
+    "Write a haiku about snow.",
+    "List four fruits.",
+    "What is the capital of Italy?",
+    "Explain what a map is.",
+    "Tell me about the sea.",
+    "Name a famous painter.",
+    "What is bread made of?",
+    "Why do birds sing?",
+)
+
+
+#: standard-library modules whose docstrings are held-out text for perplexity: none feeds a workload
+HELD_OUT_MODULES = (
+    "asyncio",
+    "decimal",
+    "enum",
+    "hashlib",
+    "hmac",
+    "ipaddress",
+    "locale",
+    "mailbox",
+    "pdb",
+    "pickletools",
+    "plistlib",
+    "secrets",
+    "selectors",
+    "smtplib",
+    "socket",
+    "threading",
+    "wave",
+    "weakref",
+    "calendar",
+    "gettext",
+    "numbers",
+    "abc",
+    "base64",
+    "doctest",
+)
+
+
+def held_out_texts() -> list[str]:
+    """The module docstrings (``inspect.getdoc``, the text ``pydoc`` shows) of ``HELD_OUT_MODULES`` that have
+    200+ characters; refused if a module also feeds a workload (the text would not be held out)."""
+    used = {name.split(".")[0] for name in DOC_SOURCES} | set(QA_MODULES)
+    clash = used & set(HELD_OUT_MODULES)
+    if clash:
+        raise RuntimeError(f"held-out modules also feed a workload: {sorted(clash)}")
+    texts = []
+    for name in HELD_OUT_MODULES:
+        doc = inspect.getdoc(__import__(name)) or ""
+        if len(doc) > 200:
+            texts.append(doc)
+    return texts
+
+
+def held_out_documents(tokenizer: Any, max_tokens: int = 256) -> list[list[int]]:
+    """The held-out texts as token ids (no chat template), ``max_tokens`` at most each: what the quantization
+    and edge benchmarks score perplexity on."""
+    return [tokenizer(text)["input_ids"][:max_tokens] for text in held_out_texts()]

@@ -72,7 +72,7 @@ def distill_data(settings: DistillSettings, target: LoadedModel, work: Path) -> 
     """Generate (or read back from ``work``) every continuation the recipe uses, and split it.
 
     Why one function: the held-out sets must be exactly the ones a draft's manifest reports,
-    also for whoever scores another draft on them (``benchmarks/experiments/feature_draft``).
+    also for whoever scores another draft on them (``benchmarks/results/feature_draft.md``).
     """
     text = Path(settings.text_file).read_text(encoding="utf-8") if settings.text_file else None
     base_prompts = load_prompts(settings)

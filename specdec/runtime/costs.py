@@ -14,7 +14,7 @@ steps followed by the target verifying them, as EMS-SD runs. The order matters: 
 another session's steps can cost far more than the same step after its own (below), and a price
 that leaves that out makes the policy draft where it does not pay. ``step_costs`` times each
 shape on its own (interleaved, rotated, medians), for the benchmark that breaks a step's cost
-down (``benchmarks/draft_pair.py``). Every timed step writes its K/V at the same positions, so
+down (``python -m benchmarks.draft_pair``). Every timed step writes its K/V at the same positions, so
 repetitions have the same shape; token values do not change a step's cost, so the cached
 windows are a fixed pattern of ids.
 """

@@ -19,7 +19,7 @@ How, per attention node (after ``ort_fuse``, so on either lowering):
 Both are elementwise casts around row-independent kernels, so a row's logits still do not depend on
 the step's shape (``tests/test_batch_invariance.py`` runs the fp16-cache graph too): greedy ``ems``
 stays equal to ``ar`` on the same graph. What fp16 costs is agreement with the fp32-cache graph,
-reported by ``benchmarks/edge_cpu.py``.
+reported by ``python -m benchmarks.edge_cpu``.
 """
 
 from __future__ import annotations

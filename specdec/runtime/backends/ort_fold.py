@@ -6,7 +6,7 @@ several decoding sequences that packing, not the arithmetic, is the attention's 
 GQA with ``num_heads = kv_num_heads``: the ``fold = heads / kv_heads`` query heads of a kv group
 become *rows* of one call, so K and V are packed once per kv head, and every GEMM has at least
 ``fold`` rows (never MLAS's one-row path, so no discarded copy row is needed for invariance either).
-Measured: ``benchmarks/experiments/attention_lowerings/README.md``.
+Measured: ``benchmarks/results/attention_lowerings.md``.
 
 The layout: slot e runs ``fold * n_e`` query rows; row ``s * fold + g`` holds query head
 ``j * fold + g`` of its token s in GQA's head j (which reads kv head j). GQA places that row at
