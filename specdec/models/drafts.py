@@ -32,6 +32,8 @@ def save_draft(draft: LoadedModel, out: Path, manifest: dict[str, Any]) -> None:
     own = {k: v.detach().to(torch.float16).contiguous() for k, v in draft.state_dict.items() if k not in target_owned}
     save_file(own, str(out / WEIGHTS))
     draft.config.to_json_file(str(out / "config.json"))
+    if draft.head_token_ids is None:
+        raise ValueError(f"{draft.name}: a distilled draft stores its restricted head's token ids, and it has none")
     (out / HEAD_FILE).write_text(json.dumps(draft.head_token_ids.tolist()))
     (out / DRAFT_MANIFEST).write_text(json.dumps(manifest, indent=2))
 

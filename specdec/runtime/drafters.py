@@ -44,9 +44,16 @@ class Draft:
 
 
 class Drafter(Protocol):
-    vocab_size: int | None
-    #: one draft token's cost in one-row target steps (what the adaptive draft length charges for it)
-    relative_cost: float
+    # read-only members: a drafter may hold them as class constants, instance attributes or properties
+    @property
+    def vocab_size(self) -> int | None:
+        """The token-id space of the drafts (None: any, as prompt lookup copies the context's own ids)."""
+        ...
+
+    @property
+    def relative_cost(self) -> float:
+        """One draft token's cost in one-row target steps (what the adaptive draft length charges for it)."""
+        ...
 
     def propose(self, seqs: Sequence[SeqState], ks: Sequence[int]) -> list[Draft]:
         """At most ``ks[i]`` draft tokens continuing ``seqs[i].tokens``."""
@@ -199,7 +206,7 @@ class ModelDrafter:
         self.vocab_size = backend.vocab_size
         head = getattr(backend, "head_token_ids", None)
         self.head_token_ids: np.ndarray | None = None if head is None else np.asarray(head, dtype=np.int64)
-        self._head_list: list[int] | None = None if head is None else self.head_token_ids.tolist()
+        self._head_list: list[int] | None = None if self.head_token_ids is None else self.head_token_ids.tolist()
         self.kv = KVCacheManager(backend.allocate_cache(max_batch, max_len))
         self._slot: dict[int, int] = {}  # id(seq) -> draft slot
         self._cached: dict[int, list[int]] = {}  # id(seq) -> token ids whose K/V the slot holds

@@ -322,6 +322,7 @@ class Engine:
         outputs: dict[int, RequestOutput] = {}
         scheduler = Scheduler(self.max_batch)
         position: dict[str, int] = {}
+        total = 0  # the most tokens the admitted requests may generate (the progress bar's length)
         for i, req in enumerate(requests):
             try:
                 if isinstance(req, Exception):
@@ -341,7 +342,7 @@ class Engine:
                 continue
             position[req.request_id] = i
             scheduler.submit(req)
-        total = sum(r.max_tokens for i, r in enumerate(requests) if i not in outputs)
+            total += req.max_tokens
         bar = tqdm(total=total, desc=spec.name, unit="tok", disable=not progress, leave=False)
 
         def finish(seq: SeqState) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from specdec.runtime.packed import SeqWork
 
@@ -71,7 +72,8 @@ class RunMetrics:
         """Time of steps without prompt rows (plus their drafting): the decoding phase."""
         return sum(s.seconds + s.draft_seconds for s in self.steps if s.prefill_rows == 0)
 
-    def summary(self) -> dict[str, float]:
+    def summary(self) -> dict[str, Any]:
+        """The run as a JSON record: its method's name and its counts and rates (numbers)."""
         rows = sum(s.rows for s in self.steps)
         real = sum(s.real_rows for s in self.steps)
         drafts = sum(s.draft_tokens for s in self.steps)

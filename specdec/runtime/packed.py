@@ -82,13 +82,13 @@ class SeqWork:
 
     def logit_offsets(self) -> list[int]:
         n = len(self.token_ids)
+        if not isinstance(self.logits, str):
+            return list(self.logits)
         if self.logits == "all":
             return list(range(n))
         if self.logits == "last":
             return [n - 1] if n else []
-        if self.logits == "none":
-            return []
-        return list(self.logits)
+        return []  # "none", the one other word __post_init__ admits
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import numpy as np
 
@@ -15,7 +16,9 @@ from specdec.runtime.sampling import InvalidRequestError, SamplingParams
 
 _ids = itertools.count()
 
-BEAM_MODES = ("iid", "without_replacement")
+#: how the ``beam`` baseline draws its pairs (``BeamParams.mode``)
+BeamMode = Literal["iid", "without_replacement"]
+BEAM_MODES: tuple[BeamMode, ...] = get_args(BeamMode)
 MEMORY_MODES = ("full", "single")
 
 
@@ -37,7 +40,7 @@ class BeamParams:
     width: int = 2
     min_width: int = 1
     threshold: float = 0.0
-    mode: str = "iid"
+    mode: BeamMode = "iid"
     memory_mode: str = "full"
     num_return_sequences: int = 1
     length_penalty: float = 1.0
@@ -163,7 +166,7 @@ class RequestMetrics:
         steps = self.target_calls - 1
         return (self.generated_tokens - 1) / steps if steps > 0 else 0.0
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, float | None]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,

@@ -181,7 +181,8 @@ class SpecdecClient:
     def generate_stream(self, prompt: str, **params: Any) -> Answer:
         """Stream one answer and assemble it (the concatenation of the partial texts)."""
         start = time.perf_counter()
-        results, first = [], 0.0
+        results: list[Any] = []
+        first = 0.0
         for result in self.stream(prompt, **params):
             if not results:
                 first = time.perf_counter() - start

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from specdec.runtime.config import DEFAULT_NUM_DRAFT_TOKENS, EngineConfig
+from specdec.runtime.config import DEFAULT_NUM_DRAFT_TOKENS, DrafterKind, EngineConfig
 from specdec.runtime.drafters import ForestDrafter
 from specdec.runtime.logprobs import TokenLogprob
 from specdec.runtime.methods import DEFAULT_METHOD, beam_method, get_method
@@ -71,7 +71,7 @@ def served_config(params: Mapping[str, str], device_id: int = 0) -> EngineConfig
         return parameter(params, name, float, default)
 
     adaptive = DraftLength(
-        verify_cost=cost("verify_cost", DraftLength.verify_cost),  # type: ignore[arg-type]
+        verify_cost=parameter(params, "verify_cost", float, DraftLength.verify_cost),
         draft_cost=cost("draft_cost"),
         verify_by_batch=parse_prices(params.get("verify_cost_by_batch", "")),
         draft_by_batch=parse_prices(params.get("draft_cost_by_batch", "")),
@@ -79,8 +79,8 @@ def served_config(params: Mapping[str, str], device_id: int = 0) -> EngineConfig
     return EngineConfig(
         max_batch=number("max_batch") or None,
         threads=number("intra_op_threads") or None,
-        num_draft_tokens=number("num_draft_tokens", DEFAULT_NUM_DRAFT_TOKENS),  # type: ignore[arg-type]
-        drafter=params.get("drafter") or None,  # type: ignore[arg-type]
+        num_draft_tokens=parameter(params, "num_draft_tokens", int, DEFAULT_NUM_DRAFT_TOKENS),
+        drafter=DrafterKind.parse(params.get("drafter") or None),
         torch_threads=1,
         draft_length=adaptive if number("adaptive_draft", 0) else None,
         prefill_budget=number("prefill_budget") or None,
@@ -174,9 +174,7 @@ class EngineModel:
                 self._external[request.request_id()] = request_id
         try:
             # no text: postprocessing re-decodes it from the ids, off the decoding thread
-            service.submit(
-                req, lambda event, s=stream: self._outbox.put((s, event)), text=False, timeout_s=gen.timeout_s
-            )
+            service.submit(req, lambda event: self._outbox.put((stream, event)), text=False, timeout_s=gen.timeout_s)
         except Exception:
             with self._lock:
                 self._streams.pop(request_id, None)

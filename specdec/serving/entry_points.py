@@ -202,7 +202,7 @@ class _EntryPoint:
             params.pop(PROMPT_IDS.name, None)
             seed = scalar(inputs, SEED)
             if index and seed is not None:
-                params[SEED.name] = array(SEED, int(seed) + index)  # type: ignore[call-overload]
+                params[SEED.name] = array(SEED, int(seed) + index)
             answered = False
             for tensors, finished in self._pipeline(prompt, params, request.engine_ids[index]):
                 tensors[INDEX.name] = array(INDEX, index)

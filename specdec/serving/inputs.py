@@ -52,7 +52,11 @@ def shown(value: object) -> str:
     return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
 
 
-def scalar(inputs: Mapping[str, np.ndarray], spec: TensorSpec) -> object | None:
+#: one value of a ``[1]`` input as Python reads it: text for ``TYPE_STRING``, else a number (a bool is an int)
+Scalar = str | int | float
+
+
+def scalar(inputs: Mapping[str, np.ndarray], spec: TensorSpec) -> Scalar | None:
     """The one value of an optional ``[1]`` input, or None when the client did not send it."""
     array = inputs.get(spec.name)
     if array is None:
@@ -220,13 +224,13 @@ def parse_choices(inputs: Mapping[str, np.ndarray], streaming: bool) -> int:
     n = scalar(inputs, N)
     if n is None:
         return 1
-    if not 1 <= int(n) <= MAX_CHOICES:  # type: ignore[call-overload]
+    if not 1 <= int(n) <= MAX_CHOICES:
         raise InvalidRequestError(f"n must be between 1 and {MAX_CHOICES}, got {n}")
-    if int(n) > 1 and not streaming:  # type: ignore[call-overload]
+    if int(n) > 1 and not streaming:
         raise InvalidRequestError(
             "n > 1 needs the decoupled model 'specdec_stream': each of its responses carries its choice's 'index'"
         )
-    return int(n)  # type: ignore[call-overload]
+    return int(n)
 
 
 @dataclass(frozen=True)
@@ -269,52 +273,52 @@ def parse_generation(
     unknown = sorted(set(inputs) - set(PARAMETER) - prompt)
     if unknown:
         raise InvalidRequestError(f"unknown input(s) {shown(unknown)}")
-    spec = get_method(values["method"] or DEFAULT_METHOD, served=True)
+    spec = get_method(str(values["method"] or DEFAULT_METHOD), served=True)
     beam = _beam(values, spec)
     max_tokens = default_max_tokens if values["max_tokens"] is None else values["max_tokens"]
-    if not 1 <= int(max_tokens) < max_len:  # type: ignore[call-overload]
+    if not 1 <= int(max_tokens) < max_len:
         raise InvalidRequestError(
             f"max_tokens must be between 1 and {max_len - 1} (the context holds {max_len} tokens), got {max_tokens}"
         )
-    temperature = 0.0 if values["temperature"] is None else float(values["temperature"])  # type: ignore[arg-type]
+    temperature = 0.0 if values["temperature"] is None else float(values["temperature"])
     if not math.isfinite(temperature) or temperature < 0:
         raise InvalidRequestError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
     sampling = SamplingParams(
         temperature,
-        0 if values["top_k"] is None else int(values["top_k"]),  # type: ignore[call-overload]
-        1.0 if values["top_p"] is None else float(values["top_p"]),  # type: ignore[arg-type]
-        None if values["seed"] is None else int(values["seed"]),  # type: ignore[call-overload]
+        0 if values["top_k"] is None else int(values["top_k"]),
+        1.0 if values["top_p"] is None else float(values["top_p"]),
+        None if values["seed"] is None else int(values["seed"]),
     )
     k = values["num_draft_tokens"]
-    if k is not None and not 0 <= int(k) <= MAX_DRAFT_TOKENS:  # type: ignore[call-overload]
+    if k is not None and not 0 <= int(k) <= MAX_DRAFT_TOKENS:
         raise InvalidRequestError(f"num_draft_tokens must be between 0 and {MAX_DRAFT_TOKENS}, got {k}")
     stream = bool(values["stream"]) if values["stream"] is not None else allow_stream
     if stream and not allow_stream:
         raise InvalidRequestError(STREAM_NEEDS_DECOUPLED)
     timeout_ms = values["timeout_ms"]
-    if timeout_ms is not None and int(timeout_ms) <= 0:  # type: ignore[call-overload]
+    if timeout_ms is not None and int(timeout_ms) <= 0:
         raise InvalidRequestError(f"timeout_ms must be a positive number of milliseconds, got {timeout_ms}")
     top = values["top_logprobs"]
     if top is not None and not values["logprobs"]:
         raise InvalidRequestError("top_logprobs needs logprobs=true")
     # `ar` is EMS-SD with no drafts and `beam` is DSBD with no draft layers: each shares its loop's ragged steps
-    num_draft_tokens = (None if k is None else int(k)) if spec.uses_drafter else 0  # type: ignore[call-overload]
+    num_draft_tokens = (None if k is None else int(k)) if spec.uses_drafter else 0
     return Generation(
-        int(max_tokens),  # type: ignore[call-overload]
+        int(max_tokens),
         spec.name,
         sampling,
         num_draft_tokens,
         parse_stops(inputs.get(STOP.name)),
         stream,
         beam,
-        None if timeout_ms is None else int(timeout_ms) / 1000,  # type: ignore[call-overload]
+        None if timeout_ms is None else int(timeout_ms) / 1000,
         stop_token_ids=parse_ids(inputs.get(STOP_TOKEN_IDS.name), STOP_TOKEN_IDS),
-        min_tokens=0 if values["min_tokens"] is None else int(values["min_tokens"]),  # type: ignore[call-overload]
-        logprobs=(0 if top is None else int(top)) if values["logprobs"] else None,  # type: ignore[call-overload]
+        min_tokens=0 if values["min_tokens"] is None else int(values["min_tokens"]),
+        logprobs=(0 if top is None else int(top)) if values["logprobs"] else None,
     )
 
 
-def _beam(values: Mapping[str, object], spec: Method) -> BeamParams | None:
+def _beam(values: Mapping[str, Scalar | None], spec: Method) -> BeamParams | None:
     """The beam parameters of a beam method's request; the others accept only their neutral values."""
     width, threshold, min_width, memory = (
         values[n] for n in ("beam_width", "dsbd_threshold", "dsbd_min_width", "memory_mode")
@@ -334,9 +338,9 @@ def _beam(values: Mapping[str, object], spec: Method) -> BeamParams | None:
         speculative = " or ".join(repr(n) for n in BEAM_METHODS if get_method(n).uses_drafter)
         raise InvalidRequestError(f"dsbd_threshold and dsbd_min_width apply to method {speculative} only")
     return BeamParams(
-        width=DEFAULT_BEAM_WIDTH if width is None else int(width),  # type: ignore[call-overload]
-        min_width=1 if min_width is None else int(min_width),  # type: ignore[call-overload]
-        threshold=0.0 if threshold is None else float(threshold),  # type: ignore[arg-type]
+        width=DEFAULT_BEAM_WIDTH if width is None else int(width),
+        min_width=1 if min_width is None else int(min_width),
+        threshold=0.0 if threshold is None else float(threshold),
         memory_mode=str(memory or "full").strip().lower(),
     )
 

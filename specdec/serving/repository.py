@@ -158,6 +158,8 @@ def render_configs(export_dir_from_repo: str, options: ServingOptions) -> dict[s
         "max_queue": options.max_queue,
         **{name: getattr(options.limits, name) for name in Limits.__dataclass_fields__},
     }
+    # each model's inputs, outputs, config parameters, and whether it is decoupled
+    models: dict[str, tuple[Iterable[protocol.TensorSpec], Iterable[protocol.TensorSpec], Mapping[str, object], bool]]
     models = {
         protocol.PREPROCESSING_MODEL: (protocol.PREPROCESSING_INPUTS, (protocol.INPUT_IDS,), common, False),
         protocol.ENGINE_MODEL: ((protocol.INPUT_IDS, *protocol.PARAMETERS), protocol.ENGINE_OUTPUTS, engine, True),

@@ -131,11 +131,11 @@ def parse_engine_response(tensors: Mapping[str, np.ndarray], vocab_size: int | N
     output_ids = [int(t) for t in ids.reshape(-1)]
     if vocab_size is not None and any(not 0 <= t < vocab_size for t in output_ids):
         raise InvalidRequestError(f"input '{OUTPUT_IDS.name}' holds token ids outside [0, {vocab_size})")
-    if not 0 <= int(sent) <= len(output_ids):  # type: ignore[call-overload]
+    if sent is None or not 0 <= int(sent) <= len(output_ids):  # None: not sent, refused above
         raise InvalidRequestError(f"input '{SENT_TOKENS.name}' must be between 0 and {len(output_ids)}, got {sent}")
     return EngineResponse(
         output_ids,
-        int(sent),  # type: ignore[call-overload]
+        int(sent),
         bool(finished),
         parse_stops(tensors.get(STOP_STRINGS.name)),
         parse_ids(tensors.get(ANSWER_STOP_IDS.name), ANSWER_STOP_IDS),

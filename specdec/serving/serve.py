@@ -180,9 +180,9 @@ def _start(args: argparse.Namespace, server: TritonServer, frontend: OpenAIFront
             file=sys.stderr,
             flush=True,
         )
+    assert server.install is not None  # start() found tritonserver, or raised
     print(
-        f"specdec serve: starting {server.install.binary} ({server.install.source}); "  # type: ignore[union-attr]
-        f"log: {server.log_file}",
+        f"specdec serve: starting {server.install.binary} ({server.install.source}); log: {server.log_file}",
         file=sys.stderr,
         flush=True,
     )

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import IO
 
 from specdec.serving.control import (
     ABORT,
@@ -187,7 +188,7 @@ class TritonServer:
     restarts: int = field(default=0, init=False)
     _start_args: dict = field(default_factory=dict, init=False, repr=False)
     _watched: list[int] = field(default_factory=list, init=False, repr=False)
-    _log_handle: object = field(default=None, init=False, repr=False)
+    _log_handle: IO[bytes] | None = field(default=None, init=False, repr=False)
     _own_log: bool = field(default=False, init=False, repr=False)  # log_file was made here, not given
     #: something went wrong that the log records (a failed start, a dead engine, a restart, a forced stop): it stays
     _keep_log: bool = field(default=False, init=False, repr=False)
@@ -467,7 +468,7 @@ class TritonServer:
             os.killpg(proc.pid, signal.SIGKILL)
         self.cleanup()
         if self._log_handle is not None:
-            self._log_handle.close()  # type: ignore[attr-defined]
+            self._log_handle.close()
             self._log_handle = None
         if code == 0 and self._own_log and not self._keep_log and self.log_file is not None:
             # a log named by nobody, of a server that started, served and exited clean, is nothing anyone will
@@ -516,7 +517,7 @@ class TritonServer:
                 self.process.wait(10)
         self.cleanup()
         if self._log_handle is not None:
-            self._log_handle.close()  # type: ignore[attr-defined]
+            self._log_handle.close()
             self._log_handle = None
         self.restarts += 1
         self.start(**self._start_args)

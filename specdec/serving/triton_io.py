@@ -11,7 +11,7 @@ import json
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -143,7 +143,11 @@ def model_parameters(args: Mapping[str, str]) -> dict[str, str]:
     return {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
 
 
-def parameter(params: Mapping[str, str], name: str, convert: Callable[[str], Any], default: Any = None) -> Any:
+T = TypeVar("T")
+D = TypeVar("D")
+
+
+def parameter(params: Mapping[str, str], name: str, convert: Callable[[str], T], default: D) -> T | D:
     """A config parameter converted (``int``, ``float``); empty or absent means ``default``."""
     text = params.get(name, "").strip()
     return convert(text) if text else default

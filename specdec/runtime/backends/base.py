@@ -11,7 +11,7 @@ library of their own, so an engine over an ONNX Runtime export never imports tor
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -40,7 +40,11 @@ class KVStorage(Protocol):
         cache's own dtype for host caches, float32 for torch caches (numpy has no bfloat16)."""
 
 
-class Backend(Protocol):
+#: the storage a backend allocates and steps over: each backend binds its own (numpy or torch buffers)
+CacheT = TypeVar("CacheT", bound=KVStorage)
+
+
+class Backend(Protocol[CacheT]):
     """A model that runs ragged steps; ``rows_processed`` counts every packed row it ran.
 
     ``vocab_size`` is the token-id space the model reads (V). Its logits have ``head_size``
@@ -49,6 +53,8 @@ class Backend(Protocol):
     draft may have a restricted head; a target must score every token.
     ``supports_cache_mask``: whether ``step`` honours ``PackedBatch.cache_mask`` (masked KV holes,
     which only the padded ``vanilla`` baseline makes); a backend that cannot refuses such a step.
+    ``CacheT``: the storage ``allocate_cache`` makes and ``step`` takes (a bare ``Backend`` takes any): a backend
+    steps only over caches it allocated.
     """
 
     vocab_size: int
@@ -58,8 +64,8 @@ class Backend(Protocol):
     calls: int
     supports_cache_mask: bool
 
-    def allocate_cache(self, num_slots: int, max_len: int) -> KVStorage: ...
+    def allocate_cache(self, num_slots: int, max_len: int) -> CacheT: ...
 
-    def step(self, batch: PackedBatch, cache: KVStorage) -> np.ndarray:
+    def step(self, batch: PackedBatch, cache: CacheT) -> np.ndarray:
         """Logits ``[R, head_size]`` (float32, host) for ``batch.logits_indices``; writes the new K/V in place."""
         ...

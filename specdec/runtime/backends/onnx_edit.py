@@ -67,7 +67,7 @@ class GraphEditor:
         domain: str = "",
         n_out: int = 1,
         metadata: Mapping[str, str] | None = None,
-        **attrs: object,
+        **attrs: Any,
     ) -> str:
         """Emit ``op`` (its attributes ``attrs``); its first output, fresh unless ``outputs`` names them."""
         outs = list(outputs) if outputs is not None else [self.name(op) for _ in range(n_out)]
@@ -158,7 +158,9 @@ class GraphEditor:
         return [n for n in self.graph.node if n.op_type == op and n.domain == domain]
 
     @staticmethod
-    def attr(node: onnx.NodeProto, name: str, default: object = None) -> object:
+    def attr(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
+        """``node``'s attribute ``name`` as onnx reads it (an int, float, string, list, tensor or graph: the node's
+        op decides, so its caller knows which), else ``default``."""
         for a in node.attribute:
             if a.name == name:
                 return helper.get_attribute_value(a)

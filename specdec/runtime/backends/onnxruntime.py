@@ -34,7 +34,6 @@ import numpy as np
 
 from specdec.models.export_meta import HEAD_TOKEN_IDS_FILE, ModelResolutionError, read_head_token_ids
 from specdec.runtime.backends import ort_cache_dtype, ort_fuse
-from specdec.runtime.backends.base import KVStorage
 from specdec.runtime.backends.host_cache import HostKVStorage
 from specdec.runtime.graph_io import (
     CACHE_INPUT,
@@ -48,7 +47,10 @@ from specdec.runtime.graph_io import (
 from specdec.runtime.packed import PackedBatch
 
 if TYPE_CHECKING:
+    import onnx
     import onnxruntime
+
+    from specdec.runtime.backends.torch_backend import TorchKVStorage
 
 _NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 _log = logging.getLogger(__name__)
@@ -160,7 +162,7 @@ class OrtBackend:
                 cache_dtype,
             )
             cache_dtype = None
-        self._options = dict(
+        self._options: dict[str, Any] = dict(
             intra_op_threads=intra_op_threads, spin=spin, profile_prefix=profile_prefix, cache_dtype=cache_dtype
         )
         self.fuse_report: ort_fuse.FuseReport | None = None
@@ -221,7 +223,7 @@ class OrtBackend:
         except Exception as exc:  # ORT raises its own Fail/InvalidGraph/... types, onnx a DecodeError
             raise OnnxModelError(f"cannot load {self.path}: {exc}") from exc
 
-    def allocate_cache(self, num_slots: int, max_len: int) -> KVStorage:
+    def allocate_cache(self, num_slots: int, max_len: int) -> HostKVStorage | TorchKVStorage:
         """Caches on the session's device: host memory on the CPU EP, the GPU's own memory on the CUDA EP."""
         spare = ort_fuse.SPARE_POSITIONS if self.fuse_report is not None and self.fuse_report.attention else 0
         shape = (self.num_layers, num_slots, int(self.num_kv_heads), max_len, int(self.head_dim))
@@ -245,7 +247,7 @@ class OrtBackend:
         dtype = torch.float32 if self.np_dtype == np.float32 else torch.float16
         return TorchKVStorage(*shape, dtype, device=torch.device("cuda", self.device[1]), spare=spare)
 
-    def step(self, batch: PackedBatch, cache: KVStorage) -> np.ndarray:
+    def step(self, batch: PackedBatch, cache: HostKVStorage | TorchKVStorage) -> np.ndarray:
         self.calls += 1
         self.rows_processed += batch.num_tokens
         feeds = graph_feeds(batch)
@@ -261,16 +263,19 @@ class OrtBackend:
         if len(groups) == 1:
             return self._run(self.session, feeds, cache)
         self.split_steps += 1
-        logits = None
+        logits: np.ndarray | None = None
         for seqs in groups:
             part, rows = split_batch(batch, seqs)
             out = self._run(self.session, graph_feeds(part), cache)
             if logits is None:
                 logits = np.empty((batch.logits_indices.shape[0], out.shape[1]), dtype=out.dtype)
             logits[rows] = out
+        assert logits is not None  # several groups, each of which ran
         return logits
 
-    def _run(self, session: onnxruntime.InferenceSession, feeds: dict[str, np.ndarray], cache: KVStorage) -> np.ndarray:
+    def _run(
+        self, session: onnxruntime.InferenceSession, feeds: dict[str, np.ndarray], cache: HostKVStorage | TorchKVStorage
+    ) -> np.ndarray:
         binding, first = self._binding(session, cache)
         for name, array in feeds.items():
             binding.bind_cpu_input(name, np.ascontiguousarray(array))
@@ -284,7 +289,9 @@ class OrtBackend:
             self.inplace_ok = self.inplace_ok and all(o.data_ptr() == p for o, p in zip(outputs[1:], pointers))
         return logits
 
-    def _binding(self, session: onnxruntime.InferenceSession, cache: KVStorage) -> tuple[Any, bool]:
+    def _binding(
+        self, session: onnxruntime.InferenceSession, cache: HostKVStorage | TorchKVStorage
+    ) -> tuple[Any, bool]:
         """The IOBinding of ``session`` with ``cache`` bound in place, made on first use and kept; whether it is new.
 
         Why kept: the caches never move, and binding 2 x layers buffers anew every step (and reading every
@@ -409,7 +416,7 @@ def has_vnni(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
     return None if flags is None else bool({"avx512_vnni", "avx_vnni"} & flags)
 
 
-def _warn_integer_saturation(proto: object, path: Path, on_cpu: bool, cpuinfo: str = "/proc/cpuinfo") -> bool:
+def _warn_integer_saturation(proto: onnx.ModelProto, path: Path, on_cpu: bool, cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Warn when a graph with ``MatMulInteger`` (a w8a8 export) runs on an x86 CPU without VNNI; True if it did.
 
     Why: there MLAS's u8 x s8 kernel adds pairs of products in int16 with saturation (``vpmaddubsw``),
@@ -418,7 +425,7 @@ def _warn_integer_saturation(proto: object, path: Path, on_cpu: bool, cpuinfo: s
     """
     if not on_cpu or has_vnni(cpuinfo) is not False:
         return False
-    if not any(node.op_type == "MatMulInteger" for node in proto.graph.node):  # type: ignore[attr-defined]
+    if not any(node.op_type == "MatMulInteger" for node in proto.graph.node):
         return False
     _log.warning(
         "%s: this CPU has no VNNI; ONNX Runtime's u8 x s8 integer GEMM may saturate here, so this w8a8 "

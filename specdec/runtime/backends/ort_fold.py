@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import onnx
 from onnx import TensorProto, helper
@@ -169,7 +170,7 @@ class Branch:
         self.g = g
         self.nodes: list[onnx.NodeProto] = []
 
-    def add(self, op: str, *inputs: str, **kwargs: object) -> str:
+    def add(self, op: str, *inputs: str, **kwargs: Any) -> str:
         with self.g.emitting_into(self.nodes):
             return self.g.add(op, *inputs, **kwargs)
 

@@ -62,7 +62,7 @@ REWRITES = ("attention", "rmsnorm", "skip_rmsnorm", "rotary")
 #: sequence's n (at most FOLD_ROWS), the padded one an odd-length sequence's discarded copy row (module docstring)
 SPARE_POSITIONS = FOLD_ROWS - 1
 _FLOATS = {TensorProto.FLOAT: "float32", TensorProto.FLOAT16: "float16"}
-_LOWEST = {TensorProto.FLOAT: -3.4028234663852886e38, TensorProto.FLOAT16: -65504.0}
+_LOWEST: dict[int, float] = {TensorProto.FLOAT: -3.4028234663852886e38, TensorProto.FLOAT16: -65504.0}
 
 
 @functools.cache
@@ -239,7 +239,7 @@ def _rows_2d(g: GraphEditor, x: str, dims: dict[str, list[int | None]]) -> str |
     node = g.node_of(x, "Reshape")
     src = dims.get(node.input[0]) if node else None
     out = dims.get(x)
-    if not (src and out and len(src) == 2 and len(out) == 3 and src[1] and out[1] and out[2]):
+    if not (node and src and out and len(src) == 2 and len(out) == 3 and src[1] and out[1] and out[2]):
         return None
     return node.input[0] if src[1] == out[1] * out[2] else None
 
@@ -325,9 +325,12 @@ def _folded_attention(
         scale,
     )
     folded.add("Gather", folded.add("Reshape", out, g.ints(-1, head_dim)), fo.out_index, axis=0, outputs=[f_out[0]])
+    qp, kp, vp = (padded.add("Gather", x, pre.pad_index, axis=0) for x in (q2, k2, v2))
     out = _gqa(
         padded.add,
-        *(padded.add("Gather", x, pre.pad_index, axis=0) for x in (q2, k2, v2)),
+        qp,
+        kp,
+        vp,
         (k_cache, v_cache),
         pre,
         _bias(g, pre, dtype),

@@ -57,7 +57,8 @@ def fuse_rmsnorm(g: GraphEditor, types: dict[str, int], ranks: dict[str, int]) -
                 mean = g.node_of(mean_name, "ReduceMean")
                 power = mean and g.node_of(mean.input[0], "Pow")
                 if not (
-                    power
+                    mean
+                    and power
                     and power.input[0] == x32
                     and _is_const(g, power.input[1], 2.0)
                     and eps

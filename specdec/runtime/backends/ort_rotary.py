@@ -66,9 +66,11 @@ def _match_rope(g: GraphEditor, root: onnx.NodeProto, dims: dict[str, list[int |
                 cat = g.node_of(rot, "Concat")
                 neg = cat and len(cat.input) == 2 and g.node_of(cat.input[0], "Neg")
                 hi = neg and g.node_of(neg.input[0], "Slice")
-                lo = hi and g.node_of(cat.input[1], "Slice")
+                lo = hi and cat and g.node_of(cat.input[1], "Slice")
                 shape = dims.get(x)
-                if not (lo and hi.input[0] == x and lo.input[0] == x and shape and len(shape) == 3 and shape[2]):
+                if not (
+                    cat and hi and lo and hi.input[0] == lo.input[0] == x and shape and len(shape) == 3 and shape[2]
+                ):
                     continue
                 half = int(shape[2]) // 2
                 c, s = _rope_table(g, cos, "Cos"), _rope_table(g, sin, "Sin")

@@ -175,13 +175,13 @@ class TensorRTBackend:
             stream = torch.cuda.current_stream(self.device)
             if rows == 0:  # the profile starts at one row: compute one and return none
                 feeds["logits_indices"] = np.zeros(1, dtype=np.int32)
-            feeds = {
+            on_device = {
                 name: torch.from_numpy(np.ascontiguousarray(a))
                 .to(device=self.device, dtype=self._torch_dtype(name))
                 .contiguous()
                 for name, a in feeds.items()
             }
-            for name, tensor in feeds.items():
+            for name, tensor in on_device.items():
                 self._bind_input(name, tensor)
             for in_name, out_name, buf in zip(self._in_names, self._out_names, (*cache.k, *cache.v)):
                 self._bind_input(in_name, buf)

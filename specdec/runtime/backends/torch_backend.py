@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -75,7 +76,7 @@ class TorchKVStorage(SlotMajorMoves):
         ]
 
 
-def rope_inv_freq(config: object) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(config: Any) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling for the model's RoPE variant.
 
     Supports the static variants LLaMA checkpoints use: default, linear and llama3.
@@ -153,8 +154,8 @@ class TorchBackend:
             return w(name) if name in sd else None
 
         def cat_bias(*names: str) -> torch.Tensor | None:
-            parts = [b(n) for n in names]
-            return None if any(p is None for p in parts) else torch.cat(parts)
+            parts = [p for p in (b(n) for n in names) if p is not None]
+            return torch.cat(parts) if len(parts) == len(names) else None
 
         self.embed = w("model.embed_tokens.weight")
         self.lm_head = self.embed if "lm_head.weight" not in sd else w("lm_head.weight")

@@ -25,6 +25,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 from specdec.serving.control import CONTROL_ENV, DRAIN, Control
 from specdec.serving.install import TritonError
@@ -87,7 +88,7 @@ class OpenAIFrontend:
     process: subprocess.Popen[bytes] | None = field(default=None, init=False)
     control: Control = field(default=Control(None), init=False)
     _own_log: bool = field(default=False, init=False, repr=False)
-    _log_handle: object = field(default=None, init=False, repr=False)
+    _log_handle: IO[bytes] | None = field(default=None, init=False, repr=False)
 
     @property
     def url(self) -> str:
@@ -181,7 +182,7 @@ class OpenAIFrontend:
                 self.process.kill()
                 code = self.process.wait()
         if self._log_handle is not None:
-            self._log_handle.close()  # type: ignore[attr-defined]
+            self._log_handle.close()
             self._log_handle = None
         if self.control.directory is not None:
             shutil.rmtree(self.control.directory, ignore_errors=True)

@@ -200,13 +200,13 @@ def _logprobs(outputs: Mapping[str, np.ndarray]) -> list[TokenLogprob]:
     top_values = outputs.get(TOP_LOGPROBS)
     rows = len(values)
     k = 0 if top_values is None or np.asarray(top_values).size == 0 else int(np.asarray(top_values).size // rows)
-    top_t = np.asarray(top_tokens).reshape(rows, k) if k else None
-    top_v = np.asarray(top_values).reshape(rows, k) if k else None
+    top_t = np.asarray(top_tokens).reshape(rows, k) if k else np.empty((rows, 0), dtype=object)
+    top_v = np.asarray(top_values).reshape(rows, k) if k else np.empty((rows, 0), dtype=np.float32)
     return [
         TokenLogprob(
             tokens[i] if i < len(tokens) else b"",
             _float32(values[i]),
-            tuple((bytes(top_t[i, j]), _float32(top_v[i, j])) for j in range(k)) if k else (),  # type: ignore[index]
+            tuple((bytes(top_t[i, j]), _float32(top_v[i, j])) for j in range(k)),
         )
         for i in range(rows)
     ]

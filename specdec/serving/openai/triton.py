@@ -21,8 +21,9 @@ from specdec.serving.openai.translate import INPUTS, Piece, Translation, piece_o
 
 def _error(exc: BaseException, params: Mapping[str, str]) -> OpenAIError:
     """A tritonclient exception (``InferenceServerException``) or a gRPC failure as an OpenAI error."""
-    message = exc.message() if callable(getattr(exc, "message", None)) else str(exc)  # type: ignore[attr-defined]
-    status = exc.status() if callable(getattr(exc, "status", None)) else None  # type: ignore[attr-defined]
+    message_of, status_of = getattr(exc, "message", None), getattr(exc, "status", None)
+    message = message_of() if callable(message_of) else str(exc)
+    status = status_of() if callable(status_of) else None
     return from_triton(message or "", None if status is None else str(status), params)
 
 
