@@ -44,3 +44,42 @@ def mixed_batch() -> list[Seq]:
         Seq(slot=1, past=9, parents=[ROOT, ROOT, 0, 1, 2, ROOT, 5]),  # forest of three trees
         Seq(slot=4, past=0, parents=[ROOT, ROOT, 1, 1]),  # forest with no past
     ]
+
+
+def attention_case(seed: int = 0) -> dict:
+    """One ragged attention step over three slots (a tree, a decode token, a forest of two roots) with its caches,
+    as the attention op's inputs (the plugin's enqueue body is checked against the reference on it)."""
+    g = torch.Generator().manual_seed(seed)
+    hq, hkv, d, slots, max_len = 4, 2, 32, 3, 16
+    lens, pasts, slot_ids = [3, 1, 4], [5, 9, 0], [2, 0, 1]
+    parents = [[-1, 0, 0], [-1], [-1, 0, -1, 2]]  # a tree, a decode token, a forest of two roots
+    tokens = sum(lens)
+    tree = torch.zeros(tokens, max(lens), dtype=torch.bool)
+    row = 0
+    for n, par in zip(lens, parents):
+        for j in range(n):
+            tree[row + j, j] = True
+            a = par[j]
+            while a >= 0:
+                tree[row + j, a] = True
+                a = par[a]
+        row += n
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return {
+        "q": torch.randn(tokens, hq, d, generator=g),
+        "k": torch.randn(tokens, hkv, d, generator=g),
+        "v": torch.randn(tokens, hkv, d, generator=g),
+        "k_cache": torch.randn(slots, hkv, max_len, d, generator=g),
+        "v_cache": torch.randn(slots, hkv, max_len, d, generator=g),
+        "cu": cu,
+        "past": pasts,
+        "slots": slot_ids,
+        "tree": tree,
+        "scale": d**-0.5,
+    }
+
+
+def ints(x: list[int]) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.int32)

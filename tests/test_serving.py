@@ -7,8 +7,6 @@ export, greedy), so a lost, mixed-up or re-ordered output fails the test, not ju
 from __future__ import annotations
 
 import os
-import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,74 +18,32 @@ from pathlib import Path
 import numpy as np
 import pytest
 from servers import eventually, free_ports, needs_tritonserver, processes_mentioning, samples
+from serving_cases import (
+    CONCURRENT_MAX_TOKENS,
+    EXIT_S,
+    LOAD_MAX_TOKENS,
+    PROMPTS,
+    WAIT_S,
+    check_answer,
+    local_reference,
+    request_params,
+)
 
-from specdec.serving.serve import serve_main
 from specdec.serving.server import TritonServer
 
 needs_tritonserver()
 import tritonclient.grpc as grpcclient  # noqa: E402
 
 from specdec.runtime.config import EngineConfig  # noqa: E402
-from specdec.runtime.draft_length import DraftLength  # noqa: E402
 from specdec.runtime.engine import Engine  # noqa: E402
-from specdec.serving.client import Answer, ClientError, SpecdecClient  # noqa: E402
-from specdec.serving.repository import ServingOptions, write_repository  # noqa: E402
+from specdec.serving.client import ClientError, SpecdecClient  # noqa: E402
 
 pytestmark = [pytest.mark.server, pytest.mark.real_model]
-
-TOPICS = [
-    "the moon",
-    "bread",
-    "rivers",
-    "chess",
-    "volcanoes",
-    "bees",
-    "libraries",
-    "glass",
-    "trains",
-    "tea",
-    "owls",
-    "maps",
-    "clocks",
-    "salt",
-    "bridges",
-    "snow",
-]
-# 16 prompts of different lengths and shapes (chat and plain), so the ragged steps really are ragged
-PROMPTS = [
-    (
-        f"Write two sentences about {topic}."
-        if i % 2 == 0
-        else f"Repeat this list exactly: {topic}, {topic} and more {topic}. " * (1 + i % 3) + "Now continue it.",
-        i % 2 == 0,
-    )
-    for i, topic in enumerate(TOPICS)
-]
-CONCURRENT_MAX_TOKENS = [16, 40, 24, 32, 20, 36, 28, 12]  # the 8-concurrent test: different lengths
-LOAD_MAX_TOKENS = 24
-#: how long a test waits for what must happen (a request admitted, cancelled, a server gone): a passing run never
-#: waits it out, a loaded CI machine may need many times the usual seconds, and what never happens still fails
-WAIT_S = 120.0
-#: --exit-timeout-secs of the servers started here: the engine's finalize may take tens of seconds on a busy machine
-EXIT_S = 120
-
-
-def _local_reference(export: Path) -> dict[tuple[int, int], list[int]]:
-    """(prompt index, max_tokens) -> greedy output ids of the local runtime on the same export."""
-    engine = Engine.from_export(export, config=EngineConfig(threads=1))
-    keys = [(i, m) for i, m in enumerate(CONCURRENT_MAX_TOKENS)] + [(i, LOAD_MAX_TOKENS) for i in range(len(PROMPTS))]
-    keys = list(dict.fromkeys(keys))
-    requests = [engine.request(PROMPTS[i][0], chat=PROMPTS[i][1], max_tokens=m) for i, m in keys]
-    result = engine.generate(requests, "ems")
-    assert not any(o.error for o in result.outputs)
-    return {key: out.token_ids for key, out in zip(keys, result.outputs)} | {
-        ("text", *key): out.text for key, out in zip(keys, result.outputs)
-    }
 
 
 @pytest.fixture(scope="module")
 def reference(smollm2_export: Path) -> dict:
-    return _local_reference(smollm2_export)
+    return local_reference(smollm2_export)
 
 
 @pytest.fixture(scope="module")
@@ -105,31 +61,23 @@ def server(smollm2_export: Path, reference: dict) -> TritonServer:
         assert eventually(lambda: processes_mentioning(str(smollm2_export)) == []), "a stub outlived the server"
 
 
-def _params(i: int, max_tokens: int, **extra: object) -> dict:
-    return {"max_tokens": max_tokens, "apply_chat_template": PROMPTS[i][1] or None, **extra}
-
-
 def scrape(server: TritonServer) -> dict[str, float]:
     """specdec_* samples of the Prometheus endpoint, keyed by name{labels} (summed over engine instances)."""
     return samples(server.metrics_url, "specdec_")
-
-
-def _check(answer: Answer | ClientError, reference: dict, i: int, max_tokens: int) -> None:
-    assert isinstance(answer, Answer), f"prompt {i}: {answer}"
-    assert answer.output_ids == reference[(i, max_tokens)], f"prompt {i}: token ids differ from the local runtime"
-    assert answer.text == reference[("text", i, max_tokens)]
 
 
 def test_eight_concurrent_greedy_requests_equal_local_and_share_steps(server: TritonServer, reference: dict) -> None:
     before = scrape(server)
     client_threads = ThreadPoolExecutor(8)
     futures = [
-        client_threads.submit(lambda i=i, m=m: SpecdecClient(server.grpc_url).generate(PROMPTS[i][0], **_params(i, m)))
+        client_threads.submit(
+            lambda i=i, m=m: SpecdecClient(server.grpc_url).generate(PROMPTS[i][0], **request_params(i, m))
+        )
         for i, m in enumerate(CONCURRENT_MAX_TOKENS)
     ]
     answers = [f.result() for f in futures]
     for i, (answer, m) in enumerate(zip(answers, CONCURRENT_MAX_TOKENS)):
-        _check(answer, reference, i, m)
+        check_answer(answer, reference, i, m)
         assert answer.target_calls >= 1 and 0.0 <= answer.acceptance_rate <= 1.0
     # verified together: on average each request's target steps held several sequences
     assert max(a.mean_batch_size for a in answers) > 2.0
@@ -148,20 +96,25 @@ def test_stream_concatenates_to_the_unary_answer_and_shares_steps_with_unary(
 ) -> None:
     i, m = 1, CONCURRENT_MAX_TOKENS[1]
     with ThreadPoolExecutor(4) as pool:
-        streamed = pool.submit(lambda: SpecdecClient(server.grpc_url).generate_stream(PROMPTS[i][0], **_params(i, m)))
+        streamed = pool.submit(
+            lambda: SpecdecClient(server.grpc_url).generate_stream(PROMPTS[i][0], **request_params(i, m))
+        )
         unary = [
             pool.submit(
-                lambda j=j: SpecdecClient(server.grpc_url).generate(PROMPTS[j][0], **_params(j, LOAD_MAX_TOKENS))
+                lambda j=j: SpecdecClient(server.grpc_url).generate(PROMPTS[j][0], **request_params(j, LOAD_MAX_TOKENS))
             )
             for j in (2, 3, 4)
         ]
         stream_answer = streamed.result()
         unary_answers = [u.result() for u in unary]
-    _check(stream_answer, reference, i, m)
+    check_answer(stream_answer, reference, i, m)
     assert stream_answer.responses > 3, "a stream of one response is not a stream"
-    assert "".join(stream_answer.chunks) == SpecdecClient(server.grpc_url).generate(PROMPTS[i][0], **_params(i, m)).text
+    assert (
+        "".join(stream_answer.chunks)
+        == SpecdecClient(server.grpc_url).generate(PROMPTS[i][0], **request_params(i, m)).text
+    )
     for j, answer in zip((2, 3, 4), unary_answers):
-        _check(answer, reference, j, LOAD_MAX_TOKENS)
+        check_answer(answer, reference, j, LOAD_MAX_TOKENS)
     assert stream_answer.mean_batch_size > 1.0, "the stream never shared a ragged step with the unary requests"
 
 
@@ -178,13 +131,13 @@ def test_64_requests_from_8_threads_none_lost_or_mixed_up(server: TritonServer, 
             for k in range(t, 64, 8):
                 call = client.generate_stream if k % 2 else client.generate
                 try:
-                    answers[k] = call(prompts[k], **_params(indices[k], LOAD_MAX_TOKENS))
+                    answers[k] = call(prompts[k], **request_params(indices[k], LOAD_MAX_TOKENS))
                 except ClientError as exc:
                     answers[k] = exc
 
         list(pool.map(worker, range(8)))
     for k, answer in enumerate(answers):
-        _check(answer, reference, indices[k], LOAD_MAX_TOKENS)
+        check_answer(answer, reference, indices[k], LOAD_MAX_TOKENS)
     assert SpecdecClient(server.grpc_url).ready()
 
 
@@ -229,7 +182,7 @@ def test_bad_inputs_get_named_errors_while_a_stream_completes(server: TritonServ
     in_flight: dict = {}
     thread = threading.Thread(
         target=lambda: in_flight.setdefault(
-            "answer", SpecdecClient(server.grpc_url).generate_stream(PROMPTS[i][0], **_params(i, m))
+            "answer", SpecdecClient(server.grpc_url).generate_stream(PROMPTS[i][0], **request_params(i, m))
         )
     )
     thread.start()
@@ -265,7 +218,7 @@ def test_bad_inputs_get_named_errors_while_a_stream_completes(server: TritonServ
         SpecdecClient(server.grpc_url).generate_stream("Say hi.", method="magic")
     thread.join(600)  # the client's own timeout
     assert not thread.is_alive(), "the stream sent beside the bad requests never finished"
-    _check(in_flight["answer"], reference, i, m)
+    check_answer(in_flight["answer"], reference, i, m)
     assert client.generate("Say hi.", max_tokens=4).output_ids
 
 
@@ -293,8 +246,8 @@ def test_client_killed_mid_stream_is_cancelled_and_does_not_wedge_the_engine(
     proc.send_signal(signal.SIGKILL)
     proc.wait(WAIT_S)
     i = 0
-    answer = SpecdecClient(server.grpc_url).generate(PROMPTS[i][0], **_params(i, CONCURRENT_MAX_TOKENS[i]))
-    _check(answer, reference, i, CONCURRENT_MAX_TOKENS[i])
+    answer = SpecdecClient(server.grpc_url).generate(PROMPTS[i][0], **request_params(i, CONCURRENT_MAX_TOKENS[i]))
+    check_answer(answer, reference, i, CONCURRENT_MAX_TOKENS[i])
     eventually(
         lambda: (now := scrape(server))[CANCELLED] - before[CANCELLED] >= 1 and now["specdec_active_sequences"] == 0,
         poll_s=0.5,
@@ -343,10 +296,13 @@ def test_client_killed_during_a_beam_request_is_cancelled_between_rounds(server:
     assert now[CANCELLED] - before[CANCELLED] == 1, "the dead client's beam request was not cancelled"
     assert now["specdec_active_sequences"] == 0 and now["specdec_kv_slots_used"] == 0
     client = SpecdecClient(server.grpc_url)
-    answer = client.generate(PROMPTS[0][0], **_params(0, 8, method="beam", beam_width=2))
+    answer = client.generate(PROMPTS[0][0], **request_params(0, 8, method="beam", beam_width=2))
     assert answer.output_ids and max(answer.beam_widths) == 2
-    _check(
-        client.generate(PROMPTS[1][0], **_params(1, CONCURRENT_MAX_TOKENS[1])), reference, 1, CONCURRENT_MAX_TOKENS[1]
+    check_answer(
+        client.generate(PROMPTS[1][0], **request_params(1, CONCURRENT_MAX_TOKENS[1])),
+        reference,
+        1,
+        CONCURRENT_MAX_TOKENS[1],
     )
 
 
@@ -374,8 +330,8 @@ def test_sigusr1_dumps_every_stub_thread_and_no_request_thread_outlives_its_requ
     assert dump.count("Current thread") == len(stubs), dump[-3000:]
     assert "in _send_loop" in dump and "in _watch" in dump  # the engine's sender and the watchers
     assert " in _answer" not in dump, "a request thread outlived its request:\n" + dump[-3000:]
-    _check(
-        SpecdecClient(server.grpc_url).generate(PROMPTS[1][0], **_params(1, CONCURRENT_MAX_TOKENS[1])),
+    check_answer(
+        SpecdecClient(server.grpc_url).generate(PROMPTS[1][0], **request_params(1, CONCURRENT_MAX_TOKENS[1])),
         reference,
         1,
         CONCURRENT_MAX_TOKENS[1],
@@ -399,74 +355,6 @@ def _stacks(server: TritonServer, pid: int) -> str:
 
     eventually(settled, poll_s=0.5)
     return server.read_log()[offset:]
-
-
-# --------------------------------------------------------------------------- `specdec serve` refusing to start
-
-
-def _shadow_export(export: Path, root: Path, options: ServingOptions | None = None) -> Path:
-    """A copy of the export made of symlinks (the graphs are large), with its own model repository."""
-
-    shadow = root / "export"
-    for path in export.rglob("*"):
-        if path.is_file() and "triton_repo" not in path.parts:
-            target = shadow / path.relative_to(export)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.symlink_to(path)
-    write_repository(shadow, options=options)
-    return shadow
-
-
-def _serve(repo: Path) -> int:
-    grpc, http, metrics, openai_port = free_ports(4)
-    return serve_main(
-        [
-            str(repo),
-            "--grpc-port",
-            str(grpc),
-            "--http-port",
-            str(http),
-            "--metrics-port",
-            str(metrics),
-            "--openai-port",
-            str(openai_port),
-            "--ready-timeout",
-            "240",
-        ]
-    )
-
-
-def test_serve_refuses_a_repository_with_a_missing_model(
-    smollm2_export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    shadow = _shadow_export(smollm2_export, tmp_path)
-    shutil.rmtree(shadow / "triton_repo" / "specdec_engine")
-    assert _serve(shadow) == 1
-    assert re.search(r"missing model\(s\) specdec_engine", capsys.readouterr().err)
-
-
-def test_serve_refuses_a_corrupt_config(
-    smollm2_export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    shadow = _shadow_export(smollm2_export, tmp_path)
-    (shadow / "triton_repo" / "postprocessing" / "config.pbtxt").write_text('name: "postprocessing"\nbackend: {{{\n')
-    assert _serve(shadow) == 1
-    err = capsys.readouterr().err
-    assert "postprocessing" in err and "error" in err.lower()
-
-
-def test_serve_refuses_a_corrupt_export(
-    smollm2_export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    shadow = _shadow_export(smollm2_export, tmp_path)
-    config = shadow / "target" / "tokenizer_config.json"
-    text = config.read_text()
-    config.unlink()
-    config.write_text(text.replace("{", "{ ", 1))  # same meaning, different checksum
-    assert _serve(shadow) == 1
-    err = capsys.readouterr().err
-    assert "specdec_engine" in err and "checksum" in err
-    assert os.path.exists(shadow)
 
 
 BEAM_CASES = [  # (prompt index, max_tokens, parameters): greedy beam search and seeded i.i.d. beam sampling
@@ -507,12 +395,12 @@ def test_beam_requests_equal_local_and_run_beside_ems(
         )
         local.append(engine.generate([request], method).outputs[0])
     pool = ThreadPoolExecutor(len(BEAM_CASES) + 1)
-    ems = pool.submit(lambda: SpecdecClient(server.grpc_url).generate(PROMPTS[5][0], **_params(5, 36)))
+    ems = pool.submit(lambda: SpecdecClient(server.grpc_url).generate(PROMPTS[5][0], **request_params(5, 36)))
     futures = [
         pool.submit(
             lambda n=n, i=i, m=m, p=p: getattr(
                 SpecdecClient(server.grpc_url), "generate_stream" if n in (1, 3) else "generate"
-            )(PROMPTS[i][0], **_params(i, m, method=method, **p, **extra))
+            )(PROMPTS[i][0], **request_params(i, m, method=method, **p, **extra))
         )
         for n, (i, m, p) in enumerate(BEAM_CASES)
     ]
@@ -527,101 +415,5 @@ def test_beam_requests_equal_local_and_run_beside_ems(
             assert answer.draft_tokens > 0
         if p.get("memory_mode") == "single":  # one beam kept per round: each round's tokens are final at once
             assert answer.responses > 1, "a beam request that keeps one beam streamed nothing before its end"
-    _check(ems.result(), reference, 5, 36)
+    check_answer(ems.result(), reference, 5, 36)
     assert ems.result().beam_widths == []
-
-
-def test_dsbd_on_a_deployment_without_a_draft_model_is_a_named_error(
-    smollm2_export: Path, reference: dict, tmp_path: Path
-) -> None:
-    """A deployment whose drafter is the n-gram table (no draft model) refuses method=dsbd with a message that
-    says why and what to use instead, on both entry points, while a beam request and an ems stream sent beside it
-    finish with their local answers; afterwards the same server still serves beam requests."""
-    shadow = _shadow_export(smollm2_export, tmp_path, ServingOptions(drafter="ngram"))
-    grpc, http, metrics = free_ports()
-    srv = TritonServer()
-    srv.start(shadow, grpc_port=grpc, http_port=http, metrics_port=metrics, exit_timeout_s=EXIT_S)
-    try:
-        srv.wait_ready(300)
-        engine = Engine.from_export(smollm2_export, config=EngineConfig(threads=1))
-        from specdec.runtime.request import BeamParams
-
-        want = engine.generate(
-            [engine.request(PROMPTS[0][0], chat=PROMPTS[0][1], max_tokens=12, beam=BeamParams(width=2))], "beam"
-        ).outputs[0]
-        client = SpecdecClient(srv.grpc_url)
-        pool = ThreadPoolExecutor(3)
-        stream = pool.submit(lambda: SpecdecClient(srv.grpc_url).generate_stream(PROMPTS[3][0], **_params(3, 24)))
-        beam = pool.submit(
-            lambda: SpecdecClient(srv.grpc_url).generate(PROMPTS[0][0], **_params(0, 12, method="beam", beam_width=2))
-        )
-        for call in (client.generate, client.generate_stream):
-            with pytest.raises(ClientError, match=r"method 'dsbd' needs a draft model.*use 'beam'"):
-                call(PROMPTS[0][0], **_params(0, 12, method="dsbd", beam_width=2))
-        _check(stream.result(), reference, 3, 24)
-        assert beam.result().output_ids == want.token_ids
-        again = client.generate(PROMPTS[0][0], **_params(0, 12, method="beam", beam_width=2))
-        assert again.output_ids == want.token_ids and again.beam_widths == want.metrics.beam_widths
-    finally:
-        assert srv.stop() == 0, srv.read_log()[-3000:]
-
-
-def test_an_adaptive_draft_deployment_gives_the_same_answers(
-    smollm2_export: Path, reference: dict, tmp_path: Path
-) -> None:
-    """An export served with ``adaptive_draft`` (each sequence picks its own k up to the served 4): its config
-    says so; 8 concurrent greedy requests, half of them streamed, give the fixed-k runtime's tokens (greedy
-    speculation is exact for any k); a seeded sampled request gives the local adaptive engine's answer (k comes
-    from the request's own history, not from its batch-mates), as does a seeded dsbd request (γ chosen the same
-    way); and the sequences drafted fewer than 4 tokens per step on average, so the policy did choose.
-
-    The deployment is priced (verified row 0.02, draft token 0.3, as ``--calibrate`` or ``--verify-cost`` /
-    ``--draft-cost`` would write them): with either price left at its default, both seeded answers differ
-    (checked on the torch backend), so the equalities show the served engine reads both prices."""
-    shadow = _shadow_export(
-        smollm2_export, tmp_path, ServingOptions(adaptive_draft=True, verify_cost=0.02, draft_cost=0.3)
-    )
-    config = (shadow / "triton_repo" / "specdec_engine" / "config.pbtxt").read_text()
-    assert 'key: "adaptive_draft" value: { string_value: "1" }' in config
-    assert 'key: "draft_cost" value: { string_value: "0.3" }' in config
-    local = Engine.from_export(
-        smollm2_export, config=EngineConfig(threads=1, draft_length=DraftLength(verify_cost=0.02, draft_cost=0.3))
-    )
-    sampled = dict(temperature=0.8, seed=3)
-    want = local.generate([local.request(PROMPTS[2][0], chat=PROMPTS[2][1], max_tokens=24, **sampled)], "ems").outputs[
-        0
-    ]
-    from specdec.runtime.request import BeamParams
-
-    want_dsbd = local.generate(
-        [local.request(PROMPTS[4][0], chat=PROMPTS[4][1], max_tokens=16, beam=BeamParams(width=3), **sampled)], "dsbd"
-    ).outputs[0]
-    grpc, http, metrics = free_ports()
-    srv = TritonServer()
-    srv.start(shadow, grpc_port=grpc, http_port=http, metrics_port=metrics, exit_timeout_s=EXIT_S)
-    try:
-        srv.wait_ready(300)
-        pool = ThreadPoolExecutor(9)
-        greedy = [
-            pool.submit(
-                lambda i=i, m=m: getattr(SpecdecClient(srv.grpc_url), "generate_stream" if i % 2 else "generate")(
-                    PROMPTS[i][0], **_params(i, m)
-                )
-            )
-            for i, m in enumerate(CONCURRENT_MAX_TOKENS)
-        ]
-        seeded = pool.submit(lambda: SpecdecClient(srv.grpc_url).generate(PROMPTS[2][0], **_params(2, 24, **sampled)))
-        dsbd = SpecdecClient(srv.grpc_url).generate(
-            PROMPTS[4][0], **_params(4, 16, method="dsbd", beam_width=3, **sampled)
-        )
-        answers = [f.result() for f in greedy]
-        for i, (answer, m) in enumerate(zip(answers, CONCURRENT_MAX_TOKENS)):
-            _check(answer, reference, i, m)
-        assert seeded.result().output_ids == want.token_ids
-        # the beam loop of the deployment chooses γ by the same policy (adaptive γ, at most the served 4)
-        assert dsbd.output_ids == want_dsbd.token_ids and dsbd.beam_widths == want_dsbd.metrics.beam_widths
-        drafted = sum(a.draft_tokens for a in answers)
-        decode_steps = sum(a.target_calls - 1 for a in answers)
-        assert 0 < drafted < 4 * decode_steps
-    finally:
-        assert srv.stop() == 0, srv.read_log()[-3000:]
