@@ -8,9 +8,10 @@ TensorRT. ``slow`` is any of the first three; it is added here, never by hand, s
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from pathlib import Path
 from typing import NoReturn
 
@@ -26,9 +27,10 @@ from specdec.models.loading import LoadedModel, load_model, save_model, tiny_ran
 # before any test module binds it: identical tiny exports run once per session (tests/export_cache.py)
 onnx_export.export_onnx = caching(onnx_export.export_onnx)
 
-# Two intra-op threads (the CI machine has 2 cores); SPECDEC_TEST_THREADS overrides it, e.g. =1 on a
-# loaded machine, where two spinning OpenMP threads make every tiny op wait for a free core.
-torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "2")))
+# One intra-op thread; SPECDEC_TEST_THREADS overrides it. Why: the models here are tiny (or SmolLM2-135M at batch
+# 1), so a step is thousands of small ops, and on a 2-core machine that other work shares, two spinning OpenMP
+# threads make each of them wait for a free core: the tiny-model modules ran several times slower with two.
+torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "1")))
 
 #: the tiers that make a test slow, each costing tens of seconds to minutes
 SLOW_TIERS = ("real_model", "server", "statistical")
@@ -48,6 +50,28 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.real_model)
         if any(item.get_closest_marker(tier) for tier in SLOW_TIERS) and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _frozen_survivors() -> None:
+    """Before each test module: collect the garbage, then move what survives out of the collector's sight
+    (``gc.freeze``): the imported libraries, the collected tests, the session's fixtures and caches.
+
+    Why: a full collection walks every tracked object, and torch, transformers, onnx and the exporter's lazily
+    imported modules are hundreds of thousands of them; code under test collects on purpose (the benchmark
+    harness before each timed run, the serving models' ``finalize``: ``triton_io.release_senders``), and those
+    walks were most of ``test_bench.py``'s and ``test_triton_models.py``'s time. Objects the module's tests make
+    are collected as before; a survivor that dies later in a reference cycle waits for the session's end
+    (``pytest_sessionfinish``).
+    """
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Hand the frozen objects back, so the interpreter's last collection frees them as it would have (extension
+    modules such as triton's nanobind report every object still alive at exit as a leak)."""
+    gc.unfreeze()
 
 
 @pytest.hookimpl(wrapper=True)
@@ -72,19 +96,6 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(loading, "_find_wheel_gguf", refuse)
         return (yield)
-
-
-@pytest.fixture(scope="module")
-def one_thread() -> Iterator[None]:
-    """One intra-op thread for a module of tiny-model tests, restored afterwards.
-
-    Tiny models run thousands of small ops per step; on a loaded 2-core CPU one thread is far
-    faster (4,000 engine requests: 3.7 s with one thread, 93 s with two).
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

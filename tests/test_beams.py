@@ -30,8 +30,6 @@ from specdec.runtime.request import BeamParams, Request
 from specdec.runtime.sampling import InvalidRequestError, SamplingParams
 from specdec.runtime.scheduler import Scheduler
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 VOCAB = 24  # small enough that drafts are often accepted, large enough for distinct beams
 PROMPTS = ([3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9], [2, 7])
 

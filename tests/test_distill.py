@@ -94,9 +94,7 @@ def _settings(target: Path, out: Path, **kw: object) -> DistillSettings:
     return DistillSettings(**{**base, **kw})
 
 
-def test_distillation_lowers_held_out_kl_and_writes_a_loadable_draft(
-    tiny_target: Path, tmp_path: Path, one_thread: None
-) -> None:
+def test_distillation_lowers_held_out_kl_and_writes_a_loadable_draft(tiny_target: Path, tmp_path: Path) -> None:
     out = tmp_path / "draft"
     manifest = distill(_settings(tiny_target, out, validate_s=0.0), command="test")
     before, after = manifest["metrics"]["before"], manifest["metrics"]["after"]
@@ -144,7 +142,7 @@ def test_distillation_lowers_held_out_kl_and_writes_a_loadable_draft(
     )
 
 
-def test_a_draft_for_another_target_is_refused(tiny_target: Path, tmp_path: Path, one_thread: None) -> None:
+def test_a_draft_for_another_target_is_refused(tiny_target: Path, tmp_path: Path) -> None:
     out = tmp_path / "draft"
     distill(_settings(tiny_target, out, steps=1, samples=4), command="test")
     tokenizer = load_model(tiny_target).tokenizer
@@ -166,9 +164,7 @@ def test_a_draft_for_another_target_is_refused(tiny_target: Path, tmp_path: Path
         load_draft(out, load_model(tiny_target))
 
 
-def test_an_interrupted_run_resumes(
-    tiny_target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_thread: None
-) -> None:
+def test_an_interrupted_run_resumes(tiny_target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "draft"
     real_loss = objective.distill_loss
     calls = {"n": 0}
@@ -203,7 +199,7 @@ def test_an_interrupted_run_resumes(
     assert json.loads((out / "specdec_draft.json").read_text())["steps"] == 12
 
 
-def test_the_kept_weights_are_the_best_validated_step(tiny_target: Path, tmp_path: Path, one_thread: None) -> None:
+def test_the_kept_weights_are_the_best_validated_step(tiny_target: Path, tmp_path: Path) -> None:
     """Validated after every step, the draft written is the step with the lowest validation loss: its loss,
     recomputed from the written (fp16) weights on the validation split, is the manifest's and not above the
     validation loss of the last step's weights."""
@@ -240,7 +236,7 @@ def test_the_kept_weights_are_the_best_validated_step(tiny_target: Path, tmp_pat
 
 
 def test_grouped_generation_keeps_prompts_and_seeds_and_completes_short_shards(
-    tiny_target: Path, tmp_path: Path, one_thread: None
+    tiny_target: Path, tmp_path: Path
 ) -> None:
     """Shards generated together (continuous batching over a group) hold the same continuations, in the same
     prompt order, as shards generated one by one; a shard left short by a smaller earlier ``--samples`` is
@@ -270,7 +266,7 @@ def test_grouped_generation_keeps_prompts_and_seeds_and_completes_short_shards(
 
 
 def test_greedy_continuations_follow_their_prompts_split_and_are_evaluated_apart(
-    tiny_target: Path, tmp_path: Path, one_thread: None
+    tiny_target: Path, tmp_path: Path
 ) -> None:
     """Without ``--greedy-data`` only the held-out prompts are continued greedily, to be evaluated; with it every
     distinct prompt is, each greedy continuation lands in its prompt's split (no held-out prompt is trained on), and
@@ -330,9 +326,7 @@ def test_greedy_continuations_follow_their_prompts_split_and_are_evaluated_apart
         distill(_settings(tiny_target, tmp_path / "greedy", steps=3, greedy_data=False), command="test")
 
 
-def test_cached_data_of_other_settings_or_prompts_is_not_reused(
-    tiny_target: Path, tmp_path: Path, one_thread: None
-) -> None:
+def test_cached_data_of_other_settings_or_prompts_is_not_reused(tiny_target: Path, tmp_path: Path) -> None:
     """A cache generated at another temperature is refused with the difference named; a shard continuing other
     prompts (another ``--prompts`` file) is generated again instead of being trained on."""
     target = load_model(tiny_target)
@@ -370,7 +364,7 @@ def test_records_are_split_by_prompt_and_the_schedule_warms_up_then_decays() -> 
 
 
 def test_the_target_writes_its_own_requests_each_ended_by_it_distinct_and_resumable(
-    tiny_chat_target: Path, tmp_path: Path, one_thread: None
+    tiny_chat_target: Path, tmp_path: Path
 ) -> None:
     """Self-written prompts continue the chat template where a user's message starts; only turns the target
     ended itself (EOS) with enough words are kept, without repeats; a larger count later extends the same list
@@ -405,7 +399,7 @@ def test_the_target_writes_its_own_requests_each_ended_by_it_distinct_and_resuma
 
 
 def test_self_prompts_get_their_own_split_and_a_grown_run_continues_its_checkpoint(
-    tiny_chat_target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_thread: None
+    tiny_chat_target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Adding self-written prompts to a finished run: the built-in prompts keep their split (the same held-out
     records, so the draft was never trained on them), the new prompts are split on their own and reported apart,
@@ -442,9 +436,7 @@ def test_self_prompts_get_their_own_split_and_a_grown_run_continues_its_checkpoi
     assert again["commands"] == ["grown", "third"] and calls["n"] == 5
 
 
-def test_a_grown_draft_starts_as_its_source_and_a_shared_head_is_not_stored(
-    tiny_target: Path, tmp_path: Path, one_thread: None
-) -> None:
+def test_a_grown_draft_starts_as_its_source_and_a_shared_head_is_not_stored(tiny_target: Path, tmp_path: Path) -> None:
     """``--init-from``: new layers start as exact no-ops, so the grown draft's logits are its source's; with
     ``--share-head`` the head is the target's own rows, frozen and not written; the finished run's checkpoint is
     kept aside, not overwritten or refused; the lineage of commands is kept; and speculation stays exact."""
@@ -505,9 +497,7 @@ def test_a_grown_draft_starts_as_its_source_and_a_shared_head_is_not_stored(
     assert len(list((out / ".work").glob("checkpoint-*.pt"))) == 2
 
 
-def test_a_fresh_draft_with_a_shared_head_trains_its_layers_only(
-    tiny_target: Path, tmp_path: Path, one_thread: None
-) -> None:
+def test_a_fresh_draft_with_a_shared_head_trains_its_layers_only(tiny_target: Path, tmp_path: Path) -> None:
     """``--share-head`` from scratch: the layers learn (held-out KL falls) while the head stays the target's rows,
     which are neither written nor changed, and the loaded draft drafts exactly."""
     out = tmp_path / "draft"

@@ -65,9 +65,6 @@ _TINY = dict(
 )
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 @pytest.fixture(scope="module")
 def target() -> LoadedModel:
     # init_std 0.4 makes the 12-way distributions peaky enough that 20,000 samples cover

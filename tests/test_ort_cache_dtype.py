@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import helper
+from test_onnx_backend import TINY_VARIANTS
 
 from specdec.export.cli import main as export_main
 from specdec.export.onnx import export_onnx
@@ -34,7 +35,8 @@ TOLERANCE = 2e-3
 
 @pytest.fixture(scope="module")
 def fp32_graph(tmp_path_factory: pytest.TempPathFactory) -> tuple:
-    model = tiny_random(seed=4, num_layers=2, vocab_size=128)
+    """test_onnx_backend's GQA model (vocabulary 128), whose graph is exported once per session (export_cache)."""
+    model = tiny_random(**TINY_VARIANTS["gqa"])
     return model, export_onnx(model, tmp_path_factory.mktemp("fp32") / "model.onnx")
 
 
@@ -101,10 +103,10 @@ def test_the_rewrite_refuses_what_it_cannot_store(fp32_graph: tuple, tmp_path: P
         OrtBackend(path, cache_dtype="int8")
     proto = onnx.load(str(path), load_external_data=False)
     assert ort_cache_dtype.retype_caches(proto, "float32") is False  # already fp32: untouched
-    half = tiny_random(seed=4, num_layers=1, vocab_size=128)
+    half = tiny_random(seed=4, num_layers=2)  # test_onnx_backend's fp16 export, made once per session
     import torch
 
-    fp16 = onnx.load(str(export_onnx(half, tmp_path / "half.onnx", torch.float16)), load_external_data=False)
+    fp16 = onnx.load(str(export_onnx(half, tmp_path / "fp16.onnx", torch.float16)), load_external_data=False)
     assert ort_cache_dtype.retype_caches(fp16, "float16") is False
     with pytest.raises(ValueError, match="need a float32 graph"):
         ort_cache_dtype.retype_caches(fp16, "float32")
@@ -132,7 +134,8 @@ def test_a_corrupt_retyped_graph_is_a_load_error(fp32_graph: tuple, monkeypatch:
 
 def test_export_stores_the_cache_type_and_the_engine_allocates_it(tmp_path: Path) -> None:
     plain, narrow = tmp_path / "plain", tmp_path / "narrow"
-    base = ["--target", "tiny-random:seed=9,num_layers=1", "--max-batch", "2", "--max-len", "64"]
+    # test_onnx_backend's draft model: its graph is exported once per session (export_cache)
+    base = ["--target", "tiny-random:seed=10,num_layers=1", "--max-batch", "2", "--max-len", "64"]
     assert export_main([*base, "--out", str(plain)]) == 0
     assert export_main([*base, "--out", str(narrow), "--kv-cache", "float16"]) == 0
     assert read_manifest(plain)["kv_cache_dtype"] == "float32"

@@ -204,7 +204,7 @@ class GraphLaw:
 
 @pytest.mark.statistical
 @pytest.mark.parametrize("mode", ["int4", "w8a8"])
-def test_ems_sampling_on_a_quantized_target_is_lossless(tmp_path: Path, one_thread: None, mode: str) -> None:
+def test_ems_sampling_on_a_quantized_target_is_lossless(tmp_path: Path, mode: str) -> None:
     """The int4 and w8a8 graphs of test_lossless_sampling's target (int8 activations as shipped) as the target:
     its own law, enumerated through the graph, is what ems samples with a draft model.
 

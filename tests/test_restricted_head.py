@@ -41,8 +41,6 @@ from specdec.runtime.engine import Engine
 from specdec.runtime.request import Request, SeqState
 from specdec.runtime.sampling import SamplingParams, warp
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 GREEDY_VOCAB = 96
 EVEN = list(range(0, GREEDY_VOCAB, 2))  # K = V / 2: the target's argmax falls on both sides of the head
 MAX_TOKENS = (30, 9, 25, 1, 20, 14)

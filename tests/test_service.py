@@ -24,9 +24,6 @@ MAX_BATCH, MAX_LEN, EOS = 4, 128, 3
 WAIT = 120.0
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 @pytest.fixture(scope="module")
 def model() -> LoadedModel:
     return tiny_random(

@@ -61,11 +61,11 @@ def tiny_engine(tiny_graph, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @needs_trt
 @pytest.mark.gpu
-def test_engine_contains_one_plugin_layer_per_attention_layer(tiny_engine: Path) -> None:
+def test_engine_contains_one_plugin_layer_per_attention_layer(tiny_graph, tiny_engine: Path) -> None:
     backend = trt_backend.TensorRTBackend(tiny_engine)
     assert backend.num_layers == 2
     assert trt_export.assert_plugin_layers(backend.engine, expected=2) == 2
-    assert backend.vocab_size == 64 and backend.dtype == torch.float32
+    assert backend.vocab_size == tiny_graph[1].vocab_size and backend.dtype == torch.float32
 
 
 @needs_trt
@@ -117,7 +117,7 @@ def test_engine_refuses_steps_outside_its_profile(tiny_engine: Path) -> None:
         backend.allocate_cache(5, 64)
     cache = backend.allocate_cache(4, 64)
     largest = pack([SeqWork(s, 0, list(range(1, 65))) for s in range(4)])  # 256 tokens, a [256, 64] mask
-    assert backend.step(largest, cache).shape == (256, 64)  # exactly the profile's max still runs
+    assert backend.step(largest, cache).shape == (256, backend.vocab_size)  # exactly the profile's max still runs
     with pytest.raises(trt_backend.ShapeOutOfProfileError):
         backend.allocate_cache(4, 65)
 

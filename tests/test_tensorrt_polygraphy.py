@@ -76,7 +76,7 @@ def test_polygraphy_data_loader_feeds_run_in_onnxruntime(tiny_graph, monkeypatch
     """The feeds the recipe gives both runners are valid ragged steps (ORT, the reference side, runs them)."""
     import onnxruntime as ort
 
-    path, _ = tiny_graph
+    path, model = tiny_graph
     monkeypatch.setenv("SPECDEC_POLYGRAPHY_MODEL", str(path))
     monkeypatch.setenv("SPECDEC_POLYGRAPHY_SLOTS", "3")
     monkeypatch.setenv("SPECDEC_POLYGRAPHY_MAX_LEN", "32")
@@ -89,7 +89,7 @@ def test_polygraphy_data_loader_feeds_run_in_onnxruntime(tiny_graph, monkeypatch
         assert feed["past_key_values.0.key"].shape == (3, 2, 32, 16)
         assert feed["tree_mask"].dtype == np.bool_ and feed["cu_seqlens"].dtype == np.int32
         logits, *_ = session.run(None, feed)
-        assert logits.shape == (feed["logits_indices"].shape[0], 64) and np.isfinite(logits).all()
+        assert logits.shape == (feed["logits_indices"].shape[0], model.vocab_size) and np.isfinite(logits).all()
 
 
 def test_polygraphy_data_loader_registers_before_it_is_iterated(tiny_graph, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,6 +8,7 @@ every draft, so the pipeline's speculation runs too.
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import time
@@ -45,6 +46,19 @@ def tiny_export(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     args = ["--target", str(tiny_dir), "--draft", str(tiny_dir), "--out", str(out), "--max-batch", "4"]
     assert export_main([*args, "--max-len", "128"]) == 0
     return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _frozen_export(tiny_export: Path) -> Iterator[None]:
+    """What is alive once the export is made (the exporter's lazily imported modules and caches, when this module
+    runs first) is kept out of the garbage collector's sight while the module runs, as
+    ``conftest._frozen_survivors`` does before it: every model's ``finalize`` collects on purpose
+    (``triton_io.release_senders``), three times per test here, each a walk over all of those objects. Handed back
+    at the end, so the module's own survivors do not outlive it."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture()

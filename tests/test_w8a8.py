@@ -136,7 +136,7 @@ def test_the_check_copy_multiplies_by_the_effective_weights(tmp_path: Path) -> N
         export_main(
             [
                 "--target",
-                "tiny-random:seed=9,num_layers=1",
+                "tiny-random:seed=10,num_layers=1",  # test_onnx_backend's draft: exported once per session
                 "--quantize",
                 "w8a8",
                 "--out",

@@ -47,11 +47,12 @@ def fake_export(path: Path, num_layers: int = 2, kv_heads: int = 2, head_dim: in
 
 
 def export_tiny_graph(directory: Path) -> tuple[Path, LoadedModel]:
-    """A real 2-layer export (fp32) and its model (exported once per session: ``tests/export_cache.py``)."""
+    """A real 2-layer export (fp32) and its model: test_onnx_backend's GQA model, whose graph is exported once per
+    session (``tests/export_cache.py``)."""
     from specdec.export.onnx import export_onnx
     from specdec.models.loading import tiny_random
 
-    model = tiny_random(seed=5, vocab_size=64, num_layers=2)
+    model = tiny_random(seed=1, num_layers=2)
     return export_onnx(model, directory / "model.onnx"), model
 
 
