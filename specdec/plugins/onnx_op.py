@@ -32,6 +32,7 @@ How the body computes (all shapes dynamic; B sequences, T packed tokens, S = S_m
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import onnx
 from onnx import TensorProto, helper
@@ -174,7 +175,7 @@ class _Body:
         *inputs: str,
         outputs: Sequence[str] | None = None,
         refs: Sequence[onnx.AttributeProto] = (),
-        **attrs: object,
+        **attrs: Any,
     ) -> str:
         if outputs is None:
             self._count += 1
@@ -283,7 +284,7 @@ def _attention_nodes(b: _Body) -> None:  # noqa: PLR0915 - one straight-line gra
     b("CastLike", b("Gather", ctx, flat, axis=0), "q", outputs=["out"])
 
 
-def _attribute_ref(name: str, ref: str, attr_type: int) -> onnx.AttributeProto:
+def _attribute_ref(name: str, ref: str, attr_type: onnx.AttributeProto.AttributeType) -> onnx.AttributeProto:
     """An attribute of a function-body node whose value is the calling node's attribute ``ref``."""
     attr = onnx.AttributeProto()
     attr.name = name

@@ -42,9 +42,9 @@ needs nothing from the export layer above it: the environment check (``require_t
 function-body fallback (``assert_plugin_layers`` on an engine's inspector records).
 
 Everything touching ``tensorrt`` is imported lazily: this module imports without it, and
-``register()`` answers False (``unavailable_reason()`` says why). Deliberately no ``from
-__future__ import annotations`` here: ``tensorrt.plugin`` validates the decorated functions'
-annotations as classes.
+``register()`` answers False (``unavailable_reason()`` says why). ``tensorrt.plugin`` reads the decorated
+functions' annotations as its I/O declaration and validates them as classes, which exist only once
+``tensorrt.plugin`` is imported: ``_define`` sets them as data (``_declare``), not as static annotations.
 """
 
 import importlib
@@ -52,12 +52,13 @@ import json
 import math
 import re
 import threading
-from collections.abc import Sequence
+import types
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from specdec.plugins.onnx_op import OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION
+from specdec.plugins.onnx_op import INPUT_NAMES, OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION
 
 PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{OP_TYPE}"
 
@@ -113,6 +114,13 @@ def _creator_registered(trt: Any) -> bool:
         return False
 
 
+def _declare(function: Callable[..., Any], tensor: type, returns: Any, **others: Any) -> Callable[..., Any]:
+    """``function`` annotated as ``tensorrt.plugin`` reads it: each of the op's inputs (``onnx_op.INPUT_NAMES``) a
+    ``tensor`` (``TensorDesc`` or ``Tensor``), then ``others``, returning ``returns``."""
+    function.__annotations__ = {**dict.fromkeys(INPUT_NAMES, tensor), **others, "return": returns}
+    return function
+
+
 def _define(trtp: Any) -> None:
     """Declare the plugin's I/O and implementation with ``tensorrt.plugin`` (annotations must be real classes)."""
     TensorDesc, Tensor = trtp.TensorDesc, trtp.Tensor
@@ -120,44 +128,27 @@ def _define(trtp: Any) -> None:
     def in_place(cache: Any) -> Any:
         return cache.aliased() if hasattr(cache, "aliased") else cache.like()
 
-    @trtp.register(PLUGIN_ID)
-    def _describe(
-        q: TensorDesc,
-        k: TensorDesc,
-        v: TensorDesc,
-        k_cache: TensorDesc,
-        v_cache: TensorDesc,
-        cu_seqlens: TensorDesc,
-        past_lens: TensorDesc,
-        slot_ids: TensorDesc,
-        tree_mask: TensorDesc,
-        scale: float,
-        num_heads: int,
-        num_kv_heads: int,
-    ) -> tuple[TensorDesc, TensorDesc, TensorDesc]:
+    def _describe(  # annotated by _declare
+        q, k, v, k_cache, v_cache, cu_seqlens, past_lens, slot_ids, tree_mask, scale, num_heads, num_kv_heads
+    ):
         # every ONNX attribute the exporter writes is declared: the parser passes declared ones as plugin fields
         return q.like(), in_place(k_cache), in_place(v_cache)
 
-    @trtp.impl(PLUGIN_ID)
-    def _enqueue(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        cu_seqlens: Tensor,
-        past_lens: Tensor,
-        slot_ids: Tensor,
-        tree_mask: Tensor,
-        scale: float,
-        outputs: tuple[Tensor, Tensor, Tensor],
-        stream: int,
-    ) -> None:
+    def _enqueue(  # annotated by _declare
+        q, k, v, k_cache, v_cache, cu_seqlens, past_lens, slot_ids, tree_mask, scale, outputs, stream
+    ):
         # only `scale` is serialised into the engine: head counts come from the shapes
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-            args = [as_torch(t) for t in (q, k, v, k_cache, v_cache, cu_seqlens, past_lens, slot_ids, tree_mask)]
+            q_, k_, v_, kc, vc, cu, past, slots, mask = (
+                as_torch(t) for t in (q, k, v, k_cache, v_cache, cu_seqlens, past_lens, slot_ids, tree_mask)
+            )
             out, k_out, v_out = (as_torch(t) for t in outputs)
-            run_attention(*args, scale, out, k_out, v_out)
+            run_attention(q_, k_, v_, kc, vc, cu, past, slots, mask, scale, out, k_out, v_out)
+
+    three = types.GenericAlias(tuple, (TensorDesc, TensorDesc, TensorDesc))
+    trtp.register(PLUGIN_ID)(_declare(_describe, TensorDesc, three, scale=float, num_heads=int, num_kv_heads=int))
+    outputs = types.GenericAlias(tuple, (Tensor, Tensor, Tensor))
+    trtp.impl(PLUGIN_ID)(_declare(_enqueue, Tensor, None, scale=float, outputs=outputs, stream=int))
 
 
 # --------------------------------------------------------------------------------------------- buffers
