@@ -25,7 +25,7 @@ from specdec.runtime.draft_length import add_draft_length_args, check_draft_leng
 from specdec.runtime.engine import Engine, GenerationResult
 from specdec.runtime.methods import BASELINE_METHOD, DEFAULT_METHOD, METHOD_NAMES, METHODS, Method, get_method
 from specdec.runtime.prompts import read_prompts
-from specdec.runtime.request import BEAM_MODES, MEMORY_MODES, BeamParams
+from specdec.runtime.request import BEAM_MODES, MEMORY_MODES, BeamParams, Request
 from specdec.runtime.sampling import InvalidRequestError
 
 
@@ -116,8 +116,11 @@ def _beam_params(args: argparse.Namespace, method: str) -> BeamParams | None:
     )
 
 
-def _requests(engine: Engine, prompts: Sequence[str], args: argparse.Namespace, method: str | None = None) -> list:
-    items = []
+def _requests(
+    engine: Engine, prompts: Sequence[str], args: argparse.Namespace, method: str | None = None
+) -> list[Request | Exception]:
+    """A request per prompt, or the error that refused it (``Engine.generate`` answers it in its place)."""
+    items: list[Request | Exception] = []
     for i, prompt in enumerate(prompts):
         try:
             items.append(

@@ -158,9 +158,11 @@ def run(
         "tokens_per_call": tokens / max(1, len(result.run.steps)),
         **(
             {
-                "exact_match": statistics.fmean(exact_match(o.text, q.answer) for o, q in zip(result.outputs, qa)),
+                "exact_match": statistics.fmean(
+                    exact_match(o.text or "", q.answer) for o, q in zip(result.outputs, qa)
+                ),
                 "qa_accuracy": statistics.fmean(
-                    first_choice(o.text, q.choices) == q.answer for o, q in zip(result.outputs, qa)
+                    first_choice(o.text or "", q.choices) == q.answer for o, q in zip(result.outputs, qa)
                 ),
                 "answers": [o.text for o in result.outputs],
             }
@@ -266,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         label: sorted(runs, key=lambda r: r["tokens_per_second"])[len(runs) // 2] for label, runs in samples.items()
     }
     info = machine_info()
-    doc = {
+    doc: dict[str, Any] = {
         "meta": {
             "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "command": command,

@@ -74,6 +74,7 @@ def init_draft(
         raise ValueError(f"--layers must be between 1 and {n} (the target's layers), got {layers}")
     picked = [round(i * (n - 1) / (layers - 1)) for i in range(layers)] if layers > 1 else [0]
     restricted = restrict_head(target, head_ids)  # checks the ids; stores them ascending
+    assert restricted.head_token_ids is not None  # restrict_head always sets them
     head_ids = restricted.head_token_ids
     old = int(grow.config.num_hidden_layers) if grow is not None else 0
     if grow is not None:
@@ -128,6 +129,8 @@ def check_growable(old: int, layers: int) -> None:
 class DraftNet(torch.nn.Module):
     """The draft as a trainable module: HF LLaMA layers over frozen target embeddings, a head of K rows."""
 
+    head_ids: torch.Tensor  # a buffer: the target ids of the head's rows
+
     def __init__(self, draft: LoadedModel) -> None:
         super().__init__()
         from transformers import LlamaModel
@@ -143,6 +146,8 @@ class DraftNet(torch.nn.Module):
             draft.state_dict["lm_head.weight"].detach().clone().float(),
             requires_grad=not draft.extra.get("shared_head", False),
         )
+        if draft.head_token_ids is None:
+            raise ValueError(f"{draft.name}: a draft to train has a restricted head (head_token_ids), this one none")
         self.register_buffer("head_ids", draft.head_token_ids.clone())
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

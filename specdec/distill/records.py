@@ -48,7 +48,7 @@ def _topk(logits: Any, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def generate_records(
     target: LoadedModel,
-    prompts: Sequence[str],
+    prompts: Sequence[str | Sequence[int]],
     *,
     max_new_tokens: int,
     temperature: float,
@@ -105,6 +105,8 @@ def text_records(target: LoadedModel, text: str, *, chunk: int, teacher_k: int) 
     from specdec.runtime.backends.torch_backend import TorchBackend
     from specdec.runtime.packed import SeqWork, pack
 
+    if target.tokenizer is None:
+        raise ValueError(f"{target.name} has no tokenizer: teacher records from text need one")
     ids = list(target.tokenizer(text)["input_ids"])
     pieces = [ids[i : i + chunk] for i in range(0, len(ids) - 1, chunk) if len(ids[i : i + chunk]) > 8]
     backend = TorchBackend(target)
