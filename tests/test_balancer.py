@@ -47,8 +47,9 @@ from specdec.deploy.balancer import (
 from specdec.runtime.config import EngineConfig
 from specdec.runtime.engine import Engine
 from specdec.serving.client import Answer, ClientError, SpecdecClient
-from specdec.serving.control import alive, children, inflight_from_metrics, remove_shm
+from specdec.serving.control import inflight_from_metrics, remove_shm
 from specdec.serving.install import TritonNotFoundError, find_tritonserver
+from specdec.serving.processes import alive, children
 from specdec.serving.server import http_ready
 
 
@@ -171,7 +172,7 @@ class Served:
         """SIGKILL ``specdec serve`` (so nothing restarts it), its tritonserver, then the orphaned stubs: the
         machine is lost. Returns when tritonserver is dead (its sockets closed), the monotonic time of that."""
         assert self.proc is not None
-        server = [pid for pid, cmd in children(self.proc.pid).items() if Path(cmd[0].decode()).name == "tritonserver"]
+        server = [pid for pid, cmd in children(self.proc.pid).items() if Path(cmd[0]).name == "tritonserver"]
         assert len(server) == 1, server
         stubs = list(children(server[0]))
         self.proc.kill()

@@ -29,7 +29,8 @@ from specdec.runtime.config import EngineConfig
 from specdec.runtime.engine import Engine
 from specdec.runtime.request import BeamParams
 from specdec.serving.client import Answer, ClientError, SpecdecClient
-from specdec.serving.control import GRPC_ADMIN_HEADER, SHM_DIR, alive, children, inflight_from_metrics, stub_pids
+from specdec.serving.control import GRPC_ADMIN_HEADER, SHM_DIR, inflight_from_metrics
+from specdec.serving.processes import alive, children, stub_pids
 from specdec.serving.server import http_ready
 
 needs_tritonserver()

@@ -37,16 +37,6 @@ CLASSES = {
 }
 
 
-@pytest.fixture(scope="module")
-def tiny_export(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from specdec.export.cli import main as export_main
-
-    out = tmp_path_factory.mktemp("tiny-serving") / "deploy"
-    args = ["--target", str(tiny_dir), "--draft", str(tiny_dir), "--out", str(out), "--max-batch", "4"]
-    assert export_main([*args, "--max-len", "128"]) == 0
-    return out
-
-
 @pytest.fixture()
 def server(tiny_export: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[stand_in.StandInServer]:
     """Every model of the export's repository, initialized as Triton would, behind one stand-in server."""

@@ -245,6 +245,15 @@ class Generation:
     min_tokens: int = 0
     logprobs: int | None = None  # None: none; k: each token's with k alternatives
 
+    def step_rows(self, default_k: int) -> int:
+        """The most rows this request may add to one ragged step: its last token and k drafts (a chain), or per
+        live beam its tail and γ layers of W_S draft nodes (DSBD; γ = 0 for ``beam``). What ``max_request_rows``
+        bounds: a request's share of every step it takes part in, so of every other request's pace."""
+        k = default_k if self.num_draft_tokens is None else self.num_draft_tokens
+        if self.beam is None:
+            return 1 + k
+        return self.beam.width * (1 + k * self.beam.width)
+
     def request(self, prompt_ids: Sequence[int], request_id: str) -> Request:
         return Request(
             tuple(prompt_ids),
