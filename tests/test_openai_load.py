@@ -72,6 +72,7 @@ def test_profile_command_sends_the_engines_body_fields_and_the_budget_as_max_tok
     assert json.loads(flags["--extra-inputs"]) == {"temperature": 0, "method": "ems"}
     assert flags["--custom-dataset-type"] == "single_turn" and flags["--dataset-sampling-strategy"] == "sequential"
     assert {"--streaming", "--use-legacy-max-tokens", "--use-server-token-count"} <= set(cmd)
+    assert {"--no-server-metrics", "--no-gpu-telemetry"} <= set(cmd)  # no polling beside a CPU engine
     assert flags["--tokenizer"] == str(tmp_path / "target") and flags["--endpoint-type"] == "chat"
     no_warmup = loadgen.profile_command(
         Path("a"), url="u", model="m", tokenizer=tmp_path, dataset=tmp_path, concurrency=1, requests=1, warmup=0,
@@ -114,6 +115,15 @@ def test_summarize_counts_errors_and_a_run_that_only_failed() -> None:
     assert not loadgen.summarize({**EXPORT, "was_cancelled": True})["complete"]
 
 
+def test_a_run_whose_every_request_failed_is_read_from_aiperfs_records() -> None:
+    # a real run against specdec serve with "method": "nope": aiperf exits 1 and leaves only its per-request records
+    lines = (ROOT / "tests" / "data" / "aiperf_records_all_failed.jsonl").read_text().splitlines()
+    row = loadgen.summarize(loadgen.export_from_records(lines))
+    assert row["requests"] == 3 and row["errors"] == 3 and row["tokens_per_s"] is None and row["complete"]
+    assert len(row["error_messages"]) == 1 and "unknown method 'nope'" in row["error_messages"][0]
+    assert loadgen.export_from_records(["", lines[0].replace('"error":{', '"ignored":{')])["error_summary"] == []
+
+
 def test_aiperf_env_drops_hub_offline_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     env = loadgen.aiperf_env()
@@ -151,7 +161,7 @@ def test_llama_server_runs_with_continuous_batching_slots_threads_and_the_served
 def _run(engine: str, c: int, repeat: int, tps: float | None, **kw: object) -> dict:
     base = {"engine": engine, "concurrency": c, "repeat": repeat, "tokens_per_s": tps, "requests": 4, "errors": 0}
     base.update({k: (None if tps is None else tps * 10) for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms")})
-    base.update(itl_p99_ms=None if tps is None else 1.0, output_tokens_mean=90.0)
+    base.update(itl_p99_ms=None if tps is None else 1.0, output_tokens_mean=90.0, prompt_tokens_mean=40.0)
     base.update(kw)
     return base
 
@@ -183,6 +193,13 @@ def test_fold_takes_medians_over_repeats_and_keeps_failures() -> None:
     said = "\n".join(notes(rows, labels))
     assert "most tokens/s from specdec ems, 60.0 (1.20× llama-server)" in said
     assert "specdec ar at concurrency 1: 0 request error(s), 1 failed run(s): specdec serve exited" in said
+    assert "the same for every engine at every concurrency" in said
+
+
+def test_notes_say_when_the_servers_counted_different_prompt_tokens() -> None:
+    runs = [_run("llama-server", 1, 0, 40.0), _run("specdec-ar", 1, 0, 40.0, prompt_tokens_mean=45.0)]
+    said = "\n".join(notes(fold(runs, ["llama-server", "specdec-ar"], [1]), {}))
+    assert "they DIFFER (C=1: llama-server 40.0, specdec-ar 45.0)" in said
 
 
 def test_markdown_and_plot_of_a_whole_document(tmp_path: Path) -> None:

@@ -198,6 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "order": f"{args.repeats} repeat(s), servers one at a time, their order flipped each repeat; "
         "llama-server restarted for each concurrency (-np = concurrency), specdec one server per repeat",
         "machine": machine_info(),
+        "title": f"OpenAI-API chat load (aiperf), SmolLM2-135M, {args.max_tokens} tokens greedy, {utc_stamp()}",
         "load_before": load_before,
     }
     if llama:

@@ -46,14 +46,17 @@ def ensure_aiperf(venv: Path = DEFAULT_VENV, base_python: str | None = None) -> 
     if (venv / STAMP).is_file() and exe.is_file():
         return exe
     python = base_python or shutil.which("python3") or sys.executable
-    print(f"installing {AIPERF_PIN} into {venv} (once; a few minutes)", file=sys.stderr, flush=True)
+    log = venv.parent / "install.log"
+    print(f"installing {AIPERF_PIN} into {venv} (once; a few minutes; log: {log})", file=sys.stderr, flush=True)
     if venv.exists():
         shutil.rmtree(venv)
     venv.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([python, "-m", "venv", str(venv)], check=True)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
-    subprocess.run([*pip, "--upgrade", "pip"], check=True)
-    subprocess.run([*pip, AIPERF_PIN], check=True)
+    with log.open("w", encoding="utf-8") as out:
+        for step in ([python, "-m", "venv", str(venv)], [*pip, "--upgrade", "pip"], [*pip, AIPERF_PIN]):
+            if subprocess.run(step, stdout=out, stderr=subprocess.STDOUT, check=False).returncode != 0:
+                tail = log.read_text(encoding="utf-8", errors="replace")[-1500:]
+                raise RuntimeError(f"installing aiperf failed at `{' '.join(step)}` (log: {log}):\n{tail}")
     freeze = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "freeze"], capture_output=True, text=True)
     (venv / STAMP).write_text(freeze.stdout, encoding="utf-8")
     return exe
@@ -83,8 +86,9 @@ def profile_command(
     """The ``aiperf profile`` command of one engine at one concurrency.
 
     ``--use-legacy-max-tokens``: the budget goes as ``max_tokens``, the field every engine here reads (aiperf's
-    default is ``max_completion_tokens``). One worker and one record processor: aiperf's own processes share the
-    CPU with the engine under test, so it runs as few as keep up with a CPU engine's pace.
+    default is ``max_completion_tokens``). One worker and one record processor, no polling of the server's
+    ``/metrics`` nor of GPU telemetry: aiperf's own processes share the CPU with the engine under test, so it runs
+    as little as keeps up with a CPU engine's pace.
     """
     cmd = [
         str(exe),
@@ -120,6 +124,8 @@ def profile_command(
         "1",
         "--record-processors",
         "1",
+        "--no-server-metrics",
+        "--no-gpu-telemetry",
     ]
     return cmd + (["--warmup-request-count", str(warmup)] if warmup > 0 else [])
 
@@ -133,19 +139,37 @@ def aiperf_env() -> dict[str, str]:
     return env
 
 
+def export_from_records(lines: Sequence[str]) -> dict[str, Any]:
+    """An export holding only the error summary of aiperf's per-request records (``profile_export.jsonl``): what is
+    left when every request of a run failed, where aiperf exits 1 and writes no JSON export."""
+    counts: dict[tuple[Any, Any, str], int] = {}
+    for line in lines:
+        error = json.loads(line).get("error") if line.strip() else None
+        if error:
+            key = (error.get("code"), error.get("type"), str(error.get("message", "")))
+            counts[key] = counts.get(key, 0) + 1
+    summary = [{"error_details": {"code": c, "type": t, "message": m}, "count": n} for (c, t, m), n in counts.items()]
+    return {"error_summary": summary, "is_complete": True, "was_cancelled": False}
+
+
 def run_profile(cmd: Sequence[str], artifacts: Path, timeout_s: float) -> dict[str, Any]:
-    """Run one ``aiperf profile`` and return its JSON export; its console output goes to ``artifacts``."""
+    """Run one ``aiperf profile`` and return its JSON export (or, when every request failed, the errors of its
+    per-request records); its console output goes to ``artifacts``. Raises when aiperf left neither."""
     artifacts.mkdir(parents=True, exist_ok=True)
     log = artifacts / "aiperf.console.txt"
     with log.open("w", encoding="utf-8") as out:
         proc = subprocess.run(
             list(cmd), stdout=out, stderr=subprocess.STDOUT, env=aiperf_env(), timeout=timeout_s, check=False
         )
-    export = artifacts / "profile_export_aiperf.json"
-    if proc.returncode != 0 or not export.is_file():
-        tail = log.read_text(encoding="utf-8", errors="replace")[-1500:]
-        raise RuntimeError(f"aiperf exited with {proc.returncode} (console: {log}):\n{tail}")
-    return json.loads(export.read_text(encoding="utf-8"))
+    export, records = artifacts / "profile_export_aiperf.json", artifacts / "profile_export.jsonl"
+    if proc.returncode == 0 and export.is_file():
+        return json.loads(export.read_text(encoding="utf-8"))
+    if records.is_file():
+        failed = export_from_records(records.read_text(encoding="utf-8").splitlines())
+        if failed["error_summary"]:
+            return failed
+    tail = log.read_text(encoding="utf-8", errors="replace")[-1500:]
+    raise RuntimeError(f"aiperf exited with {proc.returncode} (console: {log}):\n{tail}")
 
 
 def _stat(export: Mapping[str, Any], name: str, key: str) -> float | None:

@@ -10,7 +10,15 @@ from pathlib import Path
 from typing import Any
 
 #: the per-run numbers whose median over repeats a row shows
-MEDIANS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "output_tokens_mean")
+MEDIANS = (
+    "tokens_per_s",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "output_tokens_mean",
+    "prompt_tokens_mean",
+)
 BASELINE = "llama-server"
 
 
@@ -83,6 +91,21 @@ def notes(rows: Sequence[dict[str, Any]], labels: dict[str, str]) -> list[str]:
                 f"- Concurrency {c}: most tokens/s from {labels.get(best['engine'], best['engine'])}, "
                 f"{best['tokens_per_s']:.1f}{versus}."
             )
+    differ = []
+    for c in sorted({r["concurrency"] for r in rows}):
+        counted = {r["engine"]: r["prompt_tokens_mean"] for r in rows if r["concurrency"] == c}
+        if len({round(v, 6) for v in counted.values() if v is not None}) > 1:
+            differ.append(f"C={c}: " + ", ".join(f"{labels.get(k, k)} {v}" for k, v in counted.items()))
+    if len({r["engine"] for r in rows}) > 1:
+        out.append(
+            "- Prompt tokens per request as each server counted them (`usage`, mean of a run): "
+            + (
+                f"they DIFFER ({'; '.join(differ)})."
+                if differ
+                else "the same for every engine at every concurrency "
+                "(the same requests through the same chat template)."
+            )
+        )
     for row in rows:
         if row["errors"] or row["failed_runs"]:
             out.append(
@@ -107,7 +130,8 @@ def markdown(doc: dict[str, Any]) -> str:
         f"- Load generator: {meta['loadgen']}",
         f"- Requests: {meta['workload']}",
         f"- Order: {meta['order']}",
-        f"- llama-server: `{meta.get('llama_server_command', '–')}` ({meta.get('llama_server_version', '–')})",
+        f"- llama-server (its last run; `-np` is each run's concurrency, `-c` 2048 per slot): "
+        f"`{meta.get('llama_server_command', '–')}` ({meta.get('llama_server_version', '–')})",
         f"- specdec: `{meta.get('specdec_command', '–')}` over the main job's export, "
         f"`{meta['export']['command']}`" + (" (reused)" if meta["export"].get("reused") else ""),
         f"- Machine: {_machine(meta['machine'])}",
@@ -162,6 +186,8 @@ def plot(doc: dict[str, Any], path: Path) -> None:
                 xs, ys = zip(*points, strict=True)
                 ax.plot(xs, ys, style, marker="o", color=f"C{i}", label=name)
         ax.set_xscale("log", base=2)
+        if title != "tokens/s":
+            ax.set_yscale("log")  # a queue's TTFT grows by orders of magnitude with the concurrency
         ax.set_xticks(
             sorted({r["concurrency"] for r in rows}), [str(c) for c in sorted({r["concurrency"] for r in rows})]
         )
