@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import shlex
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -122,6 +123,27 @@ def test_a_run_whose_every_request_failed_is_read_from_aiperfs_records() -> None
     assert row["requests"] == 3 and row["errors"] == 3 and row["tokens_per_s"] is None and row["complete"]
     assert len(row["error_messages"]) == 1 and "unknown method 'nope'" in row["error_messages"][0]
     assert loadgen.export_from_records(["", lines[0].replace('"error":{', '"ignored":{')])["error_summary"] == []
+
+
+def test_a_run_past_its_time_is_ended_with_every_process_it_started(tmp_path: Path) -> None:
+    # a stand-in for aiperf that starts a service process of its own and never finishes
+    stand_in = tmp_path / "aiperf"
+    stand_in.write_text(f"#!/bin/bash\nsleep 120 &\necho $! > {tmp_path}/child\nsleep 120\n")
+    stand_in.chmod(0o755)
+    with pytest.raises(RuntimeError, match="did not finish within 1 s"):
+        loadgen.run_profile([str(stand_in)], tmp_path / "art", timeout_s=1)
+    child = int((tmp_path / "child").read_text())
+
+    def gone() -> bool:
+        try:
+            return Path(f"/proc/{child}/stat").read_text().split()[2] == "Z"
+        except OSError:
+            return True
+
+    deadline = time.monotonic() + 10
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone()
 
 
 def test_aiperf_env_drops_hub_offline_mode(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -158,9 +159,16 @@ def run_profile(cmd: Sequence[str], artifacts: Path, timeout_s: float) -> dict[s
     artifacts.mkdir(parents=True, exist_ok=True)
     log = artifacts / "aiperf.console.txt"
     with log.open("w", encoding="utf-8") as out:
-        proc = subprocess.run(
-            list(cmd), stdout=out, stderr=subprocess.STDOUT, env=aiperf_env(), timeout=timeout_s, check=False
+        # its own session, so that a run past its time is ended with every service process aiperf started
+        proc = subprocess.Popen(
+            list(cmd), stdout=out, stderr=subprocess.STDOUT, env=aiperf_env(), start_new_session=True
         )
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise RuntimeError(f"aiperf did not finish within {timeout_s:.0f} s (console: {log})") from None
     export, records = artifacts / "profile_export_aiperf.json", artifacts / "profile_export.jsonl"
     if proc.returncode == 0 and export.is_file():
         return json.loads(export.read_text(encoding="utf-8"))
