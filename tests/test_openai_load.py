@@ -239,5 +239,8 @@ def test_markdown_and_plot_of_a_whole_document(tmp_path: Path) -> None:
     }  # fmt: skip
     text = markdown(doc)
     assert "| llama-server Q4_1 | 2 | 20.0 | 1.00× |" in text and "(reused)" in text
+    assert "busy" not in text
+    doc["meta"]["load_before"] = [1.5, 1.0, 1.0]
+    assert "**Warning: the machine was busy when the run began** (1-minute load 1.5 on 2 cores)" in markdown(doc)
     plot(doc, tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

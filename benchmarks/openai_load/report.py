@@ -116,6 +116,20 @@ def notes(rows: Sequence[dict[str, Any]], labels: dict[str, str]) -> list[str]:
     return out
 
 
+def busy_warning(meta: dict[str, Any]) -> list[str]:
+    """A warning when other work loaded the machine as the run began: llama-server's OpenMP threads wait for each
+    other by spinning, so another runnable process on its cores slows it far more than it slows specdec, and such
+    a run compares nothing."""
+    cores = (meta.get("machine") or {}).get("cpu_count") or 1
+    load = (meta.get("load_before") or [0.0])[0]
+    if load < 0.5 * cores:
+        return []
+    return [
+        f"- **Warning: the machine was busy when the run began** (1-minute load {load} on {cores} cores): "
+        "llama-server slows far more than specdec under other load; rerun on an idle machine."
+    ]
+
+
 def _machine(m: dict[str, Any]) -> str:
     return f"{m.get('processor')}, {m.get('cpu_count')} cores, {m.get('platform')}, Python {m.get('python')}"
 
@@ -142,6 +156,7 @@ def markdown(doc: dict[str, Any]) -> str:
         *table(rows, labels),
         "",
         *notes(rows, labels),
+        *busy_warning(meta),
         "",
         "## How to read it",
         "",
