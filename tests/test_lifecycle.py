@@ -238,7 +238,6 @@ def _tritonserver_pid(export: Path) -> int:
     return pids[0]
 
 
-@pytest.mark.reliability("R1", "R2", "R3")
 def _grpc_ready(url: str) -> bool:
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
@@ -249,6 +248,7 @@ def _grpc_ready(url: str) -> bool:
         return False
 
 
+@pytest.mark.reliability("R1", "R2", "R3")
 def test_a_dead_engine_or_server_is_replaced_and_serves_the_same_answers(
     smollm2_export: Path, reference: dict, tmp_path: Path
 ) -> None:

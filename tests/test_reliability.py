@@ -1,5 +1,5 @@
 """The reliability suite's own tests (``-m reliability``): R6, R7, R10, R12, R14, R16, R18 and R19 of
-``../shared/docs/reliability.md`` against a REAL tritonserver serving the real SmolLM2 export, called with tritonclient
+``docs/reliability.md`` against a REAL tritonserver serving the real SmolLM2 export, called with tritonclient
 over gRPC on loopback. The other R tests live beside the feature they test and carry the same marker
 (``tests/test_reliability_coverage.py`` keeps the map complete).
 

@@ -100,11 +100,11 @@ def _bytes(array: np.ndarray) -> int:
 class Limits:
     """What one request may send, checked before anything is tokenized (the config's entry-point parameters).
 
-    Why before tokenization: tokenizing a 4 MB prompt took 5.5 s only to find it longer than the context, and
-    delayed every other request meanwhile. The prompt cap is generous against the context (a token of SmolLM2's
-    vocabulary is ~4 bytes of English, so 64 KiB is ~16,000 tokens, far past a 2,048 context): it refuses only
-    what cannot fit, quickly; the exact context check still runs on the token count. Every other string (a method
-    name, a memory mode) is a word: ``max_word_bytes``.
+    Why before tokenization: tokenizing a prompt of megabytes takes seconds only to find it longer than the context,
+    and delays every other request meanwhile (``benchmarks/results/runtime_choices.md``). The prompt cap is generous
+    against the context (a token of SmolLM2's vocabulary is ~4 bytes of English, so 64 KiB is ~16,000 tokens, far
+    past a 2,048 context): it refuses only what cannot fit, quickly; the exact context check still runs on the token
+    count. Every other string (a method name, a memory mode) is a word: ``max_word_bytes``.
     """
 
     max_prompt_bytes: int = 65_536
