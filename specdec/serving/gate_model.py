@@ -6,10 +6,11 @@ runs Triton with explicit model control, and the instant the server should stop 
 stub died or froze) it raises the ``CLOSED`` flag, unloads this gate and asks to load it again: readiness is false
 from the unload on, and stays false because the gate refuses to load while the flag is up. Lowering the flag and
 loading the gate makes the server ready again. Readiness turns within milliseconds on HTTP and gRPC alike, while
-liveness stays true (a Kubernetes pod that drains is not killed early). Measured on tritonserver 2.51: an unload
-alone turns readiness false only until the unload is over (about a second), a failed reload of a loaded model
-keeps the old one, but an unload followed by a load that fails holds it false with no gap. It answers no request,
-and publishes the launcher's counts of restarts and reloads, which survive a restart in the launcher's hands.
+liveness stays true (a Kubernetes pod that drains is not killed early). As tritonserver 2.51 behaves (held by
+tests/test_supervision.py): an unload alone turns readiness false only until the unload is over (about a second), a
+failed reload of a loaded model keeps the old one, but an unload followed by a load that fails holds it false with
+no gap. It answers no request, and publishes the launcher's counts of restarts and reloads, which survive a restart
+in the launcher's hands.
 """
 
 from __future__ import annotations
