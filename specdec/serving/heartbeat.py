@@ -24,7 +24,7 @@ PREFIX = "heartbeat-"
 BEAT_S = 0.25
 #: a beat older than this says its stub is frozen (stopped, or its interpreter starved of every thread); generous
 #: against a loaded machine, where a sleeping thread may wake a second late
-STALE_S = 2.5
+STALE_S = 5.0
 #: a step is wedged past the longest of this and ``STEP_FACTOR`` times what its rows took at the measured pace
 STEP_FLOOR_S = 10.0
 STEP_FACTOR = 20.0

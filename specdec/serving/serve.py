@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -122,11 +123,15 @@ def serve_main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     frontend = None if args.no_openai else _frontend(args)
     signals: list[int] = []
 
+    def close_gate() -> None:
+        with contextlib.suppress(TritonError, OSError, RuntimeError):
+            server.set_ready(False)
+
     def remember(signum: int, _frame: FrameType | None) -> None:
         signals.append(signum)
-        if len(signals) == 1 and server.running():  # readiness false from the first instant of the drain
-            with contextlib.suppress(TritonError):
-                server.set_ready(False)
+        if len(signals) == 1 and server.running():  # readiness false from the first instant of the drain, from
+            # a thread: the handler returns at once, and a second signal is heard while the gate closes
+            threading.Thread(target=close_gate, name="specdec-close-gate", daemon=True).start()
 
     previous = {sig: signal.signal(sig, remember) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

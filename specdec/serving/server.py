@@ -542,6 +542,8 @@ class TritonServer:
             self.control.lower(CLOSED)
             self._management(f"{gate}/load")
             return
+        if self.control.closed():  # closed already (a signal's thread, a repair under way)
+            return
         self.control.ask(CLOSED)
         self._management(f"{gate}/unload")
         with contextlib.suppress(TritonError):  # the gate refuses to load while closed: the failure holds it false
