@@ -341,7 +341,7 @@ def test_a_fault_in_one_request_fails_it_alone_with_internal(
             pool.submit(ask, url, PROMPTS[i % len(PROMPTS)], i % 2 == 0, MAX_TOKENS, seed=FAULT_SEED) for i in range(10)
         ]
         good = [pool.submit(ask, url, p, i % 2 == 1, MAX_TOKENS) for i, p in enumerate(PROMPTS)]
-        for i, future in enumerate(bad):
+        for future in bad:
             out = future.result(WAIT_S)
             # unary: gRPC INTERNAL; a stream's error is in band, its message led by the same status (protocol.coded)
             assert isinstance(out, ClientError) and out.status == "StatusCode.INTERNAL", out
