@@ -59,7 +59,7 @@ from specdec.runtime.config import EngineConfig
 from specdec.runtime.costs import DraftCosts
 from specdec.runtime.engine import Engine
 from specdec.serving.client import Answer, ClientError, SpecdecClient
-from specdec.serving.control import children, stub_pids
+from specdec.serving.processes import children, stub_pids
 from specdec.serving.repository import MODELS, ServingOptions, write_repository
 from specdec.serving.server import free_ports, http_ready
 

@@ -3,7 +3,8 @@
 # ONNX with the RaggedTreeAttention op and its Triton model repository, start Triton Inference Server on
 # free loopback ports, send the demo mix of chat requests over gRPC (EMS-SD and method=ar interleaved, all
 # at once, then one at a time), print the answers, per-request acceptance, tokens/s and the speed-up, show one
-# streamed answer and one DSBD (speculative beam sampling) answer, and stop the server. Extra arguments go to
+# streamed answer and one DSBD (speculative beam sampling) answer, send one chat request through the OpenAI-compatible
+# API with the official openai SDK (scripts/openai_request.py), and stop the server. Extra arguments go to
 # the client (e.g. --max-tokens 64). EMS-SD runs with the adaptive draft length: each sequence drafts 0-4
 # tokens per step, as its own acceptance says pays on this machine, priced by what a draft token and a
 # verified row cost here (--calibrate times the exported graphs before the server starts), drafting by prompt
@@ -22,8 +23,8 @@ bash scripts/setup_env.sh
 specdec-export --target smollm2-135m --draft smollm2-135m-draft --quantize w8a8 --drafter hybrid --out deploy --force --max-batch 8 \
   --max-len 2048 --num-draft-tokens 4 --adaptive-draft --calibrate
 
-read -r GRPC HTTP METRICS < <(python -c "from specdec.serving.server import free_ports; print(*free_ports())")
-specdec serve deploy --grpc-port "$GRPC" --http-port "$HTTP" --metrics-port "$METRICS" &
+read -r GRPC HTTP METRICS OPENAI < <(python -c "from specdec.serving.server import free_ports; print(*free_ports(4))")
+specdec serve deploy --grpc-port "$GRPC" --http-port "$HTTP" --metrics-port "$METRICS" --openai-port "$OPENAI" &
 SERVER=$!
 trap 'kill -INT "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true' EXIT
 until specdec client --url "127.0.0.1:$GRPC" --wait 1 --prompt ping --max-tokens 1 >/dev/null 2>&1; do
@@ -44,6 +45,9 @@ echo
 echo "DSBD through specdec (the draft beam-samples up to 3 layers of 3 nodes, as many as pay; fixed width 3, temperature 1):"
 specdec client --url "127.0.0.1:$GRPC" --chat --method dsbd --beam-width 3 --dsbd-threshold 0 \
   --num-draft-tokens 3 --temperature 1 --seed 0 --max-tokens 48 --prompt "Give me three tips for better sleep."
+echo
+echo "one request through the OpenAI-compatible API (http://127.0.0.1:$OPENAI/v1) with the official openai SDK:"
+python scripts/openai_request.py "http://127.0.0.1:$OPENAI/v1"
 echo
 echo "server-side metrics (Prometheus, 127.0.0.1:$METRICS/metrics):"
 python -c "import sys, urllib.request; print(''.join(l + '\n' for l in urllib.request.urlopen(sys.argv[1]).read()

@@ -129,6 +129,18 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_export(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``tiny_dir`` exported to ONNX drafting for itself (graphs + Triton repository): a whole deployment that loads
+    in seconds, for the serving tests whose subject is the serving, not the model."""
+    from specdec.export.cli import main as export_main
+
+    out = tmp_path_factory.mktemp("tiny-serving") / "deploy"
+    args = ["--target", str(tiny_dir), "--draft", str(tiny_dir), "--out", str(out), "--max-batch", "4"]
+    assert export_main([*args, "--max-len", "128"]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
     """The real SmolLM2-135M-Instruct (first load ~25 s, cached conversion afterwards); its users are real_model."""
     return load_model("smollm2-135m")

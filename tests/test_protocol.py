@@ -99,9 +99,17 @@ def configs() -> dict[str, str]:
 
 
 def test_every_model_has_a_named_config(configs: dict[str, str]) -> None:
-    """Triton refuses a config whose name differs from its directory; the entry points need all five."""
+    """Triton refuses a config whose name differs from its directory; the entry points need all five, the launcher
+    the readiness gate."""
     assert set(configs) == set(MODELS)
-    assert set(MODELS) == {"preprocessing", "specdec_engine", "postprocessing", "specdec_stream", "specdec"}
+    assert set(MODELS) == {
+        "preprocessing",
+        "specdec_engine",
+        "postprocessing",
+        "specdec_stream",
+        "specdec",
+        "specdec_ready",
+    }
     for model, config in configs.items():
         assert re.search(rf'^name: "{model}"$', config, re.M), model
         assert re.search(r'^backend: "python"$', config, re.M), model
@@ -191,6 +199,7 @@ def test_serving_options_reach_the_configs() -> None:
         "default_max_tokens": "99",
         "drafter": "ngram",
         "max_batch": "6",
+        "max_request_rows": "512",
         "adaptive_draft": "1",
         "verify_cost": "0.02",
         "draft_cost": "0.25",
@@ -221,6 +230,7 @@ CLASSES = {
     "postprocessing": "Postprocessing",
     "specdec_stream": "StreamModel",
     "specdec": "UnaryModel",
+    "specdec_ready": "ReadinessGate",
 }
 
 

@@ -1,5 +1,5 @@
 """The reliability suite's own tests (``-m reliability``): R6, R7, R10, R12, R14, R16, R18 and R19 of
-``../shared/docs/reliability.md`` against a REAL tritonserver serving the real SmolLM2 export, called with tritonclient
+``docs/reliability.md`` against a REAL tritonserver serving the real SmolLM2 export, called with tritonclient
 over gRPC on loopback. The other R tests live beside the feature they test and carry the same marker
 (``tests/test_reliability_coverage.py`` keeps the map complete).
 
@@ -368,7 +368,8 @@ def test_unload_and_load_cycles_follow_readiness_and_leave_nothing_behind(
     """R19 (3 cycles, not 5: each load is a cold start on 2 cores): with explicit model control, unloading every
     specdec model makes the server not ready for them and ends their stubs; loading them again serves the same
     answer; after the last unload no stub and no new /dev/shm region is left."""
-    from specdec.serving.control import GRPC_ADMIN_HEADER, alive, children
+    from specdec.serving.control import GRPC_ADMIN_HEADER
+    from specdec.serving.processes import alive, children
     from specdec.serving.repository import MODELS
 
     grpc, http, metrics = free_ports()

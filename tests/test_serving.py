@@ -317,7 +317,7 @@ def test_sigusr1_dumps_every_stub_thread_and_no_request_thread_outlives_its_requ
         for pid in processes_mentioning(str(smollm2_export))
         if b"triton_python_backend_stub" in Path(f"/proc/{pid}/cmdline").read_bytes()
     ]
-    assert len(stubs) == 5  # preprocessing, postprocessing, specdec_engine, specdec, specdec_stream
+    assert len(stubs) == 6  # preprocessing, postprocessing, specdec_engine, specdec, specdec_stream, specdec_ready
     assert eventually(lambda: scrape(server)["specdec_active_sequences"] == 0, poll_s=0.5)
     # a killed client's request thread returns once its entry point has heard the engine's cancelled answer: dump
     # until no request thread shows (or the deadline passes: one that never returns still fails below)

@@ -38,16 +38,6 @@ CLASSES = {
 }
 
 
-@pytest.fixture(scope="module")
-def tiny_export(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from specdec.export.cli import main as export_main
-
-    out = tmp_path_factory.mktemp("tiny-serving") / "deploy"
-    args = ["--target", str(tiny_dir), "--draft", str(tiny_dir), "--out", str(out), "--max-batch", "4"]
-    assert export_main([*args, "--max-len", "128"]) == 0
-    return out
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _frozen_export(tiny_export: Path) -> Iterator[None]:
     """What is alive once the export is made (the exporter's lazily imported modules and caches, when this module

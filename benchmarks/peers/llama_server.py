@@ -54,7 +54,7 @@ READY_TIMEOUT_S = 180
 
 
 def server_command(spec: dict[str, Any], port: int, slots: int) -> list[str]:
-    """The ``llama-server`` command line of one run (the report records it)."""
+    """The ``llama-server`` command line of one run (the report records it); ``spec["extra_args"]``, if any, last."""
     cmd = [
         spec["server"],
         "-m",
@@ -83,7 +83,7 @@ def server_command(spec: dict[str, Any], port: int, slots: int) -> list[str]:
             "--spec-ngram-simple-size-m",
             str(m),
         ]
-    return cmd
+    return cmd + [str(a) for a in spec.get("extra_args", [])]
 
 
 def _post(port: int, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -126,7 +126,7 @@ def running_server(spec: dict[str, Any], slots: int, log: Path) -> Iterator[tupl
             proc.wait()
 
 
-def _version(spec: dict[str, Any]) -> str:
+def server_version(spec: dict[str, Any]) -> str:
     out = subprocess.run([spec["server"], "--version"], capture_output=True, text=True, check=False)
     return " ".join((out.stdout + out.stderr).split())
 
@@ -167,7 +167,7 @@ def generate(spec: dict[str, Any]) -> dict[str, Any]:
         "peak_rss_mb": rss,
         "draft_tokens": drafted,
         "accepted_draft_tokens": accepted,
-        "versions": {"llama_server": _version(spec)},
+        "versions": {"llama_server": server_version(spec)},
         "command": " ".join(server_command(spec, 0, spec["batch"])),
     }
 

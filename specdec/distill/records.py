@@ -140,7 +140,7 @@ def collect_data(
 
     Up to ``group`` consecutive missing shards are generated in one continuously batched run of
     at most ``max_batch`` live sequences. Why: a lone shard's batch drains as its continuations
-    end (measured on SmolLM2-135M: 85 continuations per CPU minute grouped, 60 one shard at a time).
+    end, and grouped shards keep it full (``benchmarks/results/runtime_choices.md``).
     Every continuation keeps its own seed (``seed`` + its prompt's index), so grouping changes
     no sample's law, and each shard is still written whole, so an interrupted run loses at most
     one group. A shard holding fewer continuations than its prompts (the last shard of a

@@ -7,7 +7,7 @@ as EMS-SD's chains do. The method itself (joint warping, i.i.d. drafts, layer ve
 dynamic width) is the model-free core in :mod:`specdec.runtime.dsbd`; this module feeds it
 the logits of real models and keeps the KV caches in step with the beams.
 
-One round of a group (``shared/docs/dsbd.md``):
+One round of a group (``docs/algorithms.md``, DSBD):
 
 1. *Draft* (``dsbd`` only): the draft model beam-samples γ layers of ``W_S`` i.i.d. nodes
    from the live beams, one ragged draft step per layer for all groups; each root beam's

@@ -70,6 +70,9 @@ class DecodeContext:
     planner: DraftPlanner = field(default_factory=FixedDraftLength)
     hooks: LoopHooks = field(default_factory=LoopHooks)
     run: RunMetrics = field(default_factory=lambda: RunMetrics("?"))
+    #: the target step in progress: since when (``time.monotonic``) and its rows; None between steps. A server's
+    #: heartbeat reads it, so a supervisor can tell a wedged step from a long one
+    current_step: tuple[float, int] | None = None
 
     # -- admission ------------------------------------------------------------------------------------------------
     def has_work(self, live: Sequence[object]) -> bool:
@@ -176,7 +179,11 @@ class DecodeContext:
         batch = pack(work, cache_mask)
         rows_before = self.target.rows_processed
         start = time.perf_counter()
-        logits = self.target.step(batch, self.kv.storage)
+        self.current_step = (time.monotonic(), batch.num_tokens)
+        try:
+            logits = self.target.step(batch, self.kv.storage)
+        finally:
+            self.current_step = None
         self.run.steps.append(
             StepRecord.of(
                 work,

@@ -45,7 +45,7 @@ and in acceptance (a lookup in quoted text is accepted far more often), so each 
 history per proposer, the k is chosen from the one that will draft this step at that one's price
 (``drafters.SourcedDrafter``), and the pooled prior is per proposer too. Priced as one drafter, the
 hybrid drafted lookups too short and the model too long, and at batches 4 and 8 fell behind both
-prompt lookup alone and ``ar`` (``benchmarks/results/edge_cpu.md`` of 2026-12-05 13:29).
+prompt lookup alone and ``ar`` (``benchmarks/results/runtime_choices.md``).
 """
 
 from __future__ import annotations
@@ -304,8 +304,8 @@ class DraftLength:
         sequence finishes, and a step's time is shared. A sequence that would finish before the slowest one even
         without drafting cannot end the batch sooner by drafting; its drafts only lengthen every step for the
         others (in the edge benchmark's batches of 4 and 8, the prompt lookups of answers that copy their
-        prompt, while the free-form answer beside them set the batch's length: ``ems`` at 0.88-0.94x of
-        ``ar``, ``benchmarks/results/edge_cpu.md`` of 2026-12-05 16:12). And a sequence the batch waits for
+        prompt, while the free-form answer beside them set the batch's length: ``ems`` fell behind ``ar``,
+        ``benchmarks/results/runtime_choices.md``). And a sequence the batch waits for
         gains a whole step of the batch from each accepted token, not its share of one.
 
         How: only a group of the sequences with the most tokens still to go drafts (``Candidate.budget``;
@@ -344,8 +344,8 @@ class DraftLength:
         # alone in its batch a sequence still probes when due, as ``choose`` has it do: its text may turn
         # predictable, and at the price of its first draft a probe would never pay. Beside others it does not:
         # a probe lengthens every sequence's step, tied sequences fall due in the same step, and a draft model's
-        # probe first catches its cache up over every token since it last drafted (the edge benchmark's draft
-        # model at batch 8: 0.87x ``ar`` with such probes, 0.96x without; README, "Benchmarks")
+        # probe first catches its cache up over every token since it last drafted (measured in the edge benchmark
+        # and in-process: benchmarks/results/runtime_choices.md)
         alone = seqs[0] if batch == 1 and len(seqs) == 1 and seqs[0].budget >= floor else None
         if alone is not None and best_ks[0] == 0 and alone.k_now > 0 and self._probe_due(alone.stats):
             best_ks[0] = 1

@@ -82,7 +82,7 @@ class AdaptiveDraftLength:
         self.policy, self.drafter = policy, drafter
         self.pooled: dict[str, DraftStats] = {}
         # what the drafter can tell the policy, asked once: a runtime-checkable Protocol's isinstance walks its
-        # members (~80 us a step at batch 1 when asked per sequence and step)
+        # members, too slow to ask per sequence and step (benchmarks/results/runtime_choices.md)
         self._sourced = drafter if isinstance(drafter, SourcedDrafter) else None
         self._offering = drafter if isinstance(drafter, OfferingDrafter) else None
 

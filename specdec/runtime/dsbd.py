@@ -1,6 +1,6 @@
 """The model-free core of DSBD (dynamic-width speculative beam decoding), as pure numpy functions.
 
-Method and conventions: ``shared/docs/dsbd.md``. Everything here works on probability tensors
+Method and conventions: ``docs/algorithms.md`` (DSBD). Everything here works on probability tensors
 that a runtime gets from one packed target call over a draft forest; nothing touches a model,
 a KV cache or I/O, so the exactness of the method can be tested on enumerable toy models.
 

@@ -24,7 +24,7 @@ MEMORY_MODES = ("full", "single")
 
 @dataclass(frozen=True)
 class BeamParams:
-    """How a ``beam`` or ``dsbd`` request searches (shared/docs/dsbd.md).
+    """How a ``beam`` or ``dsbd`` request searches (docs/algorithms.md, DSBD).
 
     ``width``: beams drawn per step (``beam``), or the draft's width ``W_S`` and the largest
     output width (``dsbd``). ``min_width`` and ``threshold`` set DSBD's dynamic width: a

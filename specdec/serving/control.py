@@ -26,12 +26,15 @@ exits (cleanly, or killed with SIGKILL, which leaves the regions behind) exactly
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from specdec.serving import processes
 
 CONTROL_ENV = "SPECDEC_CONTROL_DIR"
 #: the per-server secret the entry points pass to the internal models (engine, pre- and postprocessing) as a
@@ -45,6 +48,15 @@ ADMIN_HEADER = "specdec-admin-key"
 GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"
 RESTRICTED_APIS = ("model-repository", "shared-memory", "logging", "trace")
 DRAIN, ABORT = "drain", "abort"
+#: a stub of the server failed and is being replaced: the entry points end what they hold and admit nothing until
+#: the launcher lowers it again (``specdec.serving.supervisor``)
+RESET = "reset"
+#: readiness is held false (``gate_model``): the readiness gate refuses to load while it is up
+CLOSED = "closed"
+FLAGS = (DRAIN, ABORT, RESET, CLOSED)
+#: the launcher's counts of what it did to keep the server up (restarts, reloads), which a model publishes on the
+#: metrics port (the launcher has none of its own)
+SUPERVISION_FILE = "supervision.json"
 CANCEL_PREFIX = "cancel-"
 SHM_DIR = Path("/dev/shm")
 #: the entry points' gauge of requests admitted and not yet answered, which the launcher's drain waits on
@@ -74,13 +86,42 @@ class Control:
         """Whether the requests still in flight must end now."""
         return self._flag(ABORT)
 
+    def resetting(self) -> bool:
+        """Whether a stub failed and is being replaced (``RESET``)."""
+        return self._flag(RESET)
+
+    def closed(self) -> bool:
+        """Whether readiness is held false (``CLOSED``)."""
+        return self._flag(CLOSED)
+
     def ask(self, name: str) -> None:
-        """The launcher's side: raise the ``DRAIN`` or ``ABORT`` flag."""
-        if name not in (DRAIN, ABORT):
+        """The launcher's side: raise a flag of ``FLAGS``."""
+        if name not in FLAGS:
             raise ValueError(f"unknown control flag {name!r}")
         if self.directory is None:
             raise RuntimeError("this server has no control directory")
         (self.directory / name).touch()
+
+    def lower(self, name: str) -> None:
+        """The launcher's side: lower a flag (the ``RESET`` of a recovery that is over)."""
+        if name not in FLAGS:
+            raise ValueError(f"unknown control flag {name!r}")
+        if self.directory is not None:
+            (self.directory / name).unlink(missing_ok=True)
+
+    def record(self, **counts: int) -> None:
+        """The launcher's side: its counts of restarts and reloads (``SUPERVISION_FILE``)."""
+        if self.directory is not None:
+            tmp = self.directory / f"{SUPERVISION_FILE}.tmp"
+            tmp.write_text(json.dumps(counts))
+            os.replace(tmp, self.directory / SUPERVISION_FILE)
+
+    def counts(self) -> dict[str, int]:
+        """What ``record`` wrote (empty before anything was recorded)."""
+        try:
+            return {k: int(v) for k, v in json.loads((self.directory / SUPERVISION_FILE).read_text()).items()}  # type: ignore[operator]
+        except (OSError, ValueError, TypeError, AttributeError):
+            return {}
 
     def cancel(self, request_id: str) -> None:
         """The entry point's side: ask whichever engine instance holds ``request_id`` to cancel it."""
@@ -115,7 +156,7 @@ def server_directory(server_pid: int | None = None) -> Path:
     root = Path(tempfile.gettempdir())
     for stale in root.glob(f"{SERVER_DIR_PREFIX}{os.getuid()}-*"):
         other = stale.name.rsplit("-", 1)[-1]
-        if other.isdigit() and int(other) != pid and not alive(int(other)):
+        if other.isdigit() and int(other) != pid and not processes.alive(int(other)):
             shutil.rmtree(stale, ignore_errors=True)
     directory = root / f"{SERVER_DIR_PREFIX}{os.getuid()}-{pid}"
     directory.mkdir(mode=0o700, exist_ok=True)
@@ -167,39 +208,3 @@ def inflight_from_metrics(text: str) -> int | None:
                 total += float(line.rsplit(" ", 1)[1])
                 seen = True
     return int(total) if seen else None
-
-
-def children(parent: int) -> dict[int, list[bytes]]:
-    """The processes whose parent is ``parent``, with their command lines."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
-            found[int(entry.name)] = cmdline
-    return found
-
-
-def stub_pids(server_pid: int, model: str) -> list[int]:
-    """The Python-backend stub processes of ``model`` that tritonserver ``server_pid`` started.
-
-    A stub's command line names its model's ``model.py`` (``<repository>/<model>/1/model.py``), and its
-    parent is the server, which is how a supervisor tells the engine's stub from the others.
-    """
-    return sorted(
-        pid for pid, cmdline in children(server_pid).items() if any(f"/{model}/".encode() in arg for arg in cmdline)
-    )
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, killed but not yet reaped by its parent, does not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")

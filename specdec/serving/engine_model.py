@@ -29,6 +29,7 @@ from specdec.runtime.request import RequestMetrics
 from specdec.runtime.sampling import InvalidRequestError
 from specdec.serving.control import Control
 from specdec.serving.diagnostics import dump_threads_on_sigusr1, fault_hook
+from specdec.serving.heartbeat import Heartbeat
 from specdec.serving.inputs import Generation, parse_generation, parse_input_ids
 from specdec.serving.protocol import ENGINE_MODEL, INPUT_IDS, PARAMETERS
 from specdec.serving.responses import INTERNAL, INVALID, UNAVAILABLE, engine_failure, engine_response
@@ -118,6 +119,7 @@ class EngineModel:
         device = int(args.get("model_instance_device_id") or 0) if args.get("model_instance_kind") == "GPU" else 0
         self.engine = served_engine(export_dir(args), params, device_id=device)
         self.default_max_tokens = parameter(params, "default_max_tokens", int, 0) or 64
+        self.max_request_rows = parameter(params, "max_request_rows", int, 0) or None
         self.service = EngineService(self.engine, DEFAULT_METHOD).start()
         # beam requests run in a second loop over the same weights (its own caches): the speculative beam method
         # where the drafter can beam-sample forests (the draft model, alone or in the hybrid drafter), target-only
@@ -137,6 +139,17 @@ class EngineModel:
         self._watcher = threading.Thread(target=self._watch, name="specdec-watch", daemon=True)
         self._sender.start()
         self._watcher.start()
+        self.heartbeat = Heartbeat(self._control.directory, args.get("model_name", ENGINE_MODEL), self._progress)
+        self.heartbeat.start()
+
+    def _progress(self) -> dict[str, Any]:
+        """The heartbeat's report of the decoding loops: the oldest step in progress (a wedge shows there first)
+        with its rows, and the pace of the ems loop (the beam loop's when it alone has run)."""
+        states = [service.progress() for service in (self.service, self.beam_service)]
+        busy = [(since, rows) for since, rows, _ in states if since is not None]
+        since, rows = min(busy) if busy else (None, 0)
+        pace = next((p for _, _, p in states if p is not None), None)
+        return {"busy_since": since, "rows": rows, "row_seconds": pace}
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
@@ -163,6 +176,13 @@ class EngineModel:
             raise InvalidRequestError(
                 f"method {method.name!r} needs a draft model and this deployment has none (export with --draft); "
                 f"use {self.beam_service.method.name!r} for beam decoding without one"
+            )
+        rows = gen.step_rows(self.engine.config.num_draft_tokens)
+        if self.max_request_rows is not None and rows > self.max_request_rows:
+            raise InvalidRequestError(
+                f"this request may add {rows} rows to every step it takes part in (beam_width x (1 + "
+                f"num_draft_tokens x beam_width), or 1 + num_draft_tokens), more than this server allows one request "
+                f"({self.max_request_rows}): lower beam_width or num_draft_tokens"
             )
         request_id = f"{request.request_id() or 'triton'}#{next(self._ids)}"
         req = gen.request(parse_input_ids(inputs), request_id)
@@ -251,6 +271,7 @@ class EngineModel:
                 log.exception("could not update metrics")
 
     def finalize(self) -> None:
+        self.heartbeat.stop()
         self._closing.set()
         self.service.stop(drain=False, timeout=10)
         self.beam_service.stop(drain=False, timeout=10)

@@ -27,6 +27,7 @@ from specdec.runtime.sampling import InvalidRequestError
 from specdec.serving import pb
 from specdec.serving.control import Control
 from specdec.serving.diagnostics import dump_threads_on_sigusr1
+from specdec.serving.heartbeat import Heartbeat
 from specdec.serving.inputs import Limits, parse_choices, parse_flag, parse_prompt, scalar
 from specdec.serving.protocol import (
     ABORTED,
@@ -42,6 +43,7 @@ from specdec.serving.protocol import (
     PREPROCESSING_INPUTS,
     PREPROCESSING_MODEL,
     PROMPT_IDS,
+    RESETTING,
     STREAM,
     STREAM_NEEDS_DECOUPLED,
     TEXT_OUTPUTS,
@@ -64,12 +66,24 @@ from specdec.serving.triton_io import (
     release_senders,
     response,
 )
-from specdec.serving.triton_metrics import InflightGauge
+from specdec.serving.triton_metrics import InflightGauge, RefusalCounter
 
 log = logging.getLogger(__name__)
 #: how often the watcher looks at the clients and the launcher's abort flag
 WATCH_POLL_S = 0.1
 SEED = PARAMETER["seed"]
+#: how Triton answers a call to a model whose stub died
+STUB_UNHEALTHY = "is not healthy"
+
+
+def refusal_reason(message: str, code: str) -> str:
+    """Why a request was answered with an error, as ``specdec_refused_requests_total`` counts it."""
+    if code == "INVALID_ARG":
+        return "invalid"
+    for prefix, reason in ((OVERLOADED, "overloaded"), (DRAINING, "draining"), (ABORTED, "aborted")):
+        if message.startswith(prefix):
+            return reason
+    return "unavailable" if code == "UNAVAILABLE" else "internal"
 
 
 class _Request:
@@ -109,8 +123,10 @@ class _EntryPoint:
         self._control = Control.from_env()
         # admitted and not yet answered, waiting for a slot included: what `specdec serve` drains
         self._inflight = InflightGauge(args.get("model_name", self._thread_name))
+        self._refusals = RefusalCounter(args.get("model_name", self._thread_name))
         self._watcher = threading.Thread(target=self._watch, name="specdec-cancel", daemon=True)
         self._watcher.start()
+        self.heartbeat = Heartbeat(self._control.directory, args.get("model_name", self._thread_name)).start()
 
     # -- admission ------------------------------------------------------------------------------------------------
     def execute(self, requests: list[Any]) -> None:
@@ -119,18 +135,25 @@ class _EntryPoint:
             if self._control.draining():  # refused at once, so a client retries elsewhere while the rest finish
                 client.send(self._error(DRAINING, "UNAVAILABLE"), final=True)
                 continue
+            if self._control.resetting():  # a stub is being replaced: nothing admitted can be answered meanwhile
+                client.send(self._error(RESETTING, "UNAVAILABLE"), final=True)
+                continue
             if self._inflight.value >= self._capacity:  # back-pressure: no unbounded queue of waiting threads
                 message = f"{OVERLOADED} ({self._inflight.value} requests in flight): retry later"
                 client.send(self._error(message, "UNAVAILABLE"), final=True)
                 continue
-            self._count(+1)  # here, not in the thread: a drain that reads 0 has really seen this request
+            # counted here, not in the thread, so a drain that reads 0 has really seen this request; and uncounted
+            # when its answer goes, not when its thread ends (one blocked on a stub that died is answered anyway)
+            self._count(+1)
+            client.on_final = lambda: self._count(-1)
             # daemon threads: a request thread that never returns must not keep the stub alive past unload
             threading.Thread(target=self._answer_in_slot, args=(client,), name=self._thread_name, daemon=True).start()
         return None
 
     def _error(self, message: str, code: str) -> Any:
-        """An error response with Triton code ``code``; a stream's message is led by its gRPC status
-        (``protocol.coded``), the only way a stream client learns it."""
+        """An error response with Triton code ``code``, counted by its reason; a stream's message is led by its
+        gRPC status (``protocol.coded``), the only way a stream client learns it."""
+        self._refusals.count(refusal_reason(message, code))
         return error_response(coded(message, code) if self.streaming else message, code=code)
 
     def _count(self, delta: int) -> None:
@@ -139,14 +162,11 @@ class _EntryPoint:
 
     def _answer_in_slot(self, client: Client) -> None:
         """At most ``max_concurrency`` requests run the pipeline at once; the rest wait their turn."""
-        try:
-            with self._slots:
-                if self._closing.is_set() or self._control.aborting():
-                    client.send(self._error(ABORTED, "UNAVAILABLE"), final=True)
-                    return
-                self._answer(client)
-        finally:
-            self._count(-1)
+        with self._slots:
+            if self._closing.is_set() or self._control.aborting() or self._control.resetting():
+                client.send(self._error(ABORTED, "UNAVAILABLE"), final=True)
+                return
+            self._answer(client)
 
     def checked(self, inputs: dict[str, np.ndarray]) -> tuple[bool, int]:
         """Whether to stream and how many choices, once sizes and the prompt passed their checks (before any
@@ -218,9 +238,17 @@ class _EntryPoint:
                 self._control.cancel(engine_id)
 
     def _fail(self, client: Client, exc: Exception) -> None:
-        """End the client's request with ``exc``'s code (a no-op if it already ended); never a traceback to it."""
+        """End the client's request with ``exc``'s code (a no-op if it already ended); never a traceback to it.
+
+        A model whose stub died answers its callers with Triton's "not healthy": a fault of the server, which the
+        launcher is about to repair (``RESET``), so UNAVAILABLE: the client may retry.
+        """
+        if client.done:
+            return
         if isinstance(exc, InvalidRequestError):
             client.send(self._error(str(exc), "INVALID_ARG"), final=True)
+        elif isinstance(exc, ModelError) and (STUB_UNHEALTHY in str(exc) or self._control.resetting()):
+            client.send(self._error(f"{RESETTING} ({exc})", "UNAVAILABLE"), final=True)
         elif isinstance(exc, ModelError):
             client.send(self._error(str(exc), code_name(exc.code)), final=True)
         else:  # the traceback goes to the log only
@@ -261,11 +289,14 @@ class _EntryPoint:
         cancelled: set[str] = set()
         while not self._closing.wait(WATCH_POLL_S):
             if self._control.aborting():
-                self._abort_all()
+                self._abort_all(ABORTED)
+            elif self._control.resetting():
+                self._abort_all(RESETTING)
             self._poll_clients(cancelled)
 
-    def _abort_all(self) -> None:
-        """The drain ran out (a second signal, or its timeout): every request still here ends now, UNAVAILABLE.
+    def _abort_all(self, why: str) -> None:
+        """The drain ran out (a second signal, or its timeout), or a stub failed: every request still here ends
+        now, UNAVAILABLE.
 
         The engine is told too, so its slots free at the next step; the request threads' later answers are
         dropped by ``Client.send``.
@@ -273,7 +304,8 @@ class _EntryPoint:
         with self._lock:
             active = [(engine_id, client) for engine_id, client in self._active.items() if not client.done]
         for engine_id, client in active:
-            client.send(self._error(ABORTED, "UNAVAILABLE"), final=True)
+            if not client.done:
+                client.send(self._error(why, "UNAVAILABLE"), final=True)
             self._control.cancel(engine_id)
 
     def _poll_clients(self, cancelled: set[str]) -> None:
@@ -293,6 +325,7 @@ class _EntryPoint:
 
     def finalize(self) -> None:
         """Stop the watcher and let running requests end (a few seconds at most) before the stub goes."""
+        self.heartbeat.stop()
         self._closing.set()
         self._watcher.join(5)
         deadline = time.monotonic() + 5

@@ -104,11 +104,11 @@ def _bytes(array: np.ndarray) -> int:
 class Limits:
     """What one request may send, checked before anything is tokenized (the config's entry-point parameters).
 
-    Why before tokenization: tokenizing a 4 MB prompt took 5.5 s only to find it longer than the context, and
-    delayed every other request meanwhile. The prompt cap is generous against the context (a token of SmolLM2's
-    vocabulary is ~4 bytes of English, so 64 KiB is ~16,000 tokens, far past a 2,048 context): it refuses only
-    what cannot fit, quickly; the exact context check still runs on the token count. Every other string (a method
-    name, a memory mode) is a word: ``max_word_bytes``.
+    Why before tokenization: tokenizing a prompt of megabytes takes seconds only to find it longer than the context,
+    and delays every other request meanwhile (``benchmarks/results/runtime_choices.md``). The prompt cap is generous
+    against the context (a token of SmolLM2's vocabulary is ~4 bytes of English, so 64 KiB is ~16,000 tokens, far
+    past a 2,048 context): it refuses only what cannot fit, quickly; the exact context check still runs on the token
+    count. Every other string (a method name, a memory mode) is a word: ``max_word_bytes``.
     """
 
     max_prompt_bytes: int = 65_536
@@ -248,6 +248,15 @@ class Generation:
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
     logprobs: int | None = None  # None: none; k: each token's with k alternatives
+
+    def step_rows(self, default_k: int) -> int:
+        """The most rows this request may add to one ragged step: its last token and k drafts (a chain), or per
+        live beam its tail and γ layers of W_S draft nodes (DSBD; γ = 0 for ``beam``). What ``max_request_rows``
+        bounds: a request's share of every step it takes part in, so of every other request's pace."""
+        k = default_k if self.num_draft_tokens is None else self.num_draft_tokens
+        if self.beam is None:
+            return 1 + k
+        return self.beam.width * (1 + k * self.beam.width)
 
     def request(self, prompt_ids: Sequence[int], request_id: str) -> Request:
         return Request(

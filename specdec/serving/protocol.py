@@ -22,7 +22,9 @@ from specdec.runtime.methods import DEFAULT_METHOD, SERVED_METHODS
 # -- the models of the repository (what clients and the BLS calls between the models address) ------------
 PREPROCESSING_MODEL, ENGINE_MODEL, POSTPROCESSING_MODEL = "preprocessing", "specdec_engine", "postprocessing"
 STREAM_MODEL, UNARY_MODEL = "specdec_stream", "specdec"
-MODELS = (PREPROCESSING_MODEL, ENGINE_MODEL, POSTPROCESSING_MODEL, STREAM_MODEL, UNARY_MODEL)
+#: the model whose presence is the server's readiness (``serving.gate_model``)
+READY_MODEL = "specdec_ready"
+MODELS = (PREPROCESSING_MODEL, ENGINE_MODEL, POSTPROCESSING_MODEL, STREAM_MODEL, UNARY_MODEL, READY_MODEL)
 STREAM_NEEDS_DECOUPLED = (
     f"stream=true needs the decoupled model '{STREAM_MODEL}' (gRPC streaming); "
     f"'{UNARY_MODEL}' answers with one complete response"
@@ -177,6 +179,7 @@ CLIENT_OUTPUTS = (INDEX, *TEXT_OUTPUTS)
 #: the messages an entry point refuses capacity with (UNAVAILABLE): a client retries on another replica when one
 #: drains, and later when one is full (the OpenAI frontend tells the two apart: 503 and 429)
 DRAINING = "the server is draining (shutting down) and admits no new requests: retry on another replica"
+RESETTING = "a process of the server failed and is being replaced: retry (on another replica)"
 OVERLOADED = "the server is overloaded"
 ABORTED = "the server is shutting down: this request was aborted before it finished"
 

@@ -33,6 +33,8 @@ from specdec.serving import protocol
 from specdec.serving.inputs import Limits
 
 REPOSITORY_DIR = "triton_repo"
+#: the readiness gate serves nothing; a Python model still declares a tensor
+GATE_PROBE = protocol.TensorSpec("probe", "TYPE_INT32", doc="unused: the gate answers no request")
 MODELS = protocol.MODELS
 #: the class of ``specdec.serving.triton_models`` each model's ``model.py`` serves
 _CLASS_OF = {
@@ -41,6 +43,7 @@ _CLASS_OF = {
     protocol.POSTPROCESSING_MODEL: "Postprocessing",
     protocol.STREAM_MODEL: "StreamModel",
     protocol.UNARY_MODEL: "UnaryModel",
+    protocol.READY_MODEL: "ReadinessGate",
 }
 
 
@@ -65,6 +68,9 @@ class ServingOptions:
     max_queue: int = 256
     limits: Limits = field(default_factory=Limits)
     max_batch: int = 0  # sequences the engine decodes together; 0 = the export's KV slots
+    #: the most rows one request may add to a step (``Generation.step_rows``): a dsbd request of width 8 and 32 draft
+    #: layers adds 2,056 and sets every other request's pace; 0 = no bound
+    max_request_rows: int = 512
     #: rows a ragged step may spend on prompt prefills (chunked prefill); 0 = whole prompts. Why 128: an 1,800-token
     #: prompt arriving mid-stream then stretches the running streams' longest gap to ~0.5 s instead of stalling
     #: them 4.3 s, for +13 % on its own first token; 64 halves no gap further and slows everything
@@ -146,6 +152,7 @@ def render_configs(export_dir_from_repo: str, options: ServingOptions) -> dict[s
         "default_max_tokens": options.default_max_tokens,
         "drafter": options.drafter.value if options.drafter else "",
         "max_batch": options.max_batch,
+        "max_request_rows": options.max_request_rows,
         "adaptive_draft": int(options.adaptive_draft),
         "prefill_budget": options.prefill_budget,
         "verify_cost": "" if options.verify_cost is None else options.verify_cost,
@@ -166,6 +173,7 @@ def render_configs(export_dir_from_repo: str, options: ServingOptions) -> dict[s
         protocol.POSTPROCESSING_MODEL: (protocol.ENGINE_OUTPUTS, protocol.TEXT_OUTPUTS, common, False),
         protocol.STREAM_MODEL: (protocol.CLIENT_INPUTS, protocol.CLIENT_OUTPUTS, entry, True),
         protocol.UNARY_MODEL: (protocol.CLIENT_INPUTS, protocol.CLIENT_OUTPUTS, entry, False),
+        protocol.READY_MODEL: ((GATE_PROBE,), (GATE_PROBE,), {}, False),
     }
     engine_group = instance_group(options.instances, options.gpus)
     return {

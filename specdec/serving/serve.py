@@ -7,11 +7,13 @@ cleanup). Standard library only, so ``specdec serve --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -27,8 +29,9 @@ from specdec.serving.server import (
     port_free,
     validate_repository,
 )
+from specdec.serving.supervisor import POLL_S, RestartPolicy, Supervisor
 
-SUPERVISE_POLL_S = 0.2  # how often `specdec serve` checks that tritonserver and the engine's stub are alive
+SUPERVISE_POLL_S = POLL_S
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -85,9 +88,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-restarts",
         type=int,
-        default=5,
-        help="how often a failed server (dead engine, crashed tritonserver) is restarted before "
-        "`specdec serve` gives up and exits 1 (default 5; 0: never)",
+        default=RestartPolicy.max_restarts,
+        help="repairs (a dead or frozen stub reloaded, tritonserver or the frontend restarted) allowed within "
+        f"--restart-window before `specdec serve` calls it a crash loop and exits 1 (default "
+        f"{RestartPolicy.max_restarts}; 0: never repair)",
+    )
+    parser.add_argument(
+        "--restart-window",
+        type=float,
+        default=RestartPolicy.window_s,
+        help=f"seconds over which --max-restarts counts (default {RestartPolicy.window_s:.0f}); repairs wait an "
+        f"exponential backoff from {RestartPolicy.backoff_s:g} s",
     )
     parser.add_argument(
         "--exit-timeout",
@@ -112,8 +123,15 @@ def serve_main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     frontend = None if args.no_openai else _frontend(args)
     signals: list[int] = []
 
+    def close_gate() -> None:
+        with contextlib.suppress(TritonError, OSError, RuntimeError):
+            server.set_ready(False)
+
     def remember(signum: int, _frame: FrameType | None) -> None:
         signals.append(signum)
+        if len(signals) == 1 and server.running():  # readiness false from the first instant of the drain, from
+            # a thread: the handler returns at once, and a second signal is heard while the gate closes
+            threading.Thread(target=close_gate, name="specdec-close-gate", daemon=True).start()
 
     previous = {sig: signal.signal(sig, remember) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -150,7 +168,13 @@ def _check_frontend_port(args: argparse.Namespace) -> None:
         )
 
 
-def _start(args: argparse.Namespace, server: TritonServer, frontend: OpenAIFrontend | None, signals: list[int]) -> None:
+def _start(
+    args: argparse.Namespace,
+    server: TritonServer,
+    frontend: OpenAIFrontend | None,
+    signals: list[int],
+    supervisor: Supervisor,
+) -> None:
     """Start tritonserver, wait until its models are ready, then the frontend (``TritonError`` if one fails)."""
     if frontend is not None:
         validate_repository(args.model_repository)  # a bad repository is named first, as ``server.start`` would
@@ -186,7 +210,7 @@ def _start(args: argparse.Namespace, server: TritonServer, frontend: OpenAIFront
         file=sys.stderr,
         flush=True,
     )
-    _wait_ready_unless_signalled(server, args.ready_timeout, signals)
+    _until_ready(server, supervisor, args.ready_timeout, signals)
     if frontend is not None and not signals:
         frontend.triton_url = server.grpc_url
         frontend.start()
@@ -194,8 +218,9 @@ def _start(args: argparse.Namespace, server: TritonServer, frontend: OpenAIFront
 
 
 def _serve(args: argparse.Namespace, server: TritonServer, frontend: OpenAIFrontend | None, signals: list[int]) -> int:
+    supervisor = Supervisor(server, frontend, RestartPolicy(args.max_restarts, args.restart_window))
     try:
-        _start(args, server, frontend, signals)
+        _start(args, server, frontend, signals, supervisor)
     except TritonError as exc:
         if frontend is not None:
             frontend.stop()
@@ -215,8 +240,8 @@ def _serve(args: argparse.Namespace, server: TritonServer, frontend: OpenAIFront
         f"  metrics {server.metrics_url}\n{openai}(Ctrl-C to stop: in-flight requests finish first)",
         flush=True,
     )
-    server.watch_engine()
-    if not _supervise(server, signals, args.max_restarts, args.ready_timeout):
+    if not _supervise(supervisor, signals, lambda: _until_ready(server, supervisor, args.ready_timeout, signals)):
+        server.stop()
         return 1
     if signals:
         print(
@@ -257,48 +282,29 @@ def _stop(server: TritonServer, frontend: OpenAIFrontend | None, signals: list[i
     return code
 
 
-def _supervise(server: TritonServer, signals: list[int], max_restarts: int, ready_timeout: float) -> bool:
-    """Serve until a signal; bring the server back whenever it fails. False: it could not be brought back.
-
-    Polled every ``SUPERVISE_POLL_S``, so a dead engine is noticed within that time, and the restart closes
-    the ports at once: readiness probes are refused and in-flight requests end with UNAVAILABLE.
-    """
+def _supervise(supervisor: Supervisor, signals: list[int], wait_ready: Callable[[], None]) -> bool:
+    """Serve until a signal, repairing whatever fails (``Supervisor``); False: it could not be repaired."""
     while not signals:
-        failure = server.engine_failure()
-        if failure is None:
+        fault = supervisor.fault()
+        if fault is None:
             time.sleep(SUPERVISE_POLL_S)
             continue
-        if server.restarts >= max_restarts:
-            print(
-                f"error: {failure}; not restarting again (--max-restarts {max_restarts})\n"
-                f"{error_summary(server.read_log())}",
-                file=sys.stderr,
-                flush=True,
-            )
-            server.stop()
+        if not supervisor.repair(fault, wait_ready):
             return False
-        start = time.monotonic()
-        print(f"specdec serve: {failure}: restarting tritonserver", file=sys.stderr, flush=True)
-        try:
-            server.restart()
-            _wait_ready_unless_signalled(server, ready_timeout, signals)
-        except TritonError as exc:
-            print(f"error: the restart failed: {exc}", file=sys.stderr, flush=True)
-            server.stop()
-            return False
-        server.watch_engine()
-        print(
-            f"specdec serve: ready again after {time.monotonic() - start:.1f} s (restart {server.restarts})",
-            file=sys.stderr,
-            flush=True,
-        )
     return True
 
 
-def _wait_ready_unless_signalled(server: TritonServer, timeout: float, signals: list[int]) -> None:
-    """``wait_ready``, but a signal while the models load ends the wait (the caller then stops the server)."""
+def _until_ready(server: TritonServer, supervisor: Supervisor, timeout: float, signals: list[int]) -> None:
+    """Wait until every model is ready, watching the stubs from their first heartbeat: one that dies or freezes
+    while the others load (or as Triton turns ready) is repaired like any other. A signal ends the wait (the
+    caller then stops the server); a tritonserver that exits while starting is an error with its log."""
     deadline = time.monotonic() + timeout
     while not signals:
+        fault = supervisor.fault()
+        if fault is not None and not fault.frontend and server.running():
+            if not supervisor.repair(fault, wait_ready=lambda: None):
+                raise TritonStartError(f"{fault.what} while the server started, and it could not be repaired")
+            continue
         try:
             server.wait_ready(min(1.0, max(0.0, deadline - time.monotonic())))
             return

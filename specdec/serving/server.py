@@ -28,19 +28,52 @@ from typing import IO
 from specdec.serving.control import (
     ABORT,
     ADMIN_HEADER,
+    CLOSED,
     CONTROL_ENV,
     DRAIN,
     INTERNAL_KEY_ENV,
     RESTRICTED_APIS,
+    SHM_DIR,
     Control,
-    alive,
     inflight_from_metrics,
     new_secret,
     new_shm_prefix,
     remove_shm,
-    stub_pids,
 )
 from specdec.serving.install import TritonError, TritonInstall, find_tritonserver, libpython_dir
+from specdec.serving.protocol import READY_MODEL
+
+#: the launcher's control directories (``Control``) are named by its pid, so a later start reclaims those whose
+#: launcher is gone (killed with SIGKILL, it could not remove its own: the admin key stays in it)
+CONTROL_DIR_PREFIX = "specdec-control-"
+
+
+def reclaim_control_directories() -> list[Path]:
+    """Remove the control directories (and /dev/shm regions) of launchers that are gone; what was removed."""
+    from specdec.serving.processes import alive
+
+    removed = []
+    for directory in Path(tempfile.gettempdir()).glob(f"{CONTROL_DIR_PREFIX}*"):
+        owner = directory.name.removeprefix(CONTROL_DIR_PREFIX).split("-", 1)[0]
+        if owner.isdigit() and not alive(int(owner)) and directory.stat().st_uid == os.getuid():
+            shutil.rmtree(directory, ignore_errors=True)
+            removed.append(directory)
+    for region in SHM_DIR.glob("specdec_*") if SHM_DIR.is_dir() else ():
+        owner = region.name.removeprefix("specdec_").split("_", 1)[0]
+        if owner.isdigit() and not alive(int(owner)):
+            region.unlink(missing_ok=True)
+            removed.append(region)
+    return removed
+
+
+def die_with_parent() -> None:
+    """In a child, before it runs: the kernel kills it when ``specdec serve`` dies (Linux ``PR_SET_PDEATHSIG``), so
+    no tritonserver, and so no stub (they exit with their server), outlives its launcher and holds its ports."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+
 
 #: Triton's HTTP health endpoints: ready (200 once every model is loaded and the server serves) and live (the
 #: process answers); what ``is_ready``, the balancer's checks and the Kubernetes probes all ask
@@ -186,8 +219,9 @@ class TritonServer:
     admin_key: str = field(default="", init=False, repr=False)
     _internal_key: str = field(default="", init=False, repr=False)
     restarts: int = field(default=0, init=False)
+    #: models reloaded after their stub failed (``supervisor``); with ``restarts``, published by the readiness gate
+    reloads: int = field(default=0, init=False)
     _start_args: dict = field(default_factory=dict, init=False, repr=False)
-    _watched: list[int] = field(default_factory=list, init=False, repr=False)
     _log_handle: IO[bytes] | None = field(default=None, init=False, repr=False)
     _own_log: bool = field(default=False, init=False, repr=False)  # log_file was made here, not given
     #: something went wrong that the log records (a failed start, a dead engine, a restart, a forced stop): it stays
@@ -209,6 +243,10 @@ class TritonServer:
             f"--metrics-address={self.host}",
             f"--metrics-port={self.metrics_port}",
             f"--exit-timeout-secs={exit_timeout_s}",
+            # explicit model control, every model loaded at start: the launcher unloads the readiness gate to turn
+            # readiness false at once, and reloads a model whose stub failed (``supervisor``)
+            "--model-control-mode=explicit",
+            "--load-model=*",
             f"--log-verbose={log_verbose}",
             *([f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}"] if self.shm_prefix else []),
             *(
@@ -307,7 +345,9 @@ class TritonServer:
         )
         handle = open(self.log_file, "ab" if self.restarts else "wb")  # a restart keeps the log of what died
         self._log_handle = handle
-        self.control = Control(Path(tempfile.mkdtemp(prefix="specdec-control-")))
+        reclaim_control_directories()
+        self.control = Control(Path(tempfile.mkdtemp(prefix=f"{CONTROL_DIR_PREFIX}{os.getpid()}-")))
+        self.record_counts()
         self.shm_prefix = new_shm_prefix()
         self.admin_key = admin_key or self.admin_key or new_secret()
         self._internal_key = self._internal_key or new_secret()
@@ -315,6 +355,7 @@ class TritonServer:
         try:
             self.process = subprocess.Popen(
                 cmd,
+                preexec_fn=die_with_parent,
                 stdin=subprocess.DEVNULL,
                 stdout=handle,
                 stderr=subprocess.STDOUT,
@@ -404,11 +445,14 @@ class TritonServer:
     def drain(self, timeout: float, abort: Callable[[], bool] = lambda: False, poll_s: float = 0.1) -> int:
         """Admit nothing new and wait until every admitted request is answered; returns how many were aborted.
 
-        After ``timeout`` s, or as soon as ``abort()`` says so (a second signal), the rest are ended by the
+        Readiness turns false before anything else (the gate is unloaded), liveness stays true until the process
+        exits. After ``timeout`` s, or as soon as ``abort()`` says so (a second signal), the rest are ended by the
         entry points with UNAVAILABLE, and this waits a few seconds more for those answers to go out.
         """
         if not self.running():
             return 0
+        with contextlib.suppress(TritonError):  # readiness false first: a balancer stops routing here at once
+            self.set_ready(False)
         self.control.ask(DRAIN)
         deadline = time.monotonic() + timeout
         left = None
@@ -477,31 +521,47 @@ class TritonServer:
             self.log_file.unlink(missing_ok=True)
         return code
 
-    def watch_engine(self) -> list[int]:
-        """Remember the engine's stub processes (call once the server is ready); ``engine_failure`` checks them."""
-        from specdec.serving.protocol import ENGINE_MODEL
+    def record_counts(self) -> None:
+        """Leave the restart and reload counts where the readiness gate reads them when it loads."""
+        self.control.record(restarts=self.restarts, reloads=self.reloads)
 
-        assert self.process is not None
-        self._watched = stub_pids(self.process.pid, ENGINE_MODEL)
-        return self._watched
+    def _management(self, path: str) -> None:
+        """POST a model-repository call (``/v2/repository/...``) with the admin key; ``TritonError`` if refused."""
+        request = urllib.request.Request(
+            f"{self.http_url}{path}", data=b"", method="POST", headers={ADMIN_HEADER: self.admin_key}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=120) as resp:
+                resp.read()
+        except (urllib.error.URLError, OSError) as exc:
+            raise TritonError(f"tritonserver refused {path}: {exc}") from exc
 
-    def engine_failure(self) -> str | None:
-        """Why this server can no longer serve (tritonserver exited, or an engine stub died), or None.
+    def set_ready(self, ready: bool) -> None:
+        """Open or close the readiness gate (``gate_model``): readiness follows at once, on HTTP and gRPC."""
+        gate = f"/v2/repository/models/{READY_MODEL}"
+        if ready:
+            self.control.lower(CLOSED)
+            self._management(f"{gate}/load")
+            return
+        if self.control.closed():  # closed already (a signal's thread, a repair under way)
+            return
+        self.control.ask(CLOSED)
+        self._management(f"{gate}/unload")
+        with contextlib.suppress(TritonError):  # the gate refuses to load while closed: the failure holds it false
+            self._management(f"{gate}/load")
 
-        Triton itself notices a dead stub only when the next request reaches it, and until then reports
-        every model ready: a load balancer would keep sending traffic to a replica that fails all of it.
-        """
-        if self.process is None:
-            return None
-        code = self.process.poll()
-        if code is not None:
-            self._keep_log = True
-            return f"tritonserver exited with code {code}"
-        dead = [pid for pid in self._watched if not alive(pid)]
-        if not dead:
-            return None
-        self._keep_log = True
-        return f"the engine's stub process {dead[0]} died"
+    def reload(self, model: str) -> None:
+        """Unload ``model`` and load it again (a fresh stub): what replaces one that died or froze. A load alone
+        would not do: Triton takes a load of a model it holds as loaded, unchanged, as done."""
+        self._management(f"/v2/repository/models/{model}/unload")
+        self._management(f"/v2/repository/models/{model}/load")
+
+    def model_ready(self, model: str) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.http_url}/v2/models/{model}/ready", timeout=2.0) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
 
     def restart(self) -> None:
         """Kill what is left of this server (its stubs included), clean up after it and start it again.

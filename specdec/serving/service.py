@@ -144,6 +144,7 @@ class EngineService:
         self._counts = {"submitted": 0, "finished": 0, "cancelled": 0, "failed": 0, TIMEOUT: 0, "restarts": 0}
         self._steps_done = 0
         self._batch_sum = 0
+        self._row_seconds: float | None = None
         self.scheduler = Scheduler(engine.max_batch, on_admit=self._admitted)
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -262,6 +263,18 @@ class EngineService:
             self._cancelled[request_id] = TIMEOUT
             return True
 
+    def progress(self) -> tuple[float | None, int, float | None]:
+        """(since when the loop has been inside its current target step, that step's rows, the seconds a row took
+        over the latest steps): what the engine's heartbeat reports (``serving.heartbeat``)."""
+        ctx = self._ctx
+        if ctx is None:
+            return None, 0, None
+        step = ctx.current_step
+        recent = list(ctx.run.steps[-32:])
+        rows = sum(r.rows for r in recent)
+        pace = sum(r.seconds for r in recent) / rows if rows else self._row_seconds
+        return (None, 0, pace) if step is None else (step[0], step[1], pace)
+
     def stats(self) -> ServiceStats:
         with self._lock:
             steps, batch_sum, kv_slots = self._steps_done, self._batch_sum, 0
@@ -326,6 +339,9 @@ class EngineService:
         n = len(steps)
         self._steps_done += n
         self._batch_sum += sum(record.batch_size for record in steps[:n])
+        rows = sum(record.rows for record in steps[:n])
+        if rows:  # the pace the heartbeat reports once a run's records are folded away
+            self._row_seconds = sum(record.seconds for record in steps[:n]) / rows
         del steps[:n]
 
     def _admitted(self, seqs: list[SeqState]) -> None:

@@ -14,7 +14,9 @@ import numpy as np
 
 from specdec.runtime.sampling import InvalidRequestError
 from specdec.runtime.text import decode_tokens, encode_messages, encode_text, text_delta, token_bytes
+from specdec.serving.control import Control
 from specdec.serving.diagnostics import dump_threads_on_sigusr1
+from specdec.serving.heartbeat import Heartbeat
 from specdec.serving.inputs import parse_prompt
 from specdec.serving.protocol import (
     ENGINE_OUTPUTS,
@@ -32,12 +34,20 @@ from specdec.serving.triton_io import response as tensors_response
 log = logging.getLogger(__name__)
 
 
-class Preprocessing:
-    """``text_input`` (optionally one user turn of the chat template) or ``messages`` → ``input_ids``."""
+class _Stateless:
+    """What both models share: the export's tokenizer, and a heartbeat for the launcher (``serving.heartbeat``)."""
 
     def initialize(self, args: dict[str, str]) -> None:
         dump_threads_on_sigusr1()
         self.tokenizer = load_tokenizer(args)
+        self.heartbeat = Heartbeat(Control.from_env().directory, args.get("model_name", "")).start()
+
+    def finalize(self) -> None:
+        self.heartbeat.stop()
+
+
+class Preprocessing(_Stateless):
+    """``text_input`` (optionally one user turn of the chat template) or ``messages`` → ``input_ids``."""
 
     def encode(self, inputs: dict[str, np.ndarray]) -> list[int]:
         prompt = parse_prompt(inputs)
@@ -66,12 +76,8 @@ class Preprocessing:
         return responses
 
 
-class Postprocessing:
+class Postprocessing(_Stateless):
     """Engine response → ``text_output`` (a delta when streaming), the new ids and their bytes, the metrics."""
-
-    def initialize(self, args: dict[str, str]) -> None:
-        dump_threads_on_sigusr1()
-        self.tokenizer = load_tokenizer(args)
 
     def _decode(self, ids: Any) -> str:
         return decode_tokens(self.tokenizer, ids)

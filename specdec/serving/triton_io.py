@@ -66,6 +66,8 @@ class Client:
         self.request, self.sender = request, sender
         self._lock = threading.Lock()
         self._done = False
+        #: called once, when the final response has gone
+        self.on_final: Callable[[], None] | None = None
 
     @property
     def done(self) -> bool:
@@ -87,10 +89,14 @@ class Client:
                 return False
             self._done = final
             flags = pb.utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
-            if response is None:
-                self.sender.send(flags=flags)
-            else:
-                self.sender.send(response, flags=flags)
+            try:
+                if response is None:
+                    self.sender.send(flags=flags)
+                else:
+                    self.sender.send(response, flags=flags)
+            finally:
+                if final and self.on_final is not None:
+                    self.on_final()
             return True
 
 

@@ -95,3 +95,41 @@ class InflightGauge:
         self.value = value
         if self._metric is not None:
             self._metric.set(value)
+
+
+#: why an entry point refused a request, as ``specdec_refused_requests_total{reason}`` counts it
+REFUSALS = ("invalid", "overloaded", "draining", "aborted", "unavailable", "internal")
+
+
+class RefusalCounter:
+    """Requests an entry point answered with an error, by why (``REFUSALS``): a client's bad input, no capacity,
+    a drain, an abort, a failed stub being replaced, a failure of the server's own."""
+
+    def __init__(self, model: str) -> None:
+        family = pb.utils.MetricFamily(
+            name="specdec_refused_requests_total",
+            kind=pb.utils.MetricFamily.COUNTER,
+            description="requests answered with an error, by reason",
+        )
+        self._family = family  # a family must outlive its metrics
+        self.reasons = {r: family.Metric(labels={"model": model, "reason": r}) for r in REFUSALS}
+
+    def count(self, reason: str) -> None:
+        self.reasons[reason].increment(1)
+
+
+class SupervisionCounters:
+    """What the launcher did to keep the server up (its ``Control.record``), on the metrics port: it has none."""
+
+    def __init__(self, counts: dict[str, int]) -> None:
+        counter = pb.utils.MetricFamily.COUNTER
+        self._families = [
+            pb.utils.MetricFamily(name=f"specdec_server_{name}_total", kind=counter, description=description)
+            for name, description in (
+                ("restarts", "tritonserver restarts by specdec serve (a dead engine or server)"),
+                ("reloads", "models reloaded by specdec serve (a dead or frozen stub)"),
+            )
+        ]
+        self._metrics = [family.Metric(labels={}) for family in self._families]  # a metric lives while referenced
+        for metric, name in zip(self._metrics, ("restarts", "reloads")):
+            metric.increment(counts.get(name, 0))

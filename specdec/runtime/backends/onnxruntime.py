@@ -295,8 +295,8 @@ class OrtBackend:
         """The IOBinding of ``session`` with ``cache`` bound in place, made on first use and kept; whether it is new.
 
         Why kept: the caches never move, and binding 2 x layers buffers anew every step (and reading every
-        output back to find the logits) cost about 2 ms of a 17 ms one-row step. Each step rebinds only
-        the packed inputs and the logits.
+        output back to find the logits) was a noticeable share of a one-row step
+        (``benchmarks/results/runtime_choices.md``). Each step rebinds only the packed inputs and the logits.
         """
         per_session = self._bindings.setdefault(id(session), weakref.WeakKeyDictionary())
         binding = per_session.get(cache)

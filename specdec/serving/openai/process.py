@@ -29,7 +29,7 @@ from typing import IO
 
 from specdec.serving.control import CONTROL_ENV, DRAIN, Control
 from specdec.serving.install import TritonError
-from specdec.serving.server import client_host, read_log
+from specdec.serving.server import client_host, die_with_parent, read_log
 
 DEFAULT_PORT = 8003
 #: the frontend's health endpoints: live (the process answers) and ready (Triton serves and no drain is under way)
@@ -135,6 +135,7 @@ class OpenAIFrontend:
             # drains the frontend in its turn (``drain``, then ``stop``) instead of having it stop at the same time
             self.process = subprocess.Popen(
                 self.command(),
+                preexec_fn=die_with_parent,
                 stdin=subprocess.DEVNULL,
                 stdout=handle,
                 stderr=subprocess.STDOUT,
@@ -161,6 +162,10 @@ class OpenAIFrontend:
                 why = f"exited with code {code}" if code is not None else f"not listening after {timeout_s:.0f} s"
                 raise FrontendError(f"the OpenAI frontend {why} (log: {self.log_file})\n{self.read_log()[-3000:]}")
             time.sleep(poll_s)
+
+    def live(self) -> bool:
+        """One liveness check: the process answers ``LIVE_PATH``."""
+        return http_status(f"{self.url}{LIVE_PATH}") == 200
 
     def drain(self) -> None:
         """Refuse new requests (503) and report not ready, while the answers in flight go on."""

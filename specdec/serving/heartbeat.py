@@ -1,0 +1,114 @@
+"""Each model's sign of life, written where the launcher reads it: a small file per stub process, renewed a few
+times a second by a thread of its own, which also ends the stub when tritonserver is gone.
+
+Why: Triton notices a dead stub only when a request reaches it, and a stopped or wedged one never (a SIGSTOPped
+engine kept readiness true and failed every request). A heartbeat that stops being renewed says the process is
+frozen; a pid that no longer runs says it died; and the engine's beat also says how long its decoding loop has been
+inside one ragged step and how many rows that step has, so the launcher can tell a wedged step from a long one
+(``deadline``): a prefill of many rows takes long but is priced by its rows, at the pace of the steps before it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+PREFIX = "heartbeat-"
+#: how often a stub renews its beat
+BEAT_S = 0.25
+#: a beat older than this says its stub is frozen (stopped, or its interpreter starved of every thread); generous
+#: against a loaded machine, where a sleeping thread may wake a second late
+STALE_S = 5.0
+#: a step is wedged past the longest of this and ``STEP_FACTOR`` times what its rows took at the measured pace
+STEP_FLOOR_S = 10.0
+STEP_FACTOR = 20.0
+#: the pace a step is priced at before any step was measured (CPU, a small model: generous)
+DEFAULT_ROW_S = 0.02
+
+
+@dataclass(frozen=True)
+class Beat:
+    """One stub's state at ``time`` (``time.monotonic``, the same clock across the host's processes)."""
+
+    model: str
+    pid: int
+    time: float
+    #: the engine: since when its decoding loop has been inside one step (None: between steps), that step's rows,
+    #: and the seconds a row took over the steps so far (None before the first)
+    busy_since: float | None = None
+    rows: int = 0
+    row_seconds: float | None = None
+
+    def deadline(self) -> float | None:
+        """When the step in progress counts as wedged (None: no step in progress)."""
+        if self.busy_since is None:
+            return None
+        pace = self.row_seconds if self.row_seconds is not None else DEFAULT_ROW_S
+        return self.busy_since + max(STEP_FLOOR_S, STEP_FACTOR * pace * max(self.rows, 1))
+
+
+def write(directory: Path, beat: Beat) -> None:
+    """Replace the stub's beat file at once (rename), so a reader never sees half of one."""
+    path = directory / f"{PREFIX}{beat.pid}"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(beat)))
+    os.replace(tmp, path)
+
+
+def read_all(directory: Path) -> list[Beat]:
+    """Every beat in ``directory`` (unreadable files, being replaced, are skipped)."""
+    beats = []
+    for path in directory.glob(f"{PREFIX}*"):
+        if path.suffix == ".tmp":
+            continue
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            beats.append(Beat(**json.loads(path.read_text())))
+    return beats
+
+
+def forget(directory: Path, pid: int) -> None:
+    (directory / f"{PREFIX}{pid}").unlink(missing_ok=True)
+
+
+class Heartbeat:
+    """A daemon thread renewing this process's beat for ``model``; ``progress`` adds the engine's step state
+    (``busy_since``, ``rows``, ``row_seconds``)."""
+
+    def __init__(self, directory: Path | None, model: str, progress: Callable[[], dict] | None = None) -> None:
+        self.directory, self.model, self.progress = directory, model, progress
+        self._parent = os.getppid()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="specdec-heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        if self.directory is not None:
+            self._beat()
+            self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        state = self.progress() if self.progress is not None else {}
+        with contextlib.suppress(OSError):
+            write(self.directory, Beat(self.model, os.getpid(), time.monotonic(), **state))  # type: ignore[arg-type]
+
+    def _run(self) -> None:
+        while not self._stop.wait(BEAT_S):
+            if os.getppid() != self._parent:
+                # tritonserver is gone (this stub was re-parented): nothing can reach this process any more, and a
+                # stub that finalizes a busy engine may take long to notice on its own; it goes now
+                os._exit(0)
+            self._beat()
+
+    def stop(self) -> None:
+        """No more beats, and this process's file goes: a model that unloads is not a stub that died."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(2 * BEAT_S)
+        if self.directory is not None:
+            forget(self.directory, os.getpid())
