@@ -262,3 +262,24 @@ def test_finalize_stops_every_thread(tiny_export: Path, tmp_path: Path, monkeypa
         assert threading.active_count() <= before + 2  # the services' loop threads end as their stop returns
     finally:
         pb.use(previous)
+
+
+def test_a_reloaded_gate_publishes_the_launchers_counts_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each load of the readiness gate meets its predecessor's counters (Triton keeps a family by name): it brings
+    them up to the launcher's counts, never adds them again."""
+    from specdec.serving.control import Control
+    from specdec.serving.gate_model import ReadinessGate
+
+    monkeypatch.setenv("SPECDEC_CONTROL_DIR", str(tmp_path))
+    monkeypatch.setattr(stand_in.MetricFamily, "families", {})
+    previous = stand_in.install()
+    try:
+        for reloads in (1, 1, 3):
+            Control(tmp_path).record(restarts=2, reloads=reloads)
+            gate = ReadinessGate()
+            gate.initialize(stand_in.model_args(protocol.READY_MODEL, str(tmp_path), {}))
+            gate.finalize()
+            published = {name: m[()].value() for name, m in stand_in.MetricFamily.families.items()}
+            assert published == {"specdec_server_restarts_total": 2, "specdec_server_reloads_total": reloads}
+    finally:
+        pb.use(previous)

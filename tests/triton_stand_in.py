@@ -130,28 +130,32 @@ def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | N
 
 
 class MetricFamily:
+    """As Triton's: a family asked for by a name already registered is that family, and a metric of labels it
+    holds is that metric, value and all (what a reloaded model meets: its predecessor's counters)."""
+
     COUNTER, GAUGE = "counter", "gauge"
-    families: ClassVar[dict[str, MetricFamily]] = {}
+    families: ClassVar[dict[str, dict[tuple[tuple[str, str], ...], Metric]]] = {}
 
     def __init__(self, name: str, description: str, kind: str) -> None:
-        self.name, self.kind, self.metrics = name, kind, []
-        MetricFamily.families[name] = self
+        self.name, self.kind = name, kind
+        self.metrics = MetricFamily.families.setdefault(name, {})
 
     def Metric(self, labels: Mapping[str, str]) -> Metric:
-        metric = Metric(dict(labels))
-        self.metrics.append(metric)
-        return metric
+        return self.metrics.setdefault(tuple(sorted(labels.items())), Metric(dict(labels)))
 
 
 class Metric:
     def __init__(self, labels: dict[str, str]) -> None:
-        self.labels, self.value = labels, 0.0
+        self.labels, self._value = labels, 0.0
 
     def increment(self, by: float) -> None:
-        self.value += by
+        self._value += by
 
     def set(self, value: float) -> None:
-        self.value = value
+        self._value = value
+
+    def value(self) -> float:
+        return self._value
 
 
 class StandInServer:
