@@ -126,9 +126,11 @@ def descendants(pid: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def server(tiny_export: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    """One server the repair tests share: each leaves it serving again (more repairs than the default crash-loop limit
-    allows in its window: this server is repaired on purpose, over and over)."""
-    with served(tiny_export, tmp_path_factory.mktemp("supervised"), "--max-restarts", "100") as running:
+    """One server the repair tests share: each leaves it serving again. It is repaired on purpose, over and over, so
+    its window is one second: each repair is the first of its window, at once, neither backed off (up to 30 s each
+    by the tenth) nor a crash loop; ``test_a_crash_loop_gives_up_with_exit_1`` is the one about those."""
+    args = ("--max-restarts", "100", "--restart-window", "1")
+    with served(tiny_export, tmp_path_factory.mktemp("supervised"), *args) as running:
         yield running
 
 

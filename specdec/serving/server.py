@@ -435,10 +435,14 @@ class TritonServer:
         return path
 
     def inflight(self) -> int | None:
-        """Requests the entry points have admitted and not yet answered (their gauge), None if unreadable."""
+        """Requests the entry points have admitted and not yet answered (their gauge), None if unreadable.
+
+        A page without the gauge is 0: no specdec entry point is loaded, so none holds a request (a repository of
+        other models: Triton's own exit waits for theirs). Read as unknown, it held every drain for its whole
+        timeout."""
         try:
             with urllib.request.urlopen(self.metrics_url, timeout=2) as resp:
-                return inflight_from_metrics(resp.read().decode(errors="replace"))
+                return inflight_from_metrics(resp.read().decode(errors="replace")) or 0
         except (urllib.error.URLError, OSError, ValueError):
             return None
 
