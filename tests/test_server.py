@@ -20,15 +20,9 @@ import pytest
 from servers import eventually, free_ports, processes_mentioning
 
 from specdec.serving.install import TritonNotFoundError, find_tritonserver
+from specdec.serving.repository import InvalidRepositoryError, validate_repository
 from specdec.serving.serve import serve_main
-from specdec.serving.server import (
-    InvalidRepositoryError,
-    PortInUseError,
-    TritonServer,
-    TritonStartError,
-    port_free,
-    validate_repository,
-)
+from specdec.serving.server import PortInUseError, TritonServer, TritonStartError, port_free
 
 try:
     INSTALL = find_tritonserver()

@@ -64,8 +64,7 @@ from specdec.models.manifest import ExportDirError, read_manifest
 from specdec.serving import protocol
 from specdec.serving.control import INFLIGHT_METRIC
 from specdec.serving.install import TritonError
-from specdec.serving.repository import REPOSITORY_DIR, read_parameters
-from specdec.serving.server import validate_repository
+from specdec.serving.repository import REPOSITORY_DIR, read_parameters, validate_repository
 
 #: what the tests and the CLI read from here, defined in the pod and KServe modules
 __all__ = [

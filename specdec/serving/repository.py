@@ -31,6 +31,7 @@ from specdec.runtime.costs import DraftCosts
 from specdec.runtime.draft_length import BatchPrices, prices_text
 from specdec.serving import protocol
 from specdec.serving.inputs import Limits
+from specdec.serving.install import TritonError
 
 REPOSITORY_DIR = "triton_repo"
 #: the readiness gate serves nothing; a Python model still declares a tensor
@@ -241,3 +242,44 @@ def missing_models(repo: Path) -> list[str]:
         and "specdec.serving.triton_models" in (repo / m / "1" / "model.py").read_text(errors="replace")
     ]
     return [m for m in MODELS if m not in ours] if ours else []
+
+
+class InvalidRepositoryError(TritonError):
+    """The model repository is missing or malformed (checked before Triton would fail more obscurely)."""
+
+
+def validate_repository(path: str | os.PathLike[str]) -> Path:
+    """Check the model repository's shape so a typo fails in a second with a clear message.
+
+    Triton itself would start, fail to load, and bury the reason in its log. Every model directory needs
+    a ``config.pbtxt`` and at least one numeric version directory.
+    """
+    repo = Path(path)
+    if (repo / "manifest.json").is_file() and (repo / "triton_repo").is_dir():  # an export directory
+        repo = repo / "triton_repo"
+    if not repo.is_dir():
+        raise InvalidRepositoryError(f"model repository {repo} does not exist or is not a directory")
+    models = sorted(p for p in repo.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not models:
+        raise InvalidRepositoryError(f"model repository {repo} contains no model directories")
+    for model in models:
+        if not (model / "config.pbtxt").is_file():
+            raise InvalidRepositoryError(f"model {model.name!r} in {repo} has no config.pbtxt")
+        if not any(v.is_dir() and v.name.isdigit() for v in model.iterdir()):
+            raise InvalidRepositoryError(
+                f"model {model.name!r} in {repo} has no version directory (e.g. {model / '1'})"
+            )
+    names = {model.name for model in models}
+    missing = missing_models(repo)
+    if missing:
+        raise InvalidRepositoryError(
+            f"specdec model repository {repo} is missing model(s) {', '.join(missing)} "
+            "(rewrite it with `specdec-export`, or copy the whole triton_repo)"
+        )
+    for model in models:
+        for needed in re.findall(r'model_name:\s*"([^"]+)"', (model / "config.pbtxt").read_text(errors="replace")):
+            if needed not in names:
+                raise InvalidRepositoryError(
+                    f"ensemble {model.name!r} in {repo} uses model {needed!r}, which is missing from the repository"
+                )
+    return repo

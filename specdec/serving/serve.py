@@ -20,6 +20,7 @@ from types import FrameType
 from specdec.serving.control import ADMIN_HEADER, GRPC_ADMIN_HEADER
 from specdec.serving.install import TritonError
 from specdec.serving.openai.process import API_KEY_ENV, DEFAULT_PORT, OpenAIFrontend, model_name
+from specdec.serving.repository import validate_repository
 from specdec.serving.server import (
     PortInUseError,
     TritonServer,
@@ -27,7 +28,6 @@ from specdec.serving.server import (
     error_summary,
     loopback,
     port_free,
-    validate_repository,
 )
 from specdec.serving.supervisor import POLL_S, RestartPolicy, Supervisor
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import signal
 import socket
@@ -42,6 +41,7 @@ from specdec.serving.control import (
 )
 from specdec.serving.install import TritonError, TritonInstall, find_tritonserver, libpython_dir
 from specdec.serving.protocol import READY_MODEL
+from specdec.serving.repository import validate_repository
 
 #: the launcher's control directories (``Control``) are named by its pid, so a later start reclaims those whose
 #: launcher is gone (killed with SIGKILL, it could not remove its own: the admin key stays in it)
@@ -98,10 +98,6 @@ class PortInUseError(TritonError):
     """A port the server needs is already taken; raised before the server is started."""
 
 
-class InvalidRepositoryError(TritonError):
-    """The model repository is missing or malformed (checked before Triton would fail more obscurely)."""
-
-
 def free_ports(n: int = 3, host: str = "127.0.0.1") -> list[int]:
     """``n`` distinct free ports on ``host`` (all bound at once so the kernel cannot hand out one twice)."""
     socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
@@ -124,45 +120,6 @@ def port_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def validate_repository(path: str | os.PathLike[str]) -> Path:
-    """Check the model repository's shape so a typo fails in a second with a clear message.
-
-    Triton itself would start, fail to load, and bury the reason in its log. Every model directory needs
-    a ``config.pbtxt`` and at least one numeric version directory.
-    """
-    repo = Path(path)
-    if (repo / "manifest.json").is_file() and (repo / "triton_repo").is_dir():  # an export directory
-        repo = repo / "triton_repo"
-    if not repo.is_dir():
-        raise InvalidRepositoryError(f"model repository {repo} does not exist or is not a directory")
-    models = sorted(p for p in repo.iterdir() if p.is_dir() and not p.name.startswith("."))
-    if not models:
-        raise InvalidRepositoryError(f"model repository {repo} contains no model directories")
-    for model in models:
-        if not (model / "config.pbtxt").is_file():
-            raise InvalidRepositoryError(f"model {model.name!r} in {repo} has no config.pbtxt")
-        if not any(v.is_dir() and v.name.isdigit() for v in model.iterdir()):
-            raise InvalidRepositoryError(
-                f"model {model.name!r} in {repo} has no version directory (e.g. {model / '1'})"
-            )
-    names = {model.name for model in models}
-    from specdec.serving.repository import missing_models
-
-    missing = missing_models(repo)
-    if missing:
-        raise InvalidRepositoryError(
-            f"specdec model repository {repo} is missing model(s) {', '.join(missing)} "
-            "(rewrite it with `specdec-export`, or copy the whole triton_repo)"
-        )
-    for model in models:
-        for needed in re.findall(r'model_name:\s*"([^"]+)"', (model / "config.pbtxt").read_text(errors="replace")):
-            if needed not in names:
-                raise InvalidRepositoryError(
-                    f"ensemble {model.name!r} in {repo} uses model {needed!r}, which is missing from the repository"
-                )
-    return repo
 
 
 # --------------------------------------------------------------------------- the server process
