@@ -60,6 +60,8 @@ from specdec.serving.protocol import DRAINING
 log = logging.getLogger("specdec.openai")
 #: a request body above this is refused with 413 (a prompt the server takes is at most 64 KiB: ``protocol.Limits``)
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+#: how far past the limit a body is still read before its 413 (``body``)
+DRAIN_FACTOR = 8
 Parsed = TypeVar("Parsed", bound=BaseModel)
 
 
@@ -103,17 +105,24 @@ class Frontend:
             raise errors.unauthorized()
 
     async def body(self, request: Request) -> bytes:
-        """The request body, refused with 413 as soon as it is larger than allowed (declared or sent)."""
+        """The request body, refused with 413 when it is larger than allowed (declared or sent).
+
+        A body up to ``DRAIN_FACTOR`` times the limit is read to its end (and dropped) before the 413 goes out: a
+        client that writes its whole body before it reads (urllib, requests) otherwise meets a connection closed
+        under it, a broken pipe instead of the answer. A larger one is refused at once, the connection cut."""
         limit = self.settings.max_body_bytes
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
+        if declared.isdigit() and int(declared) > limit * DRAIN_FACTOR:
             raise errors.too_large(limit)
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
-            if size > limit:
+            if size > limit * DRAIN_FACTOR:
                 raise errors.too_large(limit)
-            chunks.append(chunk)
+            if size <= limit:
+                chunks.append(chunk)
+        if size > limit:
+            raise errors.too_large(limit)
         return b"".join(chunks)
 
     def parse(self, kind: type[Parsed], body: bytes) -> Parsed:
