@@ -71,6 +71,13 @@ def write_dataset(path: Path, prompts: Sequence[str], max_tokens: int) -> Path:
     return path
 
 
+#: requests/s that aiperf may start at most, far above what a concurrency level here needs (a CPU engine answers a
+#: few per second): with ``--concurrency`` alone aiperf 0.13's rate loop polls for a free slot without sleeping
+#: (``timing_manager`` at ~95 % of a core), and on 2 cores llama-server's spinning threads then collapse (151 s for
+#: one 140-token answer); at this rate it looks every 10 ms instead, a new request starting at most that late
+SLOT_POLL_RATE = 100
+
+
 def profile_command(
     exe: Path,
     *,
@@ -89,7 +96,8 @@ def profile_command(
     ``--use-legacy-max-tokens``: the budget goes as ``max_tokens``, the field every engine here reads (aiperf's
     default is ``max_completion_tokens``). One worker and one record processor, no polling of the server's
     ``/metrics`` nor of GPU telemetry: aiperf's own processes share the CPU with the engine under test, so it runs
-    as little as keeps up with a CPU engine's pace.
+    as little as keeps up with a CPU engine's pace. ``--request-rate SLOT_POLL_RATE`` beside ``--concurrency``: why,
+    ``SLOT_POLL_RATE``.
     """
     cmd = [
         str(exe),
@@ -111,6 +119,10 @@ def profile_command(
         "sequential",
         "--concurrency",
         str(concurrency),
+        "--request-rate",
+        str(SLOT_POLL_RATE),
+        "--request-rate-mode",
+        "constant",
         "--request-count",
         str(requests),
         "--use-legacy-max-tokens",
