@@ -146,7 +146,7 @@ def export_onnx(
                 RaggedStep(backend).eval(),
                 _example_inputs(backend),
                 dynamo=True,
-                custom_translation_table=TRANSLATION_TABLE,
+                custom_translation_table=TRANSLATION_TABLE,  # type: ignore[arg-type]  # torch types it by callables
                 input_names=input_names,
                 output_names=output_names,
                 dynamic_shapes=_dynamic_shapes(num_caches),
@@ -155,6 +155,8 @@ def export_onnx(
             )
     finally:
         registration.setLevel(level)
+    if program is None:  # torch returns None only when asked to write the file itself, which this never does
+        raise RuntimeError("torch.onnx.export returned no program")
     out.parent.mkdir(parents=True, exist_ok=True)
     data = out.with_name(out.name + ".data")
     if data.exists():

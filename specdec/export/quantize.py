@@ -12,6 +12,7 @@ beside it and measured in ``benchmarks/results/quantize.md``.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from specdec.export.quantization.blocks import QuantizeError
@@ -45,7 +46,7 @@ def quantize_and_validate(
 
     reference_model, summary = quantize_export(model, graph, strategy)
     reference = TorchBackend(reference_model)
-    with strategy.checked(graph) as checked:
+    with strategy.checked(Path(graph)) as checked:
         error = max_logit_error(reference, OrtBackend(checked))
     if error > tolerance:
         raise QuantizeError(

@@ -213,7 +213,11 @@ def _graph_dtype(inputs: Sequence[tuple[str, list[int | str], int]]) -> str:
     """The floating dtype of the graph's caches (the precision the ONNX was exported in)."""
     from onnx import TensorProto
 
-    names = {TensorProto.FLOAT: "float32", TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16"}
+    names: dict[int, str] = {
+        TensorProto.FLOAT: "float32",
+        TensorProto.FLOAT16: "float16",
+        TensorProto.BFLOAT16: "bfloat16",
+    }
     cache = CACHE_INPUT.format(layer=0, kind="key")
     for name, _, elem in inputs:
         if name == cache:

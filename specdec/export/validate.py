@@ -57,7 +57,9 @@ def max_logit_error(
     columns, so both backends must agree on which token each column means.
     """
     ref_head, cand_head = getattr(reference, "head_token_ids", None), getattr(candidate, "head_token_ids", None)
-    same_head = (ref_head is None) == (cand_head is None) and (ref_head is None or np.array_equal(ref_head, cand_head))
+    same_head = (ref_head is None) == (cand_head is None) and (
+        ref_head is None or (cand_head is not None and np.array_equal(ref_head, cand_head))
+    )
     if not same_head:
         raise ValueError(
             "the exported model's head_token_ids differ from the reference's: its logits columns would "

@@ -93,9 +93,10 @@ def _add_offsets(g: GraphEditor, node: Any, block: BlockQuant, base: str, produc
         raise QuantizeError(f"{base}: block offsets need whole blocks of inputs")
     g.initializer(np.array([-1, k_blocks, BLOCK_SIZE], np.int64), f"{base}.block_shape")
     g.initializer(np.array([-1], np.int64), f"{base}.block_axis")
+    assert block.offsets is not None  # the caller's condition
     g.initializer(np.ascontiguousarray(block.offsets.T, np.float32), f"{base}.offsets")
 
-    def add(op: str, *inputs: str, suffix: str, out: str | None = None, **attrs: object) -> str:
+    def add(op: str, *inputs: str, suffix: str, out: str | None = None, **attrs: Any) -> str:
         return g.add(op, *inputs, outputs=[out or f"{base}.{suffix}"], name=f"{base}.{suffix}", **attrs)
 
     sums = add(

@@ -101,7 +101,7 @@ def rewrite_graph(path: str | os.PathLike, strategy: QuantizationStrategy, plan:
     formats: Counter = Counter()
     gathered: str | None = None
     for node in list(g.graph.node):
-        if plan.embedding is not None and gathered is None and gathers(g, node, plan.table):
+        if plan.embedding is not None and plan.table is not None and gathered is None and gathers(g, node, plan.table):
             with g.in_place_of(node):
                 gather_block_quantized(g, node, plan.embedding)
             gathered = plan.embedding.source
@@ -149,7 +149,7 @@ def rewrite_graph(path: str | os.PathLike, strategy: QuantizationStrategy, plan:
     summary = {
         "linear_layers": sum(formats.values()),
         "formats": dict(sorted(formats.items())),
-        "embedding": "fp32" if gathered is None else f"{plan.embedding.bits}-bit {gathered}",
+        "embedding": "fp32" if gathered is None or plan.embedding is None else f"{plan.embedding.bits}-bit {gathered}",
         "block_size": BLOCK_SIZE,
         "accuracy_level": strategy.accuracy_level,
         "graph_bytes": out.stat().st_size + (data.stat().st_size if data.exists() else 0),

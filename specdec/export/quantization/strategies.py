@@ -128,7 +128,7 @@ class WeightBlocks(QuantizationStrategy):
             raise QuantizeError(f"weight blocks are 4 or 8 bits, not {self.bits}")
 
     @property
-    def name(self) -> str:
+    def name(self) -> str:  # type: ignore[override]  # read-only here: the width names it
         return f"int{self.bits}"
 
     def plan(self, model: Any, names: Sequence[str] | None = None) -> Plan:
@@ -178,9 +178,10 @@ class W8A8(QuantizationStrategy):
     strength: float = SMOOTH_ALPHA
     calibration: tuple[tuple[int, ...], ...] | None = None
     use_gguf: bool = True
-    name: ClassVar[str] = "w8a8"
-    bits: ClassVar[int] = 8
-    accuracy_level: ClassVar[int] = INT8_ACTIVATIONS  # the head's: the chains round their activations by definition
+    # constants of this strategy, not settings: class variables where the base declares what every strategy has
+    name: ClassVar[str] = "w8a8"  # type: ignore[misc]
+    bits: ClassVar[int] = 8  # type: ignore[misc]
+    accuracy_level: ClassVar[int] = INT8_ACTIVATIONS  # type: ignore[misc]  # the head's: the chains round their activations by definition
 
     @property
     def head(self) -> WeightBlocks:

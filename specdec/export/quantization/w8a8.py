@@ -119,7 +119,7 @@ def integer_chain(
     zero_points = _zero_points(g, rows)
     for key in ("codes", "scales", "unsmooth"):
         g.initializer(getattr(linear, key), f"{base}.{key}")
-    steps = [
+    steps: list[tuple[str, list[str], str, dict[str, Any]]] = [
         ("Mul", [node.input[0], f"{base}.unsmooth"], "x", {}),
         ("Abs", [f"{base}.x"], "abs", {}),
         ("ReduceMax", [f"{base}.abs", f"{TAG}.last_axis"], "amax", {"keepdims": 0}),

@@ -79,9 +79,9 @@ class GraphEditor:
         self._sink.append(node)
         return outs[0]
 
-    def initializer(self, value: np.ndarray, name: str) -> str:
+    def initializer(self, value: np.ndarray | np.generic, name: str) -> str:
         """A new initializer ``name`` holding ``value``; its name."""
-        tensor = numpy_helper.from_array(value, name)
+        tensor = numpy_helper.from_array(np.asarray(value), name)
         self.new_initializers.append(tensor)
         self.consts[name] = tensor
         return name
