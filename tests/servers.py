@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -10,7 +11,16 @@ from typing import Any
 
 from specdec.serving.server import free_ports
 
-__all__ = ["ask", "eventually", "free_ports", "needs_tritonserver", "processes_mentioning", "samples"]
+__all__ = ["SPECDEC_SERVE", "ask", "eventually", "free_ports", "needs_tritonserver", "processes_mentioning", "samples"]
+
+
+#: ``specdec serve`` as a child process, as an operator runs it (its own signals, output and exit code); its
+#: arguments follow
+SPECDEC_SERVE = (
+    sys.executable,
+    "-c",
+    "import sys; from specdec.serving.serve import serve_main; sys.exit(serve_main(sys.argv[1:]))",
+)
 
 
 def eventually(condition: Callable[[], bool], timeout: float = 120.0, poll_s: float = 0.1) -> bool:

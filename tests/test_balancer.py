@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from servers import eventually, free_ports, processes_mentioning
+from servers import SPECDEC_SERVE, eventually, free_ports, processes_mentioning
 
 from specdec.deploy.balancer import (
     HTTP_BACKEND,
@@ -111,13 +111,10 @@ class Served:
 
     def start(self) -> None:
         self.starts += 1
-        code = "import sys; from specdec.serving.serve import serve_main; sys.exit(serve_main(sys.argv[1:]))"
         out = (self.log_dir / f"{self.replica.name}-serve-{self.starts}.out").open("wb")
         self.proc = subprocess.Popen(
             [
-                sys.executable,
-                "-c",
-                code,
+                *SPECDEC_SERVE,
                 str(self.repository),
                 "--grpc-port",
                 str(self.replica.grpc_port),

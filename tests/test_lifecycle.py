@@ -15,7 +15,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from servers import ask, eventually, free_ports, needs_tritonserver, processes_mentioning, samples
+from servers import SPECDEC_SERVE, ask, eventually, free_ports, needs_tritonserver, processes_mentioning, samples
 
 from specdec.runtime.config import EngineConfig
 from specdec.runtime.engine import Engine
@@ -73,12 +72,9 @@ class Served:
 def _serve(export: Path, log: Path) -> Served:
     """``specdec serve`` in its own process, ready."""
     grpc, http, metrics, openai_port = free_ports(4)
-    code = "import sys; from specdec.serving.serve import serve_main; sys.exit(serve_main(sys.argv[1:]))"
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-c",
-            code,
+            *SPECDEC_SERVE,
             str(export / "triton_repo"),
             "--grpc-port",
             str(grpc),

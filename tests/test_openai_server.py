@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from servers import eventually, free_ports, needs_tritonserver, processes_mentioning, samples
+from servers import SPECDEC_SERVE, eventually, free_ports, needs_tritonserver, processes_mentioning, samples
 
 from specdec.serving.client import SpecdecClient
 from specdec.serving.control import shm_regions
@@ -60,13 +60,10 @@ def served(smollm2_export: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     ports = free_ports(4)
     grpc, http, metrics, api = ports
     log = tmp_path_factory.mktemp("openai") / "server.log"
-    code = "import sys; from specdec.serving.serve import serve_main; sys.exit(serve_main(sys.argv[1:]))"
     args = [str(smollm2_export), "--grpc-port", str(grpc), "--http-port", str(http), "--metrics-port", str(metrics)]
     args += ["--openai-port", str(api), "--log-file", str(log), "--ready-timeout", str(WAIT_S)]
     args += ["--drain-timeout", str(WAIT_S), "--exit-timeout", "60"]
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    proc = subprocess.Popen([*SPECDEC_SERVE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = []
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:

@@ -11,12 +11,11 @@ from __future__ import annotations
 import contextlib
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from servers import eventually, free_ports, needs_tritonserver, samples
+from servers import SPECDEC_SERVE, eventually, free_ports, needs_tritonserver, samples
 
 needs_tritonserver()
 
@@ -68,13 +67,10 @@ def server(tiny_export: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     """(gRPC address, metrics URL) of one ``specdec serve`` the tests share."""
     grpc, http, metrics, openai = free_ports(4)
     log = tmp_path_factory.mktemp("refusals") / "triton.log"
-    code = "import sys; from specdec.serving.serve import serve_main; sys.exit(serve_main(sys.argv[1:]))"
     ports = ["--grpc-port", str(grpc), "--http-port", str(http), "--metrics-port", str(metrics)]
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-c",
-            code,
+            *SPECDEC_SERVE,
             str(tiny_export / "triton_repo"),
             *ports,
             "--openai-port",

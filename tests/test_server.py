@@ -10,14 +10,13 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from servers import eventually, free_ports, processes_mentioning
+from servers import SPECDEC_SERVE, eventually, free_ports, processes_mentioning
 
 from specdec.serving.install import TritonNotFoundError, find_tritonserver
 from specdec.serving.repository import InvalidRepositoryError, validate_repository
@@ -244,12 +243,9 @@ def test_serve_cli_forwards_sigint(tmp_path: Path) -> None:
     """``specdec serve`` in a child process: prints the endpoints, and SIGINT stops it with exit code 0."""
     repo = make_repo(tmp_path / "repo")
     grpc, http, metrics, openai_port = free_ports(4)
-    code = "import sys; from specdec.serving.serve import serve_main; sys.exit(serve_main(sys.argv[1:]))"
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-c",
-            code,
+            *SPECDEC_SERVE,
             str(repo),
             "--grpc-port",
             str(grpc),

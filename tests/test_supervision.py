@@ -14,7 +14,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from fault_hooks import SLOW_SEED
-from servers import eventually, free_ports, needs_tritonserver, samples
+from servers import SPECDEC_SERVE, eventually, free_ports, needs_tritonserver, samples
 
 needs_tritonserver()
 import tritonclient.grpc as grpcclient  # noqa: E402
@@ -69,11 +68,10 @@ def serve(export: Path, log: Path, *args: str) -> Served:
     """``specdec serve`` over the export in its own process, ready (``WAIT_S`` at most)."""
     grpc, http, metrics, openai = free_ports(4)
     started = time.monotonic()
-    code = "import sys; from specdec.serving.serve import serve_main; sys.exit(serve_main(sys.argv[1:]))"
     ports = ["--grpc-port", str(grpc), "--http-port", str(http), "--metrics-port", str(metrics)]
     proc = subprocess.Popen(
         [
-            *(sys.executable, "-c", code, str(export / "triton_repo"), *ports, "--openai-port", str(openai)),
+            *(*SPECDEC_SERVE, str(export / "triton_repo"), *ports, "--openai-port", str(openai)),
             *("--log-file", str(log), "--ready-timeout", str(WAIT_S), "--exit-timeout", "30", *args),
         ],
         stdout=subprocess.PIPE,
@@ -273,10 +271,9 @@ def test_an_engine_killed_as_triton_turns_ready_is_repaired(tiny_export: Path, t
     """Observation 4: an engine killed at the first HTTP 200, before ``specdec serve`` printed ready, was never
     watched: every request failed. Its heartbeat is watched from the moment it loads."""
     grpc, http, metrics, openai = free_ports(4)
-    code = "import sys; from specdec.serving.serve import serve_main; sys.exit(serve_main(sys.argv[1:]))"
     ports = ["--grpc-port", str(grpc), "--http-port", str(http), "--metrics-port", str(metrics)]
     proc = subprocess.Popen(
-        [sys.executable, "-c", code, str(tiny_export / "triton_repo"), *ports, "--openai-port", str(openai)],
+        [*SPECDEC_SERVE, str(tiny_export / "triton_repo"), *ports, "--openai-port", str(openai)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
