@@ -45,7 +45,7 @@ from specdec.serving.triton_io import (
     release_senders,
     response,
 )
-from specdec.serving.triton_metrics import EngineMetrics
+from specdec.serving.triton_metrics import EngineMetrics, release_metrics
 
 if TYPE_CHECKING:
     from specdec.runtime.engine import Engine
@@ -279,3 +279,4 @@ class EngineModel:
         self._sender.join(5)
         self._watcher.join(5)
         release_senders()
+        release_metrics()

@@ -56,6 +56,7 @@ from specdec.serving.responses import engine_error, parse_engine_response
 from specdec.serving.triton_io import (
     Client,
     ModelError,
+    bls_tensors,
     code_name,
     error_response,
     internal_parameters,
@@ -66,7 +67,7 @@ from specdec.serving.triton_io import (
     release_senders,
     response,
 )
-from specdec.serving.triton_metrics import InflightGauge, RefusalCounter
+from specdec.serving.triton_metrics import InflightGauge, RefusalCounter, release_metrics
 
 log = logging.getLogger(__name__)
 #: how often the watcher looks at the clients and the launcher's abort flag
@@ -270,19 +271,27 @@ class _EntryPoint:
             model_name=ENGINE_MODEL,
             request_id=engine_id,
             requested_output_names=[s.name for s in ENGINE_OUTPUTS],
-            inputs=[pb.utils.Tensor(k, v) for k, v in {**prompt, **params}.items()],
+            inputs=bls_tensors({**prompt, **params}),
             parameters=internal_parameters(),
         )
-        for answer in engine.exec(decoupled=True):
-            if answer.has_error():
-                raise_model_error(answer.error())
-            if not answer.output_tensors():
-                continue  # the empty final flag
-            outputs = {t.name(): t.as_numpy() for t in answer.output_tensors()}
-            message, code = engine_error(outputs)
-            if message:  # in band, with its code (``responses.engine_failure``)
-                raise ModelError(message, code)
-            yield _bls(POSTPROCESSING_MODEL, outputs, TEXT_OUTPUTS), parse_engine_response(outputs).finished
+        answers = engine.exec(decoupled=True)
+        ended = False
+        try:
+            for answer in answers:
+                if answer.has_error():
+                    raise_model_error(answer.error())
+                if not answer.output_tensors():
+                    continue  # the empty final flag
+                outputs = {t.name(): t.as_numpy() for t in answer.output_tensors()}
+                message, code = engine_error(outputs)
+                if message:  # in band, with its code (``responses.engine_failure``)
+                    raise ModelError(message, code)
+                yield _bls(POSTPROCESSING_MODEL, outputs, TEXT_OUTPUTS), parse_engine_response(outputs).finished
+            ended = True
+        finally:
+            if not ended:
+                self._control.cancel(engine_id)
+                _read_to_the_end(answers)
 
     # -- cancellation and abort -----------------------------------------------------------------------------------
     def _watch(self) -> None:
@@ -332,6 +341,21 @@ class _EntryPoint:
         while self._active and time.monotonic() < deadline:
             time.sleep(WATCH_POLL_S)
         release_senders()
+        release_metrics()
+
+
+def _read_to_the_end(answers: Any) -> None:
+    """Take a decoupled BLS call's answers up to its final flag, here, before the iterator is dropped.
+
+    An iterator dropped unfinished waits for that flag in its C++ destructor, with the GIL released in the middle
+    of a deallocation (python_backend's ``ResponseIterator``), wherever the last reference goes: a failed request's
+    traceback. The engine answers a cancelled request at its next step, so this returns promptly.
+    """
+    while True:
+        try:
+            next(answers)
+        except StopIteration:
+            return
 
 
 def _bls(model: str, inputs: dict[str, np.ndarray], outputs: tuple[TensorSpec, ...]) -> dict[str, np.ndarray]:
@@ -339,7 +363,7 @@ def _bls(model: str, inputs: dict[str, np.ndarray], outputs: tuple[TensorSpec, .
     request = pb.utils.InferenceRequest(
         model_name=model,
         requested_output_names=[s.name for s in outputs],
-        inputs=[pb.utils.Tensor(k, v) for k, v in inputs.items()],
+        inputs=bls_tensors(inputs),
         parameters=internal_parameters(),
     )
     answer = request.exec()

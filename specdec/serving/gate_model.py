@@ -22,7 +22,7 @@ from specdec.serving.diagnostics import dump_threads_on_sigusr1
 from specdec.serving.heartbeat import Heartbeat
 from specdec.serving.protocol import READY_MODEL
 from specdec.serving.triton_io import error_response
-from specdec.serving.triton_metrics import SupervisionCounters
+from specdec.serving.triton_metrics import SupervisionCounters, release_metrics
 
 
 class ReadinessGate:
@@ -40,3 +40,4 @@ class ReadinessGate:
 
     def finalize(self) -> None:
         self.heartbeat.stop()
+        release_metrics()

@@ -129,12 +129,12 @@ def internal_only(model: str) -> Any:
 
 
 def read_inputs(request: Any, specs: tuple[TensorSpec, ...]) -> dict[str, np.ndarray]:
-    """The inputs of ``specs`` the client sent, as numpy arrays."""
+    """The inputs of ``specs`` the client sent, as numpy arrays of this model's own (copies)."""
     found = {}
     for spec in specs:
         tensor = pb.utils.get_input_tensor_by_name(request, spec.name)
         if tensor is not None:
-            found[spec.name] = tensor.as_numpy()
+            found[spec.name] = np.array(tensor.as_numpy(), copy=True)  # owned (``bls_tensors``)
     return found
 
 
@@ -169,6 +169,17 @@ def load_tokenizer(args: Mapping[str, str]) -> Any:
     from specdec.models.export_meta import load_export_metadata
 
     return load_export_metadata(export_dir(args), "target").tokenizer
+
+
+def bls_tensors(inputs: Mapping[str, np.ndarray]) -> list[Any]:
+    """The tensors of a BLS call, each made from its own copy of the array.
+
+    Why copies, here and in ``read_inputs``: with ten requests failing at once beside good streams, the
+    ``specdec_stream`` stub died freeing an object array of a request's inputs (``double free or corruption``; the
+    core's stack ends in ``_choice``'s frame). With no array shared between a request's Python objects and the
+    Python backend's tensors it did not happen again (``benchmarks/results/fault_storm.md``).
+    """
+    return [pb.utils.Tensor(name, np.array(value, copy=True)) for name, value in inputs.items()]
 
 
 def release_senders() -> None:

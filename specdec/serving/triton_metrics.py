@@ -6,6 +6,8 @@ Only inside a Python-backend stub: the families live in Triton's registry, next 
 
 from __future__ import annotations
 
+import gc
+import threading
 from typing import TYPE_CHECKING, Any
 
 from specdec.runtime.request import RequestMetrics
@@ -17,6 +19,69 @@ if TYPE_CHECKING:
     from specdec.serving.service import EngineService
 
 
+#: one update of any metric at a time in this stub (``Metric``)
+_UPDATE_LOCK = threading.Lock()
+#: every metric this stub made, so ``release_metrics`` can let them go before the stub ends
+_MADE: list[Metric] = []
+
+
+class Metric:
+    """A metric of a Triton ``MetricFamily`` that any thread may update.
+
+    Why the lock: the Python backend's metric writes its request into shared memory that the metric object owns,
+    then waits for the server with the GIL released. Two threads updating one metric at once (ten requests refused
+    together, each counting its refusal) freed each other's request under the server's feet: the stub's heap and
+    tritonserver's reading of it were corrupted (SIGSEGV or ``std::length_error`` in ``libtriton_python``, found by
+    ``tests/test_lifecycle.py``'s fault test). Updates are a few per request, so one lock per process costs nothing.
+    """
+
+    def __init__(self, family: Any, labels: dict[str, str]) -> None:
+        self._family = family  # a family must outlive its metrics
+        with _UPDATE_LOCK:
+            self._metric = family.Metric(labels=labels)
+            _MADE.append(self)
+
+    def increment(self, value: float) -> None:
+        with _UPDATE_LOCK:
+            self._metric.increment(value)
+
+    def set(self, value: float) -> None:
+        with _UPDATE_LOCK:
+            self._metric.set(value)
+
+    def value(self) -> float:
+        with _UPDATE_LOCK:
+            return float(self._metric.value())
+
+
+def release_metrics() -> None:
+    """Let every metric of this stub go, from its model's ``finalize``, while the stub can still tell the server.
+
+    Why: a metric (or family) that lives until the interpreter ends is deleted after the stub has closed its shared
+    memory, and the stub dies with SIGSEGV in ``Metric::Clear`` on its way out (every model with metrics, at every
+    unload or shutdown: four cores per server stop). Later updates are dropped.
+    """
+    with _UPDATE_LOCK:
+        for metric in _MADE:
+            metric._metric = _Dropped()
+            metric._family = None
+        _MADE.clear()
+    gc.collect()
+
+
+class _Dropped:
+    """A released metric: updates after ``release_metrics`` (a request thread still ending) go nowhere."""
+
+    def increment(self, value: float) -> None:
+        return None
+
+    def set(self, value: float) -> None:
+        return None
+
+    def value(self) -> float:
+        return 0.0
+
+
 class EngineMetrics:
     """The engine model's metrics (counters since the model loaded), labelled with the engine instance.
 
@@ -25,19 +90,17 @@ class EngineMetrics:
     """
 
     def __init__(self, instance: str) -> None:
-        self._families: list[Any] = []  # a family must outlive its metrics
         self.labels = {"instance": instance}
 
         def family(name: str, kind: Any, description: str) -> Any:
-            self._families.append(pb.utils.MetricFamily(name=name, description=description, kind=kind))
-            return self._families[-1]
+            return pb.utils.MetricFamily(name=name, description=description, kind=kind)
 
-        def metric(name: str, kind: Any, description: str) -> Any:
-            return family(name, kind, description).Metric(labels=self.labels)
+        def metric(name: str, kind: Any, description: str) -> Metric:
+            return Metric(family(name, kind, description), self.labels)
 
         counter, gauge = pb.utils.MetricFamily.COUNTER, pb.utils.MetricFamily.GAUGE
         requests = family("specdec_requests_total", counter, "requests answered, by outcome")
-        self.outcome = {o: requests.Metric(labels={**self.labels, "outcome": o}) for o in OUTCOMES}
+        self.outcome = {o: Metric(requests, {**self.labels, "outcome": o}) for o in OUTCOMES}
         self.tokens = metric("specdec_generated_tokens_total", counter, "tokens generated")
         self.drafts = metric("specdec_draft_tokens_total", counter, "draft tokens verified")
         self.accepted = metric("specdec_accepted_draft_tokens_total", counter, "draft tokens accepted")
@@ -82,14 +145,14 @@ class InflightGauge:
 
     def __init__(self, model: str) -> None:
         self.value = 0
-        self._family = self._metric = None
+        self._metric: Metric | None = None
         if pb.utils is not None:  # outside a stub (the watcher tests) it only counts
-            self._family = pb.utils.MetricFamily(
+            family = pb.utils.MetricFamily(
                 name=INFLIGHT_METRIC,
                 kind=pb.utils.MetricFamily.GAUGE,
                 description="requests an entry point admitted and has not answered",
             )
-            self._metric = self._family.Metric(labels={"model": model})
+            self._metric = Metric(family, {"model": model})
 
     def set(self, value: int) -> None:
         self.value = value
@@ -111,8 +174,7 @@ class RefusalCounter:
             kind=pb.utils.MetricFamily.COUNTER,
             description="requests answered with an error, by reason",
         )
-        self._family = family  # a family must outlive its metrics
-        self.reasons = {r: family.Metric(labels={"model": model, "reason": r}) for r in REFUSALS}
+        self.reasons = {r: Metric(family, {"model": model, "reason": r}) for r in REFUSALS}
 
     def count(self, reason: str) -> None:
         self.reasons[reason].increment(1)
@@ -123,14 +185,14 @@ class SupervisionCounters:
 
     def __init__(self, counts: dict[str, int]) -> None:
         counter = pb.utils.MetricFamily.COUNTER
-        self._families = [
+        families = [
             pb.utils.MetricFamily(name=f"specdec_server_{name}_total", kind=counter, description=description)
             for name, description in (
                 ("restarts", "tritonserver restarts by specdec serve (a dead engine or server)"),
                 ("reloads", "models reloaded by specdec serve (a dead or frozen stub)"),
             )
         ]
-        self._metrics = [family.Metric(labels={}) for family in self._families]  # a metric lives while referenced
+        self._metrics = [Metric(family, {}) for family in families]  # a metric lives while referenced
         # brought up to the launcher's count, not incremented by it: Triton hands a family of a name it holds
         # already to whoever asks for it again, and a reloaded gate finds its predecessor's counter still there
         # (tests/test_supervision.py counted the reloads twice over before)
