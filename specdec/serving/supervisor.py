@@ -152,9 +152,13 @@ class Supervisor:
     def repair(self, fault: Fault, wait_ready: Callable[[], None]) -> bool:
         """Bring the deployment back from ``fault``; False when it cannot be (a crash loop, a failed restart)."""
         started = time.monotonic()
-        if not fault.frontend:
-            self._hold()  # readiness false and every request released before anything else
         delay = self.policy.delay()
+        # readiness false and every request released before anything else; a restart due at once needs none of it
+        # (killing tritonserver closes its ports: readiness refused, every request UNAVAILABLE), and the gate's
+        # unload and failed reload would cost a stub start, about 1.7 s of the repair
+        # (benchmarks/results/reliability.md)
+        if not fault.frontend and not (fault.needs_restart and delay == 0):
+            self._hold()
         if delay is None:
             _say(
                 f"error: {fault.what}; {self.policy.max_restarts} repairs within {self.policy.window_s:.0f} s: a "
