@@ -86,8 +86,8 @@ def one_run(repository: Path, rounds: int, mode: str, progress: Any) -> dict[str
         server.wait_ready(300)
         assert server.process is not None
         stubs = _stubs(server.process.pid)
+        streamed = {"stream": lambda i: True, "unary": lambda i: False, "mixed": lambda i: i % 2 == 0}[mode]
         for _ in range(rounds):
-            streamed = {"stream": lambda i: True, "unary": lambda i: False, "mixed": lambda i: i % 2 == 0}[mode]
             bad = [
                 pool.submit(_ask, server.grpc_url, PROMPTS[i % len(PROMPTS)], streamed(i), seed=FAULT_SEED)
                 for i in range(BAD_PER_ROUND)

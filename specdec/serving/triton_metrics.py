@@ -53,6 +53,10 @@ class Metric:
         with _UPDATE_LOCK:
             return float(self._metric.value())
 
+    def _release(self) -> None:
+        """Let the Triton metric go (the caller holds ``_UPDATE_LOCK``); later updates go nowhere."""
+        self._metric, self._family = _Dropped(), None
+
 
 def release_metrics() -> None:
     """Let every metric of this stub go, from its model's ``finalize``, while the stub can still tell the server.
@@ -63,8 +67,7 @@ def release_metrics() -> None:
     """
     with _UPDATE_LOCK:
         for metric in _MADE:
-            metric._metric = _Dropped()
-            metric._family = None
+            metric._release()
         _MADE.clear()
     gc.collect()
 
