@@ -1,11 +1,18 @@
 """Where one ONNX Runtime target step spends its time, per operator, before and after ``ort_fuse``.
 
-What: SmolLM2-135M-Instruct exported with ``specdec-export`` (fp32), run by ``OrtBackend`` with 2
-intra-op threads on three steps over a cache of 16 slots x 1024 positions, context about 200:
+What: SmolLM2-135M-Instruct exported with ``specdec-export`` (fp32 by default), run by ``OrtBackend``
+with 2 intra-op threads over a cache of max(16, B) slots x 1024 positions, context about 200, on the
+steps of each batch size B of ``--batches`` (default 1 and 8) and kind of ``--kinds``:
 
-* ``B=1 decode``: one sequence, one row (past 199);
-* ``B=8 decode``: eight sequences, one row each (past 190..211);
-* ``B=8 verify 8x5``: eight sequences, a chain of 5 rows each, logits for all 40 rows.
+* ``B=b decode``: b sequences, one row each (past 190, 193, ...);
+* ``B=b verify bx5``: b sequences, a chain of 5 rows each, logits for all rows;
+* ``B=b prefill``: b prompts of 160-359 tokens (edge_cpu's extractive range) into fresh slots, logits
+  for each last row (``--prefill`` adds this kind to the default ones).
+
+Beside each step's time, its *floor* (``benchmarks/step_floor.py``): the bytes it must move and the
+operations it must do, priced at this CPU's measured bandwidth and throughput
+(``benchmarks/results/machine_floor.json``, ``python -m benchmarks.machine_floor``), and the nodes it
+runs times ORT's measured cost per node.
 
 Why: to see which operators dominate a step, and whether a lowering removed them without
 changing the logits.
@@ -27,7 +34,11 @@ are compared with the torch reference on the same three steps after the same pre
 Two exports can be compared the same way instead, each lowered as ``OrtBackend`` serves it
 (``--before GRAPH --after GRAPH``): e.g. the int4 graph as it shipped with fp32 activations
 (``specdec-export --quantize int4 --quantize-activations fp32``) against the int8-activation,
-batch-invariant one (``--quantize int4``), written to ``--stem`` (``step_profile_int4``).
+batch-invariant one (``--quantize int4``), written to ``--stem`` (``step_profile_int4``). A graph may
+name the ``ort_fuse`` rewrites it runs with (``GRAPH@attention,rmsnorm``; ``GRAPH@none``: unfused), so
+two lowerings of one export compare the same way, or be a lowering another specdec version saved
+(``lowered:DIR``, ``benchmarks/prelowered.py``). ``--after`` alone profiles one graph. The caches are of
+the type the export serves (its manifest's ``kv_cache_dtype``) unless ``--cache-dtype`` says otherwise.
 
 Run::
 
@@ -37,6 +48,8 @@ Run::
         --stem step_profile_int4
     python -m benchmarks.step_profile --before benchmarks/.cache/edge/int4/target/model.onnx \
         --after benchmarks/.cache/edge/int8/target/model.onnx --stem step_profile_edge --prefill --rounds 3 --steps 3
+    python -m benchmarks.step_profile --after int4/target/model.onnx --batches 1,4,8,16 --prefill \
+        --stem step_profile_int4_floor
 
 Writes ``<out-dir>/<stem>.{json,md,png}`` (default ``benchmarks/results/step_profile``).
 """
@@ -52,6 +65,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +73,10 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from specdec.bench.harness import machine_info, run_command
+from benchmarks import machine_floor
+from benchmarks.prelowered import REPORT, pre_lowered
+from benchmarks.step_floor import describe, floor_ms, graph_cost
+from specdec.bench.harness import int_list, machine_info, run_command
 from specdec.export.onnx import export_onnx
 from specdec.models.loading import load_model
 from specdec.runtime.backends.base import KVStorage
@@ -68,7 +85,8 @@ from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.packed import PackedBatch, SeqWork, pack
 
 DEFAULT_GRAPH = Path(__file__).parent / ".cache" / "step-profile" / "model.onnx"
-#: what the report says the two variants are, by mode
+MACHINE = Path(__file__).parent / "results" / "machine_floor.json"
+#: what the report says the variants are, by mode
 DESCRIPTIONS = {
     "fuse": (
         "SmolLM2-135M-Instruct, fp32. *before*: the exported graph as ORT inlines it (`OrtBackend(fuse=False)`); "
@@ -76,76 +94,114 @@ DESCRIPTIONS = {
         "SkipSimplifiedLayerNormalization, RotaryEmbedding)"
     ),
     "graphs": (
-        "SmolLM2-135M-Instruct, two exports, each lowered by `ort_fuse` as `OrtBackend` serves it. *before*: "
-        "`{before}`; *after*: `{after}`"
+        "SmolLM2-135M-Instruct, two exports or lowerings, each lowered by `ort_fuse` as `OrtBackend` serves it "
+        "(`@` names the rewrites run). *before*: `{before}`; *after*: `{after}`"
     ),
+    "one": "SmolLM2-135M-Instruct, one export lowered by `ort_fuse` as `OrtBackend` serves it: `{after}`",
 }
-Variant = tuple[Path, bool]  # (graph, OrtBackend(fuse=...))
-SLOTS, MAX_LEN, CONTEXT = 16, 1024, 200
 
 
-PAST = [CONTEXT - 10 + 3 * s for s in range(8)]  # committed length of slots 0..7
+@dataclass(frozen=True)
+class Variant:
+    """A graph as one column of the profile runs it: ``OrtBackend(graph, fuse=fuse, cache_dtype=cache_dtype)``, or a
+    lowering saved by another specdec version (``lowered``: ``benchmarks.prelowered``; ``graph`` is its source)."""
+
+    graph: Path
+    fuse: bool | list[str] = True
+    cache_dtype: str | None = None
+    lowered: Path | None = None
+
+    def open(self, **options: Any) -> OrtBackend:
+        if self.lowered is not None:
+            return pre_lowered(self.lowered, **options)
+        return OrtBackend(self.graph, fuse=self.fuse, cache_dtype=self.cache_dtype, **options)
 
 
-PREFILL = [160, 200, 240, 280, 300, 320, 340, 359]  # prompt lengths of the B=8 prefill: edge_cpu's extractive range
+MAX_LEN, CONTEXT, MIN_SLOTS = 1024, 200, 16
+KINDS = ("decode", "verify", "prefill")
+PREFILL = [160, 200, 240, 280, 300, 320, 340, 359]  # prompt lengths of a prefill (cycled): edge_cpu's extractive range
+CHAIN = 5  # rows of a verification chain (the last token + 4 drafts)
 
 
-def shapes(prefill: bool = False) -> dict[str, PackedBatch]:
-    """The steps profiled (token ids are arbitrary: the cost does not depend on them); ``prefill`` adds one
-    prefill of 8 prompts (``PREFILL``, 2,199 rows, into the idle slots 8..15), the step that bounds a batch of
-    long prompts (``benchmarks/results/edge_cpu.md``: TTFT 2.5 s at batch 8)."""
-    steps = {
-        "B=1 decode": pack([SeqWork(3, PAST[3], [42])]),
-        "B=8 decode": pack([SeqWork(s, PAST[s], [100 + s]) for s in range(8)]),
-        "B=8 verify 8x5": pack([SeqWork(s, PAST[s], [100 + s + j for j in range(5)]) for s in range(8)]),
-    }
-    if prefill:
-        rng = np.random.default_rng(1)
-        steps["B=8 prefill 160-359"] = pack(
-            [SeqWork(8 + s, 0, rng.integers(0, 49152, n).tolist(), logits="last") for s, n in enumerate(PREFILL)]
-        )
+def past(seq: int) -> int:
+    """The committed length of slot ``seq`` in the decode and verify steps (190, 193, ...)."""
+    return CONTEXT - 10 + 3 * seq
+
+
+def slots_for(batches: list[int]) -> int:
+    return max(MIN_SLOTS, *batches)
+
+
+def shapes(batches: list[int], kinds: list[str]) -> dict[str, tuple[PackedBatch, str]]:
+    """The steps profiled, by name, with their kind (token ids are arbitrary: the cost does not depend on them).
+
+    A prefill writes fresh prompts into slots 0..b-1 from position 0 (the decode steps' committed rows are
+    overwritten, which changes no cost; every variant and the reference run the same steps in the same order).
+    """
+    rng = np.random.default_rng(1)
+    steps: dict[str, tuple[PackedBatch, str]] = {}
+    for b in batches:
+        for kind in kinds:
+            if kind == "decode":
+                steps[f"B={b} decode"] = (pack([SeqWork(s, past(s), [100 + s]) for s in range(b)]), kind)
+            elif kind == "verify":
+                work = [SeqWork(s, past(s), [100 + s + j for j in range(CHAIN)]) for s in range(b)]
+                steps[f"B={b} verify {b}x{CHAIN}"] = (pack(work), kind)
+            else:
+                lengths = [PREFILL[s % len(PREFILL)] for s in range(b)]
+                work = [SeqWork(s, 0, rng.integers(0, 49152, n).tolist(), logits="last") for s, n in enumerate(lengths)]
+                steps[f"B={b} prefill {min(lengths)}-{max(lengths)}"] = (pack(work), kind)
     return steps
 
 
-def prefilled_cache(backend: OrtBackend | TorchBackend) -> KVStorage:
-    """A cache whose slots 0..7 hold the K/V of ``PAST[s]`` prompt tokens (the same tokens for every backend)."""
-    cache = backend.allocate_cache(SLOTS, MAX_LEN)
+def prefilled_cache(backend: OrtBackend | TorchBackend, slots: int) -> KVStorage:
+    """A cache whose slots hold the K/V of ``past(s)`` prompt tokens (the same tokens for every backend)."""
+    cache = backend.allocate_cache(slots, MAX_LEN)
     g = np.random.default_rng(0)
-    prompts = [g.integers(0, 49152, n).tolist() for n in PAST]
-    for s, tokens in enumerate(prompts):
-        backend.step(pack([SeqWork(s, 0, tokens, logits="last")]), cache)
+    for s in range(slots):
+        backend.step(pack([SeqWork(s, 0, g.integers(0, 49152, past(s)).tolist(), logits="last")]), cache)
     return cache
 
 
-def check_exact(backends: dict[str, OrtBackend], steps: dict[str, PackedBatch]) -> dict[str, float]:
+def check_exact(backends: dict[str, OrtBackend], steps: dict[str, PackedBatch], slots: int) -> dict[str, float]:
     """max |logit - torch reference| of each variant on the profiled steps, after the same prefill."""
     ref = TorchBackend(load_model("smollm2-135m"))
-    ref_cache = prefilled_cache(ref)
+    ref_cache = prefilled_cache(ref, slots)
     want = {name: ref.step(batch, ref_cache) for name, batch in steps.items()}
     errors: dict[str, float] = {}
     for variant, backend in backends.items():
-        cache = prefilled_cache(backend)
+        cache = prefilled_cache(backend, slots)
         errors[variant] = max(
             float(np.abs(want[name] - backend.step(batch, cache)).max()) for name, batch in steps.items()
         )
     return errors
 
 
+def steps_of(kind: str, n: int) -> int:
+    """Timed steps per round of a step kind: a prefill takes seconds, so one."""
+    return 1 if kind == "prefill" else n
+
+
 def time_steps(
-    backends: dict[str, OrtBackend], steps: dict[str, PackedBatch], caches: dict[str, KVStorage], rounds: int, n: int
+    backends: dict[str, OrtBackend],
+    steps: dict[str, tuple[PackedBatch, str]],
+    caches: dict[str, KVStorage],
+    rounds: int,
+    n: int,
 ) -> dict[str, dict[str, list[float]]]:
     """ms per step for every (shape, variant), ``rounds`` interleaved samples each (order alternates)."""
     samples: dict[str, dict[str, list[float]]] = {s: {v: [] for v in backends} for s in steps}
     names = list(backends)
     for r in range(rounds):
-        for shape, batch in steps.items():
+        for shape, (batch, kind) in steps.items():
             for variant in names if r % 2 == 0 else names[::-1]:
                 backend, cache = backends[variant], caches[variant]
                 backend.step(batch, cache)  # warm this shape
+                count = steps_of(kind, n)
                 start = time.perf_counter()
-                for _ in range(n):
+                for _ in range(count):
                     backend.step(batch, cache)
-                samples[shape][variant].append((time.perf_counter() - start) / n * 1e3)
+                samples[shape][variant].append((time.perf_counter() - start) / count * 1e3)
         print(
             f"  round {r + 1}/{rounds}: "
             + ", ".join(f"{s} {'/'.join(f'{samples[s][v][-1]:.1f}' for v in names)}" for s in steps),
@@ -185,32 +241,35 @@ def own_durations(kernels: list[dict[str, Any]]) -> list[float]:
 
 
 def profile_steps(
-    variants: dict[str, Variant], steps: dict[str, PackedBatch], n: int, threads: int, prefix: Path
+    variants: dict[str, Variant],
+    steps: dict[str, tuple[PackedBatch, str]],
+    n: int,
+    threads: int,
+    slots: int,
+    prefix: Path,
 ) -> dict[str, dict[str, Any]]:
     """Per-op and per-node kernel ms per step of each (shape, variant), from ORT's profiler."""
-    backends = {
-        v: OrtBackend(graph, fuse=f, intra_op_threads=threads, profile_prefix=str(prefix / v))
-        for v, (graph, f) in variants.items()
-    }
-    caches = {v: prefilled_cache(b) for v, b in backends.items()}
-    windows: dict[str, list[tuple[str, int]]] = {v: [] for v in backends}  # (shape, index of its first timed run)
+    backends = {v: var.open(intra_op_threads=threads, profile_prefix=str(prefix / v)) for v, var in variants.items()}
+    caches = {v: prefilled_cache(b, slots) for v, b in backends.items()}
+    windows: dict[str, list[tuple[str, int, int]]] = {v: [] for v in backends}  # (shape, first timed run, runs)
     runs = dict.fromkeys(backends, 0)
-    for shape, batch in steps.items():
+    for shape, (batch, kind) in steps.items():
+        count, warm = steps_of(kind, n), 1 if kind == "prefill" else 3
         for variant, backend in backends.items():
-            for _ in range(3):  # warm-up runs, not counted
+            for _ in range(warm):  # warm-up runs, not counted
                 backend.step(batch, caches[variant])
-            windows[variant].append((shape, runs[variant] + 3))
-            for _ in range(n):
+            windows[variant].append((shape, runs[variant] + warm, count))
+            for _ in range(count):
                 backend.step(batch, caches[variant])
-            runs[variant] += 3 + n
+            runs[variant] += warm + count
     out: dict[str, dict[str, Any]] = {s: {} for s in steps}
     for variant, backend in backends.items():
         events = json.loads(Path(backend.session.end_profiling()).read_text())
-        model_runs = [e for e in events if e.get("name") == "model_run"][len(PAST) :]  # after the prefills
+        model_runs = [e for e in events if e.get("name") == "model_run"][slots:]  # after the prefills
         kernels = [e for e in events if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")]
         own = own_durations(kernels)
-        for shape, first in windows[variant]:
-            chosen = model_runs[first : first + n]
+        for shape, first, count in windows[variant]:
+            chosen = model_runs[first : first + count]
             lo, hi = chosen[0]["ts"], chosen[-1]["ts"] + chosen[-1]["dur"]
             by_op: Counter[str] = Counter()
             by_node: Counter[str] = Counter()
@@ -223,20 +282,109 @@ def profile_steps(
                     nodes.add(e["name"])
             out[shape][variant] = {
                 "model_run_ms": statistics.mean(r["dur"] for r in chosen) / 1e3,
-                "kernel_ms": sum(by_op.values()) / n / 1e3,
+                "kernel_ms": sum(by_op.values()) / count / 1e3,
                 "nodes_run": len(nodes),
-                "by_op_ms": {op: d / n / 1e3 for op, d in by_op.most_common()},
-                "top_nodes_ms": {k: d / n / 1e3 for k, d in by_node.most_common(8)},
+                "by_op_ms": {op: d / count / 1e3 for op, d in by_op.most_common()},
+                "top_nodes_ms": {k: d / count / 1e3 for k, d in by_node.most_common(8)},
             }
     return out
 
 
+def floors(
+    variants: dict[str, Variant], steps: dict[str, tuple[PackedBatch, str]], cache_bytes: dict[str, int], rates: dict
+) -> tuple[dict[str, dict[str, dict[str, float]]], dict[str, str]]:
+    """Each (shape, variant)'s floor (``step_floor``) and each variant's linears in one line."""
+    costs = {v: graph_cost(var.graph) for v, var in variants.items()}
+    out = {
+        shape: {
+            v: {**c.step(batch, cache_bytes[v]), **floor_ms(c.step(batch, cache_bytes[v]), rates)}
+            for v, c in costs.items()
+        }
+        for shape, (batch, _) in steps.items()
+    }
+    return out, {v: describe(c.linears) for v, c in costs.items()}
+
+
+def machine_rates(path: Path, threads: int) -> tuple[dict[str, float], dict[str, Any]]:
+    """The floor's rates: from ``path`` (``benchmarks.machine_floor``'s JSON), measured now when it is absent."""
+    doc = json.loads(path.read_text()) if path.is_file() else machine_floor.measure(threads, 5)
+    return machine_floor.floor_constants(doc), doc
+
+
+def _ms(x: float) -> str:
+    return f"{x:.1f}" if x >= 1 else f"{x:.2f}"
+
+
+def summary_table(doc: dict[str, Any]) -> list[str]:
+    """One row per step: each variant's wall ms, nodes run and floor; with two, the speed-up."""
+    names = doc["variants"]
+    per_node = doc["rates"]["per_node_s"] * 1e3
+    head = "| step |" + "".join(f" {v} ms (wall) | {v} nodes run |" for v in names)
+    head += " floor ms (memory / compute) | nodes x per-node ms |" + (" speed-up |" if len(names) == 2 else "")
+    lines = [head, "|---|" + "---:|" * (2 * len(names) + 2 + (len(names) == 2))]
+    for shape, row in doc["shapes"].items():
+        last = names[-1]
+        fl = row["floor"][last]
+        cells = "".join(f" {_ms(row['wall_ms'][v])} | {row['profile'][v]['nodes_run']} |" for v in names)
+        cells += (
+            f" {_ms(fl['floor_ms'])} ({_ms(fl['memory_ms'])} / {_ms(fl['compute_ms'])}) |"
+            f" {_ms(row['profile'][last]['nodes_run'] * per_node)} |"
+        )
+        if len(names) == 2:
+            cells += f" {row['wall_ms'][names[0]] / row['wall_ms'][names[1]]:.2f}x |"
+        lines.append(f"| {shape} |{cells}")
+    return lines
+
+
+def op_table(doc: dict[str, Any], shape: str, row: dict[str, Any]) -> list[str]:
+    """The step's kernel time per op type, each variant's ms and share."""
+    names = doc["variants"]
+    profs = [row["profile"][v] for v in names]
+    ops = list(dict.fromkeys(op for p in profs for op in p["by_op_ms"]))
+    ops.sort(key=lambda op: -max(p["by_op_ms"].get(op, 0.0) for p in profs))
+    lines = [
+        "",
+        f"## {shape}",
+        "",
+        "| op type |" + "".join(f" {v} ms/step | {v} share |" for v in names),
+        "|---|" + "---:|---:|" * len(names),
+    ]
+    for op in ops[:18]:
+        cells = []
+        for p in profs:
+            ms = p["by_op_ms"].get(op)
+            cells.append(" – | – |" if ms is None else f" {ms:.2f} | {100 * ms / p['kernel_ms']:.1f}% |")
+        lines.append(f"| {op} |" + "".join(cells))
+    rest = ops[18:]
+    if rest:
+        cells = "".join(
+            f" {sum(p['by_op_ms'].get(op, 0.0) for op in rest):.2f} | "
+            f"{100 * sum(p['by_op_ms'].get(op, 0.0) for op in rest) / p['kernel_ms']:.1f}% |"
+            for p in profs
+        )
+        lines.append(f"| {len(rest)} other op types |{cells}")
+    lines.append("| **kernels, total** |" + "".join(f" **{p['kernel_ms']:.2f}** | 100% |" for p in profs))
+    lines.append("| profiled `model_run` |" + "".join(f" {p['model_run_ms']:.2f} | |" for p in profs))
+    lines.append("| wall, profiler off (median) |" + "".join(f" {row['wall_ms'][v]:.2f} | |" for v in names))
+    fl = row["floor"][names[-1]]
+    lines += [
+        "",
+        f"Floor ({names[-1]}): {fl['bytes'] / 1e6:.1f} MB moved ({fl['weight_bytes'] / 1e6:.1f} weights, "
+        f"{fl['kv_bytes'] / 1e6:.1f} KV), {fl['int8_ops'] / 1e9:.2f} G int8 ops, {fl['fp32_ops'] / 1e9:.2f} G fp32 "
+        f"ops: {_ms(fl['floor_ms'])} ms. Slowest nodes ({names[-1]}): "
+        + ", ".join(f"`{k}` {v:.2f} ms" for k, v in list(profs[-1]["top_nodes_ms"].items())[:5])
+        + ".",
+    ]
+    return lines
+
+
 def markdown(doc: dict[str, Any]) -> str:
+    rates = doc["rates"]
     lines = [
         f"# One ONNX Runtime target step per operator: {doc['title']}",
         "",
         f"{doc['description']}. ORT {doc['onnxruntime']}, {doc['threads']} intra-op threads, cache "
-        f"{SLOTS} slots x {MAX_LEN}, context ~{CONTEXT}. "
+        f"{doc['cache']['slots']} slots x {MAX_LEN}, context ~{CONTEXT}. "
         f"Command: `{doc['command']}`. Machine: {doc['machine'].get('processor')}, "
         f"load average at start {doc['machine'].get('load_average')} (shared machine: other users' jobs ran "
         "during the measurement, so read medians, not single numbers).",
@@ -245,58 +393,43 @@ def markdown(doc: dict[str, Any]) -> str:
         "time: the profiler's sum over nodes, an `If` counted without the nodes of its branch, which are "
         "counted themselves (its own overhead makes `model_run` longer than the wall time).",
         "",
+        f"Floor (`benchmarks/step_floor.py`): the step's bytes at {rates['bytes_per_s'] / 1e9:.1f} GB/s, its int8 "
+        f"operations at {rates['int8_ops_per_s'] / 1e9:.0f} GOP/s and fp32 ones at "
+        f"{rates['fp32_flops_per_s'] / 1e9:.0f} GFLOP/s, the larger of the two; nodes at "
+        f"{rates['per_node_s'] * 1e6:.2f} µs each (`benchmarks/results/machine_floor.md`, "
+        f"{doc['machine_floor_date']}). Linears: " + "; ".join(f"{v}: {d}" for v, d in doc["linears"].items()) + ".",
+        "",
         "Logit error vs the torch reference on these steps: "
         + ", ".join(f"{v} {e:.2e}" for v, e in doc["max_abs_logit_error"].items())
         + ".",
         "",
-        "| step | before ms (wall) | after ms (wall) | speed-up | before nodes run | after nodes run |",
-        "|---|---:|---:|---:|---:|---:|",
+        *summary_table(doc),
     ]
     for shape, row in doc["shapes"].items():
-        b, a = row["wall_ms"]["before"], row["wall_ms"]["after"]
-        lines.append(
-            f"| {shape} | {b:.1f} | {a:.1f} | {b / a:.2f}x | {row['profile']['before']['nodes_run']} | "
-            f"{row['profile']['after']['nodes_run']} |"
-        )
-    for shape, row in doc["shapes"].items():
-        before, after = row["profile"]["before"], row["profile"]["after"]
-        ops = list(dict.fromkeys([*before["by_op_ms"], *after["by_op_ms"]]))
-        ops.sort(key=lambda op: -max(before["by_op_ms"].get(op, 0.0), after["by_op_ms"].get(op, 0.0)))
-        lines += [
-            "",
-            f"## {shape}",
-            "",
-            "| op type | before ms/step | before share | after ms/step | after share |",
-            "|---|---:|---:|---:|---:|",
-        ]
-        for op in ops[:18]:
-            cells = []
-            for prof in (before, after):
-                ms = prof["by_op_ms"].get(op)
-                cells.append("–|–" if ms is None else f"{ms:.2f}|{100 * ms / prof['kernel_ms']:.1f}%")
-            lines.append(f"| {op} | " + " | ".join(c.replace("|", " | ") for c in cells) + " |")
-        rest = ops[18:]
-        if rest:
-            cells = [
-                f"{sum(p['by_op_ms'].get(op, 0.0) for op in rest):.2f} | "
-                f"{100 * sum(p['by_op_ms'].get(op, 0.0) for op in rest) / p['kernel_ms']:.1f}%"
-                for p in (before, after)
-            ]
-            lines.append(f"| {len(rest)} other op types | {cells[0]} | {cells[1]} |")
-        lines.append(
-            f"| **kernels, total** | **{before['kernel_ms']:.2f}** | 100% | **{after['kernel_ms']:.2f}** | 100% |"
-        )
-        lines.append(f"| profiled `model_run` | {before['model_run_ms']:.2f} | | {after['model_run_ms']:.2f} | |")
-        lines.append(
-            f"| wall, profiler off (median) | {row['wall_ms']['before']:.2f} | | {row['wall_ms']['after']:.2f} | |"
-        )
-        lines += [
-            "",
-            "Slowest nodes after: "
-            + ", ".join(f"`{k}` {v:.2f} ms" for k, v in list(after["top_nodes_ms"].items())[:5])
-            + ".",
-        ]
+        lines += op_table(doc, shape, row)
     return "\n".join(lines) + "\n"
+
+
+def variant(spec: Path, cache_dtype: str) -> Variant:
+    """``GRAPH`` (every rewrite), ``GRAPH@a,b`` (these ``ort_fuse`` rewrites), ``GRAPH@none`` (unfused) or
+    ``lowered:DIR`` (a saved lowering, ``benchmarks.prelowered``). ``cache_dtype`` "manifest": the served caches'
+    type, from the export's manifest beside the graph's folder."""
+    text = str(spec)
+    if text.startswith("lowered:"):
+        directory = Path(text.removeprefix("lowered:"))
+        source = json.loads((directory / REPORT).read_text())["source"]
+        return Variant(Path(source), lowered=directory)
+    path, _, rewrites = text.rpartition("@") if "@" in text else (text, "", "")
+    fuse: bool | list[str] = True if not rewrites else [] if rewrites == "none" else rewrites.split(",")
+    return Variant(Path(path), fuse, served_cache_dtype(Path(path)) if cache_dtype == "manifest" else cache_dtype)
+
+
+def served_cache_dtype(graph: Path) -> str | None:
+    """The ``kv_cache_dtype`` of the export a graph belongs to (``<export>/<model>/model.onnx``), None if unknown."""
+    manifest = graph.parent.parent / "manifest.json"
+    if not manifest.is_file():
+        return None
+    return json.loads(manifest.read_text()).get("kv_cache_dtype")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,60 +438,82 @@ def main(argv: list[str] | None = None) -> int:
         "--graph",
         type=Path,
         default=None,
-        help=f"an exported target graph (default: export smollm2-135m to {DEFAULT_GRAPH})",
+        help=f"an exported target graph, unfused against fused (default: export smollm2-135m to {DEFAULT_GRAPH})",
     )
-    parser.add_argument("--before", type=Path, help="compare two exported graphs instead: the first (with --after)")
-    parser.add_argument("--after", type=Path, help="the second graph of --before")
+    parser.add_argument("--before", type=Path, help="compare two graphs instead: the first, GRAPH[@rewrites]")
+    parser.add_argument("--after", type=Path, help="the second graph of --before, or alone: the one graph profiled")
     parser.add_argument("--stem", default="step_profile", help="file names of the results")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (median kept)")
     parser.add_argument("--steps", type=int, default=8, help="steps per shape per round and in the profile")
-    parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--batches", type=int_list, default=(1, 8), help="batch sizes, e.g. 1,4,8,16")
+    parser.add_argument("--kinds", default="decode,verify", help=f"step kinds among {','.join(KINDS)}")
+    parser.add_argument("--prefill", action="store_true", help="add the prefill kind (seconds a step on 2 cores)")
+    parser.add_argument("--machine", type=Path, default=MACHINE, help="benchmarks.machine_floor's JSON (the rates)")
     parser.add_argument(
-        "--prefill",
-        action="store_true",
-        help="also profile a prefill of 8 prompts of 160-359 tokens (2.5 s a step on 2 cores)",
+        "--cache-dtype",
+        default="manifest",
+        help="the caches' type: float32, float16, or manifest (the export's served kv_cache_dtype, the default)",
     )
+    parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
-    if (args.before is None) != (args.after is None):
-        parser.error("--before and --after go together")
+    kinds = [k for k in args.kinds.split(",") if k] + (["prefill"] if args.prefill else [])
+    if set(kinds) - set(KINDS):
+        parser.error(f"--kinds: unknown {sorted(set(kinds) - set(KINDS))}; choose among {', '.join(KINDS)}")
+    if args.before is not None and args.after is None:
+        parser.error("--before needs --after")
     torch.set_num_threads(1)  # only the reference runs in torch
-    if args.before is not None:
-        variants: dict[str, Variant] = {"before": (args.before, True), "after": (args.after, True)}
-        mode, title = "graphs", "before / after"
+    if args.after is not None:
+        variants: dict[str, Variant] = {"after": variant(args.after, args.cache_dtype)}
+        if args.before is not None:
+            variants = {"before": variant(args.before, args.cache_dtype), **variants}
+        mode = "graphs" if args.before is not None else "one"
+        title = "before / after" if args.before is not None else "per operator, against the floor"
     else:
         graph = args.graph or DEFAULT_GRAPH
         if not graph.is_file():
             print(f"exporting smollm2-135m to {graph} ...", flush=True)
             export_onnx(load_model("smollm2-135m"), graph)
-        variants, mode, title = {"before": (graph, False), "after": (graph, True)}, "fuse", "before / after `ort_fuse`"
-    steps = shapes(args.prefill)
-    backends = {v: OrtBackend(graph, fuse=f, intra_op_threads=args.threads) for v, (graph, f) in variants.items()}
+        variants = {"before": Variant(graph, False), "after": Variant(graph, True)}
+        mode, title = "fuse", "before / after `ort_fuse`"
+    batches = sorted(set(args.batches))
+    slots = slots_for(batches)
+    steps = shapes(batches, list(dict.fromkeys(kinds)))
+    rates, machine_doc = machine_rates(args.machine, args.threads)
+    backends = {v: var.open(intra_op_threads=args.threads) for v, var in variants.items()}
     print("fused:", {v: b.fuse_report for v, b in backends.items()}, flush=True)
-    errors = check_exact(backends, steps)
+    errors = check_exact(backends, {name: batch for name, (batch, _) in steps.items()}, slots)
     print("max |logit error| vs torch:", errors, flush=True)
-    caches = {v: prefilled_cache(b) for v, b in backends.items()}
+    caches = {v: prefilled_cache(b, slots) for v, b in backends.items()}
+    cache_bytes = {v: int(np.dtype(b.np_dtype).itemsize) for v, b in backends.items()}
     wall = time_steps(backends, steps, caches, args.rounds, args.steps)
     del backends, caches
     with tempfile.TemporaryDirectory() as tmp:
-        profile = profile_steps(variants, steps, args.steps, args.threads, Path(tmp))
+        profile = profile_steps(variants, steps, args.steps, args.threads, slots, Path(tmp))
+    floor, linears = floors(variants, steps, cache_bytes, rates)
     doc = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": run_command("benchmarks.step_profile", argv),
         "title": title,
         "description": DESCRIPTIONS[mode].format(before=args.before, after=args.after),
+        "variants": list(variants),
         "machine": machine_info(),
+        "machine_floor_date": machine_doc.get("date"),
+        "rates": rates,
+        "linears": linears,
         "onnxruntime": ort.__version__,
         "threads": args.threads,
-        "cache": {"slots": SLOTS, "max_len": MAX_LEN, "context": CONTEXT},
+        "cache": {"slots": slots, "max_len": MAX_LEN, "context": CONTEXT, "bytes": cache_bytes},
         "max_abs_logit_error": errors,
         "shapes": {
             s: {
-                "rows": steps[s].num_tokens,
-                "seqs": steps[s].num_seqs,
+                "rows": steps[s][0].num_tokens,
+                "seqs": steps[s][0].num_seqs,
+                "kind": steps[s][1],
                 "wall_ms": {v: statistics.median(x) for v, x in wall[s].items()},
                 "wall_ms_samples": wall[s],
                 "profile": profile[s],
+                "floor": floor[s],
             }
             for s in steps
         },
@@ -373,20 +528,24 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
-    """Wall ms per step before / after the lowering, one pair of bars per shape (the table's first rows)."""
+    """Wall ms per step of each variant, and the floor, one group of bars per shape (the summary table)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(doc["shapes"])
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    for offset, variant, color in ((-0.2, "before", "tab:gray"), (0.2, "after", "tab:blue")):
-        values = [doc["shapes"][n]["wall_ms"][variant] for n in names]
-        bars = ax.bar([i + offset for i in range(len(names))], values, width=0.4, label=variant, color=color)
-        ax.bar_label(bars, fmt="%.1f", fontsize=8)
-    ax.set_xticks(range(len(names)), names, fontsize=8)
-    walls = [w for n in names for w in doc["shapes"][n]["wall_ms"].values()]
+    series = [(v, [doc["shapes"][n]["wall_ms"][v] for n in names]) for v in doc["variants"]]
+    series.append(("floor", [doc["shapes"][n]["floor"][doc["variants"][-1]]["floor_ms"] for n in names]))
+    colors = {"before": "tab:gray", "after": "tab:blue", "floor": "tab:green"}
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(max(7, 1.1 * len(names)), 3.8))
+    for i, (label, values) in enumerate(series):
+        offset = (i - (len(series) - 1) / 2) * width
+        bars = ax.bar([j + offset for j in range(len(names))], values, width=width, label=label, color=colors[label])
+        ax.bar_label(bars, fmt="%.1f", fontsize=7)
+    ax.set_xticks(range(len(names)), names, fontsize=7, rotation=20)
+    walls = [w for _, values in series for w in values]
     if max(walls) > 20 * min(walls):  # a prefill beside decode steps: keep the small bars readable
         ax.set_yscale("log")
     ax.set_ylabel("ms per target step (median)")
