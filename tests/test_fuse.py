@@ -70,7 +70,10 @@ def test_every_pattern_is_lowered_and_the_file_keeps_its_custom_nodes(tiny_expor
     assert report.fold == int(model.config.num_attention_heads) // int(model.config.num_key_value_heads)
     assert ops[("", "If")] == (layers if folded else 0)
     assert ops[("com.microsoft", "GroupQueryAttention")] == (2 * layers if folded else layers)
-    assert ops[("com.microsoft", "RotaryEmbedding")] == 2 * layers
+    assert ops[("com.microsoft", "RotaryEmbedding")] == layers  # q and k of a layer in one (ort_packed)
+    made_by = {out: n.op_type for n in proto.graph.node for out in n.output}
+    cuts = [n for n in proto.graph.node if n.op_type == "Slice" and made_by.get(n.input[0]) in ("Gemm", "MatMul")]
+    assert not cuts  # q, k and v reach attention packed, as the fused q|k|v projection made them (ort_packed)
     assert ops[("com.microsoft", "SkipSimplifiedLayerNormalization")] == 2 * layers - 1
     assert ops[("", "SimplifiedLayerNormalization")] == 2  # the first layer's input norm and the final norm
     for gone in ("Pow", "Reciprocal", "Neg", "ScatterND", "Softmax"):

@@ -50,8 +50,10 @@ class Fold:
     """Per-step tensors of the folded layout, shared by every layer with the same index inputs."""
 
     cond: str  # bool []: fold * max(n) <= FOLD_ROWS, the layers' If takes the folded branch
-    q_index: str  # [slots, S_f, KV] row of q viewed [T * H, D]; S_f = fold * S', row r = s * fold + g
-    kv_index: str  # [slots, S_f] packed K/V row (clamped onto the sequence's last row)
+    qkv_index: (
+        str  # [slots, S_f, 3 KV] rows of the packed q|k|v viewed [T * W, D] (``ort_packed``), row r = s * fold + g:
+    )
+    #                 q heads j * fold + g of token s, then the kv heads of token min(r, n - 1) (K, then V)
     q_shape: str  # [3] = (slots, S_f, -1)
     out_index: str  # [T, H] row of GQA's output viewed [slots * S_f * KV, D] for each token and head
     seqlens_k: str  # [slots] int32 = past + fold * n - 1 (idle: 0)
@@ -71,7 +73,8 @@ def fold_prelude(
     heads: int,
     kv_heads: int,
 ) -> Fold:
-    """The folded layout's indices, lengths and mask (module docstring), built once per step.
+    """The folded layout's indices (into the packed ``q|k|v`` of ``ort_packed``: W = heads + 2 kv_heads per token),
+    lengths and mask (module docstring), built once per step.
 
     The width is capped at ``FOLD_ROWS // fold`` rows per sequence, so these tensors stay small
     in the steps that run the other branch (they are computed either way).
@@ -106,14 +109,23 @@ def fold_prelude(
     heads_of = helper.make_tensor(
         g.name("h"), i64, [fold, kv_heads], [jj * fold + gg for gg in range(fold) for jj in range(kv_heads)]
     )
+    per_token = heads + 2 * kv_heads  # heads per token of the packed q|k|v
     q_index = g.add(
-        "Add", g.add("Unsqueeze", g.add("Mul", pad, g.ints(heads)), g.ints(2, 3)), g.add("Constant", value=heads_of)
+        "Add", g.add("Unsqueeze", g.add("Mul", pad, g.ints(per_token)), g.ints(2, 3)), g.add("Constant", value=heads_of)
     )  # [slots, S', fold, KV]
     q_index = g.add("Reshape", q_index, g.add("Concat", n_slots, s_f, g.ints(kv_heads), axis=0))
     r = g.add("Range", g.add("Squeeze", c0), g.add("Squeeze", s_f), g.add("Squeeze", c1))  # [S_f]
-    kv_index = g.add(
+    kv_token = g.add(
         "Add", g.add("Unsqueeze", start, c1), g.add("Min", g.add("Unsqueeze", r, c0), g.add("Unsqueeze", last, c1))
-    )
+    )  # [slots, S_f] the token whose K/V row r appends
+    kv_heads_at = helper.make_tensor(
+        g.name("kvh"), i64, [1, 1, 2 * kv_heads], [heads + j for j in range(2 * kv_heads)]
+    )  # the K heads, then the V heads, of a packed token
+    kv_index = g.add(
+        "Add",
+        g.add("Unsqueeze", g.add("Mul", kv_token, g.ints(per_token)), g.ints(2)),
+        g.add("Constant", value=kv_heads_at),
+    )  # [slots, S_f, 2 KV]
     q_run = g.add("Mul", q_len, g.ints(fold))
     seq_total = g.add("Add", past_s, q_run)
     seqlens_k = g.add("Where", g.add("Greater", q_len, c0), g.add("Sub", seq_total, c1), c0)
@@ -152,8 +164,7 @@ def fold_prelude(
     )
     return Fold(
         cond=cond,
-        q_index=q_index,
-        kv_index=kv_index,
+        qkv_index=g.add("Concat", q_index, kv_index, axis=2),
         q_shape=g.add("Concat", n_slots, s_f, cm1, axis=0),
         out_index=out_index,
         seqlens_k=g.add("Cast", seqlens_k, to=i32),

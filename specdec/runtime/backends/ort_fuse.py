@@ -55,14 +55,15 @@ from specdec.plugins import onnx_op
 from specdec.runtime.backends.onnx_edit import MS_DOMAIN, GraphEditor
 from specdec.runtime.backends.ort_fold import FOLD_ROWS, Branch, Fold, fold_prelude, gqa_width
 from specdec.runtime.backends.ort_norms import fuse_rmsnorm, fuse_skip
-from specdec.runtime.backends.ort_rotary import Rope, fuse_rotary, match_ropes, rope_tables
+from specdec.runtime.backends.ort_packed import Packed, pack_qkv
+from specdec.runtime.backends.ort_rotary import Rope, fuse_rotary, match_ropes
 
 REWRITES = ("attention", "rmsnorm", "skip_rmsnorm", "rotary")
 #: cache positions past ``max_len`` the fused attention needs: the folded layout writes ``fold * n`` K/V rows for a
 #: sequence's n (at most FOLD_ROWS), the padded one an odd-length sequence's discarded copy row (module docstring)
 SPARE_POSITIONS = FOLD_ROWS - 1
 _FLOATS = {TensorProto.FLOAT: "float32", TensorProto.FLOAT16: "float16"}
-_LOWEST: dict[int, float] = {TensorProto.FLOAT: -3.4028234663852886e38, TensorProto.FLOAT16: -65504.0}
+_LOWEST = {TensorProto.FLOAT: -3.4028234663852886e38, TensorProto.FLOAT16: -65504.0}
 
 
 @functools.cache
@@ -234,21 +235,9 @@ def _bias(g: GraphEditor, pre: _Prelude, dtype: int) -> str:
 # --------------------------------------------------------------------------------------------- attention + rotary
 
 
-def _rows_2d(g: GraphEditor, x: str, dims: dict[str, list[int | None]]) -> str | None:
-    """``y`` when ``x`` is ``Reshape(y [T, H*D], [., H, D])`` (a view: gathering rows of y = gathering x's)."""
-    node = g.node_of(x, "Reshape")
-    src = dims.get(node.input[0]) if node else None
-    out = dims.get(x)
-    if not (node and src and out and len(src) == 2 and len(out) == 3 and src[1] and out[1] and out[2]):
-        return None
-    return node.input[0] if src[1] == out[1] * out[2] else None
-
-
 def _gqa(
     add: Callable[..., str],
-    q: str,
-    k: str,
-    v: str,
+    qkv: str,
     caches: Sequence[str],
     layout: _Prelude | Fold,
     bias: str,
@@ -257,13 +246,13 @@ def _gqa(
     kv_heads: int,
     scale: float,
 ) -> str:
-    """One GroupQueryAttention node in ``layout`` (its lengths), appending to ``caches`` in place; ``add``: the
-    editor's or an ``If`` branch's."""
+    """One GroupQueryAttention node over packed ``qkv`` in ``layout`` (its lengths), appending to ``caches`` in
+    place; ``add``: the editor's or an ``If`` branch's."""
     return add(
         "GroupQueryAttention",
-        q,
-        k,
-        v,
+        qkv,
+        "",
+        "",
         *caches,
         layout.seqlens_k,
         layout.total,
@@ -285,63 +274,63 @@ def _gqa(
     )
 
 
-def _folded_attention(
+def _padded(
+    add: Callable[..., str],
     g: GraphEditor,
     node: onnx.NodeProto,
+    packed: Packed,
     pre: _Prelude,
-    fo: Fold,
     dtype: int,
-    head_dim: int,
-    dims: dict[str, list[int | None]],
+    outputs: Sequence[str],
 ) -> None:
-    """``If``(folded layout | padded layout) in place of ``node`` (``ort_fold``); RoPE runs before, on packed rows."""
-    q, k, v, k_cache, v_cache = node.input[:5]
-    heads, kv_heads = int(g.attr(node, "num_heads")), int(g.attr(node, "num_kv_heads"))
-    scale = float(g.attr(node, "scale"))
+    """The padded layout (``add``: the editor's or an ``If`` branch's): slot e's rows are packed rows
+    ``pad_index[e]``, all heads at once; ``outputs``: attention's ``[T, H, D]`` and the two caches."""
+    heads = int(g.attr(node, "num_heads"))
+    out = _gqa(
+        add,
+        add("Gather", packed.rows, pre.pad_index, axis=0),  # [slots, S, W * D]
+        node.input[3:5],
+        pre,
+        _bias(g, pre, dtype),
+        (g.name("gqa"), *outputs[1:]),
+        heads,
+        int(g.attr(node, "num_kv_heads")),
+        float(g.attr(node, "scale")),
+    )
+    add(
+        "Gather", add("Reshape", out, g.ints(-1, heads, packed.head_dim)), pre.unpad_index, axis=0, outputs=[outputs[0]]
+    )
+
+
+def _attention(
+    g: GraphEditor, node: onnx.NodeProto, packed: Packed, pre: _Prelude, fo: Fold | None, dtype: int
+) -> None:
+    """GQA in place of ``node``: the padded layout alone, or (grouped-query heads) an ``If`` between the folded layout
+    (``ort_fold``: decoding and verification) and the padded one (prefill chunks), which give a row the same bits."""
+    if fo is None:
+        _padded(g.add, g, node, packed, pre, dtype, node.output)
+        return
+    kv_heads = int(g.attr(node, "num_kv_heads"))
     if dtype not in fo.bias:
         fo.bias[dtype] = g.add("Where", fo.allowed, g.scalar(0.0, dtype), g.scalar(_LOWEST[dtype], dtype))
-
-    def rows(x: str, n_heads: int) -> str:  # [T, n_heads * D] rows of x [T, n_heads, D] (a view)
-        flat = _rows_2d(g, x, dims)
-        return flat if flat is not None else g.add("Reshape", x, g.ints(-1, n_heads * head_dim))
-
-    q2, k2, v2 = rows(q, heads), rows(k, kv_heads), rows(v, kv_heads)
     folded, padded = Branch(g), Branch(g)
     f_out, p_out = [g.name("fold_out") for _ in range(3)], [g.name("pad_out") for _ in range(3)]
-    qf = folded.add(
-        "Reshape", folded.add("Gather", g.add("Reshape", q, g.ints(-1, head_dim)), fo.q_index, axis=0), fo.q_shape
-    )
+    qkv = folded.add("Reshape", folded.add("Gather", packed.flat, fo.qkv_index, axis=0), fo.q_shape)
     out = _gqa(
         folded.add,
-        qf,
-        folded.add("Gather", k2, fo.kv_index, axis=0),
-        folded.add("Gather", v2, fo.kv_index, axis=0),
-        (k_cache, v_cache),
+        qkv,
+        node.input[3:5],
         fo,
         fo.bias[dtype],
         (g.name("gqa"), *f_out[1:]),
         kv_heads,
         kv_heads,
-        scale,
+        float(g.attr(node, "scale")),
     )
-    folded.add("Gather", folded.add("Reshape", out, g.ints(-1, head_dim)), fo.out_index, axis=0, outputs=[f_out[0]])
-    qp, kp, vp = (padded.add("Gather", x, pre.pad_index, axis=0) for x in (q2, k2, v2))
-    out = _gqa(
-        padded.add,
-        qp,
-        kp,
-        vp,
-        (k_cache, v_cache),
-        pre,
-        _bias(g, pre, dtype),
-        (g.name("gqa"), *p_out[1:]),
-        heads,
-        kv_heads,
-        scale,
+    folded.add(
+        "Gather", folded.add("Reshape", out, g.ints(-1, packed.head_dim)), fo.out_index, axis=0, outputs=[f_out[0]]
     )
-    padded.add(
-        "Gather", padded.add("Reshape", out, g.ints(-1, heads, head_dim)), pre.unpad_index, axis=0, outputs=[p_out[0]]
-    )
+    _padded(padded.add, g, node, packed, pre, dtype, p_out)
     g.add(
         "If",
         fo.cond,
@@ -361,12 +350,10 @@ def _fuse_attention(
     """Replace every RaggedTreeAttention node by the GQA lowering; the ids of the replaced nodes, and of those
     whose replacement applies RoPE itself.
 
-    Grouped-query attention (``fold`` = heads / kv heads >= 2): an ``If`` per layer runs the folded
-    layout (``ort_fold``: decoding and verification steps) or the padded one (prefill chunks),
-    which give the same bits for a row; RoPE runs on the packed rows before (``ort_rotary.fuse_rotary``).
-    Otherwise q, k, v are gathered into the padded layout from the 2-D projection outputs they are
-    views of, and a matched RoPE on q/k runs on the padded rows (``RotaryEmbedding`` with the padded
-    row index as position into the per-token tables), so a layer needs no reshapes around GQA.
+    q, k and v become one packed tensor, RoPE applied on its rows (``ort_packed``). Grouped-query
+    attention (``fold`` = heads / kv heads >= 2): an ``If`` per layer runs the folded layout
+    (``ort_fold``: decoding and verification steps) or the padded one (prefill chunks), which give
+    the same bits for a row; otherwise the padded layout alone.
     """
     preludes: dict[tuple[str, ...], _Prelude] = {}
     folds: dict[tuple[str, ...], Fold] = {}
@@ -382,63 +369,31 @@ def _fuse_attention(
             continue
         q, k, v, k_cache, v_cache, cu, past, slot, tree = node.input
         dtype = types.get(k_cache)
+        head_dim = (dims.get(k_cache) or [None] * 4)[3]
         if dtype not in _FLOATS or types.get(v_cache) != dtype or types.get(q, dtype) != dtype:
             report.skipped.append(f"attention {node.name}: cache dtype {dtype} (GQA here: float32/float16)")
+            continue
+        if not head_dim:
+            report.skipped.append(f"attention {node.name}: the cache's head size is not static")
             continue
         key = (cu, past, slot, tree, slot_dims.get(k_cache, k_cache))
         if key not in preludes:
             preludes[key] = _prelude(g, cu, past, slot, tree, k_cache)
-        pre = preludes[key]
         num_heads, num_kv_heads = int(g.attr(node, "num_heads")), int(g.attr(node, "num_kv_heads"))
-        head_dim = (dims.get(k_cache) or [None] * 4)[3]
+        packed = pack_qkv(g, q, k, v, num_heads, num_kv_heads, head_dim, dims, ropes)
+        if packed.rotated:
+            rope_inside.add(id(node))
+            report.counts["rotary"] += 2
         fold = num_heads // num_kv_heads
-        if fold >= 2 and head_dim:
+        fo = None
+        if fold >= 2:
             fold_key = (*key, str(num_heads), str(num_kv_heads))
             if fold_key not in folds:
                 folds[fold_key] = fold_prelude(g, cu, past, slot, tree, k_cache, num_heads, num_kv_heads)
-            _folded_attention(g, node, pre, folds[fold_key], dtype, head_dim, dims)
+            fo = folds[fold_key]
             report.fold = fold
-            replaced.add(id(node))
-            report.counts["attention"] += 1
-            continue
-
-        def padded(x: str, heads: int, pre: _Prelude = pre) -> str:
-            rope = ropes.get(x)
-            base = rope.x if rope else x
-            rows = _rows_2d(g, base, dims)
-            if rows is not None:
-                out = g.add("Gather", rows, pre.pad_index, axis=0)  # [slots, S, H*D]
-            else:
-                out = g.add("Reshape", g.add("Gather", base, pre.pad_index, axis=0), pre.pad_shape)
-            if rope:
-                cos, sin = rope_tables(g, rope)
-                out = g.add(
-                    "RotaryEmbedding", out, pre.pad_index, cos, sin, domain=MS_DOMAIN, num_heads=heads, interleaved=0
-                )
-                report.counts["rotary"] += 1
-            return out
-
-        out = _gqa(
-            g.add,
-            padded(q, num_heads),
-            padded(k, num_kv_heads),
-            padded(v, num_kv_heads),
-            (k_cache, v_cache),
-            pre,
-            _bias(g, pre, dtype),
-            (g.name("gqa"), *node.output[1:3]),
-            num_heads,
-            num_kv_heads,
-            float(g.attr(node, "scale")),
-        )
-        shape = (
-            g.ints(-1, num_heads, head_dim)
-            if head_dim
-            else g.add("Concat", g.ints(-1), g.add("Shape", q, start=1, end=3), axis=0)
-        )
-        g.add("Gather", g.add("Reshape", out, shape), pre.unpad_index, axis=0, outputs=[node.output[0]])
+        _attention(g, node, packed, preludes[key], fo, dtype)
         replaced.add(id(node))
-        rope_inside.add(id(node))
         report.counts["attention"] += 1
     return replaced, rope_inside
 
