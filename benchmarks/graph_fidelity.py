@@ -28,6 +28,7 @@ import datetime as dt
 import json
 import math
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,7 @@ def chat_sequences(model: Any, reference: TorchBackend) -> list[tuple[list[int],
         ids = model.tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
         )
-        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        ids = [int(i) for i in (ids["input_ids"] if isinstance(ids, Mapping) else ids)]
         start = len(ids)
         cache = reference.allocate_cache(1, start + MAX_NEW + 8)
         logits = reference.step(pack([SeqWork(0, 0, ids, logits="last")]), cache)

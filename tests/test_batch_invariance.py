@@ -23,18 +23,19 @@ import pytest
 from invariance import MAX_LEN, differing_positions, one_token_per_step, random_steps, sequences_to_the_end
 
 from specdec.export.onnx import export_onnx
-from specdec.export.quantization.strategies import strategy_for
+from specdec.export.quantization.strategies import W8A8, strategy_for
 from specdec.export.quantize import quantize_and_validate
 from specdec.models.loading import tiny_random
 from specdec.runtime.backends.onnxruntime import OrtBackend
 from specdec.runtime.packed import ROOT, SeqWork, pack
 
 
-@pytest.fixture(scope="module", params=["int4", "int8", "w8a8"])
+@pytest.fixture(scope="module", params=["int4", "int8", "w8a8", "w8a8 integer head"])
 def quantized_graph(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     model = tiny_random(seed=9, num_layers=2, vocab_size=160)
-    graph = export_onnx(model, tmp_path_factory.mktemp(request.param) / "model.onnx")
-    quantize_and_validate(model, graph, strategy_for(request.param), tolerance=1e-4)  # shipped: int8 activations
+    graph = export_onnx(model, tmp_path_factory.mktemp(request.param.replace(" ", "-")) / "model.onnx")
+    strategy = W8A8(integer_head=True) if request.param == "w8a8 integer head" else strategy_for(request.param)
+    quantize_and_validate(model, graph, strategy, tolerance=1e-4)  # shipped: int8 activations
     return graph
 
 

@@ -162,6 +162,27 @@ def test_the_check_copy_multiplies_by_the_effective_weights(tmp_path: Path) -> N
     assert not checked.exists()
 
 
+def test_an_integer_head_is_a_chain_over_the_logit_rows(tmp_path: Path) -> None:
+    """``W8A8(integer_head=True)``: the LM head a chain too, rounding the rows that need logits (not the step's
+    tokens); the table stays gathered from the source's blocks, and the graph checks as tightly as the default."""
+    from specdec.export.onnx import export_onnx
+    from specdec.export.quantization.strategies import W8A8
+    from specdec.export.quantize import quantize_and_validate
+
+    model = tiny_random(seed=9, num_layers=1, vocab_size=96)
+    graph = export_onnx(model, tmp_path / "model.onnx")
+    info = quantize_and_validate(model, graph, W8A8(integer_head=True), tolerance=1e-4)
+    assert info["formats"] == {"w8a8": 5} and info["integer_head"] and info["embedding"] == "8-bit rtn"
+    g = GraphEditor(onnx.load(str(graph), load_external_data=False), "read")
+    ops = Counter(n.op_type for n in g.graph.node)
+    assert ops["MatMulInteger"] == 5 and ops["MatMulNBits"] == 0 and ops["GatherBlockQuantized"] == 1
+    quantizers = [n for n in g.graph.node if n.op_type == "QuantizeLinear"]
+    head = [n for n in quantizers if n.input[2] == f"{w8a8.TAG}.zero_points.{w8a8.LOGIT_ROWS}"]
+    assert len(head) == 1 and len(quantizers) == 5
+    shape = g.producer[g.producer[head[0].input[2]].input[0]]
+    assert shape.op_type == "Shape" and shape.input[0] == w8a8.LOGIT_ROWS
+
+
 def test_w8a8_refuses_fp32_activations(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "deploy"
     assert (

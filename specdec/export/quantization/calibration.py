@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from specdec.export.quantization.sources import EMBEDDING
+
 #: chat prompts whose activations calibrate the smoothing (``calibration_ids``)
 CALIBRATION_PROMPTS = 64
 
@@ -44,7 +46,9 @@ def calibration_ids(tokenizer: Any | None, vocab_size: int, n: int = CALIBRATION
 def activation_maxima(model: Any, sequences: Sequence[Sequence[int]], names: Sequence[str]) -> dict[str, np.ndarray]:
     """The largest ``|input|`` of each input channel of the linear layers ``names`` (weight names) over ``sequences``.
 
-    Runs the transformers twin of ``model`` (``LoadedModel.to_hf``) with a hook on each layer.
+    Runs the transformers twin of ``model`` (``LoadedModel.to_hf``) with a hook on each layer. The
+    embedding table's name stands for the LM head it is tied to (``sources.linear_names``): its inputs
+    are the head's.
     """
     import torch
 
@@ -59,7 +63,10 @@ def activation_maxima(model: Any, sequences: Sequence[Sequence[int]], names: Seq
 
         return record
 
-    handles = [modules[name.removesuffix(".weight")].register_forward_pre_hook(hook(name)) for name in names]
+    def module(name: str) -> Any:
+        return modules["lm_head" if name == EMBEDDING else name.removesuffix(".weight")]
+
+    handles = [module(name).register_forward_pre_hook(hook(name)) for name in names]
     try:
         with torch.no_grad():
             for ids in sequences:

@@ -47,7 +47,9 @@ from specdec.export.quantization.sources import (
     source_blocks,
 )
 from specdec.export.quantization.w8a8 import (
+    LOGIT_ROWS,
     SMOOTH_ALPHA,
+    TOKEN_ROWS,
     fp32_product_copy,
     integer_chain,
     quantize_linear,
@@ -173,11 +175,17 @@ class W8A8(QuantizationStrategy):
 
     ``strength``: SmoothQuant's migration strength. ``calibration``: the token sequences whose
     activations set the smoothing (default: ``calibration.calibration_ids`` in the model's own tokenizer).
+    ``integer_head``: the LM head an integer-GEMM chain too (the table stays gathered from blocks). Why it is
+    an option: at the rows of a batch of verification chains the head's 8-bit ``MatMulNBits`` is the slowest
+    node of a step on CPUs whose integer GEMM is much faster (AMX), and a chain re-rounds the source's blocks
+    per channel, so what it costs in agreement with fp32 is measured before it is chosen
+    (``benchmarks/results/graph_fidelity.md``).
     """
 
     strength: float = SMOOTH_ALPHA
     calibration: tuple[tuple[int, ...], ...] | None = None
     use_gguf: bool = True
+    integer_head: bool = False
     # constants of this strategy, not settings: class variables where the base declares what every strategy has
     name: ClassVar[str] = "w8a8"  # type: ignore[misc]
     bits: ClassVar[int] = 8  # type: ignore[misc]
@@ -196,7 +204,7 @@ class W8A8(QuantizationStrategy):
     def plan(self, model: Any) -> Plan:
         names = linear_names(model)
         sequences = self.calibration or calibration_ids(model.tokenizer, model.vocab_size)
-        maxima = activation_maxima(model, sequences, names[:-1])
+        maxima = activation_maxima(model, sequences, names if self.integer_head else names[:-1])
         head = self.head.plan(model, [name for name in names if name not in maxima])
         return replace(head, integer=maxima, reference={**head.reference, **{n: fp32(model, n) for n in maxima}})
 
@@ -205,8 +213,12 @@ class W8A8(QuantizationStrategy):
             return self.head.linear(g, node, weight, runs, plan)
         seen = np.max([plan.integer[name] for name, _, _ in runs], axis=0)  # q|k|v, gate|up read one input
         linear = quantize_linear(weight, smoothing(seen, weight, self.strength))
-        integer_chain(g, node, linear, node_metadata(runs, self.name))
+        head = any(name in (EMBEDDING, "lm_head.weight") for name, _, _ in runs)  # its rows are the logit rows
+        integer_chain(g, node, linear, node_metadata(runs, self.name), rows=LOGIT_ROWS if head else TOKEN_ROWS)
         return Linear(self.name, linear.effective())
+
+    def describe(self, plan: Plan) -> dict:
+        return {**super().describe(plan), "integer_head": self.integer_head}
 
     def checked(self, graph: Path) -> AbstractContextManager[Path]:
         """A copy whose chains are Gemms by their effective weights (they have no fp32-activation level to switch

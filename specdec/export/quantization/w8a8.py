@@ -49,6 +49,7 @@ SMOOTH_ALPHA = 0.65
 #: the activation codes are uint8 around this zero point (MLAS's fast kernel is u8 x s8); weights are symmetric int8
 ZERO_POINT = 128
 TAG = "w8a8"  # the names of what every chain of a graph shares
+TOKEN_ROWS, LOGIT_ROWS = "input_ids", "logits_indices"  # graph inputs with one entry per row: a layer's, the head's
 CHAIN_KEY = "specdec.quantize.w8a8"  # metadata on each MatMulInteger: the chain's tensors (``chains``)
 _FLOOR = 1e-5  # a channel never seen active, or a zero weight column, smoothed as if this small
 _TINY = 1e-30  # an all-zero row gets this scale instead of 0 (its codes are then all the zero point)
@@ -89,16 +90,20 @@ def quantize_linear(weight: np.ndarray, smooth: np.ndarray) -> IntegerLinear:
 
 def _zero_points(g: GraphEditor, rows: str) -> str:
     """The activations' zero points ``uint8 [T]``, one per row of ``rows`` (a per-axis QuantizeLinear wants one per
-    row), and the constants every chain reads (named under ``TAG``): emitted by the first chain, read by all."""
+    row), and the constants every chain reads (named under ``TAG``): emitted by the first chain over ``rows``, read by
+    all of them (the LM head's rows are the logit rows, the layers' the step's tokens)."""
     from onnx import TensorProto, helper
 
-    zero_points = f"{TAG}.zero_points"
-    if (TAG, rows) not in g.shared:
+    suffix = "" if rows == TOKEN_ROWS else f".{rows}"
+    zero_points = f"{TAG}.zero_points{suffix}"
+    if TAG not in g.shared:
         g.initializer(np.array([-1], np.int64), f"{TAG}.last_axis")
         g.initializer(np.float32(1 / 127), f"{TAG}.inv127")
         g.initializer(np.float32(_TINY), f"{TAG}.tiny")
         g.initializer(np.uint8(ZERO_POINT), f"{TAG}.zp")
-        tokens = g.add("Shape", rows, outputs=[f"{TAG}.tokens"], name=f"{TAG}.tokens", start=0, end=1)
+        g.shared[TAG] = True
+    if (TAG, rows) not in g.shared:
+        tokens = g.add("Shape", rows, outputs=[f"{TAG}.tokens{suffix}"], name=f"{TAG}.tokens{suffix}", start=0, end=1)
         value = helper.make_tensor(f"{TAG}.zp", TensorProto.UINT8, [1], [ZERO_POINT])
         g.add("ConstantOfShape", tokens, outputs=[zero_points], name=zero_points, value=value)
         g.shared[TAG, rows] = zero_points
@@ -106,7 +111,7 @@ def _zero_points(g: GraphEditor, rows: str) -> str:
 
 
 def integer_chain(
-    g: GraphEditor, node: Any, linear: IntegerLinear, meta: Mapping[str, str], rows: str = "input_ids"
+    g: GraphEditor, node: Any, linear: IntegerLinear, meta: Mapping[str, str], rows: str = TOKEN_ROWS
 ) -> None:
     """Emit the chain computing the linear ``node`` (a Gemm of rows ``[T, K]``): smooth, round per row, integer GEMM,
     rescale. Per-axis (axis 0) Quantize/DequantizeLinear hold the row scales: the exporter's opset has no blocked ones.

@@ -12,7 +12,9 @@ measurements: docs/export.md, "The ONNX Runtime lowering"; ``benchmarks/results/
   layout whose batch is the cache's slots (GQA's cache is batch-major, without slot indirection):
   slot ``slot_b`` holds sequence b's rows (``query_seqlens = n_b``, ``seqlens_k = past_b + n_b - 1``,
   new K/V appended in place), other slots are idle entries (``query_seqlens = 0``); the tree mask
-  is an additive ``attention_bias``; RoPE stays outside GQA. GQA needs ``past + S <= max_len`` for
+  is an additive ``attention_bias``; RoPE stays outside GQA (its own rotary assumes consecutive
+  positions, which a tree breaks). q, k and v reach GQA packed in one input, the fused q|k|v
+  projection's own output rotated by one ``RotaryEmbedding`` (``ort_packed``). GQA needs ``past + S <= max_len`` for
   every slot, which the reference does not: ``gqa_groups`` says how the backend splits a step.
   A sequence with an odd number of new rows runs one more query row, a copy of its last whose
   output is dropped and whose K/V land one position past the sequence (garbage the next step
@@ -33,8 +35,8 @@ measurements: docs/export.md, "The ONNX Runtime lowering"; ``benchmarks/results/
   emits ``Reciprocal``/``Mul``); **skip_rmsnorm** -> ``SkipSimplifiedLayerNormalization`` for a
   residual ``Add`` feeding a norm (ORT does not fuse it: the sum has other consumers): ``ort_norms``.
 * **rotary** -> ``com.microsoft.RotaryEmbedding`` with per-token tables ``Cos(f)``/``Sin(f)`` (the
-  first halves of the graph's own ``Cos/Sin(Concat(f, f))``), on the padded rows of fused attention:
-  ``ort_rotary``.
+  first halves of the graph's own ``Cos/Sin(Concat(f, f))``): q and k of fused attention together on
+  its packed rows (``ort_packed``), any other RoPE on its own (``ort_rotary``).
 
 This module holds the attention lowering and the driver (``fuse_model``); every rewrite edits the
 graph through ``onnx_edit.GraphEditor``, as the export's quantization does. Nothing here touches
