@@ -123,7 +123,7 @@ def test_quantized_graphs_have_no_fp32_linear_weights(quantized_export: tuple[st
         proto = onnx.load(str(out / manifest[part]["graph"]), load_external_data=False)
         ops = Counter(n.op_type for n in proto.graph.node)
         assert ops["MatMulNBits"] == (1 if integer else linears + 1) and ops["Gemm"] == 0 and ops["MatMul"] == 0
-        assert ops["MatMulInteger"] == (linears if integer else 0)
+        assert ops["MatMulIntegerToFloat"] == (linears if integer else 0)
         # the embedding table is gathered from the head's own blocks: no fp32 copy of it is left
         assert ops["GatherBlockQuantized"] == 1
         assert info["embedding"] == f"{strategy_for(mode).bits}-bit rtn"

@@ -18,6 +18,7 @@ import pytest
 from specdec.export.cli import main as export_main
 from specdec.export.quantization import calibration, w8a8
 from specdec.export.quantization.rewrite import one_linear
+from specdec.export.quantization.sources import ROWS_KEY
 from specdec.models.loading import tiny_random
 from specdec.runtime.backends import onnxruntime as ort_backend
 from specdec.runtime.backends.onnx_edit import GraphEditor
@@ -156,7 +157,7 @@ def test_the_check_copy_multiplies_by_the_effective_weights(tmp_path: Path) -> N
     with w8a8.fp32_product_copy(graph, lambda g: None) as checked:
         g = GraphEditor(onnx.load(str(checked)), "read")
         ops = Counter(n.op_type for n in g.graph.node)
-        assert ops["MatMulInteger"] == 0 and ops["QuantizeLinear"] == 0 and ops["Gemm"] == 4
+        assert ops[w8a8.PRODUCT_OP] == 0 and ops["QuantizeLinear"] == 0 and ops["Gemm"] == 4
         for name, linear in weights.items():
             assert np.array_equal(g.array(f"{name}.effective"), linear.effective())
     assert not checked.exists()
@@ -175,12 +176,33 @@ def test_an_integer_head_is_a_chain_over_the_logit_rows(tmp_path: Path) -> None:
     assert info["formats"] == {"w8a8": 5} and info["integer_head"] and info["embedding"] == "8-bit rtn"
     g = GraphEditor(onnx.load(str(graph), load_external_data=False), "read")
     ops = Counter(n.op_type for n in g.graph.node)
-    assert ops["MatMulInteger"] == 5 and ops["MatMulNBits"] == 0 and ops["GatherBlockQuantized"] == 1
+    assert ops[w8a8.PRODUCT_OP] == 5 and ops["MatMulNBits"] == 0 and ops["GatherBlockQuantized"] == 1
     quantizers = [n for n in g.graph.node if n.op_type == "QuantizeLinear"]
     head = [n for n in quantizers if n.input[2] == f"{w8a8.TAG}.zero_points.{w8a8.LOGIT_ROWS}"]
     assert len(head) == 1 and len(quantizers) == 5
     shape = g.producer[g.producer[head[0].input[2]].input[0]]
     assert shape.op_type == "Shape" and shape.input[0] == w8a8.LOGIT_ROWS
+
+
+def test_smoothing_is_folded_into_the_norms_and_the_up_projection(tmp_path: Path) -> None:
+    """q|k|v and gate|up read an RMSNorm's output, down reads silu(gate) * up: their ``1 / s`` moves into the norm
+    weight and up's channel scales (``fold_smoothing``); o reads the attention output and keeps its multiply. The
+    graph still checks tightly against the torch model over the weights it computes."""
+    from specdec.export.onnx import export_onnx
+    from specdec.export.quantization.strategies import W8A8
+    from specdec.export.quantize import quantize_and_validate
+
+    model = tiny_random(seed=9, num_layers=2, vocab_size=96)
+    graph = export_onnx(model, tmp_path / "model.onnx")
+    info = quantize_and_validate(model, graph, W8A8(), tolerance=1e-4)
+    assert info["smoothing_folded"] == 3 * 2  # q|k|v, gate|up, down of each layer
+    g = GraphEditor(onnx.load(str(graph)), "read")
+    names = {n.name for n in g.graph.node}
+    for chain in w8a8.chains(g):
+        folded = not chain["nodes"][0].endswith(".x")
+        assert folded == ("o_proj" not in chain["meta"][ROWS_KEY])  # only o keeps its multiply
+        assert (chain["unsmooth"] is None) == folded  # its 1 / s is in the producer
+        assert all(name in names for name in chain["nodes"])  # the metadata names the chain's nodes as they are
 
 
 def test_w8a8_refuses_fp32_activations(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -215,7 +237,7 @@ def test_vnni_is_read_from_the_cpu_flags(tmp_path: Path, flags: str | None, want
 def test_a_w8a8_graph_on_a_cpu_without_vnni_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("flags\t\t: fpu avx2\n")
-    with_integer = SimpleNamespace(graph=SimpleNamespace(node=[SimpleNamespace(op_type="MatMulInteger")]))
+    with_integer = SimpleNamespace(graph=SimpleNamespace(node=[SimpleNamespace(op_type=w8a8.PRODUCT_OP)]))
     without = SimpleNamespace(graph=SimpleNamespace(node=[SimpleNamespace(op_type="MatMulNBits")]))
     assert ort_backend._warn_integer_saturation(with_integer, tmp_path / "g.onnx", True, str(cpuinfo))
     assert "no VNNI" in caplog.text

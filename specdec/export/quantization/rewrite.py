@@ -133,6 +133,9 @@ def rewrite_graph(path: str | os.PathLike, strategy: QuantizationStrategy, plan:
     if unused:
         raise QuantizeError(f"{out}: no linear node of the graph uses {unused}")
     g.commit(sort=False)
+    finished = GraphEditor(proto, "quantize")
+    extra = strategy.finish(finished)
+    finished.commit(sort=False)
     data = out.with_name(out.name + ".data")
     if data.exists():
         data.unlink()
@@ -153,6 +156,7 @@ def rewrite_graph(path: str | os.PathLike, strategy: QuantizationStrategy, plan:
         "block_size": BLOCK_SIZE,
         "accuracy_level": strategy.accuracy_level,
         "graph_bytes": out.stat().st_size + (data.stat().st_size if data.exists() else 0),
+        **extra,
     }
     return Rewritten(summary, computed)
 

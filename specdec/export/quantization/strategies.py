@@ -50,6 +50,7 @@ from specdec.export.quantization.w8a8 import (
     LOGIT_ROWS,
     SMOOTH_ALPHA,
     TOKEN_ROWS,
+    fold_smoothing,
     fp32_product_copy,
     integer_chain,
     quantize_linear,
@@ -111,6 +112,10 @@ class QuantizationStrategy(ABC):
     def describe(self, plan: Plan) -> dict:
         """The manifest's summary of the scheme (the rewrite adds what it found in the graph)."""
         return {"mode": self.name, "bits": self.bits, "fp32_tensors": sorted(plan.kept)}
+
+    def finish(self, g: GraphEditor) -> dict:
+        """Edits across linears, once every one is replaced (``g``: the rewritten graph); what the manifest adds."""
+        return {}
 
 
 @dataclass(frozen=True)
@@ -219,6 +224,10 @@ class W8A8(QuantizationStrategy):
 
     def describe(self, plan: Plan) -> dict:
         return {**super().describe(plan), "integer_head": self.integer_head}
+
+    def finish(self, g: GraphEditor) -> dict:
+        """Each chain's smoothing folded into its input's producer where exact (``w8a8.fold_smoothing``)."""
+        return {"smoothing_folded": fold_smoothing(g)}
 
     def checked(self, graph: Path) -> AbstractContextManager[Path]:
         """A copy whose chains are Gemms by their effective weights (they have no fp32-activation level to switch

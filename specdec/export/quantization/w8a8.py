@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from specdec.runtime.backends.onnx_edit import GraphEditor
+from specdec.runtime.backends.onnx_edit import MS_DOMAIN, GraphEditor
 
 #: SmoothQuant's migration strength (0.5 splits each channel's range evenly between activations and weights); the
 #: sweep that chose it: ``benchmarks/results/quantization_choices.md``
@@ -50,7 +50,8 @@ SMOOTH_ALPHA = 0.65
 ZERO_POINT = 128
 TAG = "w8a8"  # the names of what every chain of a graph shares
 TOKEN_ROWS, LOGIT_ROWS = "input_ids", "logits_indices"  # graph inputs with one entry per row: a layer's, the head's
-CHAIN_KEY = "specdec.quantize.w8a8"  # metadata on each MatMulInteger: the chain's tensors (``chains``)
+CHAIN_KEY = "specdec.quantize.w8a8"  # metadata on each chain's product node: the chain's tensors (``chains``)
+PRODUCT_OP = "MatMulIntegerToFloat"  # a chain's integer GEMM (com.microsoft): int32 products scaled per channel
 _FLOOR = 1e-5  # a channel never seen active, or a zero weight column, smoothed as if this small
 _TINY = 1e-30  # an all-zero row gets this scale instead of 0 (its codes are then all the zero point)
 
@@ -101,6 +102,7 @@ def _zero_points(g: GraphEditor, rows: str) -> str:
         g.initializer(np.float32(1 / 127), f"{TAG}.inv127")
         g.initializer(np.float32(_TINY), f"{TAG}.tiny")
         g.initializer(np.uint8(ZERO_POINT), f"{TAG}.zp")
+        g.initializer(np.ones([1], np.float32), f"{TAG}.one")  # the product's activation scale: rows rescale after
         g.shared[TAG] = True
     if (TAG, rows) not in g.shared:
         tokens = g.add("Shape", rows, outputs=[f"{TAG}.tokens{suffix}"], name=f"{TAG}.tokens{suffix}", start=0, end=1)
@@ -114,7 +116,12 @@ def integer_chain(
     g: GraphEditor, node: Any, linear: IntegerLinear, meta: Mapping[str, str], rows: str = TOKEN_ROWS
 ) -> None:
     """Emit the chain computing the linear ``node`` (a Gemm of rows ``[T, K]``): smooth, round per row, integer GEMM,
-    rescale. Per-axis (axis 0) Quantize/DequantizeLinear hold the row scales: the exporter's opset has no blocked ones.
+    rescale. A per-axis (axis 0) QuantizeLinear holds the row scales: the exporter's opset has no blocked one.
+
+    The product is ``MatMulIntegerToFloat``: MLAS's integer GEMM with the channel scales applied as it writes
+    its output, so the rows are rescaled by one multiply by their scale, not by a pass of int32 to float and one
+    more by the channel scales (a pass over ``[T, N]`` fewer; ``benchmarks/results/step_profile_w8a8.md``).
+    ``fold_smoothing`` later moves the input's ``1 / s`` into the tensor's producer where it can.
 
     ``rows``: a tensor with one entry per row along its first axis (a step's ``input_ids``).
     """
@@ -127,13 +134,18 @@ def integer_chain(
     steps: list[tuple[str, list[str], str, dict[str, Any]]] = [
         ("Mul", [node.input[0], f"{base}.unsmooth"], "x", {}),
         ("Abs", [f"{base}.x"], "abs", {}),
-        ("ReduceMax", [f"{base}.abs", f"{TAG}.last_axis"], "amax", {"keepdims": 0}),
+        ("ReduceMax", [f"{base}.abs", f"{TAG}.last_axis"], "amax", {"keepdims": 1}),
         ("Mul", [f"{base}.amax", f"{TAG}.inv127"], "scale0", {}),
-        ("Max", [f"{base}.scale0", f"{TAG}.tiny"], "row_scale", {}),
+        ("Max", [f"{base}.scale0", f"{TAG}.tiny"], "row", {}),  # [T, 1]
+        ("Reshape", [f"{base}.row", f"{TAG}.last_axis"], "row_scale", {}),  # [T]: QuantizeLinear's per-axis scale
         ("QuantizeLinear", [f"{base}.x", f"{base}.row_scale", zero_points], "codes_x", {"axis": 0}),
-        ("MatMulInteger", [f"{base}.codes_x", f"{base}.codes", f"{TAG}.zp"], "acc", {}),
-        ("DequantizeLinear", [f"{base}.acc", f"{base}.row_scale"], "y0", {"axis": 0}),
-        ("Mul", [f"{base}.y0", f"{base}.scales"], "y", {}),
+        (
+            "MatMulIntegerToFloat",
+            [f"{base}.codes_x", f"{base}.codes", f"{TAG}.one", f"{base}.scales", f"{TAG}.zp"],
+            "acc",
+            {"domain": MS_DOMAIN},
+        ),
+        ("Mul", [f"{base}.acc", f"{base}.row"], "y", {}),
     ]
     chain = {
         "input": node.input[0],
@@ -146,14 +158,88 @@ def integer_chain(
     }
     for op, inputs, suffix, attrs in steps:
         out = node.output[0] if suffix == "y" else f"{base}.{suffix}"
-        metadata = {CHAIN_KEY: json.dumps(chain), **meta} if op == "MatMulInteger" else None
+        metadata = {CHAIN_KEY: json.dumps(chain), **meta} if op == PRODUCT_OP else None
         g.add(op, *inputs, outputs=[out], name=f"{base}.{suffix}", metadata=metadata, **attrs)
+
+
+def fold_smoothing(g: GraphEditor) -> int:
+    """Move each chain's ``1 / s`` into the producer of its input where that is exact in real arithmetic; how many.
+
+    Why: the multiply is a pass over the chain's ``[T, K]`` input (and a node) per linear per step. Two producers
+    take it: an RMSNorm's weight ``w * normed`` read by this chain alone (q|k|v, gate|up: the weight becomes
+    ``w / s``), and the ``up`` half of a gate|up chain whose ``silu(gate) * up`` this chain alone reads (``down``:
+    up's channel scales become ``scales / s``). The attention output (``o``) mixes heads that share a kv head,
+    so its multiply stays. A folded chain keeps ``unsmooth`` as ones (its effective weight is then what it
+    multiplies by; its metadata's ``unsmooth`` is null); ``Linear.computed`` keeps the original factoring, equal in
+    real arithmetic.
+    """
+    folded = 0
+    by_name = {node.name: node for node in g.graph.node}
+    for chain in chains(g):
+        mul = by_name.get(chain["nodes"][0])
+        if mul is None or not mul.name.endswith(".x") or len(g.consumers.get(chain["input"], [])) != 1:
+            continue
+        unsmooth = g.array(chain["unsmooth"])
+        if not (_fold_into_norm(g, chain["input"], unsmooth) or _fold_into_up(g, chain["input"], unsmooth)):
+            continue
+        for reader in g.consumers.get(mul.output[0], []):  # Abs and QuantizeLinear read the input itself now
+            for i, name in enumerate(reader.input):
+                if name == mul.output[0]:
+                    reader.input[i] = chain["input"]
+        g.remove(mul)
+        updated = {key: value for key, value in chain.items() if key != "meta"}
+        updated["nodes"], updated["unsmooth"] = chain["nodes"][1:], None
+        entry = next(p for p in by_name[chain["product"]].metadata_props if p.key == CHAIN_KEY)
+        entry.value = json.dumps(updated)
+        folded += 1
+    return folded
+
+
+def _fold_into_norm(g: GraphEditor, x: str, unsmooth: np.ndarray) -> bool:
+    """``x = Mul(w, normed)`` with a constant ``w [K]``: x's producer multiplies by ``w * unsmooth`` instead."""
+    norm = g.node_of(x, "Mul")
+    if norm is None:
+        return False
+    for i, name in enumerate(norm.input):
+        if name in g.consts and list(g.consts[name].dims) == [unsmooth.size]:
+            weight = (g.array(name).astype(np.float32) * unsmooth).astype(np.float32)
+            norm.input[i] = g.initializer(weight, f"{x}.{TAG}.folded_weight")
+            return True
+    return False
+
+
+def _fold_into_up(g: GraphEditor, x: str, unsmooth: np.ndarray) -> bool:
+    """``x = Mul(silu, up)``, ``up`` the second half of a gate|up chain's ``Split``: up's channel scales take it."""
+    product = g.node_of(x, "Mul")
+    for up in product.input if product is not None else ():
+        split = g.node_of(up, "Split")
+        if split is None or len(split.output) != 2 or split.output[1] != up or len(g.consumers.get(up, [])) != 1:
+            continue
+        source = next((c for c in chains(g) if c["output"] == split.input[0]), None)
+        scales = g.array(source["scales"]) if source is not None else None
+        if scales is None or scales.size != 2 * unsmooth.size or int(g.attr(split, "axis", 0)) not in (-1, 1):
+            continue
+        sizes = g.const_value(split.input[1]) if len(split.input) > 1 and split.input[1] else None
+        if sizes is not None and list(sizes) != [unsmooth.size, unsmooth.size]:
+            continue
+        scaled = scales.copy()
+        scaled[unsmooth.size :] *= unsmooth
+        _set_initializer(g, source["scales"], scaled.astype(np.float32))
+        return True
+    return False
+
+
+def _set_initializer(g: GraphEditor, name: str, value: np.ndarray) -> None:
+    """Give the initializer ``name`` the value ``value`` (same name, so every reader sees it)."""
+    from onnx import numpy_helper
+
+    g.consts[name].CopyFrom(numpy_helper.from_array(value, name))
 
 
 def chains(g: GraphEditor) -> list[dict[str, Any]]:
     """Every w8a8 chain of the graph ``g`` reads: its tensors' names and its node's metadata."""
     out = []
-    for node in g.nodes("MatMulInteger"):
+    for node in g.nodes(PRODUCT_OP, MS_DOMAIN):
         meta = g.metadata(node)
         if CHAIN_KEY in meta:
             out.append({**json.loads(meta[CHAIN_KEY]), "meta": meta})
@@ -161,11 +247,13 @@ def chains(g: GraphEditor) -> list[dict[str, Any]]:
 
 
 def integer_weights(g: GraphEditor) -> dict[str, IntegerLinear]:
-    """Each chain's ``IntegerLinear``, by the name of its MatMulInteger node (the graph with its weights loaded)."""
-    return {
-        chain["product"]: IntegerLinear(*(g.array(chain[key]) for key in ("codes", "scales", "unsmooth")))
-        for chain in chains(g)
-    }
+    """Each chain's ``IntegerLinear``, by the name of its product node (the graph with its weights loaded)."""
+    out = {}
+    for chain in chains(g):
+        codes = g.array(chain["codes"])
+        unsmooth = g.array(chain["unsmooth"]) if chain["unsmooth"] else np.ones(codes.shape[0], np.float32)
+        out[chain["product"]] = IntegerLinear(codes, g.array(chain["scales"]), unsmooth)
+    return out
 
 
 def with_fp32_products(g: GraphEditor) -> None:

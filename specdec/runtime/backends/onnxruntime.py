@@ -417,7 +417,7 @@ def has_vnni(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
 
 
 def _warn_integer_saturation(proto: onnx.ModelProto, path: Path, on_cpu: bool, cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Warn when a graph with ``MatMulInteger`` (a w8a8 export) runs on an x86 CPU without VNNI; True if it did.
+    """Warn when a graph with integer GEMMs (a w8a8 export) runs on an x86 CPU without VNNI; True if it did.
 
     Why: there MLAS's u8 x s8 kernel adds pairs of products in int16 with saturation (``vpmaddubsw``),
     so a large activation times a large weight can be clipped: the answers stay deterministic and
@@ -425,7 +425,8 @@ def _warn_integer_saturation(proto: onnx.ModelProto, path: Path, on_cpu: bool, c
     """
     if not on_cpu or has_vnni(cpuinfo) is not False:
         return False
-    if not any(node.op_type == "MatMulInteger" for node in proto.graph.node):
+    integer = ("MatMulInteger", "MatMulIntegerToFloat")
+    if not any(node.op_type in integer for node in proto.graph.node):
         return False
     _log.warning(
         "%s: this CPU has no VNNI; ONNX Runtime's u8 x s8 integer GEMM may saturate here, so this w8a8 "
