@@ -214,6 +214,19 @@ def test_tiny_gguf_graph_holds_the_files_own_blocks(tiny_gguf: Path, gguf_cache:
     assert max_logit_error(TorchBackend(reference), OrtBackend(graph)) < 1e-4
 
 
+def test_quantize_from_fp32_rounds_a_gguf_again_one_node_per_linear(tiny_gguf: Path, gguf_cache: Path) -> None:
+    """``--quantize-from fp32``: the fp32 weights rounded to nearest (ONNX Runtime GenAI's builder's scheme), so no
+    Q4_1 offsets run beside any MatMulNBits: every linear is the op alone, and the manifest says where the weights
+    came from."""
+    model = load_model(tiny_gguf)
+    graph = export_onnx(model, gguf_cache / "rtn" / "model.onnx")
+    _, summary = quantize_export(model, graph, strategy_for("int4", use_gguf=False))
+    assert summary["quantize_from"] == "fp32" and set(summary["formats"]) == {"rtn"}
+    ops = Counter(node.op_type for node in onnx.load(str(graph), load_external_data=False).graph.node)
+    assert ops["MatMulNBits"] == len(_nbits_attributes(graph)) > 0 and not ops["Gemm"] and not ops["ReduceSum"]
+    assert max_logit_error(TorchBackend(model), OrtBackend(graph)) > 0  # a second rounding: not the GGUF's values
+
+
 def test_at_fp32_activations_wider_source_tensors_stay_fp32(tiny_gguf: Path, gguf_cache: Path) -> None:
     """fp32 activations: the Q8_0 tensors, which MLAS would run 8-bit without an fp32-activation kernel, stay fp32
     Gemms; the 4-bit ones are MatMulNBits holding the file's own blocks."""

@@ -72,7 +72,16 @@ from __future__ import annotations
 from pathlib import Path
 
 TARGET, DRAFT = "smollm2-135m", "smollm2-135m-draft"
-PRECISIONS = ("fp32", "int8", "int4", "w8a8")
+PRECISIONS = ("fp32", "int8", "int4", "int4-rtn", "w8a8")
+#: ``specdec-export`` flags of each precision. int4-rtn is what ONNX Runtime GenAI's model builder makes of the same
+#: weights (round to nearest from fp32, one MatMulNBits per linear, fp32 caches): the export matched to that peer
+EXPORT_FLAGS = {
+    "fp32": (),
+    "int8": ("--quantize", "int8"),
+    "int4": ("--quantize", "int4"),
+    "int4-rtn": ("--quantize", "int4", "--quantize-from", "fp32", "--kv-cache", "float32"),
+    "w8a8": ("--quantize", "w8a8"),
+}
 WORKLOADS = ("chat", "extractive")
 REFERENCE_GRAPH = "specdec fp32"  # forced along its own answers: its margins say how sure the reference was
 SKIP_NAMES = ("hf", "hf-lookup", "specdec", *PRECISIONS, "ar", "ems-ngram", "ems-draft", "ems-hybrid", "fp32-caches")

@@ -12,13 +12,13 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from benchmarks.edge_cpu import DRAFT, TARGET
+from benchmarks.edge_cpu import DRAFT, EXPORT_FLAGS, TARGET
 
 # -- exports ---------------------------------------------------------------------------------
 
 
 def export_command(precision: str, out: Path, k: int, max_batch: int, force: bool = False) -> list[str]:
-    """The ``specdec-export`` command of one precision (fp32 has no ``--quantize``)."""
+    """The ``specdec-export`` command of one precision (its ``EXPORT_FLAGS``)."""
     cmd = [
         "specdec-export",
         "--target",
@@ -35,7 +35,7 @@ def export_command(precision: str, out: Path, k: int, max_batch: int, force: boo
         str(out),
         *(["--force"] * force),
     ]
-    return cmd if precision == "fp32" else [*cmd[:5], "--quantize", precision, *cmd[5:]]
+    return [*cmd[:5], *EXPORT_FLAGS[precision], *cmd[5:]]
 
 
 def quantize_support() -> str | None:

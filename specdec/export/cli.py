@@ -390,6 +390,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "fp32 export's), slower above one row",
     )
     parser.add_argument(
+        "--quantize-from",
+        choices=("gguf", "fp32"),
+        default="gguf",
+        help="with --quantize: gguf (default) keeps a block-quantized GGUF's own blocks bit for bit (Q4_1's "
+        "offsets run beside each MatMulNBits); fp32 rounds the fp32 weights to nearest instead, as ONNX Runtime "
+        "GenAI's model builder does: one node per linear and a faster step, a second rounding "
+        "(benchmarks/results/graph_fidelity.md)",
+    )
+    parser.add_argument(
         "--kv-cache",
         choices=("float32", "float16"),
         help="the type the served KV caches are stored in (default: float16 with --quantize, as edge "
@@ -462,7 +471,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if serving.drafter is DrafterKind.HYBRID and draft is None:
             raise ExportDirError("--drafter hybrid needs --draft (prompt lookup first, the draft model elsewhere)")
-        quantize = strategy_for(args.quantize, args.quantize_activations) if args.quantize else None
+        quantize = (
+            strategy_for(args.quantize, args.quantize_activations, args.quantize_from == "gguf")
+            if args.quantize
+            else None
+        )
         out = export(
             args.target,
             draft,

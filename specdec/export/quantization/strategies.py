@@ -89,6 +89,7 @@ class QuantizationStrategy(ABC):
     name: str  # the manifest's ``mode`` and the ``--quantize`` choice
     bits: int  # the width of its weight blocks
     accuracy_level: int  # MatMulNBits' activation level in the shipped graph
+    use_gguf: bool  # a block-quantized GGUF's own blocks (else round the fp32 weights to nearest)
 
     def bind(self, target: Any) -> QuantizationStrategy:
         """This strategy with what the target settles for every graph of its export (``W8A8``: the calibration
@@ -111,7 +112,8 @@ class QuantizationStrategy(ABC):
 
     def describe(self, plan: Plan) -> dict:
         """The manifest's summary of the scheme (the rewrite adds what it found in the graph)."""
-        return {"mode": self.name, "bits": self.bits, "fp32_tensors": sorted(plan.kept)}
+        source = "gguf" if self.use_gguf else "fp32"
+        return {"mode": self.name, "bits": self.bits, "fp32_tensors": sorted(plan.kept), "quantize_from": source}
 
     def finish(self, g: GraphEditor) -> dict:
         """Edits across linears, once every one is replaced (``g``: the rewritten graph); what the manifest adds."""

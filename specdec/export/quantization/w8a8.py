@@ -97,13 +97,13 @@ def _zero_points(g: GraphEditor, rows: str) -> str:
 
     suffix = "" if rows == TOKEN_ROWS else f".{rows}"
     zero_points = f"{TAG}.zero_points{suffix}"
-    if TAG not in g.shared:
+    if (TAG,) not in g.shared:
         g.initializer(np.array([-1], np.int64), f"{TAG}.last_axis")
         g.initializer(np.float32(1 / 127), f"{TAG}.inv127")
         g.initializer(np.float32(_TINY), f"{TAG}.tiny")
         g.initializer(np.uint8(ZERO_POINT), f"{TAG}.zp")
         g.initializer(np.ones([1], np.float32), f"{TAG}.one")  # the product's activation scale: rows rescale after
-        g.shared[TAG] = True
+        g.shared[(TAG,)] = True
     if (TAG, rows) not in g.shared:
         tokens = g.add("Shape", rows, outputs=[f"{TAG}.tokens{suffix}"], name=f"{TAG}.tokens{suffix}", start=0, end=1)
         value = helper.make_tensor(f"{TAG}.zp", TensorProto.UINT8, [1], [ZERO_POINT])
@@ -224,6 +224,7 @@ def _fold_into_up(g: GraphEditor, x: str, unsmooth: np.ndarray) -> bool:
             continue
         scaled = scales.copy()
         scaled[unsmooth.size :] *= unsmooth
+        assert source is not None  # scales were found on it
         _set_initializer(g, source["scales"], scaled.astype(np.float32))
         return True
     return False

@@ -65,7 +65,7 @@ REWRITES = ("attention", "rmsnorm", "skip_rmsnorm", "rotary")
 #: sequence's n (at most FOLD_ROWS), the padded one an odd-length sequence's discarded copy row (module docstring)
 SPARE_POSITIONS = FOLD_ROWS - 1
 _FLOATS = {TensorProto.FLOAT: "float32", TensorProto.FLOAT16: "float16"}
-_LOWEST = {TensorProto.FLOAT: -3.4028234663852886e38, TensorProto.FLOAT16: -65504.0}
+_LOWEST: dict[int, float] = {TensorProto.FLOAT: -3.4028234663852886e38, TensorProto.FLOAT16: -65504.0}
 
 
 @functools.cache

@@ -74,8 +74,10 @@ def pack_qkv(
     cuts = [_column_slice(g, x, dims) for x in (q, k, v)]
     bounds = [0, heads * head_dim, (heads + kv_heads) * head_dim, width * head_dim]
     source = cuts[0][0] if cuts[0] else None
-    if all(c and c[0] == source and (c[1], c[2]) == (bounds[i], bounds[i + 1]) for i, c in enumerate(cuts)) and (
-        (dims.get(source) or [None, None])[1] == width * head_dim
+    if (
+        source is not None
+        and all(c and c[0] == source and (c[1], c[2]) == (bounds[i], bounds[i + 1]) for i, c in enumerate(cuts))
+        and (dims.get(source) or [None, None])[1] == width * head_dim
     ):
         rows = str(source)
     else:
