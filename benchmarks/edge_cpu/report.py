@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.edge_cpu import REFERENCE_GRAPH, WORKLOADS
+from benchmarks.edge_cpu.matched import matched_table
 
 # -- the report ------------------------------------------------------------------------------
 
@@ -186,6 +187,7 @@ def markdown_report(doc: dict[str, Any]) -> str:
         *results_table(doc),
         "",
         *forced_table(doc.get("next_token_agreement") or {}),
+        *matched_table(doc["results"], doc.get("next_token_agreement") or {}),
         "## How to read this",
         "",
         "- *tok/s*: new tokens (EOS not counted) / wall seconds of the generation calls, detokenisation included, "

@@ -9,6 +9,7 @@ from typing import Any
 from benchmarks.edge_cpu import WORKLOADS
 from benchmarks.edge_cpu.contestants import Contestant
 from benchmarks.edge_cpu.report import identical_cell
+from benchmarks.peers.catalog import MODELS
 
 # -- aggregation -----------------------------------------------------------------------------
 
@@ -64,6 +65,8 @@ def summarise(
         "batch": contestant.batch,
         "kind": contestant.kind,
         "repeats": len(good),
+        "model": model_label(contestant),
+        "method": contestant.method,
     }
     if not good:
         row["error"] = runs[0]["error"] if runs else "not run"
@@ -107,6 +110,13 @@ def summarise(
     row["versions"] = good[0].get("versions", {})
     row["answers"] = {name: good[0]["workloads"][name]["texts"] for name in WORKLOADS}
     return row
+
+
+def model_label(contestant: Contestant) -> str | None:
+    """The label its model's teacher-forced agreement is filed under (``parent.scorers``), None for HF."""
+    if contestant.kind == "specdec":
+        return f"specdec {contestant.precision}"
+    return MODELS[contestant.peer.model].label if contestant.peer is not None else None
 
 
 def add_ratios(rows: dict[str, dict[str, Any]], baseline_key: str) -> None:
