@@ -7,8 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ from benchmarks.edge_cpu import CHILD_TIMEOUT_S
 from benchmarks.edge_cpu.forced import run_forced
 from benchmarks.peers.protocol import answer, child_main, chunks, run_peer
 from specdec.runtime.config import EngineConfig
+from specdec.runtime.context import LoopHooks
 
 # -- children: one contestant, one process ---------------------------------------------------
 
@@ -113,8 +113,10 @@ def run_specdec(spec: dict[str, Any]) -> dict[str, Any]:
     original_context = engine.context
     first_token: list[float] = []
 
-    def context(scheduler: Any, *, on_tokens: Callable | None = None, **kwargs: Any) -> Any:
+    def context(scheduler: Any, hooks: LoopHooks | None = None) -> Any:
         """The engine's context with the first ``on_tokens`` event timed (what a stream would send first)."""
+        hooks = hooks or LoopHooks()
+        on_tokens = hooks.on_tokens
 
         def timed(seq: Any, tokens: list[int]) -> None:
             if not first_token:
@@ -122,7 +124,7 @@ def run_specdec(spec: dict[str, Any]) -> dict[str, Any]:
             if on_tokens is not None:
                 on_tokens(seq, tokens)
 
-        return original_context(scheduler, on_tokens=timed, **kwargs)
+        return original_context(scheduler, replace(hooks, on_tokens=timed))
 
     engine.context = context  # type: ignore[method-assign]
 
