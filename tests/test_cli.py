@@ -306,6 +306,19 @@ def test_a_bad_verify_cost_is_refused_before_any_work(tiny_dir, tmp_path, capsys
     assert "--verify-cost" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flags", [["--quantize-from", "fp32"], ["--quantize-activations", "fp32"], ["--quantize-from", "gguf"]]
+)
+def test_rounding_options_without_quantize_are_refused(tiny_dir, tmp_path, capsys, flags: list[str]) -> None:
+    """Ignored, they would leave an fp32 export its user believes rounded their way."""
+    out = tmp_path / "never"
+    with pytest.raises(SystemExit) as exit_info:
+        export_main(["--target", str(tiny_dir), "--out", str(out), *flags])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and flags[0] in err and "add --quantize" in err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("value", ["0", "-2", "two"])
 def test_client_refuses_a_repeat_count_below_one(value: str, capsys: pytest.CaptureFixture) -> None:
     """``specdec client --repeats`` is refused at parsing (exit 2, the flag named), before any request is sent."""

@@ -309,6 +309,22 @@ def _check_quantize(quantize: str, backend: str, dtype: str) -> None:
         )
 
 
+def _check_quantize_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse the options that shape ``--quantize``'s rounding when nothing is quantized: ignored, they would
+    let a user believe an fp32 export was rounded their way."""
+    if args.quantize is None:
+        given = [
+            flag
+            for flag, value in (
+                ("--quantize-activations", args.quantize_activations),
+                ("--quantize-from", args.quantize_from),
+            )
+            if value is not None
+        ]
+        if given:
+            parser.error(f"{', '.join(given)} shape(s) the rounding of --quantize: add --quantize int4|int8|w8a8")
+
+
 def _kv_cache_dtype(kv_cache: str | None, backend: str, dtype: str, quantize: QuantizationStrategy | None) -> str:
     """The served caches' type: ``kv_cache``, else fp16 for a quantized export and the graph's dtype otherwise."""
     chosen = kv_cache or ("float16" if quantize else dtype)
@@ -384,7 +400,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--quantize-activations",
         choices=sorted(ACTIVATIONS),
-        default="int8",
         help="with --quantize: int8 (default) runs ORT's int8 kernels, fast and row-independent "
         "(greedy ems = ar bit for bit); fp32 computes the stored weights in fp32 (answers equal the "
         "fp32 export's), slower above one row",
@@ -392,7 +407,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--quantize-from",
         choices=("gguf", "fp32"),
-        default="gguf",
         help="with --quantize: gguf (default) keeps a block-quantized GGUF's own blocks bit for bit (Q4_1's "
         "offsets run beside each MatMulNBits); fp32 rounds the fp32 weights to nearest instead, as ONNX Runtime "
         "GenAI's model builder does: one node per linear and a faster step, a second rounding "
@@ -453,6 +467,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     check_draft_length_args(parser, args)
+    _check_quantize_args(parser, args)
     draft = None if args.draft in (None, "none", "ngram") else args.draft
     out_dir = Path(args.out) if args.out else default_out(args.target)
     if not args.out:
@@ -472,7 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if serving.drafter is DrafterKind.HYBRID and draft is None:
             raise ExportDirError("--drafter hybrid needs --draft (prompt lookup first, the draft model elsewhere)")
         quantize = (
-            strategy_for(args.quantize, args.quantize_activations, args.quantize_from == "gguf")
+            strategy_for(args.quantize, args.quantize_activations or "int8", args.quantize_from != "fp32")
             if args.quantize
             else None
         )
