@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from benchmarks.edge_cpu import DRAFTER_LABELS, PRECISIONS, SPECDEC_METHODS
+from benchmarks.edge_cpu import DRAFTER_LABELS, PRECISION_METHODS, PRECISIONS, SPECDEC_METHODS
 from benchmarks.peers.catalog import PeerRow, peer_rows
 
 # -- contestants ---------------------------------------------------------------------------
@@ -19,7 +19,7 @@ class Contestant:
     kind: str  # "peer", "hf" or "specdec"
     batch: int
     tags: tuple[str, ...]
-    precision: str | None = None  # specdec: fp32 / int8 / int4 / w8a8
+    precision: str | None = None  # specdec: one of PRECISIONS
     method: str | None = None  # specdec: ar / ems
     drafter: str | None = None  # specdec ems: "ngram", "draft" or "hybrid" (n-gram where the context matches)
     lookup: bool = False  # hf: prompt lookup decoding
@@ -47,9 +47,7 @@ def contestants(batches: Sequence[int], peers: Sequence[str] = ()) -> list[Conte
     rows += [Contestant("HF fp32", "hf", b, ("hf",)) for b in sorted({1, 8} & set(batches)) or [1]]
     rows.append(Contestant("HF fp32 prompt lookup", "hf", 1, ("hf", "hf-lookup"), lookup=True))
     for precision in PRECISIONS:
-        # int8 (int8 activations, as exported by default) runs ar and prompt lookup: its weights are twice int4's,
-        # so it shows what the bytes cost; the drafters' comparison is int4's and fp32's
-        for method, drafter, tag in SPECDEC_METHODS[:2] if precision == "int8" else SPECDEC_METHODS:
+        for method, drafter, tag in PRECISION_METHODS.get(precision, SPECDEC_METHODS):
             name = f"specdec {precision} {method}" + (f" {DRAFTER_LABELS[drafter]}" if drafter else "")
             rows += [
                 Contestant(name, "specdec", b, ("specdec", precision, tag), precision, method, drafter) for b in batches

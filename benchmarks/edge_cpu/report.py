@@ -154,7 +154,9 @@ def markdown_report(doc: dict[str, Any]) -> str:
         "caches are fp16; the *fp32 caches* rows run the same graphs over fp32 caches; specdec w8a8 rounds the "
         "decoder layers' weights again, to int8 per output channel, and its activations to int8 per token, "
         "smoothed on calibration prompts, for ONNX Runtime's integer GEMM (`specdec.export.w8a8`), its head and "
-        "table the int8 export's, over fp16 caches; specdec int4-rtn rounds the fp32 conversion to int4 blocks "
+        "table the int8 export's, over fp16 caches; specdec int4-f32 computes int4's blocks at fp32 activations "
+        "(`--quantize-activations fp32`, its 8-bit head an fp32 Gemm) over fp32 caches: the fp32 model's weights "
+        "exactly; specdec int4-rtn rounds the fp32 conversion to int4 blocks "
         "again, as ONNX Runtime GenAI's model builder does (`--quantize-from fp32`), over fp32 caches as its are)",
         f"- Greedy, {cfg['max_tokens']} new tokens at most per request (EOS ends earlier), {cfg['threads']} threads "
         f"for every contestant (llama-server -t/-tb, ONNX Runtime intra-op for ORT GenAI and specdec, whose engine "
