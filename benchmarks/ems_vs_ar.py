@@ -40,7 +40,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks.edge_cpu import DEFAULT_EXPORT_DIR, PRECISIONS
+from benchmarks.edge_cpu import DEFAULT_EXPORT_DIR, PRECISION_METHODS, PRECISIONS, SPECDEC_METHODS
 from benchmarks.edge_cpu.__main__ import build_parser
 from benchmarks.edge_cpu.children import run_specdec
 from benchmarks.edge_cpu.exports import ensure_exports, ensure_hf_dir
@@ -52,6 +52,11 @@ BASE = "ar"
 WORKLOADS = ("chat", "extractive", "mix")
 #: the intervals' level; a verdict needs its Bonferroni-widened interval (over every comparison of the run) to exclude 1
 LEVEL = 0.95
+
+#: the edge exports whose ems this compares: those the edge benchmark speculates on (``PRECISION_METHODS``)
+SPECULATING_PRECISIONS = tuple(
+    p for p in PRECISIONS if any(m == "ems" for m, _, _ in PRECISION_METHODS.get(p, SPECDEC_METHODS))
+)
 
 
 def family_level(comparisons: int) -> float:
@@ -238,7 +243,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--precision", default="int4", choices=PRECISIONS, help="which edge export")
+    p.add_argument("--precision", default="int4", choices=SPECULATING_PRECISIONS, help="which edge export")
     p.add_argument("--batch-sizes", default="1,4,8")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--prompts", type=int, default=8, help="prompts per workload")

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks import ems_vs_ar, step_profile
 from benchmarks import served_configs as served
-from benchmarks import step_profile
+from benchmarks.edge_cpu import EXPORT_FLAGS, PRECISIONS, forced, parent, report, summary
 from benchmarks.edge_cpu import contestants as edge_contestants
-from benchmarks.edge_cpu import forced, parent, report, summary
 
 
 def test_miss_margins_reads_the_references_margin_where_the_model_parts() -> None:
@@ -170,6 +170,18 @@ def test_w8a8_runs_every_method_and_only_the_block_exports_add_fp32_cache_rows()
     w8a8 = {c.label for c in rows if c.precision == "w8a8"}
     assert w8a8 == {"specdec w8a8 ar", "specdec w8a8 ems n-gram", "specdec w8a8 ems draft", "specdec w8a8 ems hybrid"}
     assert {c.precision for c in rows if c.kv_cache == "float32"} == {"int8", "int4"}
+
+
+def test_every_precision_has_its_export_flags_and_speculates_only_where_exact() -> None:
+    """int4-f32's one-row and many-row kernels differ, so it runs ar alone; int8 ar and prompt lookup."""
+    rows = [c for c in edge_contestants.contestants((1, 8)) if c.kind == "specdec"]
+    assert set(EXPORT_FLAGS) == set(PRECISIONS)
+    methods = {p: {(c.method, c.drafter) for c in rows if c.precision == p and c.kv_cache is None} for p in PRECISIONS}
+    assert methods["int4-f32"] == {("ar", None)}
+    assert methods["int8"] == {("ar", None), ("ems", "ngram")}
+    assert methods["int4"] == {("ar", None), ("ems", "ngram"), ("ems", "draft"), ("ems", "hybrid")}
+    assert {c.batch for c in rows if c.precision == "int4-f32"} == {1, 8}
+    assert "int4-f32" not in ems_vs_ar.SPECULATING_PRECISIONS and "int4" in ems_vs_ar.SPECULATING_PRECISIONS
 
 
 def test_peer_rows_run_the_deployed_model_at_every_batch_and_the_faithful_one_at_batch_1() -> None:

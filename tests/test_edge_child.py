@@ -38,17 +38,3 @@ def test_the_specdec_child_decodes_both_workloads_and_times_a_first_token(
         assert workload["tokens"] == sum(map(len, workload["ids"]))
         assert all(0 < t <= workload["seconds"] for t in workload["ttft"])
     assert (result["draft_length"] is not None) == (method == "ems")
-
-
-def test_every_precision_has_its_export_flags_and_speculates_only_where_exact() -> None:
-    """int4-f32's one-row and many-row kernels differ, so it runs ar alone; int8 ar and prompt lookup."""
-    from benchmarks.edge_cpu import EXPORT_FLAGS, PRECISIONS
-    from benchmarks.edge_cpu.contestants import contestants
-
-    assert set(EXPORT_FLAGS) == set(PRECISIONS)
-    rows = [c for c in contestants([1, 8]) if c.kind == "specdec"]
-    methods = {p: {(c.method, c.drafter) for c in rows if c.precision == p and c.kv_cache is None} for p in PRECISIONS}
-    assert methods["int4-f32"] == {("ar", None)}
-    assert methods["int8"] == {("ar", None), ("ems", "ngram")}
-    assert methods["int4"] == {("ar", None), ("ems", "ngram"), ("ems", "draft"), ("ems", "hybrid")}
-    assert {c.batch for c in rows if c.precision == "int4-f32"} == {1, 8}

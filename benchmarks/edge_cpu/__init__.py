@@ -90,7 +90,7 @@ REFERENCE_GRAPH = "specdec fp32"  # forced along its own answers: its margins sa
 SKIP_NAMES = ("hf", "hf-lookup", "specdec", *PRECISIONS, "ar", "ems-ngram", "ems-draft", "ems-hybrid", "fp32-caches")
 #: the row every ratio is to: llama.cpp's own server at batch 1 on the GGUF itself
 BASELINE = "llama-server Q4_1 B=1"
-#: the methods of every precision (method, drafter, --skip tag); int8 runs ar and n-gram ems (``contestants``)
+#: the methods of a precision (method, drafter, --skip tag), unless PRECISION_METHODS names fewer
 SPECDEC_METHODS = (
     ("ar", None, "ar"),
     ("ems", "ngram", "ems-ngram"),

@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--export-dir",
         type=Path,
         default=DEFAULT_EXPORT_DIR,
-        help="where the exports are made once and reused (fp32/, int8/, int4/, w8a8/, hf/)",
+        help=f"where the exports are made once and reused ({', '.join(f'{p}/' for p in PRECISIONS)}, hf/)",
     )
     p.add_argument("--peers-dir", type=Path, default=DEFAULT_PEERS_DIR, help="where the peers' models are made")
     p.add_argument("--venvs", type=Path, default=DEFAULT_VENVS, help="the peers' venvs (install.sh)")

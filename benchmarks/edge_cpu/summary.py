@@ -190,9 +190,9 @@ def auto_notes(rows: dict[str, dict[str, Any]], baseline_key: str) -> list[str]:
         notes.append(
             "specdec answers that differ from fp32 ar at batch 1 on some prompt: "
             + ", ".join(differ)
-            + ". int8 and int4 run int8 activations (their weights are the GGUF's own blocks) and w8a8 "
-            "also rounds its weights again, so their logits differ from fp32's and some greedy answers part "
-            "from fp32's after a near-tie, as the peers' do."
+            + ". int8 and int4 run int8 activations (their weights are the GGUF's own blocks), w8a8 "
+            "also rounds its weights again and int4-rtn rounds them to int4 again, so their logits differ from "
+            "fp32's and some greedy answers part from fp32's, as the peers' do."
         )
     inexact = [
         k

@@ -322,7 +322,9 @@ def _check_quantize_args(parser: argparse.ArgumentParser, args: argparse.Namespa
             if value is not None
         ]
         if given:
-            parser.error(f"{', '.join(given)} shape(s) the rounding of --quantize: add --quantize int4|int8|w8a8")
+            parser.error(
+                f"{', '.join(given)} shape(s) the rounding of --quantize: add --quantize {'|'.join(STRATEGIES)}"
+            )
 
 
 def _kv_cache_dtype(kv_cache: str | None, backend: str, dtype: str, quantize: QuantizationStrategy | None) -> str:
