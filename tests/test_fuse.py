@@ -166,6 +166,52 @@ def test_steps_gqa_cannot_pad_are_split_or_run_unfused_and_stay_exact(gqa_graph)
             assert float(np.abs(got[slot][:, :48][:, kept] - want.numpy()[slot][:, kept]).max()) < 1e-5
 
 
+def test_a_step_over_its_slots_view_gives_the_same_bits_and_cache(gqa_graph) -> None:
+    """Two prefills beside a decoding slot in one step, then each over the view of its own slot: same logits, same
+    caches (``HostKVStorage.slots``: the lever ``benchmarks/slot_views.py`` measures)."""
+    _, path = gqa_graph
+    backend = OrtBackend(path)
+    prompts = [list(range(1, 31)), list(range(5, 17))]
+    caches = [backend.allocate_cache(3, 48) for _ in range(2)]
+    for cache in caches:
+        backend.step(pack([SeqWork(2, 0, [7, 8, 9])]), cache)
+    together = backend.step(pack([SeqWork(s, 0, ids) for s, ids in enumerate(prompts)]), caches[0])
+    apart = np.concatenate(
+        [backend.step(pack([SeqWork(0, 0, ids)]), caches[1].slots(s, 1)) for s, ids in enumerate(prompts)]
+    )
+    assert np.array_equal(together, apart)
+    for slot, n in ((0, 30), (1, 12), (2, 3)):
+        for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v, strict=True):
+            assert np.array_equal(a[slot, :, :n], b[slot, :, :n])
+    with pytest.raises(ValueError, match="not within"):
+        caches[0].slots(2, 2)
+
+
+def test_long_chunks_run_over_their_own_slot_with_the_same_bits(gqa_graph, monkeypatch) -> None:
+    """``own_slot_chunks`` sends chunks of at least OWN_SLOT_ROWS rows to steps of their own over their slot's view:
+    the logits and every written cache row are the bits of the one-step run, and the counters show the split."""
+    _, path = gqa_graph
+    steps = [
+        [SeqWork(0, 0, list(range(1, 21)))],  # one chunk: a one-slot step still splits (idle slots beside it)
+        [SeqWork(0, 20, [3]), SeqWork(1, 0, list(range(4, 30))), SeqWork(2, 0, list(range(2, 8)))],
+        [SeqWork(0, 21, [4, 5, 6]), SeqWork(1, 26, [7]), SeqWork(2, 6, list(range(9, 40)))],
+    ]
+    runs = {}
+    for rows in (10**9, 8):
+        monkeypatch.setattr(ort_fuse, "OWN_SLOT_ROWS", rows)
+        backend = OrtBackend(path)
+        cache = backend.allocate_cache(3, 64)
+        runs[rows] = ([backend.step(pack(work), cache) for work in steps], cache, backend)
+    (whole, whole_cache, plain), (apart, apart_cache, split) = runs[10**9], runs[8]
+    assert plain.view_steps == 0 and split.view_steps == 3 and split.calls == plain.calls == 3
+    for a, b in zip(whole, apart, strict=True):
+        assert np.array_equal(a, b)
+    for slot, n in ((0, 24), (1, 27), (2, 37)):
+        for a, b in zip(whole_cache.k + whole_cache.v, apart_cache.k + apart_cache.v, strict=True):
+            assert np.array_equal(a[slot, :, :n], b[slot, :, :n])
+    assert ort_fuse.own_slot_chunks([200, 3], 1) == [] and ort_fuse.own_slot_chunks([200, 3, 128], 4) == [0, 2]
+
+
 def test_gqa_groups() -> None:
     assert ort_fuse.gqa_groups([3, 0], [1, 5], max_len=16, num_slots=4) == [[0, 1]]
     assert ort_fuse.gqa_groups([13, 0], [1, 5], max_len=16, num_slots=4) == [[1], [0]]

@@ -52,5 +52,21 @@ class HostKVStorage(SlotMajorMoves):
         self.k = [np.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.v = [np.zeros(shape, dtype=dtype) for _ in range(num_layers)]
 
+    def slots(self, first: int, count: int) -> HostKVStorage:
+        """Slots ``[first, first + count)`` as a storage of their own over the same memory (views, no copy).
+
+        Why: ONNX Runtime's attention pads every slot of a step to the step's widest chunk and attends over each
+        slot's past, so a long prefill pays for the other slots of its cache; run over the view of its own slot it
+        does not, with the same bits (``benchmarks/results/slot_views.md``). A slot's buffer is contiguous in the
+        slot-major layout, so a backend binds the view in place.
+        """
+        if not (0 <= first and count >= 1 and first + count <= self.num_slots):
+            raise ValueError(f"slots [{first}, {first + count}) are not within this cache's {self.num_slots}")
+        view = object.__new__(HostKVStorage)
+        view.num_slots, view.max_len, view.buffer_len = count, self.max_len, self.buffer_len
+        view.k = [k[first : first + count] for k in self.k]
+        view.v = [v[first : first + count] for v in self.v]
+        return view
+
     def read(self, slot: int, length: int) -> list[tuple[np.ndarray, np.ndarray]]:
         return [(k[slot, :, :length].copy(), v[slot, :, :length].copy()) for k, v in zip(self.k, self.v)]

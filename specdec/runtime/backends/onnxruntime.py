@@ -22,6 +22,7 @@ same computation: only attention mixes rows, and only within a sequence.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -186,6 +187,8 @@ class OrtBackend:
         self.calls = 0
         self.split_steps = 0  # steps run as several fused sub-steps (GQA's padded layout could not hold them)
         self.unfused_steps = 0  # steps run on the unfused graph (no split could hold them)
+        self.view_steps = 0  # long chunks run over the view of their own slot (``_step_over_views``)
+        self._views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> {slot: its one-slot view}
         self.inplace_ok = True
         #: per session, per cache: the IOBinding with the cache bound in place (``_binding``)
         self._bindings: dict[int, weakref.WeakKeyDictionary] = {}
@@ -250,10 +253,15 @@ class OrtBackend:
     def step(self, batch: PackedBatch, cache: HostKVStorage | TorchKVStorage) -> np.ndarray:
         self.calls += 1
         self.rows_processed += batch.num_tokens
+        return self._step(batch, cache)
+
+    def _step(self, batch: PackedBatch, cache: HostKVStorage | TorchKVStorage) -> np.ndarray:
         feeds = graph_feeds(batch)
         if self.fuse_report is None or not self.fuse_report.attention:
             return self._run(self.session, feeds, cache)
         past, new = batch.past_lens.tolist(), np.diff(batch.cu_seqlens).tolist()
+        if isinstance(cache, HostKVStorage) and (own := ort_fuse.own_slot_chunks(new, cache.num_slots)):
+            return self._step_over_views(batch, cache, own)
         groups = ort_fuse.gqa_groups(past, new, cache.buffer_len, cache.num_slots, self.fuse_report.fold)
         if groups is None:  # one sequence fills the whole context next to idle slots: GQA cannot pad it
             if self._unfused is None:
@@ -271,6 +279,28 @@ class OrtBackend:
                 logits = np.empty((batch.logits_indices.shape[0], out.shape[1]), dtype=out.dtype)
             logits[rows] = out
         assert logits is not None  # several groups, each of which ran
+        return logits
+
+    def _step_over_views(self, batch: PackedBatch, cache: HostKVStorage, own: Sequence[int]) -> np.ndarray:
+        """The step with each sequence of ``own`` run alone over the view of its own slot, the others together.
+
+        Same bits as the whole step (attention works within a sequence, and a row's bits do not depend on the
+        padded width: ``tests/test_batch_invariance.py``), less work: GQA pads every slot of a step to its widest
+        chunk, so a long chunk made each other slot of the cache compute as many query rows
+        (``benchmarks/results/slot_views.md``).
+        """
+        self.view_steps += 1
+        views = self._views.setdefault(cache, {})
+        rest = [i for i in range(batch.num_seqs) if i not in own]
+        logits = np.empty((batch.logits_indices.shape[0], self.head_size), dtype=np.float32)
+        for seqs in [[i] for i in own] + ([rest] if rest else []):
+            part, rows = split_batch(batch, seqs)
+            target: HostKVStorage = cache
+            if seqs != rest:
+                slot = int(part.slot_ids[0])
+                target = views.setdefault(slot, cache.slots(slot, 1))
+                part = dataclasses.replace(part, slot_ids=np.zeros_like(part.slot_ids))
+            logits[rows] = self._step(part, target)
         return logits
 
     def _run(

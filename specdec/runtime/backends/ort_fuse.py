@@ -128,6 +128,25 @@ def gqa_groups(
     return groups
 
 
+#: the rows from which a chunk runs over the view of its own slot, apart from the step's other sequences (below)
+OWN_SLOT_ROWS = 128
+
+
+def own_slot_chunks(new_lens: Sequence[int], num_slots: int) -> list[int]:
+    """The sequences of a step (indices) to run each alone over its own slot's view of the cache: its chunks of at
+    least ``OWN_SLOT_ROWS`` rows, when the cache has other slots.
+
+    Why: GQA pads every slot of the cache to the step's widest chunk, so beside a long chunk each other slot (idle,
+    decoding, or prefilling a shorter prompt) computes as many query rows over its own past; a step of its own costs
+    a step's fixed work instead. Measured on w8a8 (``benchmarks/results/slot_views.md``): apart, a 256-token prefill
+    in a cache of 8 slots 1.32x faster, a 128-token chunk beside 7 decoding slots 1.07x, the edge benchmark's 8
+    prefills of 160-359 tokens 1.14x; 8 prefills of 64 tokens would run 0.62x as fast, hence the threshold.
+    """
+    if num_slots < 2:
+        return []
+    return [i for i, n in enumerate(new_lens) if n >= OWN_SLOT_ROWS]
+
+
 @dataclass
 class FuseReport:
     """What ``fuse_model`` rewrote (counts per rewrite) and what it left alone, with the reason."""
