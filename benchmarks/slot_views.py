@@ -3,9 +3,11 @@
 What: for one export's target graph on ONNX Runtime (default: the edge benchmark's w8a8 export), each case's work
 (prefills of several lengths, alone or beside decoding slots) runs two ways, interleaved over rounds:
 
-* *one step*: every sequence in one ragged step over the cache's ``slots`` slots, as the engine runs it today;
-* *split*: each long chunk in a step of its own over the view of its own slot (``HostKVStorage.slots``, the same
-  memory), the decoding sequences together in one step over the whole cache.
+* *one step*: every sequence in one ragged step over the cache's ``slots`` slots (``ort_fuse.OWN_SLOT_ROWS`` lifted,
+  so the backend does not split it itself);
+* *split*: each chunk in a step of its own over the view of its own slot (``HostKVStorage.slots``, the same
+  memory), the decoding sequences together in one step over the whole cache: what ``OrtBackend`` does with chunks of
+  at least ``OWN_SLOT_ROWS`` rows (``ort_fuse.own_slot_chunks``), here for every chunk, to show where it loses.
 
 Both must give the same logits bit for bit and the same cached rows (checked per case); the report is the median
 wall time of each and their ratio.
@@ -29,6 +31,8 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -38,6 +42,7 @@ from tqdm.auto import tqdm
 
 from benchmarks.step_profile import served_cache_dtype, variant
 from specdec.bench.harness import machine_info, run_command
+from specdec.runtime.backends import ort_fuse
 from specdec.runtime.packed import SeqWork, pack
 
 #: (name, prompt lengths to prefill, decoding slots beside them (context 300 each), cache slots)
@@ -52,6 +57,16 @@ CASES = (
     ("a 128-token chunk beside 7 decoding slots", (128,), 7, 8),
 )
 CONTEXT = 300
+
+
+@contextmanager
+def whole_steps() -> Iterator[None]:
+    """The backend runs every step whole, as before ``own_slot_chunks``."""
+    saved, ort_fuse.OWN_SLOT_ROWS = ort_fuse.OWN_SLOT_ROWS, sys.maxsize
+    try:
+        yield
+    finally:
+        ort_fuse.OWN_SLOT_ROWS = saved
 
 
 def run_case(backend: Any, prompts: tuple[int, ...], decoders: int, slots: int, rounds: int) -> dict[str, Any]:
@@ -70,7 +85,8 @@ def run_case(backend: Any, prompts: tuple[int, ...], decoders: int, slots: int, 
     chunks = [SeqWork(s, 0, tokens, logits="last") for s, tokens in enumerate(ids)]
 
     def one(cache: Any) -> np.ndarray:
-        return backend.step(pack(chunks + decoding), cache)
+        with whole_steps():
+            return backend.step(pack(chunks + decoding), cache)
 
     def split(cache: Any) -> np.ndarray:
         out = [backend.step(pack([replace(w, slot_id=0)]), cache.slots(w.slot_id, 1)) for w in chunks]
