@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import statistics
 import sys
 import time
@@ -42,6 +41,7 @@ from tqdm.auto import tqdm
 
 from benchmarks.step_profile import served_cache_dtype, variant
 from specdec.bench.harness import machine_info, run_command
+from specdec.bench.report import write_report
 from specdec.runtime.backends import ort_fuse
 from specdec.runtime.packed import SeqWork, pack
 
@@ -186,12 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     for name, prompts, decoders, slots in tqdm(CASES, desc="cases", unit="case"):
         doc["cases"][name] = run_case(backend, prompts, decoders, slots, args.rounds)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{args.stem}.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-    text = markdown(doc)
-    (args.out_dir / f"{args.stem}.md").write_text(text, encoding="utf-8")
-    plot(doc, args.out_dir / f"{args.stem}.png")
-    print(text)
+    print(write_report(doc, args.out_dir, args.stem, markdown, plot))
     return 0 if all(row["bits_equal"] for row in doc["cases"].values()) else 1
 
 

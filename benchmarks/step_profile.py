@@ -77,6 +77,7 @@ from benchmarks import machine_floor
 from benchmarks.prelowered import REPORT, pre_lowered
 from benchmarks.step_floor import describe, floor_ms, graph_cost
 from specdec.bench.harness import int_list, machine_info, run_command
+from specdec.bench.report import write_report
 from specdec.export.onnx import export_onnx
 from specdec.models.loading import load_model
 from specdec.runtime.backends.base import KVStorage
@@ -518,12 +519,7 @@ def main(argv: list[str] | None = None) -> int:
             for s in steps
         },
     }
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{args.stem}.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-    text = markdown(doc)
-    (args.out_dir / f"{args.stem}.md").write_text(text, encoding="utf-8")
-    plot(doc, args.out_dir / f"{args.stem}.png")
-    print(text)
+    print(write_report(doc, args.out_dir, args.stem, markdown, plot))
     return 0
 
 

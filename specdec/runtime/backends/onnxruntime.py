@@ -291,16 +291,17 @@ class OrtBackend:
         """
         self.view_steps += 1
         views = self._views.setdefault(cache, {})
-        rest = [i for i in range(batch.num_seqs) if i not in own]
         logits = np.empty((batch.logits_indices.shape[0], self.head_size), dtype=np.float32)
-        for seqs in [[i] for i in own] + ([rest] if rest else []):
-            part, rows = split_batch(batch, seqs)
-            target: HostKVStorage = cache
-            if seqs != rest:
-                slot = int(part.slot_ids[0])
-                target = views.setdefault(slot, cache.slots(slot, 1))
-                part = dataclasses.replace(part, slot_ids=np.zeros_like(part.slot_ids))
-            logits[rows] = self._step(part, target)
+        for i in own:
+            part, rows = split_batch(batch, [i])
+            slot = int(part.slot_ids[0])
+            if slot not in views:
+                views[slot] = cache.slots(slot, 1)
+            logits[rows] = self._step(dataclasses.replace(part, slot_ids=np.zeros_like(part.slot_ids)), views[slot])
+        rest = [i for i in range(batch.num_seqs) if i not in own]
+        if rest:
+            part, rows = split_batch(batch, rest)
+            logits[rows] = self._step(part, cache)
         return logits
 
     def _run(
