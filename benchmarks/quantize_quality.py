@@ -291,7 +291,7 @@ def main() -> None:
             graph.parent.mkdir()
             shutil.copy(fp32, graph)
             shutil.copy(fp32.with_name("model.onnx.data"), graph.with_name("model.onnx.data"))
-            strategy = strategy_for(mode, {0: "fp32", 4: "int8"}[level], use_gguf)
+            strategy = strategy_for(mode, {0: "fp32", 4: "int8"}[level], "gguf" if use_gguf else "fp32")
             reference, summary = quantize_export(model, graph, strategy)
             graphs[label] = graph
             bar.update()

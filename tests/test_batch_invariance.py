@@ -19,23 +19,35 @@ import random
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 from invariance import MAX_LEN, differing_positions, one_token_per_step, random_steps, sequences_to_the_end
 
 from specdec.export.onnx import export_onnx
+from specdec.export.quantization.blocks import quantize_rtn
+from specdec.export.quantization.nbits import INT8_ACTIVATIONS, matmul_nbits
+from specdec.export.quantization.rewrite import one_linear
 from specdec.export.quantization.strategies import W8A8, strategy_for
 from specdec.export.quantize import quantize_and_validate
 from specdec.models.loading import tiny_random
-from specdec.runtime.backends.onnxruntime import OrtBackend
+from specdec.runtime.backends.onnxruntime import OrtBackend, evened
 from specdec.runtime.packed import ROOT, SeqWork, pack
 
+STRATEGIES = {
+    "int4": strategy_for("int4"),
+    "int8": strategy_for("int8"),
+    "w8a8": strategy_for("w8a8"),
+    "w8a8 integer head": W8A8(integer_head=True),
+    # blocks wider than 32: MLAS multiplies a lone row otherwise, the backend's row floor keeps the graph invariant
+    "int4 calibrated blocks of 128": strategy_for("int4", source="calibrated", block_size=128),
+}
 
-@pytest.fixture(scope="module", params=["int4", "int8", "w8a8", "w8a8 integer head"])
+
+@pytest.fixture(scope="module", params=list(STRATEGIES))
 def quantized_graph(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     model = tiny_random(seed=9, num_layers=2, vocab_size=160)
     graph = export_onnx(model, tmp_path_factory.mktemp(request.param.replace(" ", "-")) / "model.onnx")
-    strategy = W8A8(integer_head=True) if request.param == "w8a8 integer head" else strategy_for(request.param)
-    quantize_and_validate(model, graph, strategy, tolerance=1e-4)  # shipped: int8 activations
+    quantize_and_validate(model, graph, STRATEGIES[request.param], tolerance=1e-4)  # shipped: int8 activations
     return graph
 
 
@@ -95,6 +107,41 @@ def test_a_forest_gets_the_same_logits_beside_any_other_work(quantized_graph: Pa
     alone = forest_logits([])
     for others in ([SeqWork(2, 5, [7])], [SeqWork(1, 20, [3, 4, 5, 6, 7, 8, 9, 10, 11]), SeqWork(3, 2, [9])]):
         assert np.array_equal(forest_logits(others), alone)
+
+
+def test_wide_blocks_run_every_step_on_an_even_row_count(tmp_path: Path) -> None:
+    """The row floor: a graph of blocks wider than 32 runs an odd step with one more row (the last token again, one
+    position on, its logits not returned); blocks of 32 and a draft's backend run it as it is. What the floor rests
+    on, on ONNX Runtime's own kernel: MLAS multiplies such rows in pairs, every row of a pair alike whatever its
+    partner, and an odd last row alone, which rounds differently."""
+    model = tiny_random(seed=9, num_layers=2, vocab_size=160)
+    wide = export_onnx(model, tmp_path / "wide" / "model.onnx")
+    quantize_and_validate(model, wide, strategy_for("int4", source="fp32", block_size=64), tolerance=1e-4)
+    narrow = export_onnx(model, tmp_path / "narrow" / "model.onnx")
+    quantize_and_validate(model, narrow, strategy_for("int4", source="fp32"), tolerance=1e-4)
+    assert OrtBackend(wide).even_rows and not OrtBackend(narrow).even_rows
+    assert not OrtBackend(wide, row_floor=False).even_rows
+    step = pack([SeqWork(1, 4, [7, 8]), SeqWork(3, 9, [40, 41, 42], parents=[ROOT, 0, 0])])
+    odd = evened(step)
+    assert odd.input_ids.tolist() == [7, 8, 40, 41, 42, 42] and odd.position_ids.tolist() == [4, 5, 9, 10, 10, 11]
+    assert odd.cu_seqlens.tolist() == [0, 2, 6] and np.array_equal(odd.logits_indices, step.logits_indices)
+    assert odd.tree_mask[-1].tolist() == [True, False, True, True] and odd.tree_mask[:-1, :3].tolist() == (
+        step.tree_mask.tolist()
+    )
+    backend = OrtBackend(wide)
+    cache = backend.allocate_cache(1, 8)
+    for position in range(8):  # to the context's last position: the extra row lands in the spare one
+        assert backend.step(pack([SeqWork(0, position, [position + 1])]), cache).shape == (1, backend.head_size)
+
+    weight = np.random.default_rng(0).standard_normal((256, 576)).astype(np.float32)
+    x = np.random.default_rng(1).standard_normal((40, 576)).astype(np.float32)
+    for size in (32, 64, 128):
+        block = quantize_rtn(weight, 4, size)
+        linear = one_linear(576, 256, lambda g, node, b=block: matmul_nbits(g, node, b, [], INT8_ACTIVATIONS))
+        session = ort.InferenceSession(linear.SerializeToString(), providers=["CPUExecutionProvider"])
+        paired = np.stack([session.run(None, {"x": x[[r, r]]})[0][0] for r in range(len(x))])
+        for rows in (2, 4, 6, 16, 40):
+            assert np.array_equal(session.run(None, {"x": x[:rows]})[0], paired[:rows]), (size, rows)
 
 
 def test_fp32_activations_are_not_batch_invariant(tmp_path: Path) -> None:

@@ -307,7 +307,14 @@ def test_a_bad_verify_cost_is_refused_before_any_work(tiny_dir, tmp_path, capsys
 
 
 @pytest.mark.parametrize(
-    "flags", [["--quantize-from", "fp32"], ["--quantize-activations", "fp32"], ["--quantize-from", "gguf"]]
+    "flags",
+    [
+        ["--quantize-from", "fp32"],
+        ["--quantize-activations", "fp32"],
+        ["--quantize-from", "gguf"],
+        ["--quantize-from", "calibrated"],
+        ["--quantize-block-size", "64"],
+    ],
 )
 def test_rounding_options_without_quantize_are_refused(tiny_dir, tmp_path, capsys, flags: list[str]) -> None:
     """Ignored, they would leave an fp32 export its user believes rounded their way."""

@@ -56,7 +56,7 @@ from specdec.runtime.sampling import SamplingParams
 
 def test_the_flags_build_each_strategy_with_its_settings() -> None:
     assert strategy_for("int4") == WeightBlocks(4, INT8_ACTIVATIONS)
-    assert strategy_for("int8", "fp32", use_gguf=False) == WeightBlocks(8, FP32_ACTIVATIONS, use_gguf=False)
+    assert strategy_for("int8", "fp32", source="fp32") == WeightBlocks(8, FP32_ACTIVATIONS, use_gguf=False)
     assert strategy_for("w8a8") == W8A8()
     assert [strategy_for(name).name for name in STRATEGIES] == list(STRATEGIES)  # the manifest's mode
     with pytest.raises(QuantizeError, match="rounds its activations to int8"):

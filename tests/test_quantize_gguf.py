@@ -220,11 +220,30 @@ def test_quantize_from_fp32_rounds_a_gguf_again_one_node_per_linear(tiny_gguf: P
     came from."""
     model = load_model(tiny_gguf)
     graph = export_onnx(model, gguf_cache / "rtn" / "model.onnx")
-    _, summary = quantize_export(model, graph, strategy_for("int4", use_gguf=False))
+    _, summary = quantize_export(model, graph, strategy_for("int4", source="fp32"))
     assert summary["quantize_from"] == "fp32" and set(summary["formats"]) == {"rtn"}
     ops = Counter(node.op_type for node in onnx.load(str(graph), load_external_data=False).graph.node)
     assert ops["MatMulNBits"] == len(_nbits_attributes(graph)) > 0 and not ops["Gemm"] and not ops["ReduceSum"]
     assert max_logit_error(TorchBackend(model), OrtBackend(graph)) > 0  # a second rounding: not the GGUF's values
+
+
+def test_calibrated_rounding_in_blocks_of_64_is_one_node_per_linear(tiny_gguf: Path, gguf_cache: Path) -> None:
+    """``--quantize-from calibrated --quantize-block-size 64``: every decoder-layer linear in blocks of 64 rounded for
+    the calibration prompts' inputs, the tied head (and the table gathered from it) in blocks of 32, recorded in the
+    manifest's summary, and the graph computes the blocks it holds; a GGUF's own blocks are 32 wide, so asking for
+    them in 64 is refused, naming the way out."""
+    model = load_model(tiny_gguf)
+    graph = export_onnx(model, gguf_cache / "calibrated" / "model.onnx")
+    reference, summary = quantize_export(model, graph, strategy_for("int4", source="calibrated", block_size=64))
+    assert summary["quantize_from"] == "calibrated" and set(summary["formats"]) == {"calibrated"}
+    assert summary["block_size"] == [32, 64] and summary["embedding"] == "4-bit calibrated"
+    sizes = {a["N"]: a["block_size"] for a in _nbits_attributes(graph)}
+    assert sizes.pop(model.config.vocab_size) == 32 and set(sizes.values()) == {64}
+    set_accuracy_level(graph, CHECK_LEVEL)
+    assert max_logit_error(TorchBackend(reference), OrtBackend(graph)) < 1e-4
+    own = export_onnx(model, gguf_cache / "own64" / "model.onnx")
+    with pytest.raises(QuantizeError, match="--quantize-from fp32 or calibrated"):
+        quantize_export(model, own, strategy_for("int4", block_size=64))
 
 
 def test_at_fp32_activations_wider_source_tensors_stay_fp32(tiny_gguf: Path, gguf_cache: Path) -> None:

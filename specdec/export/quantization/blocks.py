@@ -1,6 +1,6 @@
 """Weight blocks in the form ONNX Runtime's ``MatMulNBits`` and ``GatherBlockQuantized`` read them.
 
-One representation (``BlockQuant``, blocks of 32 along K, ``w = scale * (code - zero_point) + offset``)
+One representation (``BlockQuant``, blocks along K, ``w = scale * (code - zero_point) + offset``)
 for every source, with the packing both ops share (two 4-bit codes per byte, low nibble first).
 Formats, and why:
 
@@ -26,7 +26,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+#: the block a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors come in, and the default of round to nearest
 BLOCK_SIZE = 32
+#: the blocks round to nearest may make: MatMulNBits takes a power of two from 16 (ONNX Runtime's contrib op schema)
+BLOCK_SIZES = (16, 32, 64, 128, 256)
 #: GGUF block types converted exactly, with their bits
 GGUF_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
 
@@ -37,9 +40,9 @@ class QuantizeError(ValueError):
 
 @dataclass(frozen=True)
 class BlockQuant:
-    """A weight ``[N, K]`` in MatMulNBits form: ``w = scale * (code - zero_point) + offset`` per block of 32.
+    """A weight ``[N, K]`` in MatMulNBits form: ``w = scale * (code - zero_point) + offset`` per block.
 
-    ``codes`` are unpacked (one uint8 per weight, ``[N, k_blocks, 32]``, zero-padded past K);
+    ``codes`` are unpacked (one uint8 per weight, ``[N, k_blocks, block_size]``, zero-padded past K);
     ``zero_points`` None means the op's default ``2**(bits-1)``; ``offsets`` (GGUF Q4_1's ``m``) None
     means 0. ``source`` names the format the values came from (``rtn`` or a GGUF type).
     """
@@ -55,6 +58,11 @@ class BlockQuant:
     @property
     def rows(self) -> int:
         return int(self.codes.shape[0])
+
+    @property
+    def block_size(self) -> int:
+        """Weights per block along K (the codes' last axis)."""
+        return int(self.codes.shape[-1])
 
     def zero_point_values(self) -> np.ndarray:
         """The zero points as uint8 ``[N, k_blocks]``, the default filled in."""
@@ -97,8 +105,8 @@ def concat_rows(parts: Sequence[BlockQuant]) -> BlockQuant:
     """One weight from row blocks (q|k|v, gate|up), widened to the parts' largest bits, exactly."""
     bits = max(p.bits for p in parts)
     parts = [p.widened(bits) for p in parts]
-    if len({p.columns for p in parts}) != 1:
-        raise QuantizeError("row blocks of one weight must have the same number of columns")
+    if len({p.columns for p in parts}) != 1 or len({p.block_size for p in parts}) != 1:
+        raise QuantizeError("row blocks of one weight must have the same number of columns and block size")
     zps = None if all(p.zero_points is None for p in parts) else np.concatenate([p.zero_point_values() for p in parts])
     offsets = None
     if any(p.offsets is not None for p in parts):
@@ -116,7 +124,8 @@ def concat_rows(parts: Sequence[BlockQuant]) -> BlockQuant:
 
 
 def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
-    """MatMulNBits' ``B`` blob ``[N, k_blocks, 32*bits/8]``: 4-bit puts element 2i in byte i's low nibble, 2i+1 high."""
+    """MatMulNBits' ``B`` blob ``[N, k_blocks, block_size*bits/8]``: 4-bit puts element 2i in byte i's low nibble,
+    2i+1 in its high one."""
     codes = codes.astype(np.uint8)
     if bits == 8:
         return codes
@@ -152,12 +161,14 @@ def unpack_zero_points(packed: np.ndarray, bits: int, k_blocks: int) -> np.ndarr
     return unpack_codes(packed.reshape(-1, math.ceil(k_blocks / 2)), 4)[:, :k_blocks]
 
 
-def quantize_rtn(weight: np.ndarray, bits: int) -> BlockQuant:
+def quantize_rtn(weight: np.ndarray, bits: int, block_size: int = BLOCK_SIZE) -> BlockQuant:
     """Round-to-nearest blocks of an fp32 ``[N, K]`` weight: int4 asymmetric, int8 symmetric (module docstring)."""
+    if block_size not in BLOCK_SIZES:
+        raise QuantizeError(f"block size must be one of {list(BLOCK_SIZES)}, got {block_size}")
     w = np.asarray(weight, dtype=np.float32)
     rows, columns = w.shape
-    k_blocks = math.ceil(columns / BLOCK_SIZE)
-    blocks = np.pad(w, ((0, 0), (0, k_blocks * BLOCK_SIZE - columns))).reshape(rows, k_blocks, BLOCK_SIZE)
+    k_blocks = math.ceil(columns / block_size)
+    blocks = np.pad(w, ((0, 0), (0, k_blocks * block_size - columns))).reshape(rows, k_blocks, block_size)
     if bits == 4:
         lo = np.minimum(blocks.min(-1), 0.0)
         hi = np.maximum(blocks.max(-1), 0.0)

@@ -1,9 +1,10 @@
-"""The inputs a ``w8a8`` graph's smoothing is calibrated on, and the largest each linear layer's input channels see.
+"""The inputs a quantized graph is calibrated on, and what each linear layer's input channels see there.
 
-Why chat prompts from the distillation's built-in set: they are in the served format (the chat
-template) and none is a benchmark's held-out prompt, so the smoothing is not fitted to what it is
-measured on. Both graphs of an export calibrate on the target's tokenizer (a draft ships none):
-``W8A8.bind``.
+Two schemes calibrate: a ``w8a8`` chain's smoothing (on the channels' largest inputs) and calibrated
+rounding (``rounding``, on their second moments). Why chat prompts from the distillation's built-in
+set: they are in the served format (the chat template) and none is a benchmark's held-out prompt, so
+neither is fitted to what it is measured on. Both graphs of an export calibrate on the target's
+tokenizer (a draft ships none): the strategies' ``bind``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 
 from specdec.export.quantization.sources import EMBEDDING
 
-#: chat prompts whose activations calibrate the smoothing (``calibration_ids``)
+#: chat prompts whose activations calibrate (``calibration_ids``)
 CALIBRATION_PROMPTS = 64
 
 
@@ -44,7 +45,22 @@ def calibration_ids(tokenizer: Any | None, vocab_size: int, n: int = CALIBRATION
 
 
 def activation_maxima(model: Any, sequences: Sequence[Sequence[int]], names: Sequence[str]) -> dict[str, np.ndarray]:
-    """The largest ``|input|`` of each input channel of the linear layers ``names`` (weight names) over ``sequences``.
+    """The largest ``|input|`` of each input channel of the linear layers ``names`` (weight names) over ``sequences``:
+    what a ``w8a8`` chain's smoothing balances."""
+    return _input_statistics(model, sequences, names, second_moment=False)
+
+
+def activation_moments(model: Any, sequences: Sequence[Sequence[int]], names: Sequence[str]) -> dict[str, np.ndarray]:
+    """The mean ``input**2`` of each input channel of the linear layers ``names`` over every token of ``sequences``:
+    how much an error in each column of the weight costs the layer's output (``rounding``)."""
+    return _input_statistics(model, sequences, names, second_moment=True)
+
+
+def _input_statistics(
+    model: Any, sequences: Sequence[Sequence[int]], names: Sequence[str], second_moment: bool
+) -> dict[str, np.ndarray]:
+    """Per input channel of each linear layer of ``names``: the mean square (``second_moment``) or the largest
+    magnitude of its inputs.
 
     Runs the transformers twin of ``model`` (``LoadedModel.to_hf``) with a hook on each layer. The
     embedding table's name stands for the LM head it is tied to (``sources.linear_names``): its inputs
@@ -54,12 +70,17 @@ def activation_maxima(model: Any, sequences: Sequence[Sequence[int]], names: Seq
 
     hf = model.to_hf()
     modules = dict(hf.named_modules())
-    maxima: dict[str, torch.Tensor] = {}
+    seen: dict[str, torch.Tensor] = {}
+    tokens = 0
 
     def hook(name: str) -> Any:
         def record(_module: Any, inputs: tuple[Any, ...]) -> None:
-            seen = inputs[0].detach().abs().reshape(-1, inputs[0].shape[-1]).amax(dim=0).float()
-            maxima[name] = seen if name not in maxima else torch.maximum(maxima[name], seen)
+            rows = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
+            if second_moment:
+                seen[name] = (rows * rows).sum(dim=0) + seen.get(name, 0.0)
+            else:
+                top = rows.abs().amax(dim=0)
+                seen[name] = top if name not in seen else torch.maximum(seen[name], top)
 
         return record
 
@@ -71,7 +92,8 @@ def activation_maxima(model: Any, sequences: Sequence[Sequence[int]], names: Seq
         with torch.no_grad():
             for ids in sequences:
                 hf(torch.tensor([list(ids)], dtype=torch.long))
+                tokens += len(ids)
     finally:
         for handle in handles:
             handle.remove()
-    return {name: maxima[name].numpy() for name in names}
+    return {name: (seen[name] / tokens if second_moment else seen[name]).numpy() for name in names}

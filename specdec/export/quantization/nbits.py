@@ -16,7 +16,11 @@ exactly, but MLAS multiplies one row with a GEMV and several by unpacking the we
 GEMM, whose sums round differently (``test_fp32_activations_are_not_batch_invariant``), and it has
 no fp32-activation kernel for 8-bit weights (``WeightBlocks.fp32_tensors`` keeps those fp32). A
 graph is checked at level 0, where it computes its stored weights exactly, so the check tests the
-graph, not the rounding. Measured: ``benchmarks/results/quantize.md``, ``benchmarks/results/quantization_choices.md``.
+graph, not the rounding. Row independence at level 4 holds for blocks of up to 32
+(``onnxruntime.ROW_INVARIANT_BLOCK``): for wider blocks MLAS multiplies a lone row with another kernel than
+several rows (faster, and its sums round differently), so ``OrtBackend`` runs no one-row step on such a graph
+(its ``row_floor``) and it stays batch-invariant (``benchmarks/results/block_sizes.md``). Measured:
+``benchmarks/results/quantize.md``, ``benchmarks/results/quantization_choices.md``.
 
 Q4_1's offsets ``m'`` run beside the op, a ``ReduceSum`` over each 32-input block and an fp32
 product with 1/32 of the weight's columns; why not the op's float zero points ``-m/d``: ONNX
@@ -32,7 +36,6 @@ from typing import Any
 import numpy as np
 
 from specdec.export.quantization.blocks import (
-    BLOCK_SIZE,
     BlockQuant,
     QuantizeError,
     pack_codes,
@@ -79,7 +82,7 @@ def matmul_nbits(g: GraphEditor, node: Any, block: BlockQuant, runs: Runs, accur
         K=block.columns,
         N=n,
         bits=block.bits,
-        block_size=BLOCK_SIZE,
+        block_size=block.block_size,
         accuracy_level=accuracy_level,
     )
     if block.offsets is not None:
@@ -87,11 +90,11 @@ def matmul_nbits(g: GraphEditor, node: Any, block: BlockQuant, runs: Runs, accur
 
 
 def _add_offsets(g: GraphEditor, node: Any, block: BlockQuant, base: str, product: str) -> None:
-    """``node``'s output = ``product`` + (the sums of each 32-input block of its input) @ offsets^T."""
+    """``node``'s output = ``product`` + (the sums of each block of its input) @ offsets^T."""
     k_blocks = block.scales.shape[1]
-    if block.columns != k_blocks * BLOCK_SIZE:
+    if block.columns != k_blocks * block.block_size:
         raise QuantizeError(f"{base}: block offsets need whole blocks of inputs")
-    g.initializer(np.array([-1, k_blocks, BLOCK_SIZE], np.int64), f"{base}.block_shape")
+    g.initializer(np.array([-1, k_blocks, block.block_size], np.int64), f"{base}.block_shape")
     g.initializer(np.array([-1], np.int64), f"{base}.block_axis")
     assert block.offsets is not None  # the caller's condition
     g.initializer(np.ascontiguousarray(block.offsets.T, np.float32), f"{base}.offsets")
@@ -149,7 +152,7 @@ def gather_block_quantized(g: GraphEditor, node: Any, block: BlockQuant) -> None
         domain=MS_DOMAIN,
         metadata={FORMAT_KEY: block.source},
         bits=block.bits,
-        block_size=BLOCK_SIZE,
+        block_size=block.block_size,
         gather_axis=0,
         quantize_axis=1,
     )
@@ -180,8 +183,8 @@ def embedding_weights(path: str | os.PathLike) -> tuple[np.ndarray, str] | None:
         codes = unpack_codes(g.array(node.input[0]), bits)
         scales = g.array(node.input[2])
         rows, k_blocks = scales.shape
-        columns = codes.shape[1]
-        padded = np.pad(codes, ((0, 0), (0, k_blocks * BLOCK_SIZE - columns))).reshape(rows, k_blocks, BLOCK_SIZE)
+        columns, size = codes.shape[1], int(g.attr(node, "block_size"))
+        padded = np.pad(codes, ((0, 0), (0, k_blocks * size - columns))).reshape(rows, k_blocks, size)
         zps = unpack_zero_points(g.array(node.input[3]), bits, k_blocks)
         source = g.metadata(node).get(FORMAT_KEY, "?")
         block = BlockQuant(bits, padded, scales, zps, None, columns, source)
@@ -198,7 +201,7 @@ def graph_weights(path: str | os.PathLike) -> dict[str, tuple[np.ndarray, Runs, 
     for node in g.nodes("MatMulNBits", MS_DOMAIN):
         attrs = g.attrs(node)
         bits, n, columns = int(attrs["bits"]), int(attrs["N"]), int(attrs["K"])
-        codes = unpack_codes(g.array(node.input[1]), bits)
+        codes = unpack_codes(g.array(node.input[1]), bits)  # [N, k_blocks, block_size]
         scales = g.array(node.input[2]).reshape(n, -1)
         k_blocks = scales.shape[1]
         has_zps = len(node.input) > 3 and node.input[3]

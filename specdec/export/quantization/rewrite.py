@@ -153,7 +153,7 @@ def rewrite_graph(path: str | os.PathLike, strategy: QuantizationStrategy, plan:
         "linear_layers": sum(formats.values()),
         "formats": dict(sorted(formats.items())),
         "embedding": "fp32" if gathered is None or plan.embedding is None else f"{plan.embedding.bits}-bit {gathered}",
-        "block_size": BLOCK_SIZE,
+        "block_size": sorted({block.block_size for block in plan.blocks.values()}) or [BLOCK_SIZE],
         "accuracy_level": strategy.accuracy_level,
         "graph_bytes": out.stat().st_size + (data.stat().st_size if data.exists() else 0),
         **extra,

@@ -1,7 +1,8 @@
 """The model's tensors a quantized export replaces, as its source holds them, and the model they make.
 
 Which weights are linear layers (``linear_names``); each one in blocks, the source's own where it
-has them (a block-quantized GGUF, bit for bit), round to nearest otherwise (``source_blocks``); the
+has them (a block-quantized GGUF, bit for bit), rounded from fp32 otherwise, to nearest or
+calibrated (``source_blocks``); the
 table the embedding gathers from blocks (``embedding_block``); and the model the export is checked
 against: the source with the weights the rewritten graph computes (``dequantized_model``).
 """
@@ -14,7 +15,15 @@ from typing import Any
 
 import numpy as np
 
-from specdec.export.quantization.blocks import GGUF_BITS, BlockQuant, QuantizeError, from_gguf_blocks, quantize_rtn
+from specdec.export.quantization.blocks import (
+    BLOCK_SIZE,
+    GGUF_BITS,
+    BlockQuant,
+    QuantizeError,
+    from_gguf_blocks,
+    quantize_rtn,
+)
+from specdec.export.quantization.rounding import quantize_weighted
 
 #: the projections quantized in every decoder layer (Hugging Face names), besides the LM head
 LINEAR_PROJECTIONS = (
@@ -27,6 +36,8 @@ LINEAR_PROJECTIONS = (
     "mlp.down_proj",
 )
 EMBEDDING = "model.embed_tokens.weight"
+#: the LM head's weight names (a tied head multiplies by the embedding table)
+HEADS = ("lm_head.weight", EMBEDDING)
 #: node metadata: the source rows a rewritten node holds (``Runs``) and the format they came in
 ROWS_KEY, FORMAT_KEY = "specdec.quantize.rows", "specdec.quantize.format"
 #: a graph weight as consecutive rows of source tensors: (source name, first row, end row)
@@ -54,10 +65,20 @@ def linear_names(model: Any) -> list[str]:
 
 
 def source_blocks(
-    model: Any, bits: int, use_gguf: bool = True, names: Sequence[str] | None = None
+    model: Any,
+    bits: int,
+    use_gguf: bool = True,
+    names: Sequence[str] | None = None,
+    block_size: int = BLOCK_SIZE,
+    importance: Mapping[str, np.ndarray] | None = None,
 ) -> dict[str, BlockQuant]:
-    """Each linear weight of ``model`` (or the tensors ``names``) in blocks: the GGUF file's own where it has
-    them, RTN otherwise.
+    """Each linear weight of ``model`` (or the tensors ``names``) in blocks: the GGUF file's own where it has them,
+    else calibrated rounding where ``importance`` holds the weight's input moments (``rounding``), else RTN.
+
+    ``block_size`` is the decoder layers'; the LM head (and a tied table) keep blocks of ``BLOCK_SIZE``. Why: the
+    head multiplies only the rows that need logits, often a lone row, which MLAS multiplies alike whatever the
+    other rows only in blocks of up to 32 (``nbits.ROW_INVARIANT_BLOCK``); and the head is where a rounding moves a
+    token's choice most directly (``benchmarks/results/graph_fidelity_rounding.md``).
 
     A GGUF tensor is used only after its de-quantized values equal the loaded fp32 weights bit for
     bit (so a row order that does not follow the loaded one, e.g. a missed RoPE un-permutation,
@@ -71,9 +92,18 @@ def source_blocks(
     for name in linear_names(model) if names is None else names:
         weight = fp32(model, name)
         tensor = raw.get(name)
+        size = BLOCK_SIZE if name in HEADS else block_size
         if tensor is None or tensor.ggml_type not in GGUF_BITS or tensor.shape != weight.shape:
-            out[name] = quantize_rtn(weight, bits)  # e.g. F16 tensors, or a restricted head cut from the file's
+            if importance is not None and name in importance:
+                out[name] = quantize_weighted(weight, bits, size, importance[name])
+            else:  # e.g. F16 tensors, or a restricted head cut from the file's
+                out[name] = quantize_rtn(weight, bits, size)
             continue
+        if size != BLOCK_SIZE:
+            raise QuantizeError(
+                f"{path}: {name} comes in the file's {tensor.ggml_type} blocks of {BLOCK_SIZE}, not {block_size}: "
+                "round the fp32 weights to other blocks with --quantize-from fp32 or calibrated"
+            )
         block = from_gguf_blocks(tensor.ggml_type, tensor.data, tensor.shape[1])
         if not np.array_equal(block.dequantize(), weight):
             raise QuantizeError(
@@ -88,9 +118,10 @@ def embedding_block(model: Any, bits: int, blocks: Mapping[str, BlockQuant], use
     """The embedding table in blocks for ``GatherBlockQuantized``, or None where it stays fp32.
 
     A tied table is the LM head's own blocks; an untied one comes from the source like a linear
-    weight. None: Q4_1 blocks (their offsets have no place in the op) or an odd width at 4 bits.
+    weight, to nearest where it is rounded (it is gathered, not multiplied: no input weighs its
+    columns). None: Q4_1 blocks (their offsets have no place in the op) or an odd width at 4 bits.
     """
-    block = blocks.get(EMBEDDING) or source_blocks(model, bits, use_gguf, names=[EMBEDDING])[EMBEDDING]
+    block = blocks.get(EMBEDDING) or source_blocks(model, bits, use_gguf, [EMBEDDING])[EMBEDDING]
     if block.offsets is not None or (block.bits == 4 and block.columns % 2):
         return None
     return block

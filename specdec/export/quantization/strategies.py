@@ -6,9 +6,10 @@ export's tight check runs (``checked``) and what the manifest records (``describ
 rewrite (``rewrite.rewrite_graph``) and the export step (``specdec.export.quantize``) are the same
 for every scheme. The schemes:
 
-* ``WeightBlocks(4)``, ``WeightBlocks(8)`` (``--quantize int4|int8``): weight-only blocks of 32 in
-  ``MatMulNBits`` (``nbits``), a block-quantized GGUF's own blocks bit for bit or round to nearest
-  (``blocks``), at the activation level the flags ask for. int4 and int8 are one scheme at two widths.
+* ``WeightBlocks(4)``, ``WeightBlocks(8)`` (``--quantize int4|int8``): weight-only blocks (of 32 by
+  default) in ``MatMulNBits`` (``nbits``), a block-quantized GGUF's own blocks bit for bit, or the
+  fp32 weights rounded to nearest (``blocks``) or calibrated (``rounding``), at the activation level
+  the flags ask for. int4 and int8 are one scheme at two widths.
 * ``W8A8`` (``--quantize w8a8``): the decoder layers' linears as integer-GEMM chains smoothed on
   calibration prompts (``w8a8``, ``calibration``); the LM head and the embedding table are what
   ``WeightBlocks(8)`` makes them (the head multiplies only the rows that need logits, the table is
@@ -26,8 +27,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from specdec.export.quantization.blocks import BlockQuant, QuantizeError, concat_rows
-from specdec.export.quantization.calibration import activation_maxima, calibration_ids
+from specdec.export.quantization.blocks import BLOCK_SIZE, BLOCK_SIZES, BlockQuant, QuantizeError, concat_rows
+from specdec.export.quantization.calibration import activation_maxima, activation_moments, calibration_ids
 from specdec.export.quantization.nbits import (
     ACTIVATIONS,
     CHECK_LEVEL,
@@ -60,6 +61,8 @@ from specdec.runtime.backends.onnx_edit import GraphEditor
 
 #: ``--quantize`` choices (``strategy_for``)
 STRATEGIES = ("int4", "int8", "w8a8")
+#: ``--quantize-from`` choices: where the blocks come from (``strategy_for``)
+SOURCES = ("gguf", "fp32", "calibrated")
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,8 @@ class QuantizationStrategy(ABC):
         rounding), so the check tests the graph and not the rounding."""
 
     def describe(self, plan: Plan) -> dict:
-        """The manifest's summary of the scheme (the rewrite adds what it found in the graph)."""
+        """The manifest's summary of the scheme (the rewrite adds what it found in the graph). ``batch_invariant``:
+        whether a row's logits are bitwise the same in any step, which greedy ``ems`` = ``ar`` rests on."""
         source = "gguf" if self.use_gguf else "fp32"
         return {"mode": self.name, "bits": self.bits, "fp32_tensors": sorted(plan.kept), "quantize_from": source}
 
@@ -125,24 +129,45 @@ class WeightBlocks(QuantizationStrategy):
     """Weight-only blocks: every linear layer a MatMulNBits, the embedding gathered from blocks (``nbits``).
 
     ``use_gguf=False`` rounds the fp32 weights even when the model came from a block-quantized GGUF
-    (what a second rounding costs: ``benchmarks/quantize_quality.py``).
+    (what a second rounding costs: ``benchmarks/quantize_quality.py``). ``calibrated``: that rounding
+    weighs each weight column by its input's second moment on ``calibration`` (``rounding``; default:
+    ``calibration.calibration_ids`` in the model's own tokenizer). ``block_size``: weights per block
+    (a GGUF's own blocks are 32).
     """
 
     bits: int
     accuracy_level: int = INT8_ACTIVATIONS
     use_gguf: bool = True
+    block_size: int = BLOCK_SIZE
+    calibrated: bool = False
+    calibration: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
             raise QuantizeError(f"weight blocks are 4 or 8 bits, not {self.bits}")
+        if self.block_size not in BLOCK_SIZES:
+            raise QuantizeError(f"block size must be one of {list(BLOCK_SIZES)}, not {self.block_size}")
+        if self.calibrated and self.use_gguf:
+            raise QuantizeError("calibrated rounding rounds the fp32 weights: it does not keep a GGUF's blocks")
 
     @property
     def name(self) -> str:  # type: ignore[override]  # read-only here: the width names it
         return f"int{self.bits}"
 
+    def bind(self, target: Any) -> WeightBlocks:
+        if not self.calibrated or self.calibration is not None:
+            return self
+        sequences = calibration_ids(target.tokenizer, target.vocab_size)
+        return replace(self, calibration=tuple(tuple(ids) for ids in sequences))
+
     def plan(self, model: Any, names: Sequence[str] | None = None) -> Plan:
         """The blocks of ``names`` (default: every linear weight) and of the table, less ``fp32_tensors``."""
-        blocks = source_blocks(model, self.bits, self.use_gguf, linear_names(model) if names is None else names)
+        names = linear_names(model) if names is None else names
+        importance = None
+        if self.calibrated:
+            sequences = self.calibration or calibration_ids(model.tokenizer, model.vocab_size)
+            importance = activation_moments(model, sequences, names)
+        blocks = source_blocks(model, self.bits, self.use_gguf, names, self.block_size, importance)
         table = embedding_block(model, self.bits, blocks, self.use_gguf)
         kept = self.fp32_tensors(blocks)
         return Plan(
@@ -152,6 +177,14 @@ class WeightBlocks(QuantizationStrategy):
             embedding=table,
             table=None if table is None else fp32(model, EMBEDDING),
         )
+
+    def describe(self, plan: Plan) -> dict:
+        described = super().describe(plan)
+        return {
+            **described,
+            "quantize_from": "calibrated" if self.calibrated else described["quantize_from"],
+            "batch_invariant": self.accuracy_level == INT8_ACTIVATIONS,  # wide blocks: OrtBackend's row_floor
+        }
 
     def fp32_tensors(self, blocks: Mapping[str, BlockQuant]) -> set[str]:
         """The tensors left as fp32 Gemms: at fp32 activations, those wider than asked (8-bit under ``int4``), for
@@ -225,7 +258,7 @@ class W8A8(QuantizationStrategy):
         return Linear(self.name, linear.effective())
 
     def describe(self, plan: Plan) -> dict:
-        return {**super().describe(plan), "integer_head": self.integer_head}
+        return {**super().describe(plan), "integer_head": self.integer_head, "batch_invariant": True}
 
     def finish(self, g: GraphEditor) -> dict:
         """Each chain's smoothing folded into its input's producer where exact (``w8a8.fold_smoothing``)."""
@@ -237,17 +270,33 @@ class W8A8(QuantizationStrategy):
         return fp32_product_copy(graph, lambda g: set_level(g, CHECK_LEVEL))
 
 
-def strategy_for(name: str, activations: str = "int8", use_gguf: bool = True) -> QuantizationStrategy:
-    """The strategy ``--quantize name --quantize-activations activations`` asks for: the one place flags become one."""
+def strategy_for(
+    name: str, activations: str = "int8", source: str = "gguf", block_size: int = BLOCK_SIZE
+) -> QuantizationStrategy:
+    """The strategy ``--quantize name --quantize-activations activations --quantize-from source
+    --quantize-block-size block_size`` asks for: the one place flags become one."""
     if activations not in ACTIVATIONS:
         raise QuantizeError(f"unknown --quantize-activations {activations!r}: choose one of {', '.join(ACTIVATIONS)}")
+    if source not in SOURCES:
+        raise QuantizeError(f"unknown --quantize-from {source!r}: choose one of {', '.join(SOURCES)}")
     if name == W8A8.name:
         if activations != "int8":
             raise QuantizeError(
                 f"--quantize {name} rounds its activations to int8 by definition: "
                 f"--quantize-activations {activations} does not apply"
             )
-        return W8A8(use_gguf=use_gguf)
+        if source == "calibrated" or block_size != BLOCK_SIZE:
+            raise QuantizeError(
+                f"--quantize {name} rounds its decoder layers per channel, smoothed on calibration prompts: "
+                "--quantize-from calibrated and --quantize-block-size apply to int4 and int8"
+            )
+        return W8A8(use_gguf=source == "gguf")
     if name in ("int4", "int8"):
-        return WeightBlocks(int(name.removeprefix("int")), ACTIVATIONS[activations], use_gguf)
+        return WeightBlocks(
+            int(name.removeprefix("int")),
+            ACTIVATIONS[activations],
+            use_gguf=source == "gguf",
+            block_size=block_size,
+            calibrated=source == "calibrated",
+        )
     raise QuantizeError(f"unknown --quantize {name!r}: choose one of {', '.join(STRATEGIES)}")

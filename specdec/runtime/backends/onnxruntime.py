@@ -55,6 +55,10 @@ if TYPE_CHECKING:
 
 _NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 _log = logging.getLogger(__name__)
+#: the widest MatMulNBits block whose rows MLAS's int8-activation kernel multiplies alike however many rows share the
+#: call (ONNX Runtime 1.32, x86 AVX-512 VNNI: ``benchmarks/results/block_sizes.md``); for wider blocks it multiplies
+#: rows in pairs and an odd last row alone, so the backend runs every step on an even row count (``even_rows``)
+ROW_INVARIANT_BLOCK = 32
 FUSE_ENV = "SPECDEC_ORT_FUSE"  # "0": run the exported graph as it is; "a,b": only these ort_fuse rewrites
 
 
@@ -130,6 +134,7 @@ class OrtBackend:
         profile_prefix: str | None = None,
         device_id: int = 0,
         cache_dtype: str | None = None,
+        row_floor: bool = True,
     ) -> None:
         """``spin``: let the session's idle worker threads spin-wait for the next run (ORT's default).
 
@@ -144,6 +149,15 @@ class OrtBackend:
         ``model_instance_device_id``); ignored on the CPU. ``cache_dtype``: store the KV caches as
         this type ("float16": half the memory of an fp32 graph's, ``ort_cache_dtype``); None keeps
         the graph's own.
+
+        ``row_floor``: where the graph's int8-activation MatMulNBits blocks are wider than ``ROW_INVARIANT_BLOCK``,
+        MLAS multiplies rows in pairs and the odd last row of a step with another kernel (its sums round
+        differently), so a row's bits would depend on how many rows share its step. Such a graph then runs every
+        step on an even row count (``even_rows``): an odd step gets one more row, its last token again, one
+        position on (``evened``); that row's logits are not asked for and its K/V land one position past its
+        sequence, where the next token overwrites them, as a rejected draft's do. Every row is then multiplied
+        in a pair and the graph stays batch-invariant (greedy ``ems`` = ``ar``). A draft model opens without: its
+        proposals are verified, never compared.
         """
         import onnxruntime as ort
 
@@ -168,6 +182,7 @@ class OrtBackend:
         )
         self.fuse_report: ort_fuse.FuseReport | None = None
         self.session = self._open(rewrites)
+        self.even_rows = row_floor and _rows_in_pairs(self.path)
         self._unfused = None  # opened on the first step the fused graph cannot run (see step)
         inputs = {i.name: i for i in self.session.get_inputs()}
         outputs = {o.name: o for o in self.session.get_outputs()}
@@ -229,6 +244,7 @@ class OrtBackend:
     def allocate_cache(self, num_slots: int, max_len: int) -> HostKVStorage | TorchKVStorage:
         """Caches on the session's device: host memory on the CPU EP, the GPU's own memory on the CUDA EP."""
         spare = ort_fuse.SPARE_POSITIONS if self.fuse_report is not None and self.fuse_report.attention else 0
+        spare = max(spare, int(self.even_rows))  # an evened step's extra K/V row past the last position
         shape = (self.num_layers, num_slots, int(self.num_kv_heads), max_len, int(self.head_dim))
         if self.device[0] == "cpu":
             return HostKVStorage(*shape, dtype=self.np_dtype, spare=spare)
@@ -256,6 +272,8 @@ class OrtBackend:
         return self._step(batch, cache)
 
     def _step(self, batch: PackedBatch, cache: HostKVStorage | TorchKVStorage) -> np.ndarray:
+        if self.even_rows and batch.num_tokens % 2:
+            batch = evened(batch)
         feeds = graph_feeds(batch)
         if self.fuse_report is None or not self.fuse_report.attention:
             return self._run(self.session, feeds, cache)
@@ -274,6 +292,8 @@ class OrtBackend:
         logits: np.ndarray | None = None
         for seqs in groups:
             part, rows = split_batch(batch, seqs)
+            if self.even_rows and part.num_tokens % 2:
+                part = evened(part)
             out = self._run(self.session, graph_feeds(part), cache)
             if logits is None:
                 logits = np.empty((batch.logits_indices.shape[0], out.shape[1]), dtype=out.dtype)
@@ -401,6 +421,37 @@ def _rewrites(fuse: bool | Sequence[str] | None, providers: Sequence[Any]) -> tu
     if fuse is True:
         return tuple(r for r in ort_fuse.REWRITES if r != "attention" or not cuda)
     return tuple(fuse or ())
+
+
+def evened(batch: PackedBatch) -> PackedBatch:
+    """The step with one more row: the last sequence's last token again, one position on, a child of that token
+    (``OrtBackend``'s ``row_floor``); no logits of it are asked for."""
+    cu = batch.cu_seqlens.copy()
+    last = int(cu[-1] - cu[-2])  # the last sequence's rows; the new one is its row ``last``
+    mask = np.zeros((batch.num_tokens + 1, max(batch.tree_mask.shape[1], last + 1)), dtype=bool)
+    mask[:-1, : batch.tree_mask.shape[1]] = batch.tree_mask
+    mask[-1] = mask[-2]
+    mask[-1, last] = True
+    cu[-1] += 1
+    return dataclasses.replace(
+        batch,
+        input_ids=np.append(batch.input_ids, batch.input_ids[-1]),
+        position_ids=np.append(batch.position_ids, batch.position_ids[-1] + 1),
+        cu_seqlens=cu,
+        tree_mask=mask,
+    )
+
+
+def _rows_in_pairs(path: Path) -> bool:
+    """Whether the graph holds an int8-activation MatMulNBits of blocks wider than ``ROW_INVARIANT_BLOCK``."""
+    import onnx
+
+    for node in onnx.load(str(path), load_external_data=False).graph.node:
+        if node.op_type == "MatMulNBits":
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            if attrs.get("accuracy_level") == 4 and attrs.get("block_size", 0) > ROW_INVARIANT_BLOCK:
+                return True
+    return False
 
 
 def split_batch(batch: PackedBatch, seqs: Sequence[int]) -> tuple[PackedBatch, np.ndarray]:
