@@ -271,7 +271,7 @@ class EngineModel:
                 log.exception("could not update metrics")
 
     def finalize(self) -> None:
-        self.heartbeat.stop()
+        self.heartbeat.exit_if_orphaned()
         self._closing.set()
         self.service.stop(drain=False, timeout=10)
         self.beam_service.stop(drain=False, timeout=10)
@@ -280,3 +280,4 @@ class EngineModel:
         self._watcher.join(5)
         release_senders()
         release_metrics()
+        self.heartbeat.stop()

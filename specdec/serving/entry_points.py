@@ -334,7 +334,7 @@ class _EntryPoint:
 
     def finalize(self) -> None:
         """Stop the watcher and let running requests end (a few seconds at most) before the stub goes."""
-        self.heartbeat.stop()
+        self.heartbeat.exit_if_orphaned()
         self._closing.set()
         self._watcher.join(5)
         deadline = time.monotonic() + 5
@@ -342,6 +342,7 @@ class _EntryPoint:
             time.sleep(WATCH_POLL_S)
         release_senders()
         release_metrics()
+        self.heartbeat.stop()
 
 
 def _read_to_the_end(answers: Any) -> None:

@@ -39,5 +39,6 @@ class ReadinessGate:
         return [error_response(message) for _ in requests]
 
     def finalize(self) -> None:
-        self.heartbeat.stop()
+        self.heartbeat.exit_if_orphaned()
         release_metrics()
+        self.heartbeat.stop()

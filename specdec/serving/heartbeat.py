@@ -97,11 +97,23 @@ class Heartbeat:
         with contextlib.suppress(OSError):
             write(self.directory, Beat(self.model, os.getpid(), time.monotonic(), **state))  # type: ignore[arg-type]
 
+    def orphaned(self) -> bool:
+        """Whether tritonserver is gone: this stub was re-parented, and nothing can reach it any more."""
+        return os.getppid() != self._parent
+
+    def exit_if_orphaned(self) -> None:
+        """First thing in a model's ``finalize``: a stub whose server is gone leaves at once. Why: Triton's stub
+        finalizes its model when it sees its server die, and the cleanup (releasing response senders and metric
+        families) talks to the server over IPC, which waits forever for a dead one (a stub outlived a SIGKILLed
+        ``specdec serve`` that way, ``tests/test_supervision.py``). The beat thread keeps watching until ``stop``,
+        the last thing ``finalize`` does, in case the server dies during the cleanup."""
+        if self.orphaned():
+            os._exit(0)
+
     def _run(self) -> None:
         while not self._stop.wait(BEAT_S):
-            if os.getppid() != self._parent:
-                # tritonserver is gone (this stub was re-parented): nothing can reach this process any more, and a
-                # stub that finalizes a busy engine may take long to notice on its own; it goes now
+            if self.orphaned():
+                # a stub that finalizes a busy engine may take long to notice on its own; it goes now
                 os._exit(0)
             self._beat()
 

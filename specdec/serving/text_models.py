@@ -43,6 +43,7 @@ class _Stateless:
         self.heartbeat = Heartbeat(Control.from_env().directory, args.get("model_name", "")).start()
 
     def finalize(self) -> None:
+        self.heartbeat.exit_if_orphaned()
         self.heartbeat.stop()
 
 
