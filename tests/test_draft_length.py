@@ -8,6 +8,8 @@ the cap, an unrelated one to the floor).
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from specdec.models.loading import tiny_random
@@ -19,6 +21,8 @@ from specdec.runtime.draft_length import (
     DraftLength,
     DraftStats,
     batch_prices,
+    draft_length_from,
+    fixed_shares,
     parse_prices,
     price_at,
     prices_text,
@@ -332,6 +336,37 @@ def test_the_plan_drafts_only_where_it_ends_the_batch_sooner() -> None:
     # every sequence equally long and all worth drafting: each drafts as priced alone at the batch's size
     copiers = [_lookup(0.9, 40) for _ in range(8)]
     assert policy.plan(copiers, 8) == [alone(c, 8) for c in copiers]
+
+
+def test_a_lookup_that_ends_its_sequence_sooner_frees_its_share_of_later_steps() -> None:
+    """With the steps' fixed shares measured (the edge calibration's at batch 8: 0.40 of a step, a verified row 0.21
+    of a sequence's share), a copier beside seven free-form answers as long as it drafts: it still cannot end the
+    batch sooner, but each step it no longer runs saves its share of one. Proposals of a draft model get no such
+    credit (their saving did not cover the draft steps, ``runtime_choices.md``), nor does anyone unmeasured."""
+    prices = {"verify_by_batch": ((1, 0.06), (8, 0.21)), "probe_every": 1000}
+    measured = DraftLength(**prices, fixed_by_batch=((1, 0.84), (8, 0.40)))
+    unmeasured = DraftLength(**prices)
+    copier, free = _lookup(0.9, 40), [_lookup(0.0, 40)] * 7
+    assert measured.plan([copier, *free], 8) == [4] + [0] * 7
+    assert unmeasured.plan([copier, *free], 8) == [0] * 8
+    by_model = Candidate(copier.stats, 4, 0.12, 40)
+    assert measured.plan([by_model, *free], 8) == unmeasured.plan([by_model, *free], 8) == [0] * 8
+    # a share that nothing is left to save: the whole step fixed, as unmeasured
+    assert DraftLength(**prices, fixed_by_batch=((8, 1.0),)).plan([copier, *free], 8) == [0] * 8
+    with pytest.raises(ValueError, match="at most 1"):
+        DraftLength(fixed_by_batch=((8, 1.5),))
+
+
+def test_fixed_shares_come_from_the_calibrated_step_times() -> None:
+    """A line through the plain step times per batch size: its intercept over the step at each size; fewer than two
+    sizes, or times that do not grow with the batch (noise), say nothing to save."""
+    line = {"batch_sizes": [1, 4, 8], "plain_ms": [12.0, 18.0, 26.0]}  # 10 + 2 B
+    assert fixed_shares(line) == ((1, 0.8333), (4, 0.5556), (8, 0.3846))
+    assert fixed_shares({"batch_sizes": [1], "plain_ms": [12.0]}) == fixed_shares({}) == ()
+    assert fixed_shares({"batch_sizes": [1, 4, 8], "plain_ms": [177.0, 249.0, 142.0]}) == ((1, 1.0), (4, 1.0), (8, 1.0))
+    args = argparse.Namespace(adaptive_draft=True, verify_cost=0.3, draft_cost=None)
+    policy = draft_length_from(args, {**line, "verify_cost": 0.2})
+    assert policy is not None and policy.fixed_by_batch == fixed_shares(line) and policy.verify_cost == 0.3
 
 
 @pytest.mark.parametrize("accepted", [0.0, 0.2, 0.5, 0.8, 1.0])

@@ -168,7 +168,8 @@ class DraftLength:
     sequence that probes every 8 steps in text its drafter cannot predict loses a few percent
     against ``ar`` (``benchmarks/results/edge_cpu.md``); backed off, about half a percent.
     ``verify_by_batch`` / ``draft_by_batch``: the same prices per batch size (module docstring), used
-    for greedy sequences; each replaces its flat price there when given.
+    for greedy sequences; each replaces its flat price there when given. ``fixed_by_batch``: the share of a
+    step that no one sequence adds, per batch size (``fixed_shares``), for ``plan``.
     """
 
     draft_cost: float | None = None
@@ -181,10 +182,13 @@ class DraftLength:
     probe_backoff: int = 3
     verify_by_batch: BatchPrices = ()
     draft_by_batch: BatchPrices = ()
+    fixed_by_batch: BatchPrices = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "verify_by_batch", batch_prices(self.verify_by_batch))
-        object.__setattr__(self, "draft_by_batch", batch_prices(self.draft_by_batch))
+        for name in ("verify_by_batch", "draft_by_batch", "fixed_by_batch"):
+            object.__setattr__(self, name, batch_prices(getattr(self, name)))
+        if any(share > 1.0 for _, share in self.fixed_by_batch):
+            raise ValueError(f"a fixed share of a step is at most 1, got {list(self.fixed_by_batch)}")
         if self.draft_cost is not None and self.draft_cost < 0:
             raise ValueError(f"draft_cost must be >= 0, got {self.draft_cost}")
         if self.verify_cost < 0:
@@ -308,17 +312,25 @@ class DraftLength:
         ``benchmarks/results/runtime_choices.md``). And a sequence the batch waits for
         gains a whole step of the batch from each accepted token, not its share of one.
 
+        What a step costs: the part of it no sequence adds (``fixed_share``: weights read, per-op overhead) for
+        as long as the batch lasts, and each sequence's own share for as long as *it* lasts. So a sequence that
+        finishes sooner by drafting frees its share of every later step, which pays for free lookups even when
+        another sequence sets the batch's length (extractive answers at batch 8; ``runtime_choices.md``).
+        A draft model's proposals get no such credit: they are priced as if their sequence stayed to the end,
+        since their saving did not cover the draft steps and the catch-up of the draft's cache (measured there);
+        nor does anyone where the shares were not measured (``fixed_by_batch``).
+
         How: only a group of the sequences with the most tokens still to go drafts (``Candidate.budget``;
         sequences with equal budgets go together, since leaving one out leaves the batch as long). A group of c
         of the step's ``batch`` sequences pays c/batch of what every sequence drafting a verified row costs
-        (``prices``; the draft step keeps the whole batch's price, an upper bound for a smaller batch), each
-        member drafts the k that pays most at that price, and the batch lasts ``max(budget / rate)`` steps over
-        the group and the budgets left out, at least ``floor`` (sequences that are not planned: sampled ones,
-        prompts still prefilling), each step longer by the group's drafts. The plan takes the group, none
-        included, with the least expected time; an empty group is ``ar``, so the plan drafts only where drafting
-        is expected to end the batch sooner, and where a sequence alone in its batch is due to probe. Greedy
-        output does not depend on k, so the plan changes only speed. Budgets count ``max_tokens``, not an end of
-        sequence nobody can foresee: a batch whose answers end early is planned as if they ran to their limit.
+        (``prices``; the draft step keeps the whole batch's price, an upper bound for a smaller batch), and each
+        member drafts the k that pays most at that price. The batch lasts ``max(budget / rate)`` steps over the
+        group and the budgets left out, at least ``floor`` (sequences that are not planned: sampled ones,
+        prompts still prefilling). The plan takes the group, none included, with the least expected time; an
+        empty group is ``ar``, so the plan drafts only where drafting is expected to end the batch sooner, and
+        where a sequence alone in its batch is due to probe. Greedy output does not depend on k, so the plan
+        changes only speed. Budgets count ``max_tokens``, not an end of sequence nobody can foresee: a batch
+        whose answers end early is planned as if they ran to their limit.
         """
         budgets = [s.budget for s in seqs]
         order = sorted(range(len(seqs)), key=lambda i: -budgets[i])
@@ -326,19 +338,34 @@ class DraftLength:
         # expected tokens per step for every k
         priced = [self.prices(seq.draft_cost, batch, seq.own_price) for seq in seqs]
         expected = [self._expected(seq.stats, max(seq.k_max, 0), seq.prior) for seq in seqs]
-        best_total, best_ks = max([floor, *budgets]), [0] * len(seqs)
+        fixed = self.fixed_share(batch)
+        own_share = (1.0 - fixed) / batch  # a sequence's share of a step of the whole batch
+
+        def batch_time(horizon: float, steps: Sequence[float], drafting: float) -> float:
+            """In steps of the whole batch: the fixed part over the batch's length, each sequence's share over its
+            own steps, and the drafts."""
+            return fixed * max(floor, horizon) + own_share * sum(steps) + drafting
+
+        best_total, best_ks = batch_time(max(budgets), budgets, 0.0), [0] * len(seqs)
         for size in _group_sizes([budgets[i] for i in order]):
-            ks, horizon, spent = [0] * len(seqs), max(floor, budgets[order[size]] if size < len(seqs) else 0), 0.0
+            ks, steps = [0] * len(seqs), [float(b) for b in budgets]
+            horizon = budgets[order[size]] if size < len(seqs) else 0.0
+            drafting = lasting = 0.0  # drafts priced per step of their own sequence / of the whole batch
             for i in order[:size]:
                 seq, (draft, verify) = seqs[i], priced[i]
                 per_draft = draft + verify * size / batch
-                # the batch's length: the rate the sequence keeps over the steps to come, where its drafter has
-                # something to offer in ``offer_rate`` of them; this step: what it has now
+                # the sequence's steps: at the rate it keeps over the steps to come, where its drafter has something
+                # to offer in ``offer_rate`` of them; this step: what it has now
                 k, rate = self._pick(expected[i], max(seq.k_max, 0), per_draft)
-                horizon = max(horizon, seq.budget / (1.0 + seq.offer_rate * (rate - 1.0)))
+                own_steps = seq.budget / (1.0 + seq.offer_rate * (rate - 1.0))
+                horizon = max(horizon, own_steps)
                 ks[i] = k if seq.k_now >= seq.k_max else self._pick(expected[i], seq.k_now, per_draft)[0]
-                spent += ks[i] * per_draft
-            total = horizon * (1.0 + spent / size)
+                if draft > 0 or not self.fixed_by_batch:
+                    lasting += ks[i] * per_draft / size
+                else:
+                    steps[i] = own_steps
+                    drafting += own_steps * ks[i] * per_draft / size
+            total = batch_time(horizon, steps, drafting) + max(floor, horizon) * lasting
             if total < best_total * (1 - 1e-9):
                 best_total, best_ks = total, ks
         # alone in its batch a sequence still probes when due, as ``choose`` has it do: its text may turn
@@ -350,6 +377,11 @@ class DraftLength:
         if alone is not None and best_ks[0] == 0 and alone.k_now > 0 and self._probe_due(alone.stats):
             best_ks[0] = 1
         return best_ks
+
+    def fixed_share(self, batch: int) -> float:
+        """The share of a step of ``batch`` sequences that no one sequence adds (``fixed_by_batch``; 1 where not
+        measured: every sequence is then priced as if it stayed to the batch's end)."""
+        return min(1.0, max(0.0, price_at(self.fixed_by_batch, batch))) if self.fixed_by_batch else 1.0
 
 
 @dataclass(frozen=True)
@@ -386,6 +418,29 @@ def _group_sizes(budgets_descending: Sequence[int]) -> list[int]:
         return sizes
     step = (len(sizes) - 1) / (MAX_GROUP_SIZES - 1)
     return sorted({sizes[round(j * step)] for j in range(MAX_GROUP_SIZES)})
+
+
+def fixed_shares(measured: Mapping[str, Any]) -> BatchPrices:
+    """The share of a plain step that does not grow with its sequences, per calibrated batch size (``plan``).
+
+    From a calibration's plain step times (``costs.DraftCosts.as_dict``: ``batch_sizes``, ``plain_ms``): the
+    least-squares line ``f + c * B`` through them, and ``f / (f + c * B)`` at each B, within [0, 1]. Empty with
+    fewer than two batch sizes (a line needs two), which ``plan`` reads as "every sequence lasts the batch".
+    """
+    sizes, times = measured.get("batch_sizes") or [], measured.get("plain_ms") or []
+    points = sorted({int(b): float(t) for b, t in zip(sizes, times)}.items())
+    if len(points) < 2:
+        return ()
+    mean_b = sum(b for b, _ in points) / len(points)
+    mean_t = sum(t for _, t in points) / len(points)
+    slope = sum((b - mean_b) * (t - mean_t) for b, t in points) / sum((b - mean_b) ** 2 for b, _ in points)
+    fixed = mean_t - slope * mean_b
+    return batch_prices(
+        [
+            (b, round(min(1.0, max(0.0, fixed / (fixed + slope * b))) if fixed + slope * b > 0 else 1.0, 4))
+            for b, _ in points
+        ]
+    )
 
 
 def _cost(text: str) -> float:
@@ -450,7 +505,8 @@ def draft_length_from(args: argparse.Namespace, measured: Mapping[str, Any] | No
 
     A cost given on the command line wins over a measured one (flat and per batch size alike), and a
     measured one over the default. The measured draft prices per batch size go with the measured flat
-    one: a caller that drops ``draft_cost`` (prompt lookup's tokens cost nothing) drops them too.
+    one: a caller that drops ``draft_cost`` (prompt lookup's tokens cost nothing) drops them too. The
+    plain steps' fixed shares (``fixed_shares``) come from the measured step times whatever the flags say.
     """
     if not args.adaptive_draft:
         return None
@@ -464,4 +520,5 @@ def draft_length_from(args: argparse.Namespace, measured: Mapping[str, Any] | No
         draft_by_batch=batch_prices(measured.get(DRAFT_BY_BATCH))
         if args.draft_cost is None and measured.get("draft_cost") is not None
         else (),
+        fixed_by_batch=fixed_shares(measured),
     )
