@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from specdec.export.cli import main as export_main
 from specdec.runtime.backends.torch_backend import TorchBackend
 from specdec.runtime.config import EngineConfig
 from specdec.runtime.costs import DraftCosts, calibrate, calibrate_engine, draft_costs, loop_costs, step_costs
-from specdec.runtime.draft_length import DraftLength, batch_prices, prices_text
+from specdec.runtime.draft_length import DraftLength, batch_prices, fixed_shares, prices_text
 from specdec.runtime.engine import Engine
 from specdec.serving.engine_model import served_engine
 from specdec.serving.repository import ServingOptions, read_parameters, render_configs
@@ -164,17 +165,21 @@ def test_an_export_calibrated_on_this_machine_serves_and_generates_with_its_pric
         verify_by_batch=verify_by_batch,
         draft_by_batch=draft_by_batch,
     )
-    # the engine the server builds from that config (Triton's EngineModel, or a benchmark's local twin)
+    # the engine the server builds from that config (Triton's EngineModel, or a benchmark's local twin); a server
+    # never plans a batch (its requests wait for their own answers), so it needs no fixed shares
     served = served_engine(out, read_parameters(out / "triton_repo"))
     assert served.config.draft_length == calibrated
-    # `specdec generate` over the export prices its policy the same way, unless told otherwise
+    # `specdec generate` over the export prices its policy the same way, unless told otherwise, and plans its
+    # batches with the fixed shares of the calibrated steps
     parser = argparse.ArgumentParser()
     add_generate_args(parser)
     engine = _open_engine(parser.parse_args(["--target", str(out), "--adaptive-draft"]))
-    assert engine.config.draft_length == calibrated
+    shares = fixed_shares(measured)
+    assert [b for b, _ in shares] == [1, 2]
+    assert engine.config.draft_length == replace(calibrated, fixed_by_batch=shares)
     pinned = _open_engine(parser.parse_args(["--target", str(out), "--adaptive-draft", "--verify-cost", "0"]))
     assert pinned.config.draft_length == DraftLength(
-        verify_cost=0.0, draft_cost=measured["draft_cost"], draft_by_batch=draft_by_batch
+        verify_cost=0.0, draft_cost=measured["draft_cost"], draft_by_batch=draft_by_batch, fixed_by_batch=shares
     )
     # an explicit price is kept over the measured one in the served config too
     again = tmp_path / "pinned"
