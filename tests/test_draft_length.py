@@ -9,6 +9,7 @@ the cap, an unrelated one to the floor).
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 import pytest
 
@@ -403,7 +404,7 @@ def test_the_loop_plans_a_batch_nobody_waits_to_join() -> None:
     target = ScriptedBackend(lambda c: c[-4] if c[0] < 32 and len(c) >= 4 else (c[-1] + 1) % vocab, vocab)
     policy = DraftLength(verify_by_batch=((1, 0.1), (2, 0.2)), probe_every=1000)
 
-    def drafted(lengths: tuple[int, ...], max_batch: int = 2) -> list[int]:
+    def drafted(lengths: tuple[int, ...], max_batch: int = 2, policy: DraftLength = policy) -> list[int]:
         engine = Engine(
             target,
             NgramDrafter(max_ngram=3, min_ngram=2),
@@ -420,6 +421,10 @@ def test_the_loop_plans_a_batch_nobody_waits_to_join() -> None:
     # a third request waits for one of the two slots: per-sequence prices, the copier drafts
     queued = drafted((30, 30, 30))
     assert queued[0] > 0 and queued[2] > 0
+    # with the steps' fixed shares measured, the tied copier drafts on: each step it no longer runs saves its share
+    shares = replace(policy, fixed_by_batch=((1, 0.8), (2, 0.6)))
+    tied_measured = drafted((30, 30), policy=shares)
+    assert tied_measured[1] == 0 and tied_measured[0] > 4
 
 
 def test_a_server_loop_prices_each_sequence_alone(monkeypatch) -> None:
