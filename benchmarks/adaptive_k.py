@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 
 # a sibling script, not a package
 from benchmarks.draft_pair import DEFAULT_DRAFT, DRAFTER_LABELS, DRAFTERS
+from specdec.bench.figures import figure
 from specdec.bench.harness import (
     BenchConfig,
     MethodRuns,
@@ -242,36 +243,30 @@ def _decoding(meta: dict[str, Any]) -> str:
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     grid = doc["grid"]
-    fig, axes = plt.subplots(len(grid), len(DRAFTERS), figsize=(11, 4 * len(grid)), squeeze=False)
-    for row, (workload, cells) in enumerate(grid.items()):
-        batches = list(cells)
-        for col, drafter in enumerate(DRAFTERS):
-            ax = axes[row][col]
-            names = [n for n in cells[batches[0]] if n.startswith(f"{drafter} ")]
-            for name in names:
-                adaptive = "adaptive" in name
-                ax.plot(
-                    batches,
-                    [cells[b][name]["speedup_over_ar"] for b in batches],
-                    marker="o",
-                    linewidth=2.5 if adaptive else 1,
-                    linestyle="-" if adaptive else "--",
-                    label=name.split(" ", 1)[1],
-                )
-            ax.axhline(1.0, color="gray", linewidth=0.8)
-            ax.set(title=f"{workload}, {DRAFTER_LABELS[drafter]}", xlabel="batch size", ylabel="speed-up over ar")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-    fig.suptitle(f"{doc['meta']['target']}: EMS-SD with adaptive vs fixed draft length ({_decoding(doc['meta'])}, CPU)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, len(grid), len(DRAFTERS), figsize=(11, 4 * len(grid)), squeeze=False, dpi=110) as (fig, axes):
+        for row, (workload, cells) in enumerate(grid.items()):
+            batches = list(cells)
+            for col, drafter in enumerate(DRAFTERS):
+                ax = axes[row][col]
+                names = [n for n in cells[batches[0]] if n.startswith(f"{drafter} ")]
+                for name in names:
+                    adaptive = "adaptive" in name
+                    ax.plot(
+                        batches,
+                        [cells[b][name]["speedup_over_ar"] for b in batches],
+                        marker="o",
+                        linewidth=2.5 if adaptive else 1,
+                        linestyle="-" if adaptive else "--",
+                        label=name.split(" ", 1)[1],
+                    )
+                ax.axhline(1.0, color="gray", linewidth=0.8)
+                ax.set(title=f"{workload}, {DRAFTER_LABELS[drafter]}", xlabel="batch size", ylabel="speed-up over ar")
+                ax.grid(alpha=0.3)
+                ax.legend(fontsize=8)
+        fig.suptitle(
+            f"{doc['meta']['target']}: EMS-SD with adaptive vs fixed draft length ({_decoding(doc['meta'])}, CPU)"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from specdec.bench.figures import figure
 from specdec.bench.harness import int_list, machine_info, run_command
 from specdec.bench.report import write_report
 from specdec.export.quantization.blocks import BlockQuant
@@ -155,22 +156,14 @@ def markdown(doc: dict[str, Any]) -> str:
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for b, result in doc["results"].items():
-        label = f"blocks of {b}" + ("" if result["lone_row_alike"] else " (a lone row differs)")
-        ax.plot(doc["rows"], [result["ms_per_step"][str(m)] for m in doc["rows"]], "o-", label=label)
-    ax.set_xlabel("rows multiplied")
-    ax.set_ylabel("ms per step (int4 linears)")
-    ax.set_title("MatMulNBits int4 by block size, SmolLM2-135M")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, figsize=(7, 4)) as (_, ax):
+        for b, result in doc["results"].items():
+            label = f"blocks of {b}" + ("" if result["lone_row_alike"] else " (a lone row differs)")
+            ax.plot(doc["rows"], [result["ms_per_step"][str(m)] for m in doc["rows"]], "o-", label=label)
+        ax.set_xlabel("rows multiplied")
+        ax.set_ylabel("ms per step (int4 linears)")
+        ax.set_title("MatMulNBits int4 by block size, SmolLM2-135M")
+        ax.legend(fontsize=8)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from specdec.bench.figures import figure
 from specdec.runtime.config import EngineConfig
 
 STREAM_PROMPTS = [
@@ -155,11 +156,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write(summary: list[dict], args: argparse.Namespace, long_tokens: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     args.out_dir.mkdir(parents=True, exist_ok=True)
     label = {True: "with the long prompt", False: "streams alone"}
     lines = [
@@ -184,18 +180,16 @@ def write(summary: list[dict], args: argparse.Namespace, long_tokens: int) -> No
         )
     (args.out_dir / "chunked_prefill.md").write_text("\n".join(lines) + "\n")
     (args.out_dir / "chunked_prefill.json").write_text(json.dumps(summary, indent=1))
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for row in summary:
-        gaps = sorted(1e3 * g for g in row["gaps"])
-        name = ("whole prompt" if row["budget"] is None else f"budget {row['budget']}") + f", {label[row['long']]}"
-        ax.plot(gaps, [i / max(1, len(gaps) - 1) for i in range(len(gaps))], label=name)
-    ax.set_xscale("log")
-    ax.set_xlabel("gap between a stream's events (ms, log)")
-    ax.set_ylabel("share of gaps ≤ x")
-    ax.set_title("Running streams while a long prompt is prefilled")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(args.out_dir / "chunked_prefill.png", dpi=120)
+    with figure(args.out_dir / "chunked_prefill.png", figsize=(8, 4.5)) as (_, ax):
+        for row in summary:
+            gaps = sorted(1e3 * g for g in row["gaps"])
+            name = ("whole prompt" if row["budget"] is None else f"budget {row['budget']}") + f", {label[row['long']]}"
+            ax.plot(gaps, [i / max(1, len(gaps) - 1) for i in range(len(gaps))], label=name)
+        ax.set_xscale("log")
+        ax.set_xlabel("gap between a stream's events (ms, log)")
+        ax.set_ylabel("share of gaps ≤ x")
+        ax.set_title("Running streams while a long prompt is prefilled")
+        ax.legend()
 
 
 if __name__ == "__main__":

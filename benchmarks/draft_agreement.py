@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from specdec.bench.figures import figure
 from specdec.bench.harness import machine_info, run_command, utc_stamp
 from specdec.bench.report import write_report
 
@@ -130,32 +131,24 @@ def markdown_report(doc: dict[str, Any]) -> str:
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = doc["rows"]
     drafts = list(dict.fromkeys(r["draft"] for r in rows))
     cases = list(dict.fromkeys((r["workload"], r["answers"]) for r in rows))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    width = 0.8 / len(drafts)
-    for ax, metric in zip(axes, ("greedy_agreement", "expected_acceptance")):
-        for i, label in enumerate(drafts):
-            values = [
-                next(r[metric] for r in rows if r["draft"] == label and (r["workload"], r["answers"]) == c)
-                for c in cases
-            ]
-            ax.bar([j + i * width for j in range(len(cases))], values, width, label=label)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))], [f"{w}\n{a}" for w, a in cases])
-        ax.set_title(metric.replace("_", " "))
-        ax.set_ylim(0, 1)
-        ax.grid(axis="y", alpha=0.3)
-    axes[0].legend()
-    fig.suptitle(f"Drafts vs {doc['meta']['target']} on the benchmark workloads (teacher-forced)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(11, 4), sharey=True) as (fig, axes):
+        width = 0.8 / len(drafts)
+        for ax, metric in zip(axes, ("greedy_agreement", "expected_acceptance")):
+            for i, label in enumerate(drafts):
+                values = [
+                    next(r[metric] for r in rows if r["draft"] == label and (r["workload"], r["answers"]) == c)
+                    for c in cases
+                ]
+                ax.bar([j + i * width for j in range(len(cases))], values, width, label=label)
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))], [f"{w}\n{a}" for w, a in cases])
+            ax.set_title(metric.replace("_", " "))
+            ax.set_ylim(0, 1)
+            ax.grid(axis="y", alpha=0.3)
+        axes[0].legend()
+        fig.suptitle(f"Drafts vs {doc['meta']['target']} on the benchmark workloads (teacher-forced)")
 
 
 def main(argv: list[str] | None = None) -> int:

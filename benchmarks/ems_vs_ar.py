@@ -45,6 +45,7 @@ from benchmarks.edge_cpu.__main__ import build_parser
 from benchmarks.edge_cpu.children import run_specdec
 from benchmarks.edge_cpu.exports import ensure_exports, ensure_hf_dir
 from benchmarks.edge_cpu.parent import workload_prompts
+from specdec.bench.figures import figure
 
 #: arm name -> drafter (None: ar); "ar, control" repeats the base arm to measure the noise floor
 ARMS = {"ar": None, "ar, control": None, "ems n-gram": "ngram", "ems draft": "draft", "ems hybrid": "hybrid"}
@@ -210,35 +211,27 @@ def notes(rows: dict[str, dict[str, Any]]) -> list[str]:
 
 def plot(doc: dict[str, Any], path: Path) -> None:
     """Mix ratio to ar with its interval, one marker per arm, grouped by batch size."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [r for r in doc["rows"].values() if "ratio" in r]
     arms = [a for a in ARMS if a != BASE]
     batches = sorted({r["batch"] for r in rows})
-    fig, ax = plt.subplots(figsize=(8, 3.8))
-    for i, arm in enumerate(arms):
-        pts = [r for r in rows if r["arm"] == arm]
-        xs = [batches.index(r["batch"]) + (i - (len(arms) - 1) / 2) * 0.15 for r in pts]
-        ys = [r["ratio"]["mix"]["ratio"] for r in pts]
-        err = [
-            [y - r["ratio"]["mix"]["low"] for y, r in zip(ys, pts, strict=True)],
-            [r["ratio"]["mix"]["high"] - y for y, r in zip(ys, pts, strict=True)],
-        ]
-        ax.errorbar(xs, ys, yerr=err, fmt="o", capsize=3, label=arm)
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xticks(range(len(batches)), [f"B={b}" for b in batches])
-    ax.set_ylabel("tok/s ÷ same repeat's ar (mix)")
-    ax.set_title(
-        f"{doc['meta']['export_name']}: ems / ar, 95 % interval over {doc['meta']['repeats']} paired repeats",
-        fontsize=9,
-    )
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, figsize=(8, 3.8)) as (_, ax):
+        for i, arm in enumerate(arms):
+            pts = [r for r in rows if r["arm"] == arm]
+            xs = [batches.index(r["batch"]) + (i - (len(arms) - 1) / 2) * 0.15 for r in pts]
+            ys = [r["ratio"]["mix"]["ratio"] for r in pts]
+            err = [
+                [y - r["ratio"]["mix"]["low"] for y, r in zip(ys, pts, strict=True)],
+                [r["ratio"]["mix"]["high"] - y for y, r in zip(ys, pts, strict=True)],
+            ]
+            ax.errorbar(xs, ys, yerr=err, fmt="o", capsize=3, label=arm)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks(range(len(batches)), [f"B={b}" for b in batches])
+        ax.set_ylabel("tok/s ÷ same repeat's ar (mix)")
+        ax.set_title(
+            f"{doc['meta']['export_name']}: ems / ar, 95 % interval over {doc['meta']['repeats']} paired repeats",
+            fontsize=9,
+        )
+        ax.legend(fontsize=8)
 
 
 def main(argv: list[str] | None = None) -> int:

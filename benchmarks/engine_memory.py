@@ -24,6 +24,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from specdec.bench.figures import figure
 from specdec.bench.harness import utc_stamp
 from specdec.runtime.config import EngineConfig
 
@@ -120,19 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "engine_memory.md").write_text(text)
     (args.out_dir / "engine_memory.json").write_text(json.dumps(rows, indent=2) + "\n")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(max(7, 1.1 * len(rows)), 3.8))
-    labels = [f"{Path(r['export']).name}\n{r['cache_dtype']}\n{r['fill'].split(' (')[0]}" for r in rows]
-    ax.bar(labels, [r["peak_mb"] for r in rows])
-    ax.set_ylabel("peak RSS (MB)")
-    ax.set_title(f"Engine at max_batch {args.max_batch} x max_len {args.max_len}")
-    fig.tight_layout()
-    fig.savefig(args.out_dir / "engine_memory.png", dpi=120)
-    plt.close(fig)
+    with figure(args.out_dir / "engine_memory.png", figsize=(max(7, 1.1 * len(rows)), 3.8)) as (_, ax):
+        labels = [f"{Path(r['export']).name}\n{r['cache_dtype']}\n{r['fill'].split(' (')[0]}" for r in rows]
+        ax.bar(labels, [r["peak_mb"] for r in rows])
+        ax.set_ylabel("peak RSS (MB)")
+        ax.set_title(f"Engine at max_batch {args.max_batch} x max_len {args.max_len}")
     print(text)
     return 0
 

@@ -25,6 +25,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
+from specdec.bench.figures import figure
+
 #: the seed that marks a request for the fault hook (greedy requests ignore their seed otherwise)
 FAULT_SEED = 4242
 MESSAGE = "injected fault for a storm"
@@ -114,11 +116,6 @@ def one_run(repository: Path, rounds: int, mode: str, progress: Any) -> dict[str
 
 def report(records: list[dict[str, Any]], stem: Path) -> None:
     """``stem``.md (a row per run) and ``stem``.png (rounds survived per run, a group per record)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     lines = [
         "# Bursts of failing requests on one tritonserver",
         "",
@@ -139,20 +136,17 @@ def report(records: list[dict[str, Any]], stem: Path) -> None:
     machine = records[-1]["machine"]
     lines += ["", f"Machine: {machine.get('processor', '?')}, {machine.get('cpu_count', '?')} cores.", ""]
     stem.with_suffix(".md").write_text("\n".join(lines))
-    fig, ax = plt.subplots(figsize=(7, 3.2))
-    x = 0
-    for record in records:
-        heights = [run["rounds"] for run in record["runs"]]
-        ax.bar(range(x, x + len(heights)), heights, label=f"{record['label']} ({record['mode']})")
-        x += len(heights) + 1
-    ax.axhline(max(r["rounds"] for r in records), color="grey", lw=0.8, ls="--")
-    ax.set_ylabel("rounds passed before a failure")
-    ax.set_xticks([])
-    ax.set_title("fault storm: each bar one server run")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(stem.with_suffix(".png"), dpi=120)
-    plt.close(fig)
+    with figure(stem.with_suffix(".png"), figsize=(7, 3.2)) as (_, ax):
+        x = 0
+        for record in records:
+            heights = [run["rounds"] for run in record["runs"]]
+            ax.bar(range(x, x + len(heights)), heights, label=f"{record['label']} ({record['mode']})")
+            x += len(heights) + 1
+        ax.axhline(max(r["rounds"] for r in records), color="grey", lw=0.8, ls="--")
+        ax.set_ylabel("rounds passed before a failure")
+        ax.set_xticks([])
+        ax.set_title("fault storm: each bar one server run")
+        ax.legend(fontsize=8)
 
 
 def main(argv: list[str] | None = None) -> int:

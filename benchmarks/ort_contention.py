@@ -37,6 +37,7 @@ import torch
 from tqdm.auto import tqdm
 
 from benchmarks.draft_pair import DEFAULT_DRAFT
+from specdec.bench.figures import figure
 from specdec.bench.harness import machine_info, run_command, run_once, utc_stamp
 from specdec.bench.report import write_report
 from specdec.bench.workloads import CHAT_PROMPTS
@@ -137,24 +138,16 @@ def auto_notes(tps: dict[str, dict[str, float]]) -> list[str]:
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     tps = doc["tokens_per_second"]
     names = [setting_name(s) for s in SETTINGS]
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        ax.bar([j + i * width for j in range(len(tps))], [row[name] for row in tps.values()], width, label=name)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tps))], list(tps))
-    ax.set(ylabel="tokens/s", title="SmolLM2-135M + draft on ONNX Runtime (CPU): thread settings")
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, figsize=(10, 4.5), dpi=110) as (_, ax):
+        width = 0.8 / len(names)
+        for i, name in enumerate(names):
+            ax.bar([j + i * width for j in range(len(tps))], [row[name] for row in tps.values()], width, label=name)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tps))], list(tps))
+        ax.set(ylabel="tokens/s", title="SmolLM2-135M + draft on ONNX Runtime (CPU): thread settings")
+        ax.legend(fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from specdec.bench.figures import figure
 from specdec.bench.harness import machine_info, run_command
 from specdec.bench.workloads import build_workload
 from specdec.export.cli import export
@@ -193,22 +194,15 @@ def main(argv: list[str] | None = None) -> int:
         f"| {layer['torch_reference_ms']} | {layer['onnx_function_body_ms']} | not used |",
     ]
     (out / "ort_vs_torch.md").write_text("\n".join(lines) + "\n")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    keys = ["torch/ar", "torch/ems", "onnxruntime/ar", "onnxruntime/ems"]
-    width = 0.2
-    for i, key in enumerate(keys):
-        ax.bar([j + i * width for j in range(len(results))], [results[b][key] for b in results], width, label=key)
-    ax.set_xticks([j + 1.5 * width for j in range(len(results))], [f"batch {b}" for b in results])
-    ax.set_ylabel("tokens/s")
-    ax.set_title("SmolLM2-135M on CPU: ONNX Runtime vs torch")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "ort_vs_torch.png", dpi=120)
+    with figure(out / "ort_vs_torch.png", figsize=(6, 4)) as (_, ax):
+        keys = ["torch/ar", "torch/ems", "onnxruntime/ar", "onnxruntime/ems"]
+        width = 0.2
+        for i, key in enumerate(keys):
+            ax.bar([j + i * width for j in range(len(results))], [results[b][key] for b in results], width, label=key)
+        ax.set_xticks([j + 1.5 * width for j in range(len(results))], [f"batch {b}" for b in results])
+        ax.set_ylabel("tokens/s")
+        ax.set_title("SmolLM2-135M on CPU: ONNX Runtime vs torch")
+        ax.legend()
     print("\n".join(lines))
     return 0
 

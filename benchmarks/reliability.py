@@ -52,6 +52,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from specdec.bench.figures import figure
 from specdec.bench.harness import machine_info, run_command, utc_stamp
 from specdec.bench.workloads import SHORT_PROMPTS
 from specdec.models.manifest import read_manifest
@@ -379,25 +380,18 @@ def report(result: dict[str, Any], out: Path) -> None:
         "tritonserver <= 64 bytes per request on average, each stub < 50 MB in total.",
     ]
     (out / "reliability.md").write_text("\n".join(lines) + "\n")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    names = [r["fault"] for r in result["recovery"]]
-    ax1.barh(names, [r["ready_again_after_s"] for r in result["recovery"]], label="ready again")
-    ax1.axvline(result["cold_start_s"] * 1.2, color="red", linestyle="--", label="cold start + 20 %")
-    ax1.set_xlabel("seconds after the kill")
-    ax1.legend(fontsize=8)
-    ax1.set_title("recovery")
-    procs = list(s["rss_kib"])
-    ax2.bar(procs, [s["rss_growth_bytes_per_request"][p] for p in procs])
-    ax2.set_ylabel("RSS growth per request (bytes)")
-    ax2.set_title(f"soak: {s['requests']} requests")
-    ax2.tick_params(axis="x", rotation=30, labelsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "reliability.png", dpi=110)
+    with figure(out / "reliability.png", 1, 2, figsize=(11, 4), dpi=110) as (_, (ax1, ax2)):
+        names = [r["fault"] for r in result["recovery"]]
+        ax1.barh(names, [r["ready_again_after_s"] for r in result["recovery"]], label="ready again")
+        ax1.axvline(result["cold_start_s"] * 1.2, color="red", linestyle="--", label="cold start + 20 %")
+        ax1.set_xlabel("seconds after the kill")
+        ax1.legend(fontsize=8)
+        ax1.set_title("recovery")
+        procs = list(s["rss_kib"])
+        ax2.bar(procs, [s["rss_growth_bytes_per_request"][p] for p in procs])
+        ax2.set_ylabel("RSS growth per request (bytes)")
+        ax2.set_title(f"soak: {s['requests']} requests")
+        ax2.tick_params(axis="x", rotation=30, labelsize=7)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,6 +41,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from specdec.bench.figures import figure
 from specdec.bench.harness import machine_info, run_command, utc_stamp
 from specdec.bench.workloads import SHORT_PROMPTS
 from specdec.deploy.balancer import Balancer, Replica
@@ -188,24 +189,17 @@ def report(result: dict[str, Any], out: Path) -> None:
         "- *mismatches*: answers that differ from the local runtime's greedy answer (must be 0).",
     ]
     (out / "scaling.md").write_text("\n".join(lines) + "\n")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for config in result["configs"]:
-        rows = [r for r in result["rows"] if r["config"] == config]
-        ax1.plot([r["clients"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o", label=config)
-        ax2.plot([r["clients"] for r in rows], [r["p99_s"] for r in rows], marker="o", label=config)
-    for ax, label in ((ax1, "tokens/s (aggregate)"), (ax2, "p99 latency (s)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent clients")
-        ax.set_ylabel(label)
-        ax.legend(fontsize=8)
-    fig.suptitle("1 vs 2 engine instances vs 2 replicas behind HAProxy")
-    fig.tight_layout()
-    fig.savefig(out / "scaling.png", dpi=110)
+    with figure(out / "scaling.png", 1, 2, figsize=(11, 4), dpi=110) as (fig, (ax1, ax2)):
+        for config in result["configs"]:
+            rows = [r for r in result["rows"] if r["config"] == config]
+            ax1.plot([r["clients"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o", label=config)
+            ax2.plot([r["clients"] for r in rows], [r["p99_s"] for r in rows], marker="o", label=config)
+        for ax, label in ((ax1, "tokens/s (aggregate)"), (ax2, "p99 latency (s)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrent clients")
+            ax.set_ylabel(label)
+            ax.legend(fontsize=8)
+        fig.suptitle("1 vs 2 engine instances vs 2 replicas behind HAProxy")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -27,6 +27,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from specdec.bench.figures import figure
 from specdec.bench.harness import machine_info, run_command, utc_stamp
 from specdec.runtime.prompts import DEFAULT_PROMPTS
 from specdec.serving.client import Answer, run_concurrent
@@ -213,23 +214,17 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> str:
 
 
 def _plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(CONCURRENCY), figsize=(11, 3.6))
-    x = range(len(rows))
-    for ax, regime in zip(axes, CONCURRENCY):
-        ax.bar([i - 0.2 for i in x], [r[regime]["ar_tokens_per_second"] for r in rows], 0.4, label="ar")
-        ax.bar([i + 0.2 for i in x], [r[regime]["ems_tokens_per_second"] for r in rows], 0.4, label="ems (adaptive)")
-        ax.set_xticks(list(x), [r["name"] for r in rows], rotation=20, fontsize=8)
-        ax.set_ylabel("tokens/s")
-        ax.set_title(f"demo mix, {regime}", fontsize=9)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, 1, len(CONCURRENCY), figsize=(11, 3.6)) as (_, axes):
+        x = range(len(rows))
+        for ax, regime in zip(axes, CONCURRENCY):
+            ax.bar([i - 0.2 for i in x], [r[regime]["ar_tokens_per_second"] for r in rows], 0.4, label="ar")
+            ax.bar(
+                [i + 0.2 for i in x], [r[regime]["ems_tokens_per_second"] for r in rows], 0.4, label="ems (adaptive)"
+            )
+            ax.set_xticks(list(x), [r["name"] for r in rows], rotation=20, fontsize=8)
+            ax.set_ylabel("tokens/s")
+            ax.set_title(f"demo mix, {regime}", fontsize=9)
+            ax.legend(fontsize=8)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from specdec.bench.figures import figure
+
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 
@@ -78,23 +80,16 @@ def report(
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.md").write_text(text)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     keys = sorted(set(old) & set(new))
-    fig, ax = plt.subplots(figsize=(8, 4))
-    xs = range(len(keys))
-    ax.bar([x - 0.2 for x in xs], [old[k]["tokens_per_second"] for k in keys], 0.4, label=labels[0])
-    ax.bar([x + 0.2 for x in xs], [new[k]["tokens_per_second"] for k in keys], 0.4, label=labels[1])
-    ax.set_xticks(list(xs), [f"{c} × {m}" for c, m in keys])
-    ax.set_xlabel("clients × method")
-    ax.set_ylabel("tokens/s")
-    ax.legend()
-    ax.set_title("benchmarks/triton_serving.py, before and after")
-    fig.tight_layout()
-    fig.savefig(out / f"{stem}.png", dpi=110)
+    with figure(out / f"{stem}.png", figsize=(8, 4), dpi=110) as (_, ax):
+        xs = range(len(keys))
+        ax.bar([x - 0.2 for x in xs], [old[k]["tokens_per_second"] for k in keys], 0.4, label=labels[0])
+        ax.bar([x + 0.2 for x in xs], [new[k]["tokens_per_second"] for k in keys], 0.4, label=labels[1])
+        ax.set_xticks(list(xs), [f"{c} × {m}" for c, m in keys])
+        ax.set_xlabel("clients × method")
+        ax.set_ylabel("tokens/s")
+        ax.legend()
+        ax.set_title("benchmarks/triton_serving.py, before and after")
     return text
 
 

@@ -40,6 +40,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from benchmarks.step_profile import served_cache_dtype, variant
+from specdec.bench.figures import figure
 from specdec.bench.harness import machine_info, run_command
 from specdec.bench.report import write_report
 from specdec.runtime.backends import ort_fuse
@@ -140,22 +141,14 @@ def markdown(doc: dict[str, Any]) -> str:
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = list(doc["cases"])
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    ax.barh(range(len(names)), [doc["cases"][n]["speedup"] for n in names], color="tab:blue")
-    ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_yticks(range(len(names)), names, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("one step's time / split's time (>1: split is faster)")
-    ax.set_title("Long chunks over their own slot's view")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, figsize=(9, 4.5)) as (_, ax):
+        ax.barh(range(len(names)), [doc["cases"][n]["speedup"] for n in names], color="tab:blue")
+        ax.axvline(1.0, color="black", linewidth=0.8)
+        ax.set_yticks(range(len(names)), names, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("one step's time / split's time (>1: split is faster)")
+        ax.set_title("Long chunks over their own slot's view")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,6 +76,7 @@ import torch
 from benchmarks import machine_floor
 from benchmarks.prelowered import REPORT, pre_lowered
 from benchmarks.step_floor import describe, floor_ms, graph_cost
+from specdec.bench.figures import figure
 from specdec.bench.harness import int_list, machine_info, run_command
 from specdec.bench.report import write_report
 from specdec.export.onnx import export_onnx
@@ -525,33 +526,27 @@ def main(argv: list[str] | None = None) -> int:
 
 def plot(doc: dict[str, Any], path: Path) -> None:
     """Wall ms per step of each variant, and the floor, one group of bars per shape (the summary table)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = list(doc["shapes"])
     series = [(v, [doc["shapes"][n]["wall_ms"][v] for n in names]) for v in doc["variants"]]
     series.append(("floor", [doc["shapes"][n]["floor"][doc["variants"][-1]]["floor_ms"] for n in names]))
     colors = {"before": "tab:gray", "after": "tab:blue", "floor": "tab:green"}
     width = 0.8 / len(series)
-    fig, ax = plt.subplots(figsize=(max(7, 1.1 * len(names)), 3.8))
-    for i, (label, values) in enumerate(series):
-        offset = (i - (len(series) - 1) / 2) * width
-        bars = ax.bar([j + offset for j in range(len(names))], values, width=width, label=label, color=colors[label])
-        ax.bar_label(bars, fmt="%.1f", fontsize=7)
-    ax.set_xticks(range(len(names)), names, fontsize=7, rotation=20)
-    walls = [w for _, values in series for w in values]
-    if max(walls) > 20 * min(walls):  # a prefill beside decode steps: keep the small bars readable
-        ax.set_yscale("log")
-    ax.set_ylabel("ms per target step (median)")
-    ax.set_title(
-        f"SmolLM2-135M on ONNX Runtime {doc['onnxruntime']}, {doc['threads']} threads: {doc['title']}", fontsize=9
-    )
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, figsize=(max(7, 1.1 * len(names)), 3.8)) as (_, ax):
+        for i, (label, values) in enumerate(series):
+            offset = (i - (len(series) - 1) / 2) * width
+            bars = ax.bar(
+                [j + offset for j in range(len(names))], values, width=width, label=label, color=colors[label]
+            )
+            ax.bar_label(bars, fmt="%.1f", fontsize=7)
+        ax.set_xticks(range(len(names)), names, fontsize=7, rotation=20)
+        walls = [w for _, values in series for w in values]
+        if max(walls) > 20 * min(walls):  # a prefill beside decode steps: keep the small bars readable
+            ax.set_yscale("log")
+        ax.set_ylabel("ms per target step (median)")
+        ax.set_title(
+            f"SmolLM2-135M on ONNX Runtime {doc['onnxruntime']}, {doc['threads']} threads: {doc['title']}", fontsize=9
+        )
+        ax.legend()
 
 
 if __name__ == "__main__":

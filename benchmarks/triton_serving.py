@@ -46,6 +46,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from specdec.bench.figures import figure
 from specdec.bench.harness import machine_info, run_command, utc_stamp
 from specdec.runtime.engine import Engine
 from specdec.serving.client import Answer, ClientError, SpecdecClient, run_concurrent
@@ -353,38 +354,34 @@ def markdown(doc: dict[str, Any]) -> str:
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    table = doc["throughput"]["median"]
-    for method in METHODS:
-        rows = [r for r in table if r["method"] == method]
-        left.plot([r["concurrency"] for r in rows], [r["tokens_per_second"] for r in rows], marker="o", label=method)
-    cs = sorted({r["concurrency"] for r in table})
-    left.set_xscale("log", base=2)
-    left.set_xticks(cs, [str(c) for c in cs])
-    left.set_xlabel("concurrent clients")
-    left.set_ylabel("tokens/s")
-    left.set_title("Throughput through Triton")
-    left.legend()
-    summary = doc["latency"]["summary"]
-    width = 0.35
-    for j, (key, label) in enumerate((("added_unary_ms", "unary"), ("added_stream_ms", "stream (total)"))):
-        right.bar([i + j * width for i in range(len(summary))], [s[key] for s in summary.values()], width, label=label)
-    right.set_xticks([i + width / 2 for i in range(len(summary))], list(summary))
-    right.axhline(0, color="black", linewidth=0.8)
-    right.set_ylabel("server - local (ms per request)")
-    right.set_title("Added latency of the server path (1 client)")
-    right.legend()
-    fig.suptitle(
-        f"SmolLM2-135M, greedy, max_tokens {doc['config']['max_tokens']}, {doc['machine']['cpu_count']} CPU cores"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(11, 4)) as (fig, (left, right)):
+        table = doc["throughput"]["median"]
+        for method in METHODS:
+            rows = [r for r in table if r["method"] == method]
+            left.plot(
+                [r["concurrency"] for r in rows], [r["tokens_per_second"] for r in rows], marker="o", label=method
+            )
+        cs = sorted({r["concurrency"] for r in table})
+        left.set_xscale("log", base=2)
+        left.set_xticks(cs, [str(c) for c in cs])
+        left.set_xlabel("concurrent clients")
+        left.set_ylabel("tokens/s")
+        left.set_title("Throughput through Triton")
+        left.legend()
+        summary = doc["latency"]["summary"]
+        width = 0.35
+        for j, (key, label) in enumerate((("added_unary_ms", "unary"), ("added_stream_ms", "stream (total)"))):
+            right.bar(
+                [i + j * width for i in range(len(summary))], [s[key] for s in summary.values()], width, label=label
+            )
+        right.set_xticks([i + width / 2 for i in range(len(summary))], list(summary))
+        right.axhline(0, color="black", linewidth=0.8)
+        right.set_ylabel("server - local (ms per request)")
+        right.set_title("Added latency of the server path (1 client)")
+        right.legend()
+        fig.suptitle(
+            f"SmolLM2-135M, greedy, max_tokens {doc['config']['max_tokens']}, {doc['machine']['cpu_count']} CPU cores"
+        )
 
 
 # --------------------------------------------------------------------------- main

@@ -352,10 +352,18 @@ def test_a_lookup_that_ends_its_sequence_sooner_frees_its_share_of_later_steps()
     assert unmeasured.plan([copier, *free], 8) == [0] * 8
     by_model = Candidate(copier.stats, 4, 0.12, 40)
     assert measured.plan([by_model, *free], 8) == unmeasured.plan([by_model, *free], 8) == [0] * 8
-    # a share that nothing is left to save: the whole step fixed, as unmeasured
+    # a share that nothing is left to save: the whole step fixed, as unmeasured; and a batch past the measured ones
     assert DraftLength(**prices, fixed_by_batch=((8, 1.0),)).plan([copier, *free], 8) == [0] * 8
+    assert DraftLength(**prices, fixed_by_batch=((1, 0.84), (4, 0.57))).plan([copier, *free], 8) == [0] * 8
+    assert measured.fixed_share(16) == 1.0 and measured.fixed_share(4) == pytest.approx(0.84 - 3 * 0.44 / 7)
     with pytest.raises(ValueError, match="at most 1"):
         DraftLength(fixed_by_batch=((8, 1.5),))
+
+
+def test_a_plan_without_greedy_sequences_is_empty() -> None:
+    """A batch of sampled sequences only leaves the plan no candidate (each is priced alone): it plans nothing."""
+    for policy in (DraftLength(), DraftLength(fixed_by_batch=((1, 0.8), (8, 0.4)))):
+        assert policy.plan([], 8) == [] and policy.plan([], 8, floor=20) == []
 
 
 def test_fixed_shares_come_from_the_calibrated_step_times() -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 from benchmarks.draft_pair import DRAFTER_LABELS, DRAFTERS
 from benchmarks.draft_pair.grid import break_even
+from specdec.bench.figures import figure
 from specdec.bench.report import fmt_cell
 
 # -- reporting ---------------------------------------------------------------------------
@@ -125,56 +126,48 @@ def markdown_report(doc: dict[str, Any]) -> str:
 
 def plot(doc: dict[str, Any], path: Path) -> None:
     """One panel per workload: best-k speed-up over ar against batch size; vanilla dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     best = doc["best_k"]
-    fig, axes = plt.subplots(1, len(best), figsize=(5.5 * len(best), 4.2), squeeze=False)
-    colors = {"draft": "tab:blue", "ngram": "tab:green"}
-    for ax, (workload, by_drafter) in zip(axes[0], best.items()):
-        for drafter, by_method in by_drafter.items():
-            for method, style in (("ems", "-"), ("vanilla", "--")):
-                row = by_method[method]
-                xs = [int(b) for b in row]
-                ys = [row[b]["speedup_over_ar"] for b in row]
-                ax.plot(
-                    xs,
-                    ys,
-                    style,
-                    marker="o" if method == "ems" else "x",
-                    color=colors[drafter],
-                    label=f"{DRAFTER_LABELS[drafter]}, {method}",
-                )
-                if method == "ems":
-                    for x, y, b in zip(xs, ys, row):
-                        ax.annotate(
-                            f"k={row[b]['k']}",
-                            (x, y),
-                            textcoords="offset points",
-                            xytext=(4, 4),
-                            fontsize=7,
-                            color=colors[drafter],
-                        )
-        ax.axhline(1.0, color="tab:gray", linewidth=1, label="ar")
-        ax.set_xticks([int(b) for b in by_drafter["draft"]["ems"]])
-        ax.set(
-            xlabel="batch size",
-            ylabel="best-k speed-up over ar (tokens/s, prefill included)",
-            title=f"{workload} workload",
+    with figure(path, 1, len(best), figsize=(5.5 * len(best), 4.2), squeeze=False) as (fig, axes):
+        colors = {"draft": "tab:blue", "ngram": "tab:green"}
+        for ax, (workload, by_drafter) in zip(axes[0], best.items()):
+            for drafter, by_method in by_drafter.items():
+                for method, style in (("ems", "-"), ("vanilla", "--")):
+                    row = by_method[method]
+                    xs = [int(b) for b in row]
+                    ys = [row[b]["speedup_over_ar"] for b in row]
+                    ax.plot(
+                        xs,
+                        ys,
+                        style,
+                        marker="o" if method == "ems" else "x",
+                        color=colors[drafter],
+                        label=f"{DRAFTER_LABELS[drafter]}, {method}",
+                    )
+                    if method == "ems":
+                        for x, y, b in zip(xs, ys, row):
+                            ax.annotate(
+                                f"k={row[b]['k']}",
+                                (x, y),
+                                textcoords="offset points",
+                                xytext=(4, 4),
+                                fontsize=7,
+                                color=colors[drafter],
+                            )
+            ax.axhline(1.0, color="tab:gray", linewidth=1, label="ar")
+            ax.set_xticks([int(b) for b in by_drafter["draft"]["ems"]])
+            ax.set(
+                xlabel="batch size",
+                ylabel="best-k speed-up over ar (tokens/s, prefill included)",
+                title=f"{workload} workload",
+            )
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        cfg = doc["meta"]["config"]
+        fig.suptitle(
+            f"{doc['meta']['target']} + distilled draft vs n-gram, k in {list(cfg['ks'])}, "
+            f"{cfg['max_tokens']} new tokens, greedy, {doc['meta']['machine']['torch_threads']} thread(s)",
+            fontsize=10,
         )
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    cfg = doc["meta"]["config"]
-    fig.suptitle(
-        f"{doc['meta']['target']} + distilled draft vs n-gram, k in {list(cfg['ks'])}, "
-        f"{cfg['max_tokens']} new tokens, greedy, {doc['meta']['machine']['torch_threads']} thread(s)",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def write_results(doc: dict[str, Any], out_dir: Path, stem: str = "draft_pair") -> list[Path]:

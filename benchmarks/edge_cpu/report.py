@@ -7,6 +7,7 @@ from typing import Any
 
 from benchmarks.edge_cpu import REFERENCE_GRAPH, WORKLOADS
 from benchmarks.edge_cpu.matched import matched_table
+from specdec.bench.figures import figure
 
 # -- the report ------------------------------------------------------------------------------
 
@@ -225,42 +226,34 @@ def markdown_report(doc: dict[str, Any]) -> str:
 
 def plot(doc: dict[str, Any], path: Path) -> None:
     """Tokens/s bars per contestant, one panel per workload, with llama-server batch 1's line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [r for r in doc["results"].values() if "error" not in r]
     labels = [f"{r['label']} B={r['batch']}" for r in rows]
     colors = {"peer": "tab:red", "hf": "tab:orange", "specdec": "tab:blue"}
     base = doc["results"].get(doc["meta"]["baseline"], {}).get("tokens_per_second")
-    fig, axes = plt.subplots(1, 3, figsize=(15, 0.32 * len(rows) + 1.8), sharey=True, squeeze=False)
-    for ax, name in zip(axes[0], (*WORKLOADS, "mix")):
-        values = [r["tokens_per_second"][name] or 0 for r in rows]
-        ax.barh(range(len(rows)), values, color=[colors[r["kind"]] for r in rows])
-        for i, (r, value) in enumerate(zip(rows, values)):
-            ratio = r.get("over_llama", {}).get(name)
-            if ratio is not None:
-                ax.annotate(
-                    f"{ratio:.2f}×", (value, i), xytext=(3, 0), textcoords="offset points", va="center", fontsize=7
-                )
-        if base and base.get(name):
-            ax.axvline(base[name], color="tab:red", linestyle="--", linewidth=1, label="llama-server Q4_1 batch 1")
-            ax.legend(fontsize=8, loc="lower right")
-        ax.margins(x=0.12)  # room for the ratio labels
-        ax.set(
-            title="mix (both workloads)" if name == "mix" else f"{name} workload",
-            xlabel="tokens / s (batch aggregate); labels: × llama-server batch 1",
+    with figure(path, 1, 3, figsize=(15, 0.32 * len(rows) + 1.8), sharey=True, squeeze=False) as (fig, axes):
+        for ax, name in zip(axes[0], (*WORKLOADS, "mix")):
+            values = [r["tokens_per_second"][name] or 0 for r in rows]
+            ax.barh(range(len(rows)), values, color=[colors[r["kind"]] for r in rows])
+            for i, (r, value) in enumerate(zip(rows, values)):
+                ratio = r.get("over_llama", {}).get(name)
+                if ratio is not None:
+                    ax.annotate(
+                        f"{ratio:.2f}×", (value, i), xytext=(3, 0), textcoords="offset points", va="center", fontsize=7
+                    )
+            if base and base.get(name):
+                ax.axvline(base[name], color="tab:red", linestyle="--", linewidth=1, label="llama-server Q4_1 batch 1")
+                ax.legend(fontsize=8, loc="lower right")
+            ax.margins(x=0.12)  # room for the ratio labels
+            ax.set(
+                title="mix (both workloads)" if name == "mix" else f"{name} workload",
+                xlabel="tokens / s (batch aggregate); labels: × llama-server batch 1",
+            )
+            ax.grid(axis="x", alpha=0.3)
+        axes[0][0].set_yticks(range(len(rows)), labels, fontsize=7)
+        axes[0][0].invert_yaxis()
+        cfg = doc["meta"]["config"]
+        fig.suptitle(
+            f"SmolLM2-135M-Instruct on CPU, {cfg['threads']} threads, greedy, {cfg['max_tokens']} new tokens, "
+            f"median of {cfg['repeats']}",
+            fontsize=10,
         )
-        ax.grid(axis="x", alpha=0.3)
-    axes[0][0].set_yticks(range(len(rows)), labels, fontsize=7)
-    axes[0][0].invert_yaxis()
-    cfg = doc["meta"]["config"]
-    fig.suptitle(
-        f"SmolLM2-135M-Instruct on CPU, {cfg['threads']} threads, greedy, {cfg['max_tokens']} new tokens, "
-        f"median of {cfg['repeats']}",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from specdec.bench.figures import figure
+
 #: the per-run numbers whose median over repeats a row shows
 MEDIANS = (
     "tokens_per_s",
@@ -178,39 +180,31 @@ def markdown(doc: dict[str, Any]) -> str:
 
 def plot(doc: dict[str, Any], path: Path) -> None:
     """Tokens/s, TTFT and ITL against concurrency, one line per engine (p50 solid, p99 dashed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows, labels = doc["rows"], doc["labels"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    panels = (
-        ("tokens/s", [("tokens_per_s", "-")]),
-        ("TTFT (ms)", [("ttft_p50_ms", "-"), ("ttft_p99_ms", "--")]),
-        ("inter-token latency (ms)", [("itl_p50_ms", "-"), ("itl_p99_ms", "--")]),
-    )
-    for ax, (title, series) in zip(axes, panels, strict=True):
-        for i, engine in enumerate(dict.fromkeys(r["engine"] for r in rows)):
-            mine = [r for r in rows if r["engine"] == engine]
-            for key, style in series:
-                points = [(r["concurrency"], r[key]) for r in mine if r[key] is not None]
-                if not points:
-                    continue
-                name = labels.get(engine, engine) + ("" if len(series) == 1 else f" {key.split('_')[1]}")
-                xs, ys = zip(*points, strict=True)
-                ax.plot(xs, ys, style, marker="o", color=f"C{i}", label=name)
-        ax.set_xscale("log", base=2)
-        if title != "tokens/s":
-            ax.set_yscale("log")  # a queue's TTFT grows by orders of magnitude with the concurrency
-        ax.set_xticks(
-            sorted({r["concurrency"] for r in rows}), [str(c) for c in sorted({r["concurrency"] for r in rows})]
+    with figure(path, 1, 3, figsize=(15, 4.2)) as (fig, axes):
+        panels = (
+            ("tokens/s", [("tokens_per_s", "-")]),
+            ("TTFT (ms)", [("ttft_p50_ms", "-"), ("ttft_p99_ms", "--")]),
+            ("inter-token latency (ms)", [("itl_p50_ms", "-"), ("itl_p99_ms", "--")]),
         )
-        ax.set_xlabel("concurrency (requests in flight)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(doc["meta"].get("title", "OpenAI-API load, aiperf"), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        for ax, (title, series) in zip(axes, panels, strict=True):
+            for i, engine in enumerate(dict.fromkeys(r["engine"] for r in rows)):
+                mine = [r for r in rows if r["engine"] == engine]
+                for key, style in series:
+                    points = [(r["concurrency"], r[key]) for r in mine if r[key] is not None]
+                    if not points:
+                        continue
+                    name = labels.get(engine, engine) + ("" if len(series) == 1 else f" {key.split('_')[1]}")
+                    xs, ys = zip(*points, strict=True)
+                    ax.plot(xs, ys, style, marker="o", color=f"C{i}", label=name)
+            ax.set_xscale("log", base=2)
+            if title != "tokens/s":
+                ax.set_yscale("log")  # a queue's TTFT grows by orders of magnitude with the concurrency
+            ax.set_xticks(
+                sorted({r["concurrency"] for r in rows}), [str(c) for c in sorted({r["concurrency"] for r in rows})]
+            )
+            ax.set_xlabel("concurrency (requests in flight)")
+            ax.set_title(title)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.suptitle(doc["meta"].get("title", "OpenAI-API load, aiperf"), fontsize=10)

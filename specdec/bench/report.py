@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from specdec.bench.figures import figure
 from specdec.bench.harness import PADDED, RAGGED, SPECULATIVE
 
 # -- the shared writer ------------------------------------------------------------------
@@ -44,22 +45,14 @@ def write_report(
 
 def step_bars(path: Path, labels: list[str], series: dict[str, list[float]], title: str) -> None:
     """Grouped bars of ms per step: one group per label (a step shape), one bar per series (a variant)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(max(9, 1.1 * len(labels)), 3.8))
-    width = 0.8 / len(series)
-    for i, (name, values) in enumerate(series.items()):
-        ax.bar([j + (i - (len(series) - 1) / 2) * width for j in range(len(labels))], values, width, label=name)
-    ax.set_xticks(range(len(labels)), labels, fontsize=8)
-    ax.set_ylabel("ms per step")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, figsize=(max(9, 1.1 * len(labels)), 3.8)) as (_, ax):
+        width = 0.8 / len(series)
+        for i, (name, values) in enumerate(series.items()):
+            ax.bar([j + (i - (len(series) - 1) / 2) * width for j in range(len(labels))], values, width, label=name)
+        ax.set_xticks(range(len(labels)), labels, fontsize=8)
+        ax.set_ylabel("ms per step")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
 
 
 def write_json(results: dict[str, dict[str, Any]], path: Path) -> None:
@@ -181,34 +174,26 @@ def markdown_report(results: dict[str, dict[str, Any]], meta: dict[str, Any]) ->
 
 def plot_throughput(results: dict[str, dict[str, Any]], path: Path, title: str = "") -> None:
     """Throughput and speed-up over ar against batch size, one line per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     batches = [int(b) for b in results]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    styles = {"ar": ("tab:gray", "s"), "vanilla": ("tab:orange", "o"), "ems": ("tab:blue", "D")}
-    for method, (color, marker) in styles.items():
-        if all(method in results[str(b)] for b in batches):
-            ax1.plot(batches, [results[str(b)][method] for b in batches], marker=marker, color=color, label=method)
-    for method in SPECULATIVE:
-        color, marker = styles[method]
-        values = [results[str(b)]["speedup_over_ar"].get(method) for b in batches]
-        if all(v is not None for v in values):
-            ax2.plot(batches, values, marker=marker, color=color, label=method)
-    ax2.axhline(1.0, color="tab:gray", linestyle="--", linewidth=1, label="ar")
-    ax1.set(xlabel="batch size", ylabel="generated tokens / s (prefill included)", title="Throughput")
-    ax2.set(xlabel="batch size", ylabel="speed-up over ar (same batch size)", title="Speed-up over greedy")
-    for ax in (ax1, ax2):
-        ax.set_xticks(batches)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(11, 4.2)) as (fig, (ax1, ax2)):
+        styles = {"ar": ("tab:gray", "s"), "vanilla": ("tab:orange", "o"), "ems": ("tab:blue", "D")}
+        for method, (color, marker) in styles.items():
+            if all(method in results[str(b)] for b in batches):
+                ax1.plot(batches, [results[str(b)][method] for b in batches], marker=marker, color=color, label=method)
+        for method in SPECULATIVE:
+            color, marker = styles[method]
+            values = [results[str(b)]["speedup_over_ar"].get(method) for b in batches]
+            if all(v is not None for v in values):
+                ax2.plot(batches, values, marker=marker, color=color, label=method)
+        ax2.axhline(1.0, color="tab:gray", linestyle="--", linewidth=1, label="ar")
+        ax1.set(xlabel="batch size", ylabel="generated tokens / s (prefill included)", title="Throughput")
+        ax2.set(xlabel="batch size", ylabel="speed-up over ar (same batch size)", title="Speed-up over greedy")
+        for ax in (ax1, ax2):
+            ax.set_xticks(batches)
+            ax.grid(alpha=0.3)
+            ax.legend()
+        if title:
+            fig.suptitle(title, fontsize=10)
 
 
 def write_results(
@@ -322,48 +307,40 @@ def pareto_markdown(doc: dict[str, Any]) -> str:
 
 def plot_pareto(doc: dict[str, Any], path: Path) -> None:
     """Log-likelihood per token against tokens/s, one labelled point per method, and the Pareto front."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 5))
-    colors = {"ems": "tab:gray", "beam": "tab:orange", "dsbd": "tab:blue"}
-    for label, r in doc["results"].items():
-        kind = label.split()[0]
-        ax.scatter(
-            r["tokens_per_second"],
-            r["logprob_per_token"],
-            color=colors[kind],
-            marker="s" if "single" in label else "^" if "adaptive" in label else "o",
-            s=50,
+    with figure(path, figsize=(7.5, 5)) as (_, ax):
+        colors = {"ems": "tab:gray", "beam": "tab:orange", "dsbd": "tab:blue"}
+        for label, r in doc["results"].items():
+            kind = label.split()[0]
+            ax.scatter(
+                r["tokens_per_second"],
+                r["logprob_per_token"],
+                color=colors[kind],
+                marker="s" if "single" in label else "^" if "adaptive" in label else "o",
+                s=50,
+            )
+            ax.annotate(
+                label,
+                (r["tokens_per_second"], r["logprob_per_token"]),
+                textcoords="offset points",
+                xytext=(5, 4),
+                fontsize=7,
+            )
+        front = [doc["results"][label] for label in doc["pareto"]]
+        ax.plot(
+            [r["tokens_per_second"] for r in front],
+            [r["logprob_per_token"] for r in front],
+            "--",
+            color="tab:green",
+            linewidth=1,
+            label="Pareto front",
         )
-        ax.annotate(
-            label,
-            (r["tokens_per_second"], r["logprob_per_token"]),
-            textcoords="offset points",
-            xytext=(5, 4),
-            fontsize=7,
+        ax.set(
+            xlabel="tokens / s (batch, prefill included)",
+            ylabel="target log-likelihood per token (higher = better)",
+            title=f"{doc['meta']['target']}: DSBD vs beam sampling vs EMS-SD, {doc['meta']['prompts']} requests",
         )
-    front = [doc["results"][label] for label in doc["pareto"]]
-    ax.plot(
-        [r["tokens_per_second"] for r in front],
-        [r["logprob_per_token"] for r in front],
-        "--",
-        color="tab:green",
-        linewidth=1,
-        label="Pareto front",
-    )
-    ax.set(
-        xlabel="tokens / s (batch, prefill included)",
-        ylabel="target log-likelihood per token (higher = better)",
-        title=f"{doc['meta']['target']}: DSBD vs beam sampling vs EMS-SD, {doc['meta']['prompts']} requests",
-    )
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
 
 
 def pareto_notes(rows: dict[str, dict[str, Any]]) -> list[str]:

@@ -318,7 +318,7 @@ class DraftLength:
         another sequence sets the batch's length (extractive answers at batch 8; ``runtime_choices.md``).
         A draft model's proposals get no such credit: they are priced as if their sequence stayed to the end,
         since their saving did not cover the draft steps and the catch-up of the draft's cache (measured there);
-        nor does anyone where the shares were not measured (``fixed_by_batch``).
+        nor does anyone where the shares were not measured (``fixed_share``).
 
         How: only a group of the sequences with the most tokens still to go drafts (``Candidate.budget``;
         sequences with equal budgets go together, since leaving one out leaves the batch as long). A group of c
@@ -339,6 +339,7 @@ class DraftLength:
         priced = [self.prices(seq.draft_cost, batch, seq.own_price) for seq in seqs]
         expected = [self._expected(seq.stats, max(seq.k_max, 0), seq.prior) for seq in seqs]
         fixed = self.fixed_share(batch)
+        credited = fixed < 1.0  # sequences that end sooner free their share (free lookups only, below)
         own_share = (1.0 - fixed) / batch  # a sequence's share of a step of the whole batch
 
         def batch_time(horizon: float, steps: Sequence[float], drafting: float) -> float:
@@ -346,7 +347,7 @@ class DraftLength:
             own steps, and the drafts."""
             return fixed * max(floor, horizon) + own_share * sum(steps) + drafting
 
-        best_total, best_ks = batch_time(max(budgets), budgets, 0.0), [0] * len(seqs)
+        best_total, best_ks = batch_time(max(budgets, default=0.0), budgets, 0.0), [0] * len(seqs)
         for size in _group_sizes([budgets[i] for i in order]):
             ks, steps = [0] * len(seqs), [float(b) for b in budgets]
             horizon = budgets[order[size]] if size < len(seqs) else 0.0
@@ -360,7 +361,7 @@ class DraftLength:
                 own_steps = seq.budget / (1.0 + seq.offer_rate * (rate - 1.0))
                 horizon = max(horizon, own_steps)
                 ks[i] = k if seq.k_now >= seq.k_max else self._pick(expected[i], seq.k_now, per_draft)[0]
-                if draft > 0 or not self.fixed_by_batch:
+                if draft > 0 or not credited:
                     lasting += ks[i] * per_draft / size
                 else:
                     steps[i] = own_steps
@@ -379,9 +380,16 @@ class DraftLength:
         return best_ks
 
     def fixed_share(self, batch: int) -> float:
-        """The share of a step of ``batch`` sequences that no one sequence adds (``fixed_by_batch``; 1 where not
-        measured: every sequence is then priced as if it stayed to the batch's end)."""
-        return min(1.0, max(0.0, price_at(self.fixed_by_batch, batch))) if self.fixed_by_batch else 1.0
+        """The share of a step of ``batch`` sequences that no one sequence adds (``fixed_by_batch``), 1 where not
+        measured: then every sequence is priced as if it stayed to the batch's end.
+
+        Not extrapolated past the largest measured batch: there the verified row's price is the largest
+        measured one too, below what a row costs in the larger batch, and credited lookups drafted at 40 %
+        acceptance (w8a8, chat, batch 16 on an export calibrated up to 8: ``runtime_choices.md``).
+        """
+        if not self.fixed_by_batch or batch > self.fixed_by_batch[-1][0]:
+            return 1.0
+        return min(1.0, max(0.0, price_at(self.fixed_by_batch, batch)))
 
 
 @dataclass(frozen=True)
