@@ -19,6 +19,7 @@ import pytest
 import torch
 from export_cache import caching
 from fakes import small_tokenizer
+from servers import REPORTS
 
 from specdec.export import onnx as onnx_export
 from specdec.models import loading
@@ -66,6 +67,14 @@ def _frozen_survivors() -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Keep each phase's report on the item (``servers.failed``)."""
+    report = yield
+    item.stash.setdefault(REPORTS, {})[report.when] = report
+    return report
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

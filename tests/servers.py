@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from specdec.serving.server import free_ports
 
 __all__ = ["SPECDEC_SERVE", "ask", "eventually", "free_ports", "needs_tritonserver", "processes_mentioning", "samples"]
@@ -21,6 +23,17 @@ SPECDEC_SERVE = (
     "-c",
     "import sys; from specdec.serving.serve import serve_main; sys.exit(serve_main(sys.argv[1:]))",
 )
+
+
+#: each phase's report of the test that runs now (``conftest.pytest_runtest_makereport``): what ``failed`` reads
+REPORTS = pytest.StashKey[dict[str, pytest.TestReport]]()
+
+
+def failed(request: pytest.FixtureRequest) -> bool:
+    """In a fixture's teardown: whether the test itself failed, so the fixture can print what explains it (a server's
+    own output), which pytest shows with the failure."""
+    report = request.node.stash.get(REPORTS, {}).get("call")
+    return report is not None and report.failed
 
 
 def eventually(condition: Callable[[], bool], timeout: float = 120.0, poll_s: float = 0.1) -> bool:

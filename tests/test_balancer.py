@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from servers import SPECDEC_SERVE, eventually, free_ports, processes_mentioning
+from servers import SPECDEC_SERVE, eventually, failed, free_ports, processes_mentioning
 
 from specdec.deploy.balancer import (
     HTTP_BACKEND,
@@ -50,7 +50,7 @@ from specdec.serving.client import Answer, ClientError, SpecdecClient
 from specdec.serving.control import inflight_from_metrics, remove_shm
 from specdec.serving.install import TritonNotFoundError, find_tritonserver
 from specdec.serving.processes import alive, children, stub_pids
-from specdec.serving.server import http_ready
+from specdec.serving.server import error_summary, http_ready, read_log
 
 
 def _missing() -> tuple[str | None, str | None]:
@@ -233,6 +233,18 @@ def cluster(smollm2_export: Path, tmp_path_factory: pytest.TempPathFactory) -> I
                 served.proc.kill()
                 served.proc.wait()
     assert eventually(lambda: processes_mentioning(str(smollm2_export / "triton_repo")) == [])
+
+
+@pytest.fixture(autouse=True)
+def _replica_output_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A failed test shows what each replica said (its repairs, why it gave up) and Triton's errors: all CI gives."""
+    yield
+    if "cluster" in request.fixturenames and failed(request):
+        for served in request.getfixturevalue("cluster").replicas:
+            log = read_log(served.log_dir / f"{served.replica.name}-triton-{served.starts}.log")
+            code = served.proc.poll() if served.proc is not None else None
+            print(f"--- {served.replica.name}, start {served.starts}, exit code {code}:\n{served.output()[-4000:]}")
+            print(error_summary(log))
 
 
 def _ask(url: str, prompt: str, stream: bool) -> Answer | ClientError:

@@ -5,7 +5,7 @@ Why: Triton notices a dead stub only when a request reaches it, and a stopped or
 engine kept readiness true and failed every request). A heartbeat that stops being renewed says the process is
 frozen; a pid that no longer runs says it died; and the engine's beat also says how long its decoding loop has been
 inside one ragged step and how many rows that step has, so the launcher can tell a wedged step from a long one
-(``deadline``): a prefill of many rows takes long but is priced by its rows, at the pace of the steps before it.
+(``Beat.step_limit``): a prefill of many rows takes long but is priced by its rows, at the pace of the steps before it.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import json
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,6 +31,8 @@ STEP_FLOOR_S = 10.0
 STEP_FACTOR = 20.0
 #: the pace a step is priced at before any step was measured (CPU, a small model: generous)
 DEFAULT_ROW_S = 0.02
+#: the watcher's pause clock ticks this often, and a tick this much later than due marks a pause (``PauseClock``)
+TICK_S, PAUSE_S = 0.1, 1.0
 
 
 @dataclass(frozen=True)
@@ -45,12 +48,12 @@ class Beat:
     rows: int = 0
     row_seconds: float | None = None
 
-    def deadline(self) -> float | None:
-        """When the step in progress counts as wedged (None: no step in progress)."""
+    def step_limit(self) -> float | None:
+        """How long the step in progress may run before it counts as wedged (None: no step in progress)."""
         if self.busy_since is None:
             return None
         pace = self.row_seconds if self.row_seconds is not None else DEFAULT_ROW_S
-        return self.busy_since + max(STEP_FLOOR_S, STEP_FACTOR * pace * max(self.rows, 1))
+        return max(STEP_FLOOR_S, STEP_FACTOR * pace * max(self.rows, 1))
 
 
 def write(directory: Path, beat: Beat) -> None:
@@ -124,3 +127,51 @@ class Heartbeat:
             self._thread.join(2 * BEAT_S)
         if self.directory is not None:
             forget(self.directory, os.getpid())
+
+
+class PauseClock:
+    """The watcher's own pauses, so that a beat's age and a step's length count only the time the host ran.
+
+    Why: when the whole host pauses (a VM descheduled or live-migrated, a suspend, every process starved), the beat
+    threads stop and so does the watcher. When it resumes, every beat is as old as the pause: judged by the wall
+    clock, each stub would be frozen and the step in progress wedged, and a healthy server would be torn down with
+    every request on it. A thread of the watcher's own ticks every ``TICK_S``; a tick ``PAUSE_S`` or more late marks
+    a pause, and ``ran`` leaves out the pauses a span overlaps. The price is a stub that truly froze during a pause
+    of the watcher is seen up to that pause later.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, keep: int = 256) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._last = clock()
+        self._pauses: deque[tuple[float, float]] = deque(maxlen=keep)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="specdec-pause-clock", daemon=True)
+
+    def start(self) -> PauseClock:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def tick(self) -> float:
+        """Note the time now (a pause if the last tick is ``PAUSE_S`` overdue); returns it."""
+        with self._lock:
+            now = self._clock()
+            if now - self._last > TICK_S + PAUSE_S:
+                self._pauses.append((self._last, now))
+            self._last = now
+            return now
+
+    def ran(self, since: float) -> float:
+        """Seconds from ``since`` until now that were not inside a pause. Ticks first: the watcher's own thread may
+        wake from a pause before the ticker does."""
+        now = self.tick()
+        with self._lock:
+            paused = sum(max(0.0, min(end, now) - max(start, since)) for start, end in self._pauses)
+        return now - since - paused
+
+    def _run(self) -> None:
+        while not self._stop.wait(TICK_S):
+            self.tick()

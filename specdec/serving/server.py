@@ -517,13 +517,6 @@ class TritonServer:
         self._management(f"/v2/repository/models/{model}/unload")
         self._management(f"/v2/repository/models/{model}/load")
 
-    def model_ready(self, model: str) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.http_url}/v2/models/{model}/ready", timeout=2.0) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
-
     def restart(self) -> None:
         """Kill what is left of this server (its stubs included), clean up after it and start it again.
 

@@ -5,18 +5,21 @@ What is watched, every ``POLL_S``:
 - tritonserver itself (its exit code);
 - every Python-backend stub, through the heartbeat each model renews (``serving.heartbeat``): a stub whose process
   is gone died; one that is stopped (SIGSTOP, a debugger) or whose beat is older than ``heartbeat.STALE_S`` is
-  frozen; an engine whose decoding loop has been inside one step past that step's deadline (its rows at the pace
-  of the steps before it) is wedged. Stubs are watched from their first beat, while the models still load;
+  frozen; an engine whose decoding loop has been inside one step past that step's limit (its rows at the pace
+  of the steps before it) is wedged. Both ages leave out the time the whole host was paused
+  (``heartbeat.PauseClock``): a VM descheduled for seconds is not a frozen server. Stubs are watched from their
+  first beat, while the models still load;
 - the OpenAI frontend's process.
 
 What a failure sets off: readiness turns false at once on HTTP and gRPC (the readiness gate is unloaded:
 ``gate_model``); the entry points end every request they hold with UNAVAILABLE and refuse new ones until the
 repair is over (``Control`` flag ``RESET``), so no client hangs; then the repair, the smallest that is sound:
 
-- a stub of preprocessing, postprocessing, an entry point or the gate: killed if it still runs, its model
-  reloaded through Triton's model control (a fresh stub), readiness back once it answers;
-- the engine, or tritonserver: tritonserver restarted (the engine holds every request's decoding state, and the
-  entry points' calls into a dead engine would never return), its closed ports refusing every client at once;
+- a stub of preprocessing, postprocessing or the gate: killed if it still runs, its model reloaded through Triton's
+  model control (a fresh stub), readiness back once it answers;
+- the engine, an entry point, or tritonserver: tritonserver restarted (the engine holds every request's decoding
+  state, the entry points' calls into a dead engine would never return, and Triton never answers the requests a
+  dead entry point held), its closed ports ending every client's call at once;
 - the frontend: restarted beside the server, which keeps serving gRPC meanwhile.
 
 How often: each repair waits out an exponential backoff (``RestartPolicy``), and more than ``max_restarts`` repairs
@@ -38,7 +41,7 @@ from typing import TYPE_CHECKING
 from specdec.serving import heartbeat, processes
 from specdec.serving.control import RESET
 from specdec.serving.install import TritonError
-from specdec.serving.protocol import ENGINE_MODEL, READY_MODEL
+from specdec.serving.protocol import ENGINE_MODEL, READY_MODEL, STREAM_MODEL, UNARY_MODEL
 
 if TYPE_CHECKING:
     from specdec.serving.openai.process import OpenAIFrontend
@@ -61,8 +64,10 @@ class Fault:
 
     @property
     def needs_restart(self) -> bool:
-        """Whether only a tritonserver restart repairs it (the server itself, or the engine)."""
-        return not self.frontend and self.model in (None, ENGINE_MODEL)
+        """Whether only a tritonserver restart repairs it: the server itself, the engine, or an entry point (Triton
+        never answers a decoupled request whose stub died: a reload left the entry point's clients waiting for their
+        deadline, ``tests/test_supervision.py``)."""
+        return not self.frontend and self.model in (None, ENGINE_MODEL, UNARY_MODEL, STREAM_MODEL)
 
 
 @dataclass
@@ -96,8 +101,16 @@ def _say(message: str) -> None:
 class Supervisor:
     """The watcher and the repairs of one ``TritonServer`` (and its ``OpenAIFrontend``, if any)."""
 
-    def __init__(self, server: TritonServer, frontend: OpenAIFrontend | None, policy: RestartPolicy) -> None:
+    def __init__(
+        self,
+        server: TritonServer,
+        frontend: OpenAIFrontend | None,
+        policy: RestartPolicy,
+        pauses: heartbeat.PauseClock | None = None,
+    ) -> None:
         self.server, self.frontend, self.policy = server, frontend, policy
+        #: beats and steps are aged by the time the host ran (``heartbeat.PauseClock``)
+        self.pauses = pauses if pauses is not None else heartbeat.PauseClock().start()
         self._frontend_misses = 0
         self._frontend_checked = 0.0
 
@@ -115,22 +128,18 @@ class Supervisor:
         directory = self.server.control.directory
         if directory is None:
             return None
-        now = time.monotonic()
         for beat in heartbeat.read_all(directory):
             name = f"the {beat.model} stub (pid {beat.pid})"
             if not processes.alive(beat.pid):
                 return Fault(f"{name} died", beat.model, beat.pid)
             if processes.stopped(beat.pid):
                 return Fault(f"{name} is stopped", beat.model, beat.pid)
-            if now - beat.time > heartbeat.STALE_S:
-                return Fault(f"{name} is frozen: no heartbeat for {now - beat.time:.1f} s", beat.model, beat.pid)
-            deadline = beat.deadline()
-            if deadline is not None and now > deadline:
-                return Fault(
-                    f"{name} is wedged: one step of {beat.rows} rows for {now - beat.busy_since:.1f} s",  # type: ignore[operator]
-                    beat.model,
-                    beat.pid,
-                )
+            silent_s = self.pauses.ran(beat.time)
+            if silent_s > heartbeat.STALE_S:
+                return Fault(f"{name} is frozen: no heartbeat for {silent_s:.1f} s", beat.model, beat.pid)
+            limit = beat.step_limit()
+            if limit is not None and (busy_s := self.pauses.ran(beat.busy_since)) > limit:  # type: ignore[arg-type]
+                return Fault(f"{name} is wedged: one step of {beat.rows} rows for {busy_s:.1f} s", beat.model, beat.pid)
         return None
 
     def _frontend_fault(self) -> Fault | None:
@@ -199,9 +208,9 @@ class Supervisor:
         server.reloads += 1
         server.record_counts()
         if fault.model != READY_MODEL:  # the gate itself is reloaded by opening it, below
+            # Triton answers the load once the model is loaded, and an error (TritonError) when it failed: no probe
+            # after it, which on a loaded host could time out on a model that loaded and give the server up
             server.reload(fault.model)
-            if not server.model_ready(fault.model):
-                raise TritonError(f"{fault.model} is not ready after its reload")
         server.control.lower(RESET)
         server.set_ready(True)
         wait_ready()
