@@ -56,6 +56,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 #: a price per batch size: ((batch size, price), ...), batch sizes increasing
 BatchPrices = tuple[tuple[int, float], ...]
 #: how much of the pooled acceptance (``DraftLength.pooled_prior``) each verification of any sequence keeps: about
@@ -439,10 +441,7 @@ def fixed_shares(measured: Mapping[str, Any]) -> BatchPrices:
     points = sorted({int(b): float(t) for b, t in zip(sizes, times)}.items())
     if len(points) < 2:
         return ()
-    mean_b = sum(b for b, _ in points) / len(points)
-    mean_t = sum(t for _, t in points) / len(points)
-    slope = sum((b - mean_b) * (t - mean_t) for b, t in points) / sum((b - mean_b) ** 2 for b, _ in points)
-    fixed = mean_t - slope * mean_b
+    slope, fixed = (float(x) for x in np.polyfit([b for b, _ in points], [t for _, t in points], 1))
     return batch_prices(
         [
             (b, round(min(1.0, max(0.0, fixed / (fixed + slope * b))) if fixed + slope * b > 0 else 1.0, 4))

@@ -271,9 +271,12 @@ class OrtBackend:
         self.rows_processed += batch.num_tokens
         return self._step(batch, cache)
 
+    def _paired(self, batch: PackedBatch) -> PackedBatch:
+        """``batch`` as this graph runs it: on an even row count where it multiplies rows in pairs (``row_floor``)."""
+        return evened(batch) if self.even_rows and batch.num_tokens % 2 else batch
+
     def _step(self, batch: PackedBatch, cache: HostKVStorage | TorchKVStorage) -> np.ndarray:
-        if self.even_rows and batch.num_tokens % 2:
-            batch = evened(batch)
+        batch = self._paired(batch)
         feeds = graph_feeds(batch)
         if self.fuse_report is None or not self.fuse_report.attention:
             return self._run(self.session, feeds, cache)
@@ -292,9 +295,7 @@ class OrtBackend:
         logits: np.ndarray | None = None
         for seqs in groups:
             part, rows = split_batch(batch, seqs)
-            if self.even_rows and part.num_tokens % 2:
-                part = evened(part)
-            out = self._run(self.session, graph_feeds(part), cache)
+            out = self._run(self.session, graph_feeds(self._paired(part)), cache)
             if logits is None:
                 logits = np.empty((batch.logits_indices.shape[0], out.shape[1]), dtype=out.dtype)
             logits[rows] = out
