@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from specdec.serving import control, processes
+from specdec.serving import control, processes, server
 from specdec.serving.server import loopback
 
 
@@ -57,3 +58,22 @@ def test_this_process_is_alive_and_its_stubs_are_found_by_parent_and_model() -> 
 )
 def test_a_public_bind_is_told_apart(host: str, local: bool) -> None:
     assert loopback(host) is local
+
+
+def test_a_dead_launchers_directory_reclaimed_by_a_neighbour_first_is_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two launchers starting together both find a dead one's control directory; the one that loses the race to
+    remove it must skip it, not crash on its stat (CI: a replica of a balanced pair died that way at startup)."""
+    stale = tmp_path / f"{server.CONTROL_DIR_PREFIX}999999-abc"
+    stale.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(server, "SHM_DIR", tmp_path / "no-shm")
+
+    def dead_and_reclaimed_meanwhile(pid: int) -> bool:
+        stale.rmdir()  # the neighbour removes it between this launcher's glob and its stat
+        return False
+
+    monkeypatch.setattr(processes, "alive", dead_and_reclaimed_meanwhile)
+    assert server.reclaim_control_directories() == []
+    assert not stale.exists()

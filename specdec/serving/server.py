@@ -48,6 +48,15 @@ from specdec.serving.repository import validate_repository
 CONTROL_DIR_PREFIX = "specdec-control-"
 
 
+def _owned(path: Path) -> bool:
+    """Whether this user owns ``path``; False once it is gone (another launcher starting beside this one reclaimed
+    it first: two replicas started together both found a dead launcher's directory, and one crashed on its stat)."""
+    try:
+        return path.stat().st_uid == os.getuid()
+    except FileNotFoundError:
+        return False
+
+
 def reclaim_control_directories() -> list[Path]:
     """Remove the control directories (and /dev/shm regions) of launchers that are gone; what was removed."""
     from specdec.serving.processes import alive
@@ -55,7 +64,7 @@ def reclaim_control_directories() -> list[Path]:
     removed = []
     for directory in Path(tempfile.gettempdir()).glob(f"{CONTROL_DIR_PREFIX}*"):
         owner = directory.name.removeprefix(CONTROL_DIR_PREFIX).split("-", 1)[0]
-        if owner.isdigit() and not alive(int(owner)) and directory.stat().st_uid == os.getuid():
+        if owner.isdigit() and not alive(int(owner)) and _owned(directory):
             shutil.rmtree(directory, ignore_errors=True)
             removed.append(directory)
     for region in SHM_DIR.glob("specdec_*") if SHM_DIR.is_dir() else ():
