@@ -145,15 +145,12 @@ class PauseClock:
         self._lock = threading.Lock()
         self._last = clock()
         self._pauses: deque[tuple[float, float]] = deque(maxlen=keep)
-        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specdec-pause-clock", daemon=True)
 
     def start(self) -> PauseClock:
+        """Tick from a daemon thread for as long as the watcher's process runs."""
         self._thread.start()
         return self
-
-    def stop(self) -> None:
-        self._stop.set()
 
     def tick(self) -> float:
         """Note the time now (a pause if the last tick is ``PAUSE_S`` overdue); returns it."""
@@ -173,5 +170,6 @@ class PauseClock:
         return now - since - paused
 
     def _run(self) -> None:
-        while not self._stop.wait(TICK_S):
+        while True:
+            time.sleep(TICK_S)
             self.tick()
