@@ -66,10 +66,12 @@ def test_every_pattern_is_lowered_and_the_file_keeps_its_custom_nodes(tiny_expor
         "skip_rmsnorm": 2 * layers - 1,
         "rotary": 2 * layers,
     }, report
-    folded = report.fold > 1  # grouped-query heads: an If per layer, a GQA call in each of its two branches
+    folded = report.fold > 1  # grouped-query heads: two GQA calls per layer, the folded layout's and the padded one's
     assert report.fold == int(model.config.num_attention_heads) // int(model.config.num_key_value_heads)
-    assert ops[("", "If")] == (layers if folded else 0)
+    assert ops[("", "If")] == 0  # both layouts run, the one a step does not use over idle slots (ort_fold)
     assert ops[("com.microsoft", "GroupQueryAttention")] == (2 * layers if folded else layers)
+    handed_over = [o.name for o in proto.graph.output if o.name.endswith(".folded")]
+    assert len(handed_over) == (2 * layers if folded else 0)  # bound to the cache buffers, as present.* are
     assert ops[("com.microsoft", "RotaryEmbedding")] == layers  # q and k of a layer in one (ort_packed)
     made_by = {out: n.op_type for n in proto.graph.node for out in n.output}
     cuts = [n for n in proto.graph.node if n.op_type == "Slice" and made_by.get(n.input[0]) in ("Gemm", "MatMul")]
@@ -267,7 +269,7 @@ def test_a_wrong_bias_or_seqlens_fails_the_agreement_check(mistake, monkeypatch,
 
 
 def test_the_folded_and_padded_layouts_give_the_same_bits(gqa_graph, monkeypatch) -> None:
-    """The If picks a layout per step; a row's logits must not depend on which (ort_fold)."""
+    """Both layouts run in every step, one over idle slots; which one a row takes must not change its bits."""
     _, path = gqa_graph
     folded = OrtBackend(path)
     monkeypatch.setattr(ort_fold, "FOLD_ROWS", 0)  # every step takes the padded branch

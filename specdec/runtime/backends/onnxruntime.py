@@ -335,10 +335,11 @@ class OrtBackend:
         logits = np.empty((int(feeds["logits_indices"].shape[0]), self.head_size), dtype=np.float32)
         binding.bind_output(LOGITS, "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
         session.run_with_iobinding(binding)
-        if first:  # did ORT write every present.* output through the bound cache buffer?
+        if first:  # did ORT write every present.* output (and its folded hand-over) through the bound cache buffer?
             pointers = [_pointer(buf) for buf in (*cache.k, *cache.v)]
             outputs = binding.get_outputs()  # the logits first (bound first), then the caches in binding order
-            self.inplace_ok = self.inplace_ok and all(o.data_ptr() == p for o, p in zip(outputs[1:], pointers))
+            bound = pointers * (len(outputs) // len(pointers)) if pointers else []
+            self.inplace_ok = self.inplace_ok and all(o.data_ptr() == p for o, p in zip(outputs[1:], bound))
         return logits
 
     def _binding(
@@ -367,6 +368,10 @@ class OrtBackend:
             pointer = _pointer(buf)
             binding.bind_input(in_name, kind, index, self.np_dtype, list(buf.shape), pointer)
             binding.bind_output(out_name, kind, index, self.np_dtype, list(buf.shape), pointer)
+        outputs = {o.name for o in session.get_outputs()}
+        for out_name, buf in zip(self._out_names, buffers):  # the folded layout's hand-over: the same buffer
+            if (folded := ort_fuse.FOLDED_CACHE.format(name=out_name)) in outputs:
+                binding.bind_output(folded, kind, index, self.np_dtype, list(buf.shape), _pointer(buf))
         per_session[cache] = binding
         return binding, True
 

@@ -9,7 +9,7 @@ opens; the caches it binds are then fp16 arrays.
 How, per attention node (after ``ort_fuse``, so on either lowering):
 
 * ``GroupQueryAttention`` runs in the cache's type: its query, key, value and bias are cast down,
-  its output cast back up (inside the ``If`` branches of the folded lowering too, ``ort_fold``).
+  its output cast back up (both calls of a layer in the folded lowering, ``ort_fold``).
   The new K/V it appends are the cast-down ones, which is what the cache holds anyway. ONNX
   Runtime's CPU kernel computes an fp16 GQA in fp32 inside (it converts the fp16 inputs), so the
   only rounding added is that of q, k and v to fp16.
@@ -29,6 +29,7 @@ from onnx import TensorProto
 
 from specdec.plugins import onnx_op
 from specdec.runtime.backends.onnx_edit import MS_DOMAIN, GraphEditor
+from specdec.runtime.backends.ort_fuse import FOLDED_CACHE
 from specdec.runtime.graph_io import CACHE_INPUT, CACHE_OUTPUT, cache_layers, cache_names
 
 #: cache types this rewrite stores, by the name the options and manifests use
@@ -38,9 +39,12 @@ _GQA_FLOAT_INPUTS = (0, 1, 2, 10)  # query, key, value, attention_bias (its sche
 
 
 def _cache_tensors(graph: onnx.GraphProto) -> tuple[set[str], set[str]]:
-    """Names of the graph's cache inputs (``past_key_values.*``) and outputs (``present.*``)."""
+    """Names of the graph's cache inputs (``past_key_values.*``) and outputs (``present.*``, and the folded
+    layout's hand-over of each, ``ort_fuse.FOLDED_CACHE``, which the padded layout reads as its past)."""
     layers = cache_layers(i.name for i in graph.input)
-    return set(cache_names(layers, CACHE_INPUT)), set(cache_names(layers, CACHE_OUTPUT))
+    outputs = set(cache_names(layers, CACHE_OUTPUT))
+    folded = {FOLDED_CACHE.format(name=name) for name in outputs} & {o.name for o in graph.output}
+    return set(cache_names(layers, CACHE_INPUT)), outputs | folded
 
 
 def cache_dtype_of(model: onnx.ModelProto) -> int:
@@ -52,57 +56,19 @@ def cache_dtype_of(model: onnx.ModelProto) -> int:
     return types.pop()
 
 
-def _narrow_gqa(
-    g: GraphEditor, node: onnx.NodeProto, to: int, down: dict[str, str], branch: list[onnx.NodeProto] | None = None
-) -> None:
-    """GQA in the cache's type: its float inputs cast down, its output up.
-
-    Outside a branch each tensor is cast once (the bias is every layer's); inside an ``If`` branch
-    (``branch``: the nodes to emit around ``node``) the branch's own tensors are cast there, the
-    outer ones (the bias) once outside.
-    """
-    made = {o for n in branch or () for o in n.output}  # outside a branch: nothing, every input is cast outside
+def _narrow_gqa(g: GraphEditor, node: onnx.NodeProto, to: int, down: dict[str, str]) -> None:
+    """GQA in the cache's type: its float inputs cast down (each tensor once, e.g. the bias every layer shares),
+    its output cast up."""
     for i in _GQA_FLOAT_INPUTS:
         name = node.input[i] if i < len(node.input) else ""
         if not name:
             continue
-        if branch is not None and name in made:
-            node.input[i] = g.name("low")
-            with g.emitting_into(branch):
-                g.add("Cast", name, outputs=[node.input[i]], to=to)
-        else:
-            if name not in down:
-                down[name] = g.add("Cast", name, to=to)
-            node.input[i] = down[name]
+        if name not in down:
+            down[name] = g.add("Cast", name, to=to)
+        node.input[i] = down[name]
     result = node.output[0]
     node.output[0] = g.name("gqa_low")
-    if branch is None:
-        g.add("Cast", node.output[0], outputs=[result], to=TensorProto.FLOAT)
-        return
-    branch.append(node)
-    with g.emitting_into(branch):
-        g.add("Cast", node.output[0], outputs=[result], to=TensorProto.FLOAT)
-
-
-def _narrow_branches(g: GraphEditor, node: onnx.NodeProto, inputs: set[str], to: int, down: dict[str, str]) -> None:
-    """An ``If`` whose branches run GQA over the caches: each GQA narrowed, the branches' cache outputs retyped."""
-    for attr in node.attribute:
-        if attr.type != onnx.AttributeProto.GRAPH:
-            continue
-        branch: list[onnx.NodeProto] = []
-        present: set[str] = set()
-        for inner in attr.g.node:
-            if (inner.domain, inner.op_type) == _GQA and inner.input[3] in inputs:
-                present |= set(inner.output[1:3])
-                _narrow_gqa(g, inner, to, down, branch)
-                continue
-            _check_reader(inner, inputs)
-            branch.append(inner)
-        del attr.g.node[:]
-        attr.g.node.extend(branch)
-        for value in attr.g.output:
-            if value.name in present:
-                value.type.tensor_type.elem_type = to
+    g.add("Cast", node.output[0], outputs=[result], to=TensorProto.FLOAT)
 
 
 def _check_reader(node: onnx.NodeProto, inputs: set[str]) -> None:
@@ -138,16 +104,15 @@ def retype_caches(model: onnx.ModelProto, dtype: str) -> bool:
     inputs, outputs = _cache_tensors(model.graph)
     g = GraphEditor(model, "ort_fuse")  # the names of the lowering it follows
     down: dict[str, str] = {}
+    caches = inputs | outputs  # a GQA call may read the folded layout's hand-over as its past
     for node in model.graph.node:
         kind = (node.domain, node.op_type)
-        if kind == _GQA and node.input[3] in inputs:
+        if kind == _GQA and node.input[3] in caches:
             _narrow_gqa(g, node, to, down)
         elif kind == (onnx_op.DOMAIN, onnx_op.OP_TYPE) and node.input[3] in inputs:
             _widen_reference(g, node, to)
-        elif kind == ("", "If"):
-            _narrow_branches(g, node, inputs, to, down)
         else:
-            _check_reader(node, inputs)
+            _check_reader(node, caches)
     for value in (*model.graph.input, *model.graph.output):
         if value.name in inputs or value.name in outputs:
             value.type.tensor_type.elem_type = to

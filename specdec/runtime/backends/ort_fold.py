@@ -15,20 +15,19 @@ position ``P + s * fold + g`` for its causal mask, so the additive bias hides ev
 ``fold * n`` K/V rows: the sequence's n rows, then copies of its last one, which land past the
 sequence (garbage that later steps overwrite; ``SPARE_POSITIONS`` in ``ort_fuse`` keeps room).
 
-A folded row's causal range grows by about ``2 * s`` keys, so folding loses on long chunks: the
-lowering wraps both layouts in an ``If`` per layer and folds a step only while its longest
-sequence has ``fold * n <= FOLD_ROWS`` rows (decode and verification chains; prefill chunks take
-the padded layout). Both give the same bits for a row, so the choice never shows in the logits
-(``tests/test_batch_invariance.py``).
+A folded row's causal range grows by about ``2 * s`` keys, so folding loses on long chunks: a step
+folds only while its longest sequence has ``fold * n <= FOLD_ROWS`` rows (decode and verification
+chains; prefill chunks take the padded layout). Every layer runs both layouts' GQA calls; in a step
+that does not fold, this one runs one row per slot, every slot idle (``cond`` false: no query rows,
+no K/V written; ``ort_fuse._attention``). Both give the same bits for a row, so the choice never
+shows in the logits (``tests/test_batch_invariance.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-import onnx
 from onnx import TensorProto, helper
 
 from specdec.runtime.backends.onnx_edit import GraphEditor
@@ -49,7 +48,7 @@ def gqa_width(new_lens: Sequence[int], fold: int = 1) -> int:
 class Fold:
     """Per-step tensors of the folded layout, shared by every layer with the same index inputs."""
 
-    cond: str  # bool []: fold * max(n) <= FOLD_ROWS, the layers' If takes the folded branch
+    cond: str  # bool []: fold * max(n) <= FOLD_ROWS, the step runs the folded layout (the padded one idles)
     qkv_index: (
         str  # [slots, S_f, 3 KV] rows of the packed q|k|v viewed [T * W, D] (``ort_packed``), row r = s * fold + g:
     )
@@ -76,8 +75,8 @@ def fold_prelude(
     """The folded layout's indices (into the packed ``q|k|v`` of ``ort_packed``: W = heads + 2 kv_heads per token),
     lengths and mask (module docstring), built once per step.
 
-    The width is capped at ``FOLD_ROWS // fold`` rows per sequence, so these tensors stay small
-    in the steps that run the other branch (they are computed either way).
+    The width is ``FOLD_ROWS // fold`` rows per sequence at most, and one in the steps that run the
+    other layout, so these tensors stay small there (they are computed either way).
     """
     i64, i32 = TensorProto.INT64, TensorProto.INT32
     fold = heads // kv_heads
@@ -91,14 +90,15 @@ def fold_prelude(
     new = g.add("Sub", ends, starts)  # [B]
     longest = g.add("ReduceMax", new, keepdims=1)
     cond = g.add("Squeeze", g.add("LessOrEqual", g.add("Mul", longest, g.ints(fold)), g.ints(FOLD_ROWS)))
-    width = g.add("Min", g.add("Max", longest, c1), g.ints(cap))  # [1] S'
+    # [1] S': one row in the steps this layout leaves idle (its GQA call then costs next to nothing)
+    width = g.add("Where", cond, g.add("Min", g.add("Max", longest, c1), g.ints(cap)), c1)
     n_slots = g.add("Shape", k_cache, start=0, end=1)
     zeros = g.add("ConstantOfShape", n_slots, value=helper.make_tensor(g.name("z"), i64, [1], [0]))
 
     def per_slot(values: str) -> str:
         return g.add("ScatterElements", zeros, slots, values, axis=0)
 
-    q_len = g.add("Min", per_slot(new), g.ints(cap))  # [slots] (capped: only the folded branch reads these)
+    q_len = g.add("Min", per_slot(new), g.ints(cap))  # [slots] (capped: only the folded layout reads these)
     start, past_s = per_slot(starts), per_slot(past)
     s_f = g.add("Mul", width, g.ints(fold))  # [1]
     last = g.add("Max", g.add("Sub", q_len, c1), c0)
@@ -126,10 +126,11 @@ def fold_prelude(
         g.add("Unsqueeze", g.add("Mul", kv_token, g.ints(per_token)), g.ints(2)),
         g.add("Constant", value=kv_heads_at),
     )  # [slots, S_f, 2 KV]
-    q_run = g.add("Mul", q_len, g.ints(fold))
+    # a step this layout does not run leaves every slot idle: no query rows, no K/V written
+    q_run = g.add("Mul", g.add("Mul", q_len, g.ints(fold)), g.add("Cast", cond, to=i64))
     seq_total = g.add("Add", past_s, q_run)
-    seqlens_k = g.add("Where", g.add("Greater", q_len, c0), g.add("Sub", seq_total, c1), c0)
-    total = g.add("Max", g.add("ReduceMax", seq_total, keepdims=1), c1)  # [1] L
+    seqlens_k = g.add("Where", g.add("Greater", q_run, c0), g.add("Sub", seq_total, c1), c0)
+    total = g.add("Max", g.add("ReduceMax", seq_total, keepdims=1), s_f)  # [1] L (>= S_f, as GQA needs)
 
     # allowed[e, s, p] as the padded layout's (past, or new and in the tree), one row per token, repeated fold times
     pos = g.add("Range", g.add("Squeeze", c0), g.add("Squeeze", total), g.add("Squeeze", c1))
@@ -155,6 +156,7 @@ def fold_prelude(
     after = g.add("Cast", g.add("GreaterOrEqual", g.add("Unsqueeze", tok, c1), g.add("Unsqueeze", ends, c0)), to=i64)
     tok_seq = g.add("ReduceSum", after, c1, keepdims=0)
     tok_off = g.add("Sub", tok, g.add("Gather", starts, tok_seq))
+    tok_off = g.add("Min", tok_off, g.add("Sub", width, c1))  # a longer chunk (the other layout's step) stays in range
     row = g.add("Add", g.add("Mul", g.add("Gather", slots, tok_seq), width), tok_off)
     head_rows = helper.make_tensor(
         g.name("hr"), i64, [1, heads], [(h % fold) * kv_heads + h // fold for h in range(heads)]
@@ -172,21 +174,3 @@ def fold_prelude(
         total=g.add("Cast", g.add("Squeeze", total), to=i32),
         allowed=allowed,
     )
-
-
-class Branch:
-    """The nodes of one ``If`` branch, named by the outer editor (``add`` as ``GraphEditor.add``)."""
-
-    def __init__(self, g: GraphEditor) -> None:
-        self.g = g
-        self.nodes: list[onnx.NodeProto] = []
-
-    def add(self, op: str, *inputs: str, **kwargs: Any) -> str:
-        with self.g.emitting_into(self.nodes):
-            return self.g.add(op, *inputs, **kwargs)
-
-    def graph(self, outputs: Sequence[str], dtype: int) -> onnx.GraphProto:
-        """The branch as a subgraph with ``outputs`` (declared of ``dtype``; it reads everything else from outside)."""
-        return helper.make_graph(
-            self.nodes, self.g.name("branch"), [], [helper.make_tensor_value_info(o, dtype, None) for o in outputs]
-        )

@@ -29,8 +29,8 @@ measurements: docs/export.md, "The ONNX Runtime lowering"; ``benchmarks/results/
   attention row per odd-length sequence, nothing in the projections.
   With grouped-query heads, decoding and verification steps run a *folded* layout instead (the
   query heads of a kv group as rows of one GQA call: K/V packed once per kv head, not per query
-  head), chosen per step by an ``If`` per layer; ``ort_fold`` says why and how, and why the two
-  layouts give a row the same bits.
+  head); both layouts run in every layer, the one a step does not use over idle slots (``_attention``);
+  ``ort_fold`` says why and how, and why the two layouts give a row the same bits.
 * **rmsnorm** -> ``SimplifiedLayerNormalization`` (ORT's own fusion wants ``Div``, the exporter
   emits ``Reciprocal``/``Mul``); **skip_rmsnorm** -> ``SkipSimplifiedLayerNormalization`` for a
   residual ``Add`` feeding a norm (ORT does not fuse it: the sum has other consumers): ``ort_norms``.
@@ -46,8 +46,9 @@ runs first.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import onnx
@@ -55,7 +56,7 @@ from onnx import TensorProto, helper
 
 from specdec.plugins import onnx_op
 from specdec.runtime.backends.onnx_edit import MS_DOMAIN, GraphEditor
-from specdec.runtime.backends.ort_fold import FOLD_ROWS, Branch, Fold, fold_prelude, gqa_width
+from specdec.runtime.backends.ort_fold import FOLD_ROWS, Fold, fold_prelude, gqa_width
 from specdec.runtime.backends.ort_norms import fuse_rmsnorm, fuse_skip
 from specdec.runtime.backends.ort_packed import Packed, pack_qkv
 from specdec.runtime.backends.ort_rotary import Rope, fuse_rotary, match_ropes
@@ -65,6 +66,8 @@ REWRITES = ("attention", "rmsnorm", "skip_rmsnorm", "rotary")
 #: sequence's n (at most FOLD_ROWS), the padded one an odd-length sequence's discarded copy row (module docstring)
 SPARE_POSITIONS = FOLD_ROWS - 1
 _FLOATS = {TensorProto.FLOAT: "float32", TensorProto.FLOAT16: "float16"}
+#: the graph outputs through which the folded layout hands each cache, in place, to the padded one (``_attention``)
+FOLDED_CACHE = "{name}.folded"
 _LOWEST: dict[int, float] = {TensorProto.FLOAT: -3.4028234663852886e38, TensorProto.FLOAT16: -65504.0}
 
 
@@ -167,10 +170,8 @@ class FuseReport:
 class _Prelude:
     """Per-step tensors shared by every fused attention node with the same index inputs."""
 
-    num_slots: str  # [1]
     width: str  # [1] S = max new tokens of a sequence
     pad_index: str  # [slots, S] packed row of slot e's chunk row s (clamped onto its last row)
-    pad_shape: str  # [3] = (slots, S, -1)
     unpad_index: str  # [T] flat row slot * S + offset of each packed token
     seqlens_k: str  # [slots] int32
     query_seqlens: str  # [slots] int32
@@ -233,17 +234,32 @@ def _prelude(g: GraphEditor, cu_seqlens: str, past_lens: str, slot_ids: str, tre
     allowed = g.add("Or", g.add("Unsqueeze", in_past, c1), g.add("And", g.add("Unsqueeze", in_new, c1), tree_l))
     allowed = g.add("Unsqueeze", allowed, c1)  # [slots, 1, S, L]
     i32 = TensorProto.INT32
-    pad_shape = g.add("Concat", n_slots, width, cm1, axis=0)
     return _Prelude(
-        num_slots=n_slots,
         width=width,
         pad_index=pad,
-        pad_shape=pad_shape,
         unpad_index=unpad,
         seqlens_k=g.add("Cast", seqlens_k, to=i32),
         query_seqlens=g.add("Cast", q_run, to=i32),
         total=g.add("Cast", g.add("Squeeze", total), to=i32),
         allowed=allowed,
+    )
+
+
+def _idle_when(g: GraphEditor, pre: _Prelude, cond: str) -> _Prelude:
+    """``pre`` with every slot idle in the steps where ``cond`` holds: no query rows, no K/V written, and one padded
+    row per slot (the call then costs next to nothing; its output is not read)."""
+    run = g.add("Cast", g.add("Not", cond), to=TensorProto.INT32)
+    width = g.add("Where", cond, g.ints(1), pre.width)  # [1] one row per idle slot
+    c0, c1 = g.ints(0), g.ints(1)
+    return dataclasses.replace(
+        pre,
+        width=width,
+        pad_index=g.add("Slice", pre.pad_index, c0, width, c1),
+        unpad_index=g.add("Where", cond, g.add("Mul", pre.unpad_index, g.ints(0)), pre.unpad_index),
+        seqlens_k=g.add("Mul", pre.seqlens_k, run),
+        query_seqlens=g.add("Mul", pre.query_seqlens, run),
+        allowed=g.add("Slice", pre.allowed, c0, width, g.ints(2)),
+        bias={},
     )
 
 
@@ -257,7 +273,7 @@ def _bias(g: GraphEditor, pre: _Prelude, dtype: int) -> str:
 
 
 def _gqa(
-    add: Callable[..., str],
+    g: GraphEditor,
     qkv: str,
     caches: Sequence[str],
     layout: _Prelude | Fold,
@@ -268,8 +284,8 @@ def _gqa(
     scale: float,
 ) -> str:
     """One GroupQueryAttention node over packed ``qkv`` in ``layout`` (its lengths), appending to ``caches`` in
-    place; ``add``: the editor's or an ``If`` branch's."""
-    return add(
+    place."""
+    return g.add(
         "GroupQueryAttention",
         qkv,
         "",
@@ -296,21 +312,21 @@ def _gqa(
 
 
 def _padded(
-    add: Callable[..., str],
     g: GraphEditor,
     node: onnx.NodeProto,
     packed: Packed,
     pre: _Prelude,
     dtype: int,
     outputs: Sequence[str],
+    caches: Sequence[str],
 ) -> None:
-    """The padded layout (``add``: the editor's or an ``If`` branch's): slot e's rows are packed rows
-    ``pad_index[e]``, all heads at once; ``outputs``: attention's ``[T, H, D]`` and the two caches."""
+    """The padded layout: slot e's rows are packed rows ``pad_index[e]``, all heads at once; ``outputs``:
+    attention's ``[T, H, D]`` and the two caches it writes, ``caches`` the two it reads."""
     heads = int(g.attr(node, "num_heads"))
     out = _gqa(
-        add,
-        add("Gather", packed.rows, pre.pad_index, axis=0),  # [slots, S, W * D]
-        node.input[3:5],
+        g,
+        g.add("Gather", packed.rows, pre.pad_index, axis=0),  # [slots, S, W * D]
+        caches,
         pre,
         _bias(g, pre, dtype),
         (g.name("gqa"), *outputs[1:]),
@@ -318,47 +334,43 @@ def _padded(
         int(g.attr(node, "num_kv_heads")),
         float(g.attr(node, "scale")),
     )
-    add(
-        "Gather", add("Reshape", out, g.ints(-1, heads, packed.head_dim)), pre.unpad_index, axis=0, outputs=[outputs[0]]
-    )
+    per_head = g.add("Reshape", out, g.ints(-1, heads, packed.head_dim))
+    g.add("Gather", per_head, pre.unpad_index, axis=0, outputs=[outputs[0]])
 
 
 def _attention(
     g: GraphEditor, node: onnx.NodeProto, packed: Packed, pre: _Prelude, fo: Fold | None, dtype: int
 ) -> None:
-    """GQA in place of ``node``: the padded layout alone, or (grouped-query heads) an ``If`` between the folded layout
-    (``ort_fold``: decoding and verification) and the padded one (prefill chunks), which give a row the same bits."""
+    """GQA in place of ``node``: the padded layout alone, or (grouped-query heads) the folded layout (``ort_fold``:
+    decoding and verification) then the padded one (prefill chunks), each over idle slots in the other's steps.
+
+    Why both calls and no ``If``: the layouts give a row the same bits, so which one runs is a choice of speed
+    per step, and an ``If`` per layer cost a one-row decoding step about 3 % of its time (frames for its
+    subgraph each call); an idle GQA call runs one row per slot and writes no K/V. The folded call hands the
+    caches to the padded one through graph outputs (``FOLDED_CACHE``) that the backend binds to the cache
+    buffers, so both write in place, in order. Measured: ``benchmarks/results/attention_if.md``.
+    """
+    caches = node.input[3:5]
     if fo is None:
-        _padded(g.add, g, node, packed, pre, dtype, node.output)
+        _padded(g, node, packed, pre, dtype, node.output, caches)
         return
     kv_heads = int(g.attr(node, "num_kv_heads"))
     if dtype not in fo.bias:
         fo.bias[dtype] = g.add("Where", fo.allowed, g.scalar(0.0, dtype), g.scalar(_LOWEST[dtype], dtype))
-    folded, padded = Branch(g), Branch(g)
-    f_out, p_out = [g.name("fold_out") for _ in range(3)], [g.name("pad_out") for _ in range(3)]
-    qkv = folded.add("Reshape", folded.add("Gather", packed.flat, fo.qkv_index, axis=0), fo.q_shape)
+    handed = [FOLDED_CACHE.format(name=name) for name in node.output[1:3]]
+    cache_input = next(i for i in g.graph.input if i.name == caches[0])
+    for name in handed:
+        value = g.graph.output.add()
+        value.CopyFrom(cache_input)
+        value.name = name
+    qkv = g.add("Reshape", g.add("Gather", packed.flat, fo.qkv_index, axis=0), fo.q_shape)
     out = _gqa(
-        folded.add,
-        qkv,
-        node.input[3:5],
-        fo,
-        fo.bias[dtype],
-        (g.name("gqa"), *f_out[1:]),
-        kv_heads,
-        kv_heads,
-        float(g.attr(node, "scale")),
+        g, qkv, caches, fo, fo.bias[dtype], (g.name("gqa"), *handed), kv_heads, kv_heads, float(g.attr(node, "scale"))
     )
-    folded.add(
-        "Gather", folded.add("Reshape", out, g.ints(-1, packed.head_dim)), fo.out_index, axis=0, outputs=[f_out[0]]
-    )
-    _padded(padded.add, g, node, packed, pre, dtype, p_out)
-    g.add(
-        "If",
-        fo.cond,
-        outputs=list(node.output),
-        then_branch=folded.graph(f_out, dtype),
-        else_branch=padded.graph(p_out, dtype),
-    )
+    folded = g.add("Gather", g.add("Reshape", out, g.ints(-1, packed.head_dim)), fo.out_index, axis=0)
+    padded = g.name("pad_out")
+    _padded(g, node, packed, pre, dtype, (padded, *node.output[1:]), handed)
+    g.add("Where", fo.cond, folded, padded, outputs=[node.output[0]])
 
 
 def _fuse_attention(
@@ -372,12 +384,13 @@ def _fuse_attention(
     whose replacement applies RoPE itself.
 
     q, k and v become one packed tensor, RoPE applied on its rows (``ort_packed``). Grouped-query
-    attention (``fold`` = heads / kv heads >= 2): an ``If`` per layer runs the folded layout
-    (``ort_fold``: decoding and verification steps) or the padded one (prefill chunks), which give
-    the same bits for a row; otherwise the padded layout alone.
+    attention (``fold`` = heads / kv heads >= 2): the folded layout (``ort_fold``: decoding and
+    verification steps) and the padded one (prefill chunks) in every layer, the one a step does not
+    use over idle slots (``_idle_when``); they give a row the same bits. Otherwise the padded layout alone.
     """
     preludes: dict[tuple[str, ...], _Prelude] = {}
     folds: dict[tuple[str, ...], Fold] = {}
+    unfolded: dict[tuple[str, ...], _Prelude] = {}  # the padded layout beside a fold: idle in the steps that fold
     replaced: set[int] = set()
     rope_inside: set[int] = set()
     slot_dims = {
@@ -406,14 +419,15 @@ def _fuse_attention(
             rope_inside.add(id(node))
             report.counts["rotary"] += 2
         fold = num_heads // num_kv_heads
-        fo = None
+        fo, pre = None, preludes[key]
         if fold >= 2:
             fold_key = (*key, str(num_heads), str(num_kv_heads))
             if fold_key not in folds:
                 folds[fold_key] = fold_prelude(g, cu, past, slot, tree, k_cache, num_heads, num_kv_heads)
-            fo = folds[fold_key]
+                unfolded[fold_key] = _idle_when(g, pre, folds[fold_key].cond)
+            fo, pre = folds[fold_key], unfolded[fold_key]
             report.fold = fold
-        _attention(g, node, packed, preludes[key], fo, dtype)
+        _attention(g, node, packed, pre, fo, dtype)
         replaced.add(id(node))
         report.counts["attention"] += 1
     return replaced, rope_inside
