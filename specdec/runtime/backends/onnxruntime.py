@@ -328,24 +328,23 @@ class OrtBackend:
     def _run(
         self, session: onnxruntime.InferenceSession, feeds: dict[str, np.ndarray], cache: HostKVStorage | TorchKVStorage
     ) -> np.ndarray:
-        binding, first = self._binding(session, cache)
+        binding, bound = self._binding(session, cache)
         for name, array in feeds.items():
             binding.bind_cpu_input(name, np.ascontiguousarray(array))
         # the logits into a fresh host array (callers keep rows across steps); on CUDA ORT copies only these back
         logits = np.empty((int(feeds["logits_indices"].shape[0]), self.head_size), dtype=np.float32)
         binding.bind_output(LOGITS, "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
         session.run_with_iobinding(binding)
-        if first:  # did ORT write every present.* output (and its folded hand-over) through the bound cache buffer?
-            pointers = [_pointer(buf) for buf in (*cache.k, *cache.v)]
+        if bound is not None:  # a new binding: did ORT write every cache output through the buffer bound to it?
             outputs = binding.get_outputs()  # the logits first (bound first), then the caches in binding order
-            bound = pointers * (len(outputs) // len(pointers)) if pointers else []
             self.inplace_ok = self.inplace_ok and all(o.data_ptr() == p for o, p in zip(outputs[1:], bound))
         return logits
 
     def _binding(
         self, session: onnxruntime.InferenceSession, cache: HostKVStorage | TorchKVStorage
-    ) -> tuple[Any, bool]:
-        """The IOBinding of ``session`` with ``cache`` bound in place, made on first use and kept; whether it is new.
+    ) -> tuple[Any, list[int] | None]:
+        """The IOBinding of ``session`` with ``cache`` bound in place, made on first use and kept; for a new one, the
+        buffer address of each cache output in the order bound (None for a kept one).
 
         Why kept: the caches never move, and binding 2 x layers buffers anew every step (and reading every
         output back to find the logits) was a noticeable share of a one-row step
@@ -354,7 +353,7 @@ class OrtBackend:
         per_session = self._bindings.setdefault(id(session), weakref.WeakKeyDictionary())
         binding = per_session.get(cache)
         if binding is not None:
-            return binding, False
+            return binding, None
         buffers = [*cache.k, *cache.v]
         kind, index = self.device
         if buffers and _device_of(buffers[0]) != self.device:
@@ -364,16 +363,19 @@ class OrtBackend:
             )
         binding = session.io_binding()
         binding.bind_output(LOGITS, "cpu")  # first, so that outputs[0] is the logits; each step rebinds it
+        outputs = {o.name for o in session.get_outputs()}
+        bound = []
         for in_name, out_name, buf in zip(self._in_names, self._out_names, buffers):
             pointer = _pointer(buf)
             binding.bind_input(in_name, kind, index, self.np_dtype, list(buf.shape), pointer)
             binding.bind_output(out_name, kind, index, self.np_dtype, list(buf.shape), pointer)
-        outputs = {o.name for o in session.get_outputs()}
+            bound.append(pointer)
         for out_name, buf in zip(self._out_names, buffers):  # the folded layout's hand-over: the same buffer
             if (folded := ort_fuse.FOLDED_CACHE.format(name=out_name)) in outputs:
                 binding.bind_output(folded, kind, index, self.np_dtype, list(buf.shape), _pointer(buf))
+                bound.append(_pointer(buf))
         per_session[cache] = binding
-        return binding, True
+        return binding, bound
 
 
 def _pointer(buffer: Any) -> int:

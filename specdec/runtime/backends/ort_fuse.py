@@ -255,7 +255,7 @@ def _idle_when(g: GraphEditor, pre: _Prelude, cond: str) -> _Prelude:
         pre,
         width=width,
         pad_index=g.add("Slice", pre.pad_index, c0, width, c1),
-        unpad_index=g.add("Where", cond, g.add("Mul", pre.unpad_index, g.ints(0)), pre.unpad_index),
+        unpad_index=g.add("Where", cond, c0, pre.unpad_index),
         seqlens_k=g.add("Mul", pre.seqlens_k, run),
         query_seqlens=g.add("Mul", pre.query_seqlens, run),
         allowed=g.add("Slice", pre.allowed, c0, width, g.ints(2)),
@@ -263,10 +263,11 @@ def _idle_when(g: GraphEditor, pre: _Prelude, cond: str) -> _Prelude:
     )
 
 
-def _bias(g: GraphEditor, pre: _Prelude, dtype: int) -> str:
-    if dtype not in pre.bias:
-        pre.bias[dtype] = g.add("Where", pre.allowed, g.scalar(0.0, dtype), g.scalar(_LOWEST[dtype], dtype))
-    return pre.bias[dtype]
+def _bias(g: GraphEditor, layout: _Prelude | Fold, dtype: int) -> str:
+    """The layout's additive attention bias in ``dtype``, made once per step and shared by every layer."""
+    if dtype not in layout.bias:
+        layout.bias[dtype] = g.add("Where", layout.allowed, g.scalar(0.0, dtype), g.scalar(_LOWEST[dtype], dtype))
+    return layout.bias[dtype]
 
 
 # --------------------------------------------------------------------------------------------- attention + rotary
@@ -355,18 +356,15 @@ def _attention(
         _padded(g, node, packed, pre, dtype, node.output, caches)
         return
     kv_heads = int(g.attr(node, "num_kv_heads"))
-    if dtype not in fo.bias:
-        fo.bias[dtype] = g.add("Where", fo.allowed, g.scalar(0.0, dtype), g.scalar(_LOWEST[dtype], dtype))
     handed = [FOLDED_CACHE.format(name=name) for name in node.output[1:3]]
-    cache_input = next(i for i in g.graph.input if i.name == caches[0])
-    for name in handed:
+    inputs = {i.name: i for i in g.graph.input}
+    for name, cache in zip(handed, caches):  # declared as the cache it hands over
         value = g.graph.output.add()
-        value.CopyFrom(cache_input)
+        value.CopyFrom(inputs[cache])
         value.name = name
     qkv = g.add("Reshape", g.add("Gather", packed.flat, fo.qkv_index, axis=0), fo.q_shape)
-    out = _gqa(
-        g, qkv, caches, fo, fo.bias[dtype], (g.name("gqa"), *handed), kv_heads, kv_heads, float(g.attr(node, "scale"))
-    )
+    scale = float(g.attr(node, "scale"))
+    out = _gqa(g, qkv, caches, fo, _bias(g, fo, dtype), (g.name("gqa"), *handed), kv_heads, kv_heads, scale)
     folded = g.add("Gather", g.add("Reshape", out, g.ints(-1, packed.head_dim)), fo.out_index, axis=0)
     padded = g.name("pad_out")
     _padded(g, node, packed, pre, dtype, (padded, *node.output[1:]), handed)
